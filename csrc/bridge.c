@@ -1,0 +1,556 @@
+/* The torch bridge (see include/aotfuse/bridge.h and docs/ARCHITECTURE.md).
+ *
+ * Two routes to torch:
+ *   - the stable C shim (aoti_torch_*), found with dlsym in torch's libtorch_cpu after
+ *     `import torch`, for tensor metadata; a Python tensor becomes a shim handle through
+ *     torch_tensor_from_pyobject where torch exports it (2.14+), else through one batched
+ *     call of torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors;
+ *   - the Python C API for extern ATen calls: the stable dispatcher (torch_call_dispatcher)
+ *     cannot pass a Scalar in any torch release up to 2.14, and ATen graphs are full of them.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "aotfuse/bridge.h"
+
+#include <dlfcn.h>
+#include <inttypes.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ---- the C shim: our own prototypes (torch's headers are C++ only) ---- */
+
+typedef int32_t aoti_error;
+typedef void *aten_handle;
+
+#define SHIM_FUNCTIONS(X)                                                                  \
+    X(aoti_torch_get_data_ptr, aoti_error, (aten_handle, void **))                          \
+    X(aoti_torch_get_dim, aoti_error, (aten_handle, int64_t *))                             \
+    X(aoti_torch_get_sizes, aoti_error, (aten_handle, int64_t **))                          \
+    X(aoti_torch_get_strides, aoti_error, (aten_handle, int64_t **))                        \
+    X(aoti_torch_get_storage_offset, aoti_error, (aten_handle, int64_t *))                  \
+    X(aoti_torch_get_dtype, aoti_error, (aten_handle, int32_t *))                           \
+    X(aoti_torch_get_device_type, aoti_error, (aten_handle, int32_t *))                     \
+    X(aoti_torch_get_device_index, aoti_error, (aten_handle, int32_t *))                    \
+    X(aoti_torch_delete_tensor_object, aoti_error, (aten_handle))                           \
+    X(aoti_torch_new_tensor_handle, aoti_error, (aten_handle, aten_handle *))               \
+    X(aoti_torch_empty_strided, aoti_error,                                                 \
+      (int64_t, const int64_t *, const int64_t *, int32_t, int32_t, int32_t, aten_handle *)) \
+    X(aoti_torch_dtype_float32, int32_t, (void))                                            \
+    X(aoti_torch_dtype_float64, int32_t, (void))                                            \
+    X(aoti_torch_dtype_float16, int32_t, (void))                                            \
+    X(aoti_torch_dtype_bfloat16, int32_t, (void))                                           \
+    X(aoti_torch_dtype_int64, int32_t, (void))                                              \
+    X(aoti_torch_dtype_int32, int32_t, (void))                                              \
+    X(aoti_torch_dtype_int16, int32_t, (void))                                              \
+    X(aoti_torch_dtype_int8, int32_t, (void))                                               \
+    X(aoti_torch_dtype_uint8, int32_t, (void))                                              \
+    X(aoti_torch_dtype_bool, int32_t, (void))                                               \
+    X(aoti_torch_dtype_complex64, int32_t, (void))                                          \
+    X(aoti_torch_dtype_complex128, int32_t, (void))                                         \
+    X(aoti_torch_device_type_cpu, int32_t, (void))                                          \
+    X(aoti_torch_device_type_cuda, int32_t, (void))                                         \
+    X(aoti_torch_device_type_meta, int32_t, (void))                                         \
+    X(torch_call_dispatcher, aoti_error, (const char *, const char *, uint64_t *, uint64_t)) \
+    X(torch_tensor_from_pyobject, aoti_error, (void *, aten_handle *))
+
+/* The ones the bridge cannot work without; the rest are optional or looked up for the
+ * record (bridge_info), to be used by later stages. */
+#define SHIM_REQUIRED_COUNT 9
+
+static struct {
+#define X(name, ret, args) ret(*name) args;
+    SHIM_FUNCTIONS(X)
+#undef X
+} shim;
+
+static const char *const shim_names[] = {
+#define X(name, ret, args) #name,
+    SHIM_FUNCTIONS(X)
+#undef X
+};
+#define SHIM_COUNT ((int)(sizeof shim_names / sizeof shim_names[0]))
+
+/* torch's codes for our enums, read from the shim at init */
+static int32_t torch_dtype_code[AF_DTYPE_COUNT];
+static int32_t torch_device_code[AF_DEVICE_COUNT];
+
+/* ---- Python objects resolved once ---- */
+
+static struct {
+    int ready;
+    PyObject *torch;
+    PyObject *ops;                  /* torch.ops */
+    PyTypeObject *tensor_type;      /* torch.Tensor */
+    PyObject *dtypes[AF_DTYPE_COUNT];
+    PyObject *device_ctor;          /* torch.device */
+    PyObject *handles_from_tensors; /* torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors */
+} py;
+
+static int bridge_fail(const char *what) {
+    /* turn a pending Python error into a bridge error with its text */
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *s = value ? PyObject_Str(value) : NULL;
+    const char *msg = s ? PyUnicode_AsUTF8(s) : NULL;
+    int st = af_error_set(AF_ERR_BRIDGE, "torch bridge: %s%s%s", what, msg ? ": " : "", msg ? msg : "");
+    Py_XDECREF(s);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    PyErr_Clear();
+    return st;
+}
+
+static int load_shim(void) {
+    PyObject *os_path = NULL, *dir = NULL, *file = NULL;
+    int st = AF_OK;
+    void *lib = NULL;
+    /* torch/lib/libtorch_cpu.so, already loaded by `import torch`: RTLD_NOLOAD finds it */
+    file = PyObject_GetAttrString(py.torch, "__file__");
+    os_path = PyImport_ImportModule("os.path");
+    if (!file || !os_path) {
+        st = bridge_fail("cannot locate torch's library folder");
+        goto done;
+    }
+    dir = PyObject_CallMethod(os_path, "dirname", "O", file);
+    const char *d = dir ? PyUnicode_AsUTF8(dir) : NULL;
+    if (!d) {
+        st = bridge_fail("cannot locate torch's library folder");
+        goto done;
+    }
+    static const char *const libs[] = {"libtorch_cpu.so", "libtorch.so", "libtorch_cpu.dylib", "libtorch.dylib"};
+    char path[4096];
+    for (size_t i = 0; i < sizeof libs / sizeof libs[0] && !lib; i++) {
+        snprintf(path, sizeof path, "%s/lib/%s", d, libs[i]);
+        lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+        if (lib && !dlsym(lib, "aoti_torch_get_sizes")) {
+            dlclose(lib);
+            lib = NULL;
+        }
+    }
+    if (!lib) lib = dlopen(NULL, RTLD_NOW); /* statically linked or preloaded torch */
+    if (!lib) {
+        st = af_error_set(AF_ERR_BRIDGE, "torch bridge: libtorch_cpu is not loaded (import torch first)");
+        goto done;
+    }
+    void **slots = (void **)&shim;
+    for (int i = 0; i < SHIM_COUNT; i++) slots[i] = dlsym(lib, shim_names[i]);
+    for (int i = 0; i < SHIM_REQUIRED_COUNT; i++)
+        if (!slots[i]) {
+            st = af_error_set(AF_ERR_BRIDGE, "torch bridge: torch does not export %s (torch too old?)", shim_names[i]);
+            goto done;
+        }
+    /* lib stays open for the life of the process: torch is never unloaded */
+    {
+        int32_t (*const getters[AF_DTYPE_COUNT])(void) = {
+            shim.aoti_torch_dtype_float32, shim.aoti_torch_dtype_float64, shim.aoti_torch_dtype_float16,
+            shim.aoti_torch_dtype_bfloat16, shim.aoti_torch_dtype_int64, shim.aoti_torch_dtype_int32,
+            shim.aoti_torch_dtype_int16, shim.aoti_torch_dtype_int8, shim.aoti_torch_dtype_uint8,
+            shim.aoti_torch_dtype_bool, shim.aoti_torch_dtype_complex64, shim.aoti_torch_dtype_complex128};
+        /* c10::ScalarType's values, for a torch that lacks a getter */
+        static const int32_t c10_codes[AF_DTYPE_COUNT] = {6, 7, 5, 15, 4, 3, 2, 1, 0, 11, 9, 10};
+        for (int i = 0; i < AF_DTYPE_COUNT; i++) torch_dtype_code[i] = getters[i] ? getters[i]() : c10_codes[i];
+    }
+    torch_device_code[AF_DEVICE_CPU] = shim.aoti_torch_device_type_cpu ? shim.aoti_torch_device_type_cpu() : 0;
+    torch_device_code[AF_DEVICE_CUDA] = shim.aoti_torch_device_type_cuda ? shim.aoti_torch_device_type_cuda() : 1;
+    torch_device_code[AF_DEVICE_META] = shim.aoti_torch_device_type_meta ? shim.aoti_torch_device_type_meta() : 14;
+done:
+    Py_XDECREF(os_path);
+    Py_XDECREF(dir);
+    Py_XDECREF(file);
+    return st;
+}
+
+int af_bridge_init(void) {
+    if (py.ready) return AF_OK;
+    py.torch = PyImport_ImportModule("torch");
+    if (!py.torch) return bridge_fail("import torch failed");
+    py.ops = PyObject_GetAttrString(py.torch, "ops");
+    PyObject *tensor = PyObject_GetAttrString(py.torch, "Tensor");
+    py.device_ctor = PyObject_GetAttrString(py.torch, "device");
+    if (!py.ops || !tensor || !py.device_ctor || !PyType_Check(tensor)) {
+        Py_XDECREF(tensor);
+        return bridge_fail("torch.ops, torch.Tensor or torch.device missing");
+    }
+    py.tensor_type = (PyTypeObject *)tensor;
+    for (int i = 0; i < AF_DTYPE_COUNT; i++) {
+        py.dtypes[i] = PyObject_GetAttrString(py.torch, af_dtype_name(i));
+        if (!py.dtypes[i]) return bridge_fail("a torch dtype is missing");
+    }
+    int st = load_shim();
+    if (st) return st;
+    if (!shim.torch_tensor_from_pyobject) {
+        PyObject *aoti = PyImport_ImportModule("torch._C._aoti");
+        if (aoti) py.handles_from_tensors = PyObject_GetAttrString(aoti, "unsafe_alloc_void_ptrs_from_tensors");
+        Py_XDECREF(aoti);
+        if (!py.handles_from_tensors)
+            return bridge_fail("neither torch_tensor_from_pyobject nor torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors");
+    }
+    py.ready = 1;
+    return AF_OK;
+}
+
+int af_bridge_shim_count(void) { return SHIM_COUNT; }
+const char *af_bridge_shim_name(int i) { return (i >= 0 && i < SHIM_COUNT) ? shim_names[i] : NULL; }
+int af_bridge_shim_found(int i) {
+    if (i < 0 || i >= SHIM_COUNT) return 0;
+    return ((void **)&shim)[i] != NULL;
+}
+
+void af_obj_retain(af_obj *o) { Py_XINCREF((PyObject *)o); }
+void af_obj_release(af_obj *o) { Py_XDECREF((PyObject *)o); }
+
+/* ---- externs ---- */
+
+struct af_extern {
+    const af_graph *graph;
+    const af_node *node_ref; /* re-read through graph each call: node arrays may move */
+    int32_t node_index;
+    PyObject *fn;            /* the OpOverload's C callable */
+    int32_t n_pos;           /* positional arguments come first in node->args */
+    PyObject **pos_const;    /* per positional arg: its constant, or NULL if it holds values */
+    PyObject *args_const;    /* the whole tuple, when no positional arg holds a value */
+    PyObject *kwargs_const;  /* the kwargs dict, when no keyword arg holds a value */
+    int kw_dynamic;          /* some keyword arg holds a value */
+};
+
+static int arg_has_value(const af_arg *a) {
+    if (a->kind == AF_ARG_VALUE) return 1;
+    if (a->kind == AF_ARG_LIST)
+        for (int32_t i = 0; i < a->u.list.n; i++)
+            if (arg_has_value(&a->u.list.items[i])) return 1;
+    return 0;
+}
+
+/* Converts an argument into a new Python reference; values come from `values`
+ * (NULL while building constants, when no value may occur). */
+static PyObject *arg_to_py(const af_arg *a, af_obj *const *values) {
+    switch (a->kind) {
+    case AF_ARG_VALUE: {
+        PyObject *o = values ? (PyObject *)values[a->u.value] : NULL;
+        if (!o) {
+            PyErr_Format(PyExc_RuntimeError, "aotfuse runtime: value %d read before it was computed", (int)a->u.value);
+            return NULL;
+        }
+        Py_INCREF(o);
+        return o;
+    }
+    case AF_ARG_NONE: Py_RETURN_NONE;
+    case AF_ARG_BOOL: return PyBool_FromLong((long)a->u.i);
+    case AF_ARG_INT: return PyLong_FromLongLong(a->u.i);
+    case AF_ARG_FLOAT: return PyFloat_FromDouble(a->u.f);
+    case AF_ARG_STR: return PyUnicode_FromString(a->u.s);
+    case AF_ARG_DTYPE: Py_INCREF(py.dtypes[a->u.dtype]); return py.dtypes[a->u.dtype];
+    case AF_ARG_DEVICE:
+        if (a->u.device.index >= 0)
+            return PyObject_CallFunction(py.device_ctor, "si", af_device_type_name(a->u.device.type), (int)a->u.device.index);
+        return PyObject_CallFunction(py.device_ctor, "s", af_device_type_name(a->u.device.type));
+    case AF_ARG_LAYOUT:
+    case AF_ARG_MEMORY_FORMAT: return PyObject_GetAttrString(py.torch, a->u.s);
+    case AF_ARG_LIST: {
+        PyObject *list = PyList_New(a->u.list.n);
+        if (!list) return NULL;
+        for (int32_t i = 0; i < a->u.list.n; i++) {
+            PyObject *item = arg_to_py(&a->u.list.items[i], values);
+            if (!item) {
+                Py_DECREF(list);
+                return NULL;
+            }
+            PyList_SET_ITEM(list, i, item);
+        }
+        return list;
+    }
+    default: PyErr_SetString(PyExc_RuntimeError, "aotfuse runtime: bad argument kind"); return NULL;
+    }
+}
+
+/* torch.ops.<ns>.<name>.<overload>, or its C callable `_op` when it has one. */
+static PyObject *resolve_op(const char *qualified) {
+    char ns[128], name[256], overload[128] = "default";
+    const char *sep = strstr(qualified, "::");
+    if (!sep || (size_t)(sep - qualified) >= sizeof ns) {
+        PyErr_Format(PyExc_ValueError, "op name '%s' is not namespace::name[.overload]", qualified);
+        return NULL;
+    }
+    memcpy(ns, qualified, (size_t)(sep - qualified));
+    ns[sep - qualified] = '\0';
+    const char *rest = sep + 2, *dot = strchr(rest, '.');
+    size_t name_len = dot ? (size_t)(dot - rest) : strlen(rest);
+    if (name_len == 0 || name_len >= sizeof name || (dot && strlen(dot + 1) >= sizeof overload)) {
+        PyErr_Format(PyExc_ValueError, "op name '%s' is malformed", qualified);
+        return NULL;
+    }
+    memcpy(name, rest, name_len);
+    name[name_len] = '\0';
+    if (dot) strcpy(overload, dot + 1);
+    PyObject *nsobj = PyObject_GetAttrString(py.ops, ns);
+    PyObject *packet = nsobj ? PyObject_GetAttrString(nsobj, name) : NULL;
+    PyObject *op = packet ? PyObject_GetAttrString(packet, overload) : NULL;
+    Py_XDECREF(nsobj);
+    Py_XDECREF(packet);
+    if (!op) return NULL;
+    PyObject *c_op = PyObject_GetAttrString(op, "_op");
+    if (c_op && PyCallable_Check(c_op)) {
+        Py_DECREF(op);
+        return c_op;
+    }
+    Py_XDECREF(c_op);
+    PyErr_Clear();
+    return op;
+}
+
+void af_extern_free(af_extern *e) {
+    if (!e) return;
+    Py_XDECREF(e->fn);
+    if (e->pos_const)
+        for (int32_t i = 0; i < e->n_pos; i++) Py_XDECREF(e->pos_const[i]);
+    PyMem_Free(e->pos_const);
+    Py_XDECREF(e->args_const);
+    Py_XDECREF(e->kwargs_const);
+    PyMem_Free(e);
+}
+
+int af_extern_new(const af_graph *g, int32_t node_index, af_extern **out) {
+    const af_node *n = af_graph_node(g, node_index);
+    if (!n || !out) return af_error_set(AF_ERR_INVALID, "af_extern_new: no node %d", (int)node_index);
+    int st = af_bridge_init();
+    if (st) return st;
+    af_extern *e = PyMem_Calloc(1, sizeof *e);
+    if (!e) return af_error_set(AF_ERR_NOMEM, "out of memory resolving %s", n->op);
+    e->graph = g;
+    e->node_index = node_index;
+    e->fn = resolve_op(n->op);
+    if (!e->fn) {
+        st = bridge_fail(n->op);
+        goto error;
+    }
+    while (e->n_pos < n->n_args && !n->args[e->n_pos].name) e->n_pos++;
+    e->pos_const = PyMem_Calloc((size_t)e->n_pos + 1, sizeof(PyObject *));
+    if (!e->pos_const) {
+        st = af_error_set(AF_ERR_NOMEM, "out of memory resolving %s", n->op);
+        goto error;
+    }
+    int all_const = 1;
+    for (int32_t i = 0; i < e->n_pos; i++) {
+        if (arg_has_value(&n->args[i])) {
+            all_const = 0;
+            continue;
+        }
+        if (!(e->pos_const[i] = arg_to_py(&n->args[i], NULL))) {
+            st = bridge_fail(n->op);
+            goto error;
+        }
+    }
+    if (all_const) {
+        if (!(e->args_const = PyTuple_New(e->n_pos))) {
+            st = bridge_fail(n->op);
+            goto error;
+        }
+        for (int32_t i = 0; i < e->n_pos; i++) {
+            Py_INCREF(e->pos_const[i]);
+            PyTuple_SET_ITEM(e->args_const, i, e->pos_const[i]);
+        }
+    }
+    for (int32_t i = e->n_pos; i < n->n_args; i++) e->kw_dynamic |= arg_has_value(&n->args[i]);
+    if (!e->kw_dynamic && e->n_pos < n->n_args) {
+        if (!(e->kwargs_const = PyDict_New())) {
+            st = bridge_fail(n->op);
+            goto error;
+        }
+        for (int32_t i = e->n_pos; i < n->n_args; i++) {
+            PyObject *v = arg_to_py(&n->args[i], NULL);
+            if (!v || PyDict_SetItemString(e->kwargs_const, n->args[i].name, v) < 0) {
+                Py_XDECREF(v);
+                st = bridge_fail(n->op);
+                goto error;
+            }
+            Py_DECREF(v);
+        }
+    }
+    *out = e;
+    return AF_OK;
+error:
+    af_extern_free(e);
+    return st;
+}
+
+/* Adds a note naming the step to the pending exception, and returns the runtime status. */
+static int extern_fail(const af_node *n, int32_t node_index) {
+    int st = af_error_set(AF_ERR_RUNTIME, "aotfuse step %d (%s) failed", (int)node_index, n->op);
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (!type) {
+        PyErr_SetString(PyExc_RuntimeError, af_error_message());
+        return st;
+    }
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (value) {
+        PyObject *r = PyObject_CallMethod(value, "add_note", "s", af_error_message());
+        if (!r) PyErr_Clear();
+        Py_XDECREF(r);
+    }
+    PyErr_Restore(type, value, tb);
+    return st;
+}
+
+int af_extern_call(af_extern *e, af_obj *const *values, af_obj **outs) {
+    const af_node *n = af_graph_node(e->graph, e->node_index);
+    PyObject *args = NULL, *kwargs = NULL, *res = NULL;
+    if (e->args_const) {
+        args = e->args_const;
+        Py_INCREF(args);
+    } else {
+        if (!(args = PyTuple_New(e->n_pos))) return extern_fail(n, e->node_index);
+        for (int32_t i = 0; i < e->n_pos; i++) {
+            PyObject *o = e->pos_const[i];
+            if (o) Py_INCREF(o);
+            else if (!(o = arg_to_py(&n->args[i], values))) goto error;
+            PyTuple_SET_ITEM(args, i, o);
+        }
+    }
+    if (e->kw_dynamic) {
+        if (!(kwargs = PyDict_New())) goto error;
+        for (int32_t i = e->n_pos; i < n->n_args; i++) {
+            PyObject *v = arg_to_py(&n->args[i], values);
+            if (!v || PyDict_SetItemString(kwargs, n->args[i].name, v) < 0) {
+                Py_XDECREF(v);
+                goto error;
+            }
+            Py_DECREF(v);
+        }
+    } else {
+        kwargs = e->kwargs_const;
+        Py_XINCREF(kwargs);
+    }
+    res = PyObject_Call(e->fn, args, kwargs);
+    if (!res) goto error;
+    Py_CLEAR(args);
+    Py_CLEAR(kwargs);
+
+    /* one result per output; tuples and lists are unpacked */
+    PyObject *single[1] = {res};
+    PyObject *const *items = single;
+    Py_ssize_t count = 1;
+    if (PyTuple_Check(res) || PyList_Check(res)) {
+        count = PySequence_Fast_GET_SIZE(res);
+        items = PySequence_Fast_ITEMS(res);
+    }
+    if (count != n->n_outputs) {
+        PyErr_Format(PyExc_RuntimeError, "aotfuse runtime: %s returned %zd results, the graph expects %d", n->op,
+                     count, (int)n->n_outputs);
+        goto error;
+    }
+    for (int32_t o = 0; o < n->n_outputs; o++) {
+        const af_value *v = af_graph_value(e->graph, n->first_output + o);
+        if (v->meta.type == AF_VALUE_TENSOR && !PyObject_TypeCheck(items[o], py.tensor_type)) {
+            PyErr_Format(PyExc_RuntimeError, "aotfuse runtime: %s output %d is a %s, the graph expects a tensor",
+                         n->op, (int)o, Py_TYPE(items[o])->tp_name);
+            goto error;
+        }
+    }
+    for (int32_t o = 0; o < n->n_outputs; o++) {
+        Py_INCREF(items[o]);
+        outs[o] = (af_obj *)items[o];
+    }
+    Py_DECREF(res);
+    return AF_OK;
+error:
+    Py_XDECREF(args);
+    Py_XDECREF(kwargs);
+    Py_XDECREF(res);
+    return extern_fail(n, e->node_index);
+}
+
+/* ---- checking tensors through the shim ---- */
+
+/* torch._C._aoti hands handles back as nameless capsules (older builds: ints). */
+static aten_handle handle_of(PyObject *o) {
+    if (PyCapsule_CheckExact(o)) return PyCapsule_GetPointer(o, PyCapsule_GetName(o));
+    return PyLong_AsVoidPtr(o);
+}
+
+static int check_one(aten_handle h, const af_tensor_meta *m, const char *name) {
+    int64_t dim = 0, *sizes = NULL, *strides = NULL, offset = 0;
+    int32_t dtype = 0, dev = 0, dev_index = 0;
+    if (shim.aoti_torch_get_dim(h, &dim) || shim.aoti_torch_get_sizes(h, &sizes) ||
+        shim.aoti_torch_get_strides(h, &strides) || shim.aoti_torch_get_dtype(h, &dtype) ||
+        shim.aoti_torch_get_device_type(h, &dev) || shim.aoti_torch_get_device_index(h, &dev_index) ||
+        shim.aoti_torch_get_storage_offset(h, &offset))
+        return af_error_set(AF_ERR_BRIDGE, "input %s: torch's shim could not read its metadata", name);
+    if (dtype != torch_dtype_code[m->dtype])
+        return af_error_set(AF_ERR_INVALID, "input %s: dtype code %d, the program was compiled for %s", name,
+                            (int)dtype, af_dtype_name(m->dtype));
+    if (dev != torch_device_code[m->device.type] || (m->device.index >= 0 && dev_index != m->device.index))
+        return af_error_set(AF_ERR_INVALID, "input %s: on another device than the program's %s:%d", name,
+                            af_device_type_name(m->device.type), (int)m->device.index);
+    if (dim != m->ndim)
+        return af_error_set(AF_ERR_INVALID, "input %s: rank %" PRId64 ", the program was compiled for rank %d", name,
+                            dim, (int)m->ndim);
+    for (int32_t d = 0; d < m->ndim; d++) {
+        if (sizes[d] != m->sizes[d])
+            return af_error_set(AF_ERR_INVALID, "input %s: size %" PRId64 " in dim %d, the program was compiled for %" PRId64,
+                                name, sizes[d], (int)d, m->sizes[d]);
+        if (sizes[d] > 1 && strides[d] != m->strides[d])
+            return af_error_set(AF_ERR_INVALID, "input %s: stride %" PRId64 " in dim %d, the program was compiled for %" PRId64,
+                                name, strides[d], (int)d, m->strides[d]);
+    }
+    return AF_OK;
+}
+
+int af_bridge_check_tensors(af_obj *const *objs, const af_tensor_meta *const *metas, const char *const *names,
+                            int32_t n) {
+    int st = af_bridge_init();
+    if (st) return st;
+    for (int32_t i = 0; i < n; i++) {
+        int is_tensor = PyObject_TypeCheck((PyObject *)objs[i], py.tensor_type);
+        if (metas[i]->type == AF_VALUE_TENSOR && !is_tensor)
+            return af_error_set(AF_ERR_INVALID, "input %s: a %s where the program takes a tensor", names[i],
+                                Py_TYPE((PyObject *)objs[i])->tp_name);
+    }
+    if (shim.torch_tensor_from_pyobject) {
+        for (int32_t i = 0; i < n && !st; i++) {
+            if (metas[i]->type != AF_VALUE_TENSOR) continue;
+            aten_handle h = NULL;
+            if (shim.torch_tensor_from_pyobject((void *)objs[i], &h) || !h)
+                return af_error_set(AF_ERR_BRIDGE, "input %s: torch_tensor_from_pyobject failed", names[i]);
+            st = check_one(h, metas[i], names[i]);
+            shim.aoti_torch_delete_tensor_object(h);
+        }
+        return st;
+    }
+    /* one Python call turns every tensor into an owning shim handle */
+    PyObject *list = PyList_New(0), *handles = NULL;
+    if (!list) return bridge_fail("checking inputs");
+    for (int32_t i = 0; i < n; i++)
+        if (metas[i]->type == AF_VALUE_TENSOR && PyList_Append(list, (PyObject *)objs[i]) < 0) {
+            Py_DECREF(list);
+            return bridge_fail("checking inputs");
+        }
+    handles = PyObject_CallOneArg(py.handles_from_tensors, list);
+    Py_DECREF(list);
+    if (!handles || !PyList_Check(handles)) {
+        Py_XDECREF(handles);
+        return bridge_fail("torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors");
+    }
+    Py_ssize_t k = 0, nh = PyList_GET_SIZE(handles);
+    for (int32_t i = 0; i < n; i++) {
+        if (metas[i]->type != AF_VALUE_TENSOR) continue;
+        aten_handle h = k < nh ? handle_of(PyList_GET_ITEM(handles, k)) : NULL;
+        k++;
+        if (!h) {
+            PyErr_Clear();
+            if (!st) st = af_error_set(AF_ERR_BRIDGE, "input %s: no shim handle", names[i]);
+            continue;
+        }
+        if (!st) st = check_one(h, metas[i], names[i]);
+        shim.aoti_torch_delete_tensor_object(h); /* every handle is owned: delete all of them */
+    }
+    for (; k < nh; k++) {
+        aten_handle h = handle_of(PyList_GET_ITEM(handles, k));
+        if (h) shim.aoti_torch_delete_tensor_object(h);
+    }
+    PyErr_Clear();
+    Py_DECREF(handles);
+    return st;
+}

@@ -1,0 +1,568 @@
+/* aotfuse._C: the Python bindings. The only file that turns statuses into exceptions.
+ *
+ *   Graph()                  build an IR graph: add_input, add_node, set_outputs, verify, str()
+ *   Program(graph)           plan and resolve a graph (the graph is consumed); run(inputs)
+ *   bridge_info()            {shim function name: found}
+ *   op_kind(name)            the op table's kind of an op ("extern" if unknown)
+ *   Error                    raised for every status the core reports
+ *
+ * Encodings from Python (made by aotfuse/lower.py):
+ *   meta: ("tensor", dtype, device_type, device_index, sizes, strides, storage_offset) | ("other",)
+ *   arg:  ("v", id) | ("none",) | ("bool", b) | ("int", i) | ("float", f) | ("str", s)
+ *         | ("dtype", name) | ("device", type, index) | ("layout", name)
+ *         | ("memory_format", name) | ("list", [arg, ...])
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "aotfuse/bridge.h"
+#include "aotfuse/ir.h"
+#include "aotfuse/ops.h"
+#include "aotfuse/runtime.h"
+
+static PyObject *AotfuseError;
+
+/* Raises for a failed status: an exception an extern left pending propagates as it is
+ * (with a note naming the step); anything else becomes aotfuse._C.Error. */
+static PyObject *raise_status(int st) {
+    if (!PyErr_Occurred())
+        PyErr_Format(AotfuseError, "%s: %s", af_status_name(st), af_error_message());
+    return NULL;
+}
+
+/* ---- decoding ---- */
+
+typedef struct {
+    int64_t sizes[AF_MAX_DIMS], strides[AF_MAX_DIMS];
+    af_tensor_meta meta;
+} meta_buf;
+
+static int decode_meta(PyObject *t, meta_buf *mb) {
+    memset(mb, 0, sizeof *mb);
+    const char *kind;
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 1 || !(kind = PyUnicode_AsUTF8(PyTuple_GET_ITEM(t, 0)))) {
+        PyErr_SetString(PyExc_TypeError, "meta must be a tuple starting with 'tensor' or 'other'");
+        return -1;
+    }
+    if (strcmp(kind, "other") == 0) {
+        mb->meta.type = AF_VALUE_OTHER;
+        return 0;
+    }
+    const char *dtype, *devtype;
+    int devindex;
+    PyObject *sizes, *strides;
+    long long offset;
+    if (strcmp(kind, "tensor") != 0 ||
+        !PyArg_ParseTuple(t, "sssiOOL", &kind, &dtype, &devtype, &devindex, &sizes, &strides, &offset)) {
+        if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "unknown meta kind '%s'", kind);
+        return -1;
+    }
+    mb->meta.type = AF_VALUE_TENSOR;
+    int st;
+    if ((st = af_dtype_parse(dtype, &mb->meta.dtype)) || (st = af_device_type_parse(devtype, &mb->meta.device.type))) {
+        raise_status(st);
+        return -1;
+    }
+    mb->meta.device.index = devindex;
+    mb->meta.storage_offset = offset;
+    PyObject *fs = PySequence_Fast(sizes, "sizes must be a sequence"), *ft = NULL;
+    if (!fs) return -1;
+    ft = PySequence_Fast(strides, "strides must be a sequence");
+    if (!ft) goto error;
+    Py_ssize_t nd = PySequence_Fast_GET_SIZE(fs);
+    if (nd > AF_MAX_DIMS || PySequence_Fast_GET_SIZE(ft) != nd) {
+        PyErr_Format(PyExc_ValueError, "rank %zd: sizes and strides must agree and be at most %d long", nd, AF_MAX_DIMS);
+        goto error;
+    }
+    for (Py_ssize_t d = 0; d < nd; d++) {
+        mb->sizes[d] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fs, d));
+        mb->strides[d] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(ft, d));
+        if (PyErr_Occurred()) goto error;
+    }
+    mb->meta.ndim = (int32_t)nd;
+    mb->meta.sizes = mb->sizes;
+    mb->meta.strides = mb->strides;
+    Py_DECREF(fs);
+    Py_DECREF(ft);
+    return 0;
+error:
+    Py_XDECREF(fs);
+    Py_XDECREF(ft);
+    return -1;
+}
+
+static void free_arg(af_arg *a) {
+    if (a->kind == AF_ARG_LIST) {
+        for (int32_t i = 0; i < a->u.list.n; i++) free_arg(&a->u.list.items[i]);
+        free(a->u.list.items);
+    }
+}
+
+/* Decodes an encoded argument into *a (list items malloc'd; strings borrowed from t). */
+static int decode_arg(PyObject *t, af_arg *a, int depth) {
+    memset(a, 0, sizeof *a);
+    const char *tag;
+    if (depth > 8) {
+        PyErr_SetString(PyExc_ValueError, "argument nested too deeply");
+        return -1;
+    }
+    if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) < 1 || !(tag = PyUnicode_AsUTF8(PyTuple_GET_ITEM(t, 0)))) {
+        PyErr_SetString(PyExc_TypeError, "an argument must be a tagged tuple such as ('int', 3)");
+        return -1;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(t);
+    PyObject *x = n > 1 ? PyTuple_GET_ITEM(t, 1) : NULL;
+    if (strcmp(tag, "none") == 0) {
+        a->kind = AF_ARG_NONE;
+        return 0;
+    }
+    if (!x) goto bad;
+    if (strcmp(tag, "v") == 0) {
+        a->kind = AF_ARG_VALUE;
+        long v = PyLong_AsLong(x);
+        if (v == -1 && PyErr_Occurred()) return -1;
+        if (v < 0 || v > INT32_MAX) goto bad;
+        a->u.value = (int32_t)v;
+    } else if (strcmp(tag, "bool") == 0) {
+        a->kind = AF_ARG_BOOL;
+        int b = PyObject_IsTrue(x);
+        if (b < 0) return -1;
+        a->u.i = b;
+    } else if (strcmp(tag, "int") == 0) {
+        a->kind = AF_ARG_INT;
+        a->u.i = PyLong_AsLongLong(x);
+        if (a->u.i == -1 && PyErr_Occurred()) return -1;
+    } else if (strcmp(tag, "float") == 0) {
+        a->kind = AF_ARG_FLOAT;
+        a->u.f = PyFloat_AsDouble(x);
+        if (a->u.f == -1.0 && PyErr_Occurred()) return -1;
+    } else if (strcmp(tag, "str") == 0 || strcmp(tag, "layout") == 0 || strcmp(tag, "memory_format") == 0) {
+        a->kind = tag[0] == 's' ? AF_ARG_STR : tag[0] == 'l' ? AF_ARG_LAYOUT : AF_ARG_MEMORY_FORMAT;
+        if (!(a->u.s = PyUnicode_AsUTF8(x))) return -1;
+    } else if (strcmp(tag, "dtype") == 0) {
+        a->kind = AF_ARG_DTYPE;
+        const char *name = PyUnicode_AsUTF8(x);
+        if (!name) return -1;
+        int st = af_dtype_parse(name, &a->u.dtype);
+        if (st) {
+            raise_status(st);
+            return -1;
+        }
+    } else if (strcmp(tag, "device") == 0) {
+        a->kind = AF_ARG_DEVICE;
+        const char *name = PyUnicode_AsUTF8(x);
+        if (!name || n < 3) goto bad;
+        int st = af_device_type_parse(name, &a->u.device.type);
+        if (st) {
+            raise_status(st);
+            return -1;
+        }
+        long idx = PyLong_AsLong(PyTuple_GET_ITEM(t, 2));
+        if (idx == -1 && PyErr_Occurred()) return -1;
+        a->u.device.index = (int32_t)idx;
+    } else if (strcmp(tag, "list") == 0) {
+        a->kind = AF_ARG_LIST;
+        PyObject *f = PySequence_Fast(x, "a list argument needs a sequence");
+        if (!f) return -1;
+        Py_ssize_t k = PySequence_Fast_GET_SIZE(f);
+        a->u.list.items = calloc((size_t)k + 1, sizeof(af_arg));
+        if (!a->u.list.items) {
+            Py_DECREF(f);
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < k; i++) {
+            if (decode_arg(PySequence_Fast_GET_ITEM(f, i), &a->u.list.items[i], depth + 1) < 0) {
+                a->u.list.n = (int32_t)i;
+                free_arg(a);
+                Py_DECREF(f);
+                return -1;
+            }
+        }
+        a->u.list.n = (int32_t)k;
+        Py_DECREF(f);
+    } else {
+        goto bad;
+    }
+    return 0;
+bad:
+    PyErr_Format(PyExc_ValueError, "malformed argument with tag '%s'", tag);
+    return -1;
+}
+
+/* ---- Graph ---- */
+
+typedef struct {
+    PyObject_HEAD
+    af_graph *g; /* NULL once a Program took it */
+} GraphObject;
+
+static int graph_alive(GraphObject *self) {
+    if (self->g) return 1;
+    PyErr_SetString(AotfuseError, "this Graph was consumed by a Program");
+    return 0;
+}
+
+static PyObject *Graph_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    (void)args;
+    (void)kwds;
+    GraphObject *self = (GraphObject *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    int st = af_graph_new(&self->g);
+    if (st) {
+        Py_DECREF(self);
+        return raise_status(st);
+    }
+    return (PyObject *)self;
+}
+
+static void Graph_dealloc(GraphObject *self) {
+    af_graph_free(self->g);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Graph_add_input(GraphObject *self, PyObject *args) {
+    const char *name;
+    PyObject *meta;
+    meta_buf mb;
+    if (!graph_alive(self) || !PyArg_ParseTuple(args, "zO", &name, &meta) || decode_meta(meta, &mb) < 0) return NULL;
+    int32_t id;
+    int st = af_graph_add_input(self->g, name, &mb.meta, &id);
+    return st ? raise_status(st) : PyLong_FromLong(id);
+}
+
+static PyObject *Graph_add_node(GraphObject *self, PyObject *args) {
+    const char *op;
+    PyObject *pos, *kw, *metas;
+    if (!graph_alive(self) || !PyArg_ParseTuple(args, "sOOO", &op, &pos, &kw, &metas)) return NULL;
+    PyObject *fp = PySequence_Fast(pos, "args must be a sequence");
+    PyObject *fk = fp ? PySequence_Fast(kw, "kwargs must be a sequence of (name, arg)") : NULL;
+    PyObject *fm = fk ? PySequence_Fast(metas, "metas must be a sequence") : NULL;
+    af_arg *a = NULL;
+    meta_buf *mbs = NULL;
+    PyObject *result = NULL;
+    Py_ssize_t np = 0, nk = 0, nm = 0, decoded = 0;
+    if (!fm) goto done;
+    np = PySequence_Fast_GET_SIZE(fp);
+    nk = PySequence_Fast_GET_SIZE(fk);
+    nm = PySequence_Fast_GET_SIZE(fm);
+    a = calloc((size_t)(np + nk) + 1, sizeof *a);
+    mbs = calloc((size_t)nm + 1, sizeof *mbs);
+    af_tensor_meta *ms = calloc((size_t)nm + 1, sizeof *ms);
+    if (!a || !mbs || !ms) {
+        free(ms);
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; decoded < np; decoded++)
+        if (decode_arg(PySequence_Fast_GET_ITEM(fp, decoded), &a[decoded], 0) < 0) goto done_ms;
+    for (Py_ssize_t i = 0; i < nk; i++, decoded++) {
+        PyObject *pair = PySequence_Fast_GET_ITEM(fk, i);
+        const char *kname;
+        PyObject *karg;
+        if (!PyTuple_Check(pair) || !PyArg_ParseTuple(pair, "sO", &kname, &karg)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "kwargs items must be (name, arg) tuples");
+            goto done_ms;
+        }
+        if (decode_arg(karg, &a[decoded], 0) < 0) goto done_ms;
+        a[decoded].name = kname;
+    }
+    for (Py_ssize_t i = 0; i < nm; i++) {
+        if (decode_meta(PySequence_Fast_GET_ITEM(fm, i), &mbs[i]) < 0) goto done_ms;
+        ms[i] = mbs[i].meta;
+        ms[i].sizes = mbs[i].sizes;
+        ms[i].strides = mbs[i].strides;
+    }
+    int32_t first;
+    int st = af_graph_add_node(self->g, op, a, (int32_t)(np + nk), ms, (int32_t)nm, &first);
+    if (st) {
+        raise_status(st);
+        goto done_ms;
+    }
+    result = PyList_New(nm);
+    for (Py_ssize_t i = 0; result && i < nm; i++) {
+        PyObject *id = PyLong_FromLong(first + (long)i);
+        if (!id) Py_CLEAR(result);
+        else PyList_SET_ITEM(result, i, id);
+    }
+done_ms:
+    free(ms);
+done:
+    for (Py_ssize_t i = 0; a && i < decoded; i++) free_arg(&a[i]);
+    free(a);
+    free(mbs);
+    Py_XDECREF(fp);
+    Py_XDECREF(fk);
+    Py_XDECREF(fm);
+    return result;
+}
+
+static PyObject *Graph_set_outputs(GraphObject *self, PyObject *ids) {
+    if (!graph_alive(self)) return NULL;
+    PyObject *f = PySequence_Fast(ids, "outputs must be a sequence of value ids");
+    if (!f) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(f);
+    int32_t *buf = malloc(((size_t)n + 1) * sizeof(int32_t));
+    if (!buf) {
+        Py_DECREF(f);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(f, i));
+        if (v == -1 && PyErr_Occurred()) {
+            free(buf);
+            Py_DECREF(f);
+            return NULL;
+        }
+        buf[i] = (v < INT32_MIN || v > INT32_MAX) ? -1 : (int32_t)v;
+    }
+    int st = af_graph_set_outputs(self->g, buf, (int32_t)n);
+    free(buf);
+    Py_DECREF(f);
+    if (st) return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Graph_verify(GraphObject *self, PyObject *unused) {
+    (void)unused;
+    if (!graph_alive(self)) return NULL;
+    int st = af_graph_verify(self->g);
+    if (st) return raise_status(st);
+    Py_RETURN_NONE;
+}
+
+static PyObject *graph_str(const af_graph *g) {
+    char *text = NULL;
+    int st = af_graph_print(g, &text);
+    if (st) return raise_status(st);
+    PyObject *s = PyUnicode_FromString(text);
+    free(text);
+    return s;
+}
+
+static PyObject *Graph_str(GraphObject *self) {
+    if (!self->g) return PyUnicode_FromString("<aotfuse Graph (consumed by a Program)>");
+    return graph_str(self->g);
+}
+
+/* [(op, kind), ...] for every node */
+static PyObject *graph_nodes(const af_graph *g) {
+    int32_t n = af_graph_num_nodes(g);
+    PyObject *list = PyList_New(n);
+    for (int32_t i = 0; list && i < n; i++) {
+        const af_node *node = af_graph_node(g, i);
+        PyObject *t = Py_BuildValue("(ss)", node->op, af_op_kind_name(af_op_get(node->op_id)->kind));
+        if (!t) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, i, t);
+    }
+    return list;
+}
+
+static PyObject *Graph_nodes(GraphObject *self, PyObject *unused) {
+    (void)unused;
+    return graph_alive(self) ? graph_nodes(self->g) : NULL;
+}
+
+static PyObject *Graph_value_nbytes(GraphObject *self, PyObject *arg) {
+    if (!graph_alive(self)) return NULL;
+    long id = PyLong_AsLong(arg);
+    if (id == -1 && PyErr_Occurred()) return NULL;
+    const af_value *v = af_graph_value(self->g, (int32_t)id);
+    if (!v) return PyErr_Format(PyExc_IndexError, "no value %ld", id);
+    return PyLong_FromLongLong(af_tensor_meta_nbytes(&v->meta));
+}
+
+static PyObject *Graph_get_counts(GraphObject *self, void *which) {
+    if (!graph_alive(self)) return NULL;
+    intptr_t w = (intptr_t)which;
+    int32_t n = w == 0 ? af_graph_num_inputs(self->g) : w == 1 ? af_graph_num_nodes(self->g) : af_graph_num_outputs(self->g);
+    return PyLong_FromLong(n);
+}
+
+static PyMethodDef Graph_methods[] = {
+    {"add_input", (PyCFunction)Graph_add_input, METH_VARARGS, "add_input(name, meta) -> value id"},
+    {"add_node", (PyCFunction)Graph_add_node, METH_VARARGS, "add_node(op, args, kwargs, metas) -> [value ids]"},
+    {"set_outputs", (PyCFunction)Graph_set_outputs, METH_O, "set_outputs([value ids])"},
+    {"verify", (PyCFunction)Graph_verify, METH_NOARGS, "raise aotfuse._C.Error if the graph is malformed"},
+    {"nodes", (PyCFunction)Graph_nodes, METH_NOARGS, "[(op, kind), ...]"},
+    {"value_nbytes", (PyCFunction)Graph_value_nbytes, METH_O, "bytes of a tensor value"},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef Graph_getset[] = {
+    {"num_inputs", (getter)Graph_get_counts, NULL, "number of inputs", (void *)0},
+    {"num_nodes", (getter)Graph_get_counts, NULL, "number of nodes", (void *)1},
+    {"num_outputs", (getter)Graph_get_counts, NULL, "number of outputs", (void *)2},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyTypeObject GraphType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "aotfuse._C.Graph",
+    .tp_basicsize = sizeof(GraphObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "An aotfuse IR graph under construction.",
+    .tp_new = Graph_new,
+    .tp_dealloc = (destructor)Graph_dealloc,
+    .tp_str = (reprfunc)Graph_str,
+    .tp_repr = (reprfunc)Graph_str,
+    .tp_methods = Graph_methods,
+    .tp_getset = Graph_getset,
+};
+
+/* ---- Program ---- */
+
+typedef struct {
+    PyObject_HEAD
+    af_program *p;
+} ProgramObject;
+
+static PyObject *Program_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"graph", NULL};
+    GraphObject *graph;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!", kwlist, &GraphType, &graph) || !graph_alive(graph)) return NULL;
+    ProgramObject *self = (ProgramObject *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    int st = af_program_new(graph->g, &self->p);
+    if (st) {
+        Py_DECREF(self);
+        return raise_status(st);
+    }
+    graph->g = NULL; /* the program owns it now */
+    return (PyObject *)self;
+}
+
+static void Program_dealloc(ProgramObject *self) {
+    af_program_free(self->p);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Program_run(ProgramObject *self, PyObject *inputs) {
+    PyObject *f = PySequence_Fast(inputs, "run() takes a sequence of inputs");
+    if (!f) return NULL;
+    const af_graph *g = af_program_graph(self->p);
+    int32_t no = af_graph_num_outputs(g);
+    af_obj **outs = PyMem_Calloc((size_t)no + 1, sizeof *outs);
+    if (!outs) {
+        Py_DECREF(f);
+        return PyErr_NoMemory();
+    }
+    int st = af_program_run(self->p, (af_obj *const *)PySequence_Fast_ITEMS(f),
+                            (int32_t)PySequence_Fast_GET_SIZE(f), outs);
+    Py_DECREF(f);
+    if (st) {
+        PyMem_Free(outs);
+        return raise_status(st);
+    }
+    PyObject *tuple = PyTuple_New(no);
+    if (!tuple) {
+        for (int32_t i = 0; i < no; i++) af_obj_release(outs[i]);
+        PyMem_Free(outs);
+        return NULL;
+    }
+    for (int32_t i = 0; i < no; i++) PyTuple_SET_ITEM(tuple, i, (PyObject *)outs[i]);
+    PyMem_Free(outs);
+    return tuple;
+}
+
+static PyObject *Program_str(ProgramObject *self) { return graph_str(af_program_graph(self->p)); }
+
+static PyObject *Program_nodes(ProgramObject *self, PyObject *unused) {
+    (void)unused;
+    return graph_nodes(af_program_graph(self->p));
+}
+
+static PyObject *Program_value_nbytes(ProgramObject *self, PyObject *arg) {
+    long id = PyLong_AsLong(arg);
+    if (id == -1 && PyErr_Occurred()) return NULL;
+    const af_value *v = af_graph_value(af_program_graph(self->p), (int32_t)id);
+    if (!v) return PyErr_Format(PyExc_IndexError, "no value %ld", id);
+    return PyLong_FromLongLong(af_tensor_meta_nbytes(&v->meta));
+}
+
+static int Program_set_check_inputs(ProgramObject *self, PyObject *value, void *closure) {
+    (void)closure;
+    int b = value ? PyObject_IsTrue(value) : -1;
+    if (b < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "cannot delete check_inputs");
+        return -1;
+    }
+    af_program_set_check_inputs(self->p, b);
+    return 0;
+}
+
+static PyObject *Program_get_num(ProgramObject *self, void *which) {
+    const af_graph *g = af_program_graph(self->p);
+    intptr_t w = (intptr_t)which;
+    return PyLong_FromLong(w == 0 ? af_graph_num_inputs(g) : w == 1 ? af_graph_num_nodes(g) : af_graph_num_outputs(g));
+}
+
+static PyMethodDef Program_methods[] = {
+    {"run", (PyCFunction)Program_run, METH_O, "run(inputs) -> tuple of outputs"},
+    {"nodes", (PyCFunction)Program_nodes, METH_NOARGS, "[(op, kind), ...]"},
+    {"value_nbytes", (PyCFunction)Program_value_nbytes, METH_O, "bytes of a tensor value"},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef Program_getset[] = {
+    {"num_inputs", (getter)Program_get_num, NULL, "number of inputs", (void *)0},
+    {"num_steps", (getter)Program_get_num, NULL, "number of steps", (void *)1},
+    {"num_outputs", (getter)Program_get_num, NULL, "number of outputs", (void *)2},
+    {"check_inputs", NULL, (setter)Program_set_check_inputs, "check inputs against the graph on each run", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyTypeObject ProgramType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "aotfuse._C.Program",
+    .tp_basicsize = sizeof(ProgramObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A planned, runnable aotfuse graph.",
+    .tp_new = Program_new,
+    .tp_dealloc = (destructor)Program_dealloc,
+    .tp_str = (reprfunc)Program_str,
+    .tp_repr = (reprfunc)Program_str,
+    .tp_methods = Program_methods,
+    .tp_getset = Program_getset,
+};
+
+/* ---- module functions ---- */
+
+static PyObject *bridge_info(PyObject *m, PyObject *unused) {
+    (void)m;
+    (void)unused;
+    int st = af_bridge_init();
+    if (st) return raise_status(st);
+    PyObject *d = PyDict_New();
+    for (int i = 0; d && i < af_bridge_shim_count(); i++)
+        if (PyDict_SetItemString(d, af_bridge_shim_name(i), af_bridge_shim_found(i) ? Py_True : Py_False) < 0)
+            Py_CLEAR(d);
+    return d;
+}
+
+static PyObject *op_kind(PyObject *m, PyObject *arg) {
+    (void)m;
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    return PyUnicode_FromString(af_op_kind_name(af_op_get(af_op_lookup(name))->kind));
+}
+
+static PyMethodDef module_methods[] = {
+    {"bridge_info", bridge_info, METH_NOARGS, "{shim function: found in this torch}"},
+    {"op_kind", op_kind, METH_O, "op_kind('aten::add.Tensor') -> 'pointwise'"},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "aotfuse._C", "aotfuse's C core.", -1, module_methods,
+                                        NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__C(void) {
+    if (PyType_Ready(&GraphType) < 0 || PyType_Ready(&ProgramType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module_def);
+    if (!m) return NULL;
+    AotfuseError = PyErr_NewExceptionWithDoc("aotfuse._C.Error", "An error reported by aotfuse's C core.",
+                                             PyExc_RuntimeError, NULL);
+    if (!AotfuseError || PyModule_AddObjectRef(m, "Error", AotfuseError) < 0 ||
+        PyModule_AddObjectRef(m, "Graph", (PyObject *)&GraphType) < 0 ||
+        PyModule_AddObjectRef(m, "Program", (PyObject *)&ProgramType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

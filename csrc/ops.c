@@ -1,0 +1,34 @@
+/* The op table as a const array, built from ops.def. */
+#include "aotfuse/ops.h"
+
+#include <string.h>
+
+static const af_op_info af_op_table[AF_OP_COUNT] = {
+    [AF_OP_UNKNOWN] = {"extern", AF_KIND_EXTERN},
+#define AF_OP(e, name, kind) [AF_OP_##e] = {name, kind},
+#include "ops.def"
+#undef AF_OP
+};
+
+af_op_id af_op_lookup(const char *qualified_name) {
+    if (!qualified_name) return AF_OP_UNKNOWN;
+    /* the key is the name without its overload: "aten::add.Tensor" -> "aten::add" */
+    const char *dot = strchr(qualified_name, '.');
+    size_t len = dot ? (size_t)(dot - qualified_name) : strlen(qualified_name);
+    for (int i = 1; i < AF_OP_COUNT; i++) {
+        const char *name = af_op_table[i].name;
+        if (strlen(name) == len && memcmp(name, qualified_name, len) == 0) return (af_op_id)i;
+    }
+    return AF_OP_UNKNOWN;
+}
+
+const af_op_info *af_op_get(af_op_id id) {
+    if ((int)id <= 0 || id >= AF_OP_COUNT) return &af_op_table[AF_OP_UNKNOWN];
+    return &af_op_table[id];
+}
+
+const char *af_op_kind_name(af_op_kind kind) {
+    static const char *const names[AF_KIND_COUNT] = {
+        "extern", "pointwise", "reduction", "view", "random", "compute"};
+    return (kind >= 0 && kind < AF_KIND_COUNT) ? names[kind] : "invalid";
+}

@@ -1,0 +1,48 @@
+/* The torch bridge: the only part of the core that knows how torch is reached.
+ *
+ * Objects the runtime moves around (tensors, and whatever else an op returns) are opaque
+ * af_obj references; the bridge retains and releases them. An extern is a node resolved
+ * once, at program build time, into something the bridge can call many times.
+ *
+ * Routes to torch (see docs/ARCHITECTURE.md for the why):
+ *   - tensor metadata (sizes, strides, dtype, device, data pointer): torch's stable C shim,
+ *     aoti_torch_* functions looked up with dlsym in torch's own library after `import torch`;
+ *   - extern ATen calls: the op's OpOverload called through the Python C API, which accepts
+ *     every schema type (Scalar, optional lists, devices) on every supported torch version.
+ *
+ * All functions need the GIL. Errors: AF_ERR_* with af_error_message(); when an extern
+ * raised a Python exception, that exception is left set for module.c to re-raise.
+ */
+#ifndef AOTFUSE_BRIDGE_H
+#define AOTFUSE_BRIDGE_H
+
+#include "aotfuse/ir.h"
+
+typedef struct af_obj af_obj;       /* a torch object (a PyObject underneath) */
+typedef struct af_extern af_extern; /* a node resolved into a callable */
+
+/* Resolves torch's objects and shim symbols; idempotent. Needs torch imported. */
+int af_bridge_init(void);
+
+/* Which shim functions were found: a static list of names and a found flag each. */
+int af_bridge_shim_count(void);
+const char *af_bridge_shim_name(int i);
+int af_bridge_shim_found(int i);
+
+void af_obj_retain(af_obj *o);
+void af_obj_release(af_obj *o); /* NULL allowed */
+
+/* Resolves node `node_index` of `g` into *out (owned by the caller, freed by af_extern_free). */
+int af_extern_new(const af_graph *g, int32_t node_index, af_extern **out);
+void af_extern_free(af_extern *e); /* NULL allowed */
+
+/* Calls the extern on `values` (indexed by value id; those it reads must be set) and writes
+ * its node's n_outputs results into outs as new references. On error outs is untouched. */
+int af_extern_call(af_extern *e, af_obj *const *values, af_obj **outs);
+
+/* Checks that each objs[i] is a tensor matching metas[i] exactly (dtype, device, sizes,
+ * strides), reading metadata through the C shim. `names` label the error. */
+int af_bridge_check_tensors(af_obj *const *objs, const af_tensor_meta *const *metas,
+                            const char *const *names, int32_t n);
+
+#endif

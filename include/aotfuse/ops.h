@@ -1,0 +1,39 @@
+/* The op table (csrc/ops.def): what the core knows about each ATen op.
+ * Pure data; no allocation, no errors. */
+#ifndef AOTFUSE_OPS_H
+#define AOTFUSE_OPS_H
+
+typedef enum {
+    AF_KIND_EXTERN = 0, /* not understood by the core: always an extern ATen call */
+    AF_KIND_POINTWISE,  /* elementwise, with broadcasting */
+    AF_KIND_REDUCTION,  /* reduces over some dims */
+    AF_KIND_VIEW,       /* a view: index arithmetic only */
+    AF_KIND_RANDOM,     /* consumes the RNG: never recomputed with fresh randomness */
+    AF_KIND_COMPUTE,    /* matmul, convolution, attention: expensive, never recomputed */
+    AF_KIND_COUNT
+} af_op_kind;
+
+typedef enum {
+    AF_OP_UNKNOWN = 0,
+#define AF_OP(e, name, kind) AF_OP_##e,
+#include "../../csrc/ops.def"
+#undef AF_OP
+    AF_OP_COUNT
+} af_op_id;
+
+typedef struct {
+    const char *name; /* "aten::add" */
+    af_op_kind kind;
+} af_op_info;
+
+/* Looks up an op by its qualified name with or without overload ("aten::add.Tensor" and
+ * "aten::add" both give AF_OP_ADD). Unknown names give AF_OP_UNKNOWN. */
+af_op_id af_op_lookup(const char *qualified_name);
+
+/* The table entry of an op id; AF_OP_UNKNOWN (and out-of-range ids) give the extern entry. */
+const af_op_info *af_op_get(af_op_id id);
+
+/* "pointwise", "reduction", ... */
+const char *af_op_kind_name(af_op_kind kind);
+
+#endif

@@ -1,0 +1,83 @@
+"""Flattening of call arguments and results: tuples, namedtuples, lists, dicts, dataclasses and
+Hugging Face ModelOutput (a dict that is also a dataclass). Everything else is a leaf.
+
+A spec is a hashable tree of (kind, type, keys, child specs) so that it can be part of a cache key.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["tree_flatten", "tree_unflatten", "LEAF"]
+
+LEAF = ("leaf",)
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], tuple]:
+    """Returns (leaves, spec). Example: tree_flatten(((x, 1), {"a": y})) -> ([x, 1, y], spec)."""
+    leaves: list[Any] = []
+    spec = _flatten(tree, leaves)
+    return leaves, spec
+
+
+def _flatten(x: Any, leaves: list[Any]) -> tuple:
+    t = type(x)
+    if t is tuple or t is list:
+        return ("seq", t, None, tuple(_flatten(v, leaves) for v in x))
+    if isinstance(x, dict):
+        keys = tuple(x.keys())
+        # ModelOutput and other dict dataclasses are rebuilt from keywords; plain dicts from pairs
+        kind = "dictdc" if dataclasses.is_dataclass(x) else "dict"
+        return (kind, t, keys, tuple(_flatten(x[k], leaves) for k in keys))
+    if _is_namedtuple(x):
+        return ("namedtuple", t, None, tuple(_flatten(v, leaves) for v in x))
+    if isinstance(x, (tuple, list)):
+        return ("seq", t, None, tuple(_flatten(v, leaves) for v in x))
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        names = tuple(f.name for f in dataclasses.fields(x))
+        return ("dataclass", t, names, tuple(_flatten(getattr(x, n), leaves) for n in names))
+    leaves.append(x)
+    return LEAF
+
+
+def tree_unflatten(leaves: list[Any], spec: tuple) -> Any:
+    """Inverse of tree_flatten: rebuilds the same structure and types around new leaves."""
+    it = iter(leaves)
+    return _unflatten(it, spec)
+
+
+def _unflatten(it, spec: tuple) -> Any:
+    if spec is LEAF or spec[0] == "leaf":
+        return next(it)
+    kind, t, keys, children = spec
+    values = [_unflatten(it, c) for c in children]
+    if kind == "seq":
+        if t is tuple or t is list:
+            return t(values)
+        try:
+            return t(values)
+        except TypeError:
+            return list(values) if issubclass(t, list) else tuple(values)
+    if kind == "namedtuple":
+        return t(*values)
+    if kind == "dictdc":
+        return t(**dict(zip(keys, values)))
+    if kind == "dict":
+        if t is dict:
+            return dict(zip(keys, values))
+        try:
+            out = t()
+        except TypeError:
+            return dict(zip(keys, values))
+        out.update(zip(keys, values))
+        return out
+    if kind == "dataclass":
+        out = object.__new__(t)  # no __init__/__post_init__: the fields are set as they were
+        for name, v in zip(keys, values):
+            object.__setattr__(out, name, v)
+        return out
+    raise ValueError(f"bad spec kind {kind!r}")

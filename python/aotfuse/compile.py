@@ -1,0 +1,311 @@
+"""The public compile API: aot_function, aot_module, memory_efficient_fusion.
+
+Signature-compatible with functorch.compile's functions of the same names. Each distinct input
+signature (see `_signature`) gets its own capture by torch's AOTAutograd and its own C programs;
+a call with a known signature goes straight to them.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch._functorch import config as functorch_config
+from torch._functorch.aot_autograd import aot_function as _torch_aot_function
+from torch._functorch.partitioners import default_partition as _torch_default_partition
+
+from . import config
+from ._pytree import tree_flatten, tree_unflatten
+from .decompositions import default_decompositions
+from .lower import Lowered, UnsupportedError, lower
+
+__all__ = ["aot_function", "aot_module", "memory_efficient_fusion", "CaptureError", "AOTModule"]
+
+
+class CaptureError(RuntimeError):
+    """The function could not be captured as one graph (data-dependent control flow, an op the
+    tracer rejects, ...). The message names the cause and the ways out."""
+
+
+_FALLBACKS = ("error", "eager")
+
+
+class _Record:
+    """What one signature's capture produced: output structure, lowered programs, graph facts."""
+
+    def __init__(self) -> None:
+        self.out_spec: Any = None
+        self.out_consts: list = []
+        self.programs: dict[str, Lowered] = {}
+        self.graphs: dict[str, torch.fx.GraphModule] = {}
+        self.num_fwd_outputs = 0
+        self.saved_bytes = 0
+        self.saved: list[tuple[str, tuple, str, int]] = []
+
+
+def _compile_with_core(record: _Record, stage: str, gm: torch.fx.GraphModule, example_inputs: Any) -> Lowered:
+    lowered = lower(gm, example_inputs)
+    record.programs[stage] = lowered
+    record.graphs[stage] = gm
+    return lowered
+
+
+def _recording_partition(record: _Record, partition_fn: Callable, joint_module, joint_inputs, **kwargs):
+    fw, bw = partition_fn(joint_module, joint_inputs, **kwargs)
+    num_fwd_outputs = kwargs.get("num_fwd_outputs", 0)
+    record.num_fwd_outputs = num_fwd_outputs
+    (outs,) = next(n for n in reversed(fw.graph.nodes) if n.op == "output").args
+    record.saved, record.saved_bytes = [], 0
+    for node in list(outs)[num_fwd_outputs:]:
+        val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        if isinstance(val, torch.Tensor):
+            nbytes = val.numel() * val.element_size()
+            record.saved.append((node.name, tuple(val.shape), str(val.dtype).replace("torch.", ""), nbytes))
+            record.saved_bytes += nbytes
+    return fw, bw
+
+
+def _leaf_key(x: Any, seen: dict) -> Any:
+    if isinstance(x, torch.Tensor):
+        first = seen.setdefault(id(x), len(seen))  # the same tensor passed twice is part of the key
+        return (x.dtype, x.device, x.shape, x.stride(), x.requires_grad, x.layout, first)
+    try:
+        hash(x)
+        return (type(x), x)
+    except TypeError:
+        return (type(x), id(x))
+
+
+def _signature(leaves: list, spec: tuple, extra: tuple) -> tuple:
+    seen: dict = {}
+    return (spec, tuple(_leaf_key(x, seen) for x in leaves), torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
+            torch.is_autocast_enabled("cuda")) + extra
+
+
+class _Entry:
+    __slots__ = ("compiled", "tensor_idx", "record", "eager")
+
+    def __init__(self, compiled, tensor_idx, record, eager=False):
+        self.compiled = compiled
+        self.tensor_idx = tensor_idx
+        self.record = record
+        self.eager = eager
+
+
+class CompiledFunction:
+    """What aot_function returns: call it like the original function."""
+
+    def __init__(self, fn: Callable, fw_compiler, bw_compiler, partition_fn, decompositions,
+                 num_params_buffers: int, keep_inference_input_mutations: bool, inference_compiler,
+                 fallback: str, max_cache_size: int | None, name: str | None = None):
+        if fallback not in _FALLBACKS:
+            raise ValueError(f"fallback must be one of {_FALLBACKS}, got {fallback!r}")
+        self.fn = fn
+        self.fw_compiler = fw_compiler
+        self.bw_compiler = bw_compiler
+        self.inference_compiler = inference_compiler
+        self.partition_fn = partition_fn or _torch_default_partition
+        self.decompositions = default_decompositions() if decompositions is None else decompositions
+        self.num_params_buffers = num_params_buffers
+        self.keep_inference_input_mutations = keep_inference_input_mutations
+        self.fallback = fallback
+        self.max_cache_size = max_cache_size
+        self.name = name or getattr(fn, "__qualname__", None) or type(fn).__name__
+        self._cache: dict[tuple, _Entry] = {}
+        self._warned_full = False
+        self.compile_count = 0
+        functools.update_wrapper(self, fn, updated=())
+
+    # -- the call path: flatten, look up, run, rebuild --
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if config.disabled():
+            return self.fn(*args, **kwargs)
+        return self._call((args, kwargs), ())
+
+    def _call(self, tree: Any, extra: tuple) -> Any:
+        leaves, spec = tree_flatten(tree)
+        key = _signature(leaves, spec, extra)
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._compile(key, leaves, spec, tree)
+            if entry is None:  # cache full: this signature runs eagerly
+                args, kwargs = tree
+                return self.fn(*args, **kwargs)
+            if entry.eager:
+                args, kwargs = tree
+                return self.fn(*args, **kwargs)
+            return self._first_run(entry, leaves, tree)
+        if entry.eager:
+            args, kwargs = tree
+            return self.fn(*args, **kwargs)
+        outs = entry.compiled(*[leaves[i] for i in entry.tensor_idx])
+        return self._rebuild(entry.record, outs)
+
+    @staticmethod
+    def _rebuild(record: _Record, outs: Any) -> Any:
+        it = iter(outs)
+        return tree_unflatten([next(it) if c is None else c[0] for c in record.out_consts], record.out_spec)
+
+    def _compile(self, key: tuple, leaves: list, spec: tuple, tree: Any) -> _Entry | None:
+        limit = self.max_cache_size or config.cache_size()
+        if len(self._cache) >= limit:
+            if not self._warned_full:
+                warnings.warn(f"aotfuse: {self.name} has been compiled for {limit} input signatures (the "
+                              f"limit, AOTFUSE_CACHE_SIZE or max_cache_size); new signatures run eagerly.",
+                              stacklevel=4)
+                self._warned_full = True
+            return None
+        record = _Record()
+        tensor_idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        template = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        fn = self.fn
+
+        def flat_fn(*tensors):
+            vals = list(template)
+            for i, t in zip(tensor_idx, tensors):
+                vals[i] = t
+            args, kwargs = tree_unflatten(vals, spec)
+            out = fn(*args, **kwargs)
+            out_leaves, out_spec = tree_flatten(out)
+            record.out_spec = out_spec
+            record.out_consts = [None if isinstance(x, torch.Tensor) else (x,) for x in out_leaves]
+            return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
+
+        ours = functools.partial(_compile_with_core, record)
+        compiled = _torch_aot_function(
+            flat_fn,
+            fw_compiler=self.fw_compiler or functools.partial(ours, "forward"),
+            bw_compiler=self.bw_compiler or functools.partial(ours, "backward"),
+            partition_fn=functools.partial(_recording_partition, record, self.partition_fn),
+            decompositions=self.decompositions,
+            num_params_buffers=self.num_params_buffers,
+            keep_inference_input_mutations=self.keep_inference_input_mutations,
+            inference_compiler=self.inference_compiler or (
+                functools.partial(ours, "inference") if self.fw_compiler is None else None),
+        )
+        entry = _Entry(compiled, tensor_idx, record)
+        self._cache[key] = entry
+        self.compile_count += 1
+        config.emit("cache", f"{self.name}: compiling signature #{len(self._cache)}")
+        return entry
+
+    def _first_run(self, entry: _Entry, leaves: list, tree: Any) -> Any:
+        """The first call of a signature traces, partitions, lowers (forward and backward) and runs."""
+        try:
+            with functorch_config.patch(force_non_lazy_backward_lowering=True):
+                outs = entry.compiled(*[leaves[i] for i in entry.tensor_idx])
+        except Exception as e:
+            if entry.record.programs or isinstance(e, torch.OutOfMemoryError):
+                raise  # captured and lowered: this is a failure of the run itself
+            reason = f"{type(e).__name__}: {e}".strip()
+            if self.fallback == "eager":
+                warnings.warn(f"aotfuse: could not compile {self.name}, running it eagerly. Cause: "
+                              f"{reason.splitlines()[0] if reason else type(e).__name__}", stacklevel=4)
+                entry.eager = True
+                args, kwargs = tree
+                return self.fn(*args, **kwargs)
+            hint = ("an op or argument the C core cannot take" if isinstance(e, UnsupportedError)
+                    else "data-dependent control flow or an op AOTAutograd cannot trace")
+            raise CaptureError(
+                f"aotfuse could not capture {self.name} ({hint}).\nCause: {reason}\nWays out: "
+                f"torch.compile(model, backend='aotfuse') splits the graph around what cannot be captured; "
+                f"memory_efficient_fusion(model, fallback='eager') runs such functions eagerly with one "
+                f"warning; AOTFUSE_DISABLE=1 turns aotfuse off.") from e
+        return self._rebuild(entry.record, outs)
+
+    def cache_clear(self) -> None:
+        self._cache.clear()
+        self._warned_full = False
+
+    @property
+    def records(self) -> list[_Record]:
+        return [e.record for e in self._cache.values() if not e.eager]
+
+
+def aot_function(fn: Callable, fw_compiler: Callable | None = None, bw_compiler: Callable | None = None,
+                 partition_fn: Callable | None = None, decompositions: dict | None = None,
+                 num_params_buffers: int = 0, keep_inference_input_mutations: bool = False,
+                 inference_compiler: Callable | None = None, *, dynamic: bool = False,
+                 enable_log: bool = True, fallback: str = "error",
+                 max_cache_size: int | None = None) -> CompiledFunction:
+    """Compiles `fn` (tensors, or pytrees of them, in and out) into C programs for its forward and
+    backward, as functorch.compile.aot_function does. fw_compiler/bw_compiler default to aotfuse's
+    C core; pass your own (gm, example_inputs) -> callable to use another.
+
+    Example:
+        >>> f = aot_function(lambda x, y: (x * y).sin().sum())
+        >>> f(torch.randn(3, requires_grad=True), torch.randn(3)).backward()
+    """
+    if dynamic:
+        warnings.warn("aotfuse: dynamic=True is not supported; each input shape compiles once", stacklevel=2)
+    return CompiledFunction(fn, fw_compiler, bw_compiler, partition_fn, decompositions, num_params_buffers,
+                            keep_inference_input_mutations, inference_compiler, fallback, max_cache_size)
+
+
+class AOTModule(nn.Module):
+    """A compiled view of a module: it shares the original's parameters, buffers and submodules
+    (so state_dict keys, optimizers and .to() see the same tensors) and runs through aotfuse."""
+
+    def __init__(self, mod: nn.Module, compiled: CompiledFunction):
+        super().__init__()
+        object.__setattr__(self, "orig_module", mod)  # not a submodule: keys stay unprefixed
+        self._parameters = mod._parameters
+        self._buffers = mod._buffers
+        self._modules = mod._modules
+        self._non_persistent_buffers_set = mod._non_persistent_buffers_set
+        object.__setattr__(self, "_aotfuse_compiled", compiled)
+        self.training = mod.training
+
+    def train(self, mode: bool = True) -> "AOTModule":
+        self.orig_module.train(mode)
+        self.training = mode
+        return self
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        mod = self.orig_module
+        compiled = self._aotfuse_compiled
+        if config.disabled():
+            return mod(*args, **kwargs)
+        params = dict(mod.named_parameters(remove_duplicate=False))
+        buffers = dict(mod.named_buffers(remove_duplicate=False))
+        return compiled._call(((params, buffers) + args, kwargs), (mod.training,))
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "orig_module":
+                raise
+            return getattr(self.orig_module, name)  # config, generation helpers, ...
+
+
+def aot_module(mod: nn.Module, *args: Any, **kwargs: Any) -> AOTModule:
+    """Compiles an nn.Module: aot_function over the module's functional form, with its parameters
+    and buffers as inputs. Takes aot_function's keyword arguments."""
+    if not isinstance(mod, nn.Module):
+        raise TypeError(f"aot_module takes an nn.Module, got {type(mod).__name__}")
+
+    def functional_call(params: dict, buffers: dict, *a: Any, **k: Any) -> Any:
+        return torch.func.functional_call(mod, {**params, **buffers}, a, k)
+
+    functional_call.__qualname__ = type(mod).__name__
+    n = len(list(mod.named_parameters(remove_duplicate=False))) + len(list(mod.named_buffers(remove_duplicate=False)))
+    compiled = aot_function(functional_call, *args, num_params_buffers=n, **kwargs)
+    return AOTModule(mod, compiled)
+
+
+def memory_efficient_fusion(fn: Callable | nn.Module, **kwargs: Any) -> Callable | AOTModule:
+    """Compiles a function or module for training with aotfuse's C core.
+
+    Example:
+        >>> model = memory_efficient_fusion(model)
+        >>> model(input_ids=ids, labels=labels).loss.backward()
+
+    Keyword arguments override aot_function's (fw_compiler, partition_fn, fallback="eager", ...).
+    """
+    if isinstance(fn, nn.Module):
+        return aot_module(fn, **kwargs)
+    return aot_function(fn, **kwargs)

@@ -1,0 +1,176 @@
+"""Lowering: one walk over an FX graph hands every node to the C core, which owns it from then on.
+
+`lower(gm)` returns a `Lowered` callable wrapping an `aotfuse._C.Program`; it follows AOTAutograd's
+boxed calling convention (one list argument, cleared by the callee).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from . import _C, config
+
+__all__ = ["lower", "Lowered", "UnsupportedError"]
+
+
+class UnsupportedError(RuntimeError):
+    """A graph node the C core cannot take (not an ATen op, or an argument it cannot encode)."""
+
+
+_DTYPE_NAMES = {getattr(torch, n): n for n in (
+    "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+    "complex64", "complex128")}
+
+
+def _meta(val: Any) -> tuple:
+    if isinstance(val, torch.Tensor):
+        dtype = _DTYPE_NAMES.get(val.dtype)
+        if dtype is None:
+            raise UnsupportedError(f"dtype {val.dtype} is not supported by aotfuse")
+        if val.layout != torch.strided:
+            raise UnsupportedError(f"layout {val.layout} is not supported by aotfuse")
+        dev = val.device
+        return ("tensor", dtype, dev.type, -1 if dev.index is None else dev.index,
+                tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride()), int(val.storage_offset()))
+    return ("other",)
+
+
+def _encode(a: Any, env: dict, where: str) -> tuple:
+    if isinstance(a, fx.Node):
+        vid = env.get(a)
+        if not isinstance(vid, int):
+            raise UnsupportedError(f"{where}: argument {a.name} is not a single value")
+        return ("v", vid)
+    if a is None:
+        return ("none",)
+    if isinstance(a, bool):
+        return ("bool", a)
+    if isinstance(a, int):
+        return ("int", a)
+    if isinstance(a, float):
+        return ("float", a)
+    if isinstance(a, str):
+        return ("str", a)
+    if isinstance(a, torch.dtype):
+        name = _DTYPE_NAMES.get(a)
+        if name is None:
+            raise UnsupportedError(f"{where}: dtype {a} is not supported")
+        return ("dtype", name)
+    if isinstance(a, torch.device):
+        return ("device", a.type, -1 if a.index is None else a.index)
+    if isinstance(a, torch.layout):
+        return ("layout", str(a).split(".")[-1])
+    if isinstance(a, torch.memory_format):
+        return ("memory_format", str(a).split(".")[-1])
+    if isinstance(a, (list, tuple)):
+        return ("list", [_encode(x, env, where) for x in a])
+    raise UnsupportedError(f"{where}: cannot pass argument {a!r} of type {type(a).__name__} to the C core")
+
+
+def _op_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return target.name() if "." in target.name() else f"{target.name()}.{target._overloadname}"
+    raise UnsupportedError(f"call to {getattr(target, '__name__', target)!r} is not an ATen op")
+
+
+class Lowered:
+    """A lowered FX graph: call it with a list of inputs (boxed), get a list of outputs."""
+
+    _boxed_call = True
+
+    def __init__(self, program: Any, constants: tuple, out_template: list, n_user_inputs: int):
+        self.program = program
+        self._constants = constants
+        self._template = out_template  # per graph output: None (from the program) or a constant
+        self._plain = all(t is None for t in out_template)
+        self.n_user_inputs = n_user_inputs
+
+    def __call__(self, args: list) -> list:
+        inputs = list(args) + list(self._constants) if self._constants else args
+        outs = self.program.run(inputs)
+        if isinstance(args, list):
+            args.clear()  # boxed convention: let the caller's inputs die early
+        if self._plain:
+            return list(outs)
+        it = iter(outs)
+        return [next(it) if t is None else t[0] for t in self._template]
+
+    def __str__(self) -> str:
+        return str(self.program)
+
+    def extern_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for op, _kind in self.program.nodes():
+            counts[op] = counts.get(op, 0) + 1
+        return counts
+
+
+def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None) -> Lowered:
+    """Lowers an ATen-level FX graph (as AOTAutograd produces) into a C program."""
+    g = _C.Graph()
+    env: dict[fx.Node, Any] = {}
+    constants: list[torch.Tensor] = []
+    const_nodes: list[fx.Node] = []
+    out_template: list = []
+    out_ids: list[int] = []
+    n_user_inputs = 0
+    for node in gm.graph.nodes:
+        where = f"node {node.name} ({node.target})"
+        if node.op == "placeholder":
+            if constants:
+                raise UnsupportedError(f"{where}: a placeholder after a constant")
+            env[node] = g.add_input(node.name, _meta(node.meta.get("val")))
+            n_user_inputs += 1
+        elif node.op == "get_attr":
+            const_nodes.append(node)  # added as inputs after the placeholders, below
+        elif node.op == "call_function":
+            if node.target is operator.getitem:
+                src, idx = node.args
+                ids = env.get(src)
+                if not isinstance(ids, list):
+                    raise UnsupportedError(f"{where}: getitem on a single value")
+                env[node] = ids[idx]
+                continue
+            op = _op_name(node.target)
+            val = node.meta.get("val")
+            metas = [_meta(v) for v in val] if isinstance(val, (list, tuple)) else [_meta(val)]
+            args = [_encode(a, env, where) for a in node.args]
+            kwargs = [(k, _encode(v, env, where)) for k, v in node.kwargs.items()]
+            ids = g.add_node(op, args, kwargs, metas)
+            env[node] = ids if isinstance(val, (list, tuple)) else ids[0]
+        elif node.op == "output":
+            (outs,) = node.args
+            for o in (outs if isinstance(outs, (list, tuple)) else (outs,)):
+                if isinstance(o, fx.Node):
+                    vid = env.get(o)
+                    if not isinstance(vid, int):
+                        raise UnsupportedError(f"graph output {o.name} is not a single value")
+                    out_ids.append(vid)
+                    out_template.append(None)
+                else:
+                    out_template.append((o,))  # None gradients and constants pass through
+        else:
+            raise UnsupportedError(f"{where}: FX op kind {node.op!r} is not supported")
+        if const_nodes and node.op != "get_attr" and node.op != "placeholder":
+            _bind_constants(g, gm, const_nodes, env, constants)
+    _bind_constants(g, gm, const_nodes, env, constants)
+    g.set_outputs(out_ids)
+    program = _C.Program(g)
+    program.check_inputs = config.check_inputs()
+    lowered = Lowered(program, tuple(constants), out_template, n_user_inputs)
+    config.emit("lowering", f"{gm.__class__.__name__}: {program.num_steps} steps\n{program}")
+    return lowered
+
+
+def _bind_constants(g: Any, gm: fx.GraphModule, nodes: list, env: dict, constants: list) -> None:
+    """Turns get_attr tensor constants into extra program inputs bound at call time."""
+    for node in nodes:
+        value = getattr(gm, node.target)
+        if not isinstance(value, torch.Tensor):
+            raise UnsupportedError(f"get_attr {node.target} is a {type(value).__name__}, not a tensor")
+        env[node] = g.add_input(node.name, _meta(value))
+        constants.append(value)
+    nodes.clear()
