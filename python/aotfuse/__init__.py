@@ -27,3 +27,7 @@ __all__ = [
     "UnsupportedError",
     "Error",
 ]
+
+from .dynamo import _register as _register_dynamo_backend
+
+_register_dynamo_backend()

@@ -12,7 +12,6 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-from torch._functorch import config as functorch_config
 from torch._functorch.aot_autograd import aot_function as _torch_aot_function
 from torch._functorch.partitioners import default_partition as _torch_default_partition
 
@@ -52,8 +51,14 @@ def _compile_with_core(record: _Record, stage: str, gm: torch.fx.GraphModule, ex
     return lowered
 
 
-def _recording_partition(record: _Record, partition_fn: Callable, joint_module, joint_inputs, **kwargs):
+def _recording_partition(record: _Record, partition_fn: Callable, lower_backward: bool, joint_module,
+                         joint_inputs, **kwargs):
     fw, bw = partition_fn(joint_module, joint_inputs, **kwargs)
+    if lower_backward:
+        # torch compiles the backward lazily, at the first backward call; lowering it here too
+        # makes an unsupported backward fail (or fall back) at the first forward call instead,
+        # and lets explain() report it. The backward compiler lowers its own (final) copy again.
+        _compile_with_core(record, "backward", bw, None)
     num_fwd_outputs = kwargs.get("num_fwd_outputs", 0)
     record.num_fwd_outputs = num_fwd_outputs
     (outs,) = next(n for n in reversed(fw.graph.nodes) if n.op == "output").args
@@ -179,7 +184,8 @@ class CompiledFunction:
             flat_fn,
             fw_compiler=self.fw_compiler or functools.partial(ours, "forward"),
             bw_compiler=self.bw_compiler or functools.partial(ours, "backward"),
-            partition_fn=functools.partial(_recording_partition, record, self.partition_fn),
+            partition_fn=functools.partial(_recording_partition, record, self.partition_fn,
+                                           self.bw_compiler is None),
             decompositions=self.decompositions,
             num_params_buffers=self.num_params_buffers,
             keep_inference_input_mutations=self.keep_inference_input_mutations,
@@ -195,10 +201,10 @@ class CompiledFunction:
     def _first_run(self, entry: _Entry, leaves: list, tree: Any) -> Any:
         """The first call of a signature traces, partitions, lowers (forward and backward) and runs."""
         try:
-            with functorch_config.patch(force_non_lazy_backward_lowering=True):
-                outs = entry.compiled(*[leaves[i] for i in entry.tensor_idx])
+            outs = entry.compiled(*[leaves[i] for i in entry.tensor_idx])
         except Exception as e:
-            if entry.record.programs or isinstance(e, torch.OutOfMemoryError):
+            if "inference" in entry.record.programs or "forward" in entry.record.programs or isinstance(
+                    e, torch.OutOfMemoryError):
                 raise  # captured and lowered: this is a failure of the run itself
             reason = f"{type(e).__name__}: {e}".strip()
             if self.fallback == "eager":
@@ -269,8 +275,9 @@ class AOTModule(nn.Module):
         compiled = self._aotfuse_compiled
         if config.disabled():
             return mod(*args, **kwargs)
-        params = dict(mod.named_parameters(remove_duplicate=False))
-        buffers = dict(mod.named_buffers(remove_duplicate=False))
+        # each tensor once: functional_call re-ties tied weights (HF embeddings and LM heads)
+        params = dict(mod.named_parameters())
+        buffers = dict(mod.named_buffers())
         return compiled._call(((params, buffers) + args, kwargs), (mod.training,))
 
     def __getattr__(self, name: str) -> Any:
@@ -292,7 +299,7 @@ def aot_module(mod: nn.Module, *args: Any, **kwargs: Any) -> AOTModule:
         return torch.func.functional_call(mod, {**params, **buffers}, a, k)
 
     functional_call.__qualname__ = type(mod).__name__
-    n = len(list(mod.named_parameters(remove_duplicate=False))) + len(list(mod.named_buffers(remove_duplicate=False)))
+    n = len(list(mod.named_parameters())) + len(list(mod.named_buffers()))
     compiled = aot_function(functional_call, *args, num_params_buffers=n, **kwargs)
     return AOTModule(mod, compiled)
 

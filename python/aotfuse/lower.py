@@ -32,6 +32,8 @@ def _meta(val: Any) -> tuple:
             raise UnsupportedError(f"dtype {val.dtype} is not supported by aotfuse")
         if val.layout != torch.strided:
             raise UnsupportedError(f"layout {val.layout} is not supported by aotfuse")
+        if any(isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride())):
+            raise UnsupportedError("symbolic shapes are not supported: aotfuse compiles each shape on its own")
         dev = val.device
         return ("tensor", dtype, dev.type, -1 if dev.index is None else dev.index,
                 tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride()), int(val.storage_offset()))

@@ -1,0 +1,47 @@
+"""torch.compile(model, backend="aotfuse"): Dynamo captures graphs (splitting them where Python
+cannot be captured), aotfuse compiles each one. Registered through the torch_dynamo_backends
+entry point; `import aotfuse` also registers it."""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Sequence
+
+import torch
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.partitioners import default_partition
+
+from .decompositions import default_decompositions
+from .lower import UnsupportedError, lower
+
+__all__ = ["aotfuse_backend"]
+
+
+def _compile_or_fallback(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]):
+    try:
+        return lower(gm, example_inputs)
+    except UnsupportedError as e:
+        # Dynamo graphs can carry what the core does not take (symbolic shapes after a
+        # recompile, say): that graph runs as torch's own FX code, correctly.
+        warnings.warn(f"aotfuse: a Dynamo graph runs uncompiled: {e}", stacklevel=2)
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        return make_boxed_func(gm.forward)
+
+
+def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any):
+    """The Dynamo backend. Example: torch.compile(model, backend="aotfuse", dynamic=False)."""
+    return aot_module_simplified(
+        gm,
+        example_inputs,
+        fw_compiler=_compile_or_fallback,
+        bw_compiler=_compile_or_fallback,
+        partition_fn=default_partition,
+        decompositions=default_decompositions(),
+    )
+
+
+def _register() -> None:
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "aotfuse" not in _BACKENDS:
+        register_backend(name="aotfuse")(aotfuse_backend)

@@ -1,0 +1,61 @@
+"""Shared checks: compiled vs eager with the seed's fp32 tolerances, naming what differs."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+ATOL, RTOL = 1e-4, 5e-3
+
+
+def assert_close(actual, expected, what: str, atol: float = ATOL, rtol: float = RTOL) -> None:
+    if expected is None or actual is None:
+        assert actual is None and expected is None, f"{what}: one side is None"
+        return
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} vs {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} vs {expected.dtype}"
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def tensors_of(tree):
+    from aotfuse._pytree import tree_flatten
+
+    return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
+
+
+def check_module(model: torch.nn.Module, *args, steps: int = 1, **kwargs):
+    """Runs eager and aotfuse copies of `model` for `steps` SGD steps on the same inputs; compares
+    outputs, every parameter's gradient (by name) and the parameters after each step."""
+    import aotfuse
+
+    eager = model
+    compiled_base = copy.deepcopy(model)
+    compiled = aotfuse.memory_efficient_fusion(compiled_base)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+    opt_c = torch.optim.SGD(compiled.parameters(), lr=0.1)
+    for step in range(steps):
+        out_e = eager(*args, **kwargs)
+        out_c = compiled(*args, **kwargs)
+        assert type(out_c) is type(out_e), f"step {step}: output type {type(out_c)} vs {type(out_e)}"
+        te, tc = tensors_of(out_e), tensors_of(out_c)
+        assert len(te) == len(tc)
+        for i, (a, b) in enumerate(zip(tc, te)):
+            assert_close(a, b, f"step {step} output {i}")
+        loss_e = sum(t.float().sum() for t in te if t.requires_grad)
+        loss_c = sum(t.float().sum() for t in tc if t.requires_grad)
+        opt_e.zero_grad()
+        opt_c.zero_grad()
+        if isinstance(loss_e, torch.Tensor):
+            loss_e.backward()
+            loss_c.backward()
+        pe = dict(eager.named_parameters())
+        for name, p in compiled_base.named_parameters():
+            assert_close(p.grad, pe[name].grad, f"step {step} grad of {name}")
+        opt_e.step()
+        opt_c.step()
+        for name, p in compiled_base.named_parameters():
+            assert_close(p.detach(), pe[name].detach(), f"step {step} parameter {name} after the update")
+        be = dict(eager.named_buffers())
+        for name, b in compiled_base.named_buffers():
+            assert_close(b, be[name], f"step {step} buffer {name}")
+    return compiled

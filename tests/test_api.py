@@ -1,0 +1,274 @@
+"""The public API: pytrees in and out, the signature cache, modules, explain, errors."""
+import collections
+import copy
+import dataclasses
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import aotfuse
+from helpers import assert_close, tensors_of
+
+Pair = collections.namedtuple("Pair", "first second")
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+    scale: float
+    tag: str = "train"
+
+
+@dataclasses.dataclass
+class Result:
+    y: torch.Tensor
+    total: torch.Tensor
+    note: str
+
+
+def _compare_trees(out, ref, what="output"):
+    assert type(out) is type(ref), f"{what}: {type(out)} vs {type(ref)}"
+    if isinstance(ref, torch.Tensor):
+        assert_close(out, ref, what)
+    elif isinstance(ref, dict):
+        assert list(out.keys()) == list(ref.keys()), what
+        for k in ref:
+            _compare_trees(out[k], ref[k], f"{what}[{k!r}]")
+    elif isinstance(ref, (list, tuple)):
+        assert len(out) == len(ref), what
+        for i, (a, b) in enumerate(zip(out, ref)):
+            _compare_trees(a, b, f"{what}[{i}]")
+    elif dataclasses.is_dataclass(ref):
+        for f in dataclasses.fields(ref):
+            _compare_trees(getattr(out, f.name), getattr(ref, f.name), f"{what}.{f.name}")
+    else:
+        assert out == ref, f"{what}: {out!r} vs {ref!r}"
+
+
+def _run_both(fn, *args, **kwargs):
+    """Calls aotfuse and eager on cloned inputs; compares outputs and input gradients."""
+    from aotfuse._pytree import tree_flatten, tree_unflatten
+
+    def clone(tree):
+        leaves, spec = tree_flatten(tree)
+        return tree_unflatten([x.detach().clone().requires_grad_(x.requires_grad)
+                               if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+
+    ref_args, ref_kwargs = clone((args, kwargs))
+    cf = aotfuse.aot_function(fn)
+    out = cf(*args, **kwargs)
+    ref = fn(*ref_args, **ref_kwargs)
+    _compare_trees(out, ref)
+    loss = sum(t.sum() for t in tensors_of(out) if t.requires_grad)
+    ref_loss = sum(t.sum() for t in tensors_of(ref) if t.requires_grad)
+    loss.backward()
+    ref_loss.backward()
+    for i, (a, b) in enumerate(zip(tensors_of((args, kwargs)), tensors_of((ref_args, ref_kwargs)))):
+        if b.requires_grad:
+            assert_close(a.grad, b.grad, f"grad of input leaf {i}")
+    return cf, out
+
+
+def test_positional_and_keyword_args():
+    def f(x, y, *, scale, bias=None):
+        return (x * y).sin() * scale + (0 if bias is None else bias)
+
+    _run_both(f, torch.randn(4, requires_grad=True), torch.randn(4), scale=2.0, bias=torch.randn(4, requires_grad=True))
+
+
+def test_nested_containers_in_and_out():
+    def f(inputs, opts):
+        a, (b, c) = inputs["pair"]
+        out = {"sum": a + b, "list": [a * c, (b - c).exp()], "pair": Pair(a.sin(), b.cos())}
+        out["scaled"] = (a * opts["k"],)
+        return out
+
+    x = [torch.randn(3, requires_grad=True) for _ in range(3)]
+    _run_both(f, {"pair": (x[0], [x[1], x[2]])}, {"k": 3})
+
+
+def test_dataclass_in_and_out_with_non_tensor_leaves():
+    def f(batch: Batch):
+        y = batch.x * batch.scale
+        return Result(y=y, total=y.sum(), note=batch.tag + "!"), None, 7, "done"
+
+    cf, out = _run_both(f, Batch(x=torch.randn(2, 3, requires_grad=True), scale=0.5))
+    assert out[1] is None and out[2] == 7 and out[3] == "done" and out[0].note == "train!"
+
+
+def test_non_tensor_leaf_values_are_part_of_the_signature():
+    cf = aotfuse.aot_function(lambda x, k, mode: x * k if mode == "mul" else x + k)
+    x = torch.randn(3)
+    assert_close(cf(x, 2.0, "mul"), x * 2.0, "mul 2")
+    assert_close(cf(x, 3.0, "mul"), x * 3.0, "mul 3")
+    assert_close(cf(x, 3.0, "add"), x + 3.0, "add 3")
+    assert cf.compile_count == 3
+
+
+def test_hf_model_output():
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 3)
+
+        def forward(self, x, labels=None):
+            logits = self.fc(x)
+            loss = nn.functional.cross_entropy(logits, labels) if labels is not None else None
+            return SequenceClassifierOutput(loss=loss, logits=logits)
+
+    model = Tiny()
+    compiled = aotfuse.memory_efficient_fusion(copy.deepcopy(model))
+    x, labels = torch.randn(4, 6), torch.tensor([0, 2, 1, 0])
+    out, ref = compiled(x, labels=labels), model(x, labels=labels)
+    assert type(out) is SequenceClassifierOutput
+    assert list(out.keys()) == list(ref.keys()) == ["loss", "logits"]
+    assert_close(out.loss, ref.loss, "loss")
+    assert_close(out[1], ref.logits, "logits by index")
+    if out.loss < 0:  # Python around the model still works on real tensors
+        raise AssertionError("cross entropy is never negative")
+    out.loss.backward()
+    ref.loss.backward()
+    assert_close(compiled.fc.weight.grad, model.fc.weight.grad, "fc.weight grad")
+    no_labels = compiled(x)
+    assert no_labels.loss is None and list(no_labels.keys()) == ["logits"]
+
+
+def test_batch_size_change_recompiles_and_is_right():
+    model = nn.Sequential(nn.Linear(5, 7), nn.GELU(), nn.Linear(7, 2))
+    compiled = aotfuse.memory_efficient_fusion(copy.deepcopy(model))
+    cf = compiled._aotfuse_compiled
+    for batch in (4, 9, 4, 1):
+        x = torch.randn(batch, 5)
+        out = compiled(x)
+        assert out.shape == (batch, 2)
+        assert_close(out, model(x), f"batch {batch}")
+        out.sum().backward()
+    assert cf.compile_count == 3  # 4, 9, 1: the second batch of 4 reused the first program
+
+
+def test_same_signature_twice_does_not_recompile():
+    cf = aotfuse.aot_function(lambda x, w: (x @ w).relu())
+    w = torch.randn(4, 4, requires_grad=True)
+    for _ in range(3):
+        cf(torch.randn(2, 4), w).sum().backward()
+    assert cf.compile_count == 1
+
+
+@pytest.mark.parametrize("change", ["dtype", "stride", "requires_grad", "grad_mode"])
+def test_signature_changes_recompile(change):
+    cf = aotfuse.aot_function(lambda x: (x * 2).sin())
+    x = torch.randn(4, 6, requires_grad=True)
+    cf(x)
+    y = {"dtype": lambda: x.detach().double(), "stride": lambda: x.detach().t(),
+         "requires_grad": lambda: x.detach(), "grad_mode": lambda: x}[change]()
+    if change == "grad_mode":
+        with torch.no_grad():
+            out = cf(y)
+    else:
+        out = cf(y)
+    assert_close(out, (y * 2).sin(), change)
+    assert cf.compile_count == 2
+
+
+def test_cache_bound_warns_once_and_stays_correct():
+    cf = aotfuse.aot_function(lambda x: x.cos() + 1, max_cache_size=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in range(1, 6):
+            x = torch.randn(n)
+            assert_close(cf(x), x.cos() + 1, f"size {n}")
+    assert cf.compile_count == 2
+    msgs = [str(w.message) for w in caught if "aotfuse" in str(w.message)]
+    assert len(msgs) == 1 and "input signatures" in msgs[0]
+
+
+def test_module_state_dict_optimizer_and_modes():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 2))
+    compiled = aotfuse.memory_efficient_fusion(model)
+    assert list(compiled.state_dict().keys()) == list(model.state_dict().keys())
+    assert all(a is b for a, b in zip(compiled.parameters(), model.parameters()))
+    # an optimizer built on the compiled module trains the original, and the other way round
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.5)
+    before = model[0].weight.detach().clone()
+    compiled.eval()
+    assert not model.training and not model[1].training
+    x = torch.randn(3, 4)
+    out = compiled(x)
+    assert_close(out, model(x), "eval output (dropout off)")
+    out.sum().backward()
+    opt.step()
+    assert not torch.equal(before, model[0].weight)
+    compiled.train()
+    assert model.training and model[1].training
+    compiled.load_state_dict(copy.deepcopy(model.state_dict()))
+
+
+def test_tied_parameters():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.head(self.emb(ids)).logsumexp(-1).mean()
+
+    model = Tied()
+    compiled = aotfuse.memory_efficient_fusion(copy.deepcopy(model))
+    ids = torch.randint(0, 10, (2, 5))
+    out, ref = compiled(ids), model(ids)
+    assert_close(out, ref, "tied output")
+    out.backward()
+    ref.backward()
+    assert_close(compiled.emb.weight.grad, model.emb.weight.grad, "tied weight grad")
+
+
+def test_functorch_style_compilers_and_partition():
+    from torch._functorch.partitioners import default_partition
+
+    seen = []
+
+    def my_compiler(gm, example_inputs):
+        seen.append(len(list(gm.graph.nodes)))
+        return gm
+
+    cf = aotfuse.aot_function(lambda x: x.sin().cos(), fw_compiler=my_compiler, bw_compiler=my_compiler,
+                              partition_fn=default_partition)
+    x = torch.randn(5, requires_grad=True)
+    cf(x).sum().backward()
+    assert len(seen) == 2
+    assert_close(x.grad, -torch.sin(torch.sin(x)) * torch.cos(x), "grad")
+
+
+def test_explain_report():
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    report = aotfuse.explain(model, torch.randn(3, 8))
+    assert report.forward_nodes > 0 and report.backward_nodes > 0
+    assert report.fused_kernels == 0
+    assert report.extern_ops.get("aten::mm.default", 0) >= 1
+    assert sum(report.extern_ops.values()) == report.forward_nodes + report.backward_nodes
+    assert report.saved_bytes == sum(s[3] for s in report.saved) > 0
+    text = str(report)
+    assert "forward program" in text and "saved for backward" in text and "aten::mm.default" in text
+
+
+def test_disable_env_runs_eager(monkeypatch):
+    cf = aotfuse.aot_function(lambda x: x * 3)
+    monkeypatch.setenv("AOTFUSE_DISABLE", "1")
+    assert_close(cf(torch.ones(2)), torch.full((2,), 3.0), "disabled")
+    assert cf.compile_count == 0
+
+
+def test_torch_compile_backend():
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1))
+    compiled = torch.compile(copy.deepcopy(model), backend="aotfuse", dynamic=False)
+    x = torch.randn(4, 6)
+    out, ref = compiled(x), model(x)
+    assert_close(out, ref, "torch.compile output")
+    torch._dynamo.reset()

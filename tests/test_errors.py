@@ -1,0 +1,115 @@
+"""Errors: untraceable code, unsupported ops, bad input to programs and graphs. Never a crash."""
+import warnings
+
+import pytest
+import torch
+
+import aotfuse
+from aotfuse import _C
+
+
+def data_dependent(x):
+    if x.sum() > 0:
+        return x * 2
+    return x - 1
+
+
+def test_untraceable_function_raises_a_clear_error():
+    cf = aotfuse.aot_function(data_dependent)
+    with pytest.raises(aotfuse.CaptureError) as info:
+        cf(torch.randn(4))
+    msg = str(info.value)
+    assert "data_dependent" in msg and "fallback='eager'" in msg and "backend='aotfuse'" in msg
+
+
+def test_fallback_eager_warns_once_and_is_right():
+    cf = aotfuse.aot_function(data_dependent, fallback="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in (torch.ones(3), -torch.ones(3), torch.ones(3)):
+            torch.testing.assert_close(cf(x), data_dependent(x))
+    assert len([w for w in caught if "aotfuse" in str(w.message)]) == 1
+
+
+def test_bad_fallback_value():
+    with pytest.raises(ValueError):
+        aotfuse.aot_function(lambda x: x, fallback="maybe")
+
+
+def _graph_1in():
+    g = _C.Graph()
+    x = g.add_input("x", ("tensor", "float32", "cpu", -1, (2, 3), (3, 1), 0))
+    return g, x
+
+
+def test_graph_repr_and_verify():
+    g, x = _graph_1in()
+    (y,) = g.add_node("aten::mul.Tensor", [("v", x), ("v", x)], [], [("tensor", "float32", "cpu", -1, (2, 3), (3, 1), 0)])
+    g.set_outputs([y])
+    g.verify()
+    text = repr(g)
+    assert "aten::mul.Tensor(%x, %x)" in text and "f32[2, 3]" in text and "pointwise" in text
+    prog = _C.Program(g)
+    x_val = torch.randn(2, 3)
+    (out,) = prog.run([x_val])
+    torch.testing.assert_close(out, x_val * x_val)
+    with pytest.raises(_C.Error):
+        g.verify()  # consumed by the program
+
+
+@pytest.mark.parametrize("bad", [
+    lambda g, x: g.add_node("aten::mul.Tensor", [("v", 99)], [], [("tensor", "float32", "cpu", -1, (2,), (1,), 0)]),
+    lambda g, x: g.add_node("aten::mul.Tensor", [("v", -1)], [], [("tensor", "float32", "cpu", -1, (2,), (1,), 0)]),
+    lambda g, x: g.add_node("", [("v", x)], [], [("tensor", "float32", "cpu", -1, (2,), (1,), 0)]),
+    lambda g, x: g.add_node("aten::neg.default", [("v", x)], [], []),
+    lambda g, x: g.add_node("aten::neg.default", [("v", x)], [], [("tensor", "float32", "cpu", -1, (-2,), (1,), 0)]),
+    lambda g, x: g.add_node("aten::neg.default", [("v", x)], [], [("tensor", "float99", "cpu", -1, (2,), (1,), 0)]),
+    lambda g, x: g.add_node("aten::neg.default", [("v", x)], [], [("tensor", "float32", "tpu", -1, (2,), (1,), 0)]),
+    lambda g, x: g.add_node("aten::neg.default", [("bogus", 1)], [], [("tensor", "float32", "cpu", -1, (2,), (1,), 0)]),
+    lambda g, x: g.add_node("aten::neg.default", [42], [], [("tensor", "float32", "cpu", -1, (2,), (1,), 0)]),
+    lambda g, x: g.add_input("y", ("tensor", "float32", "cpu", -1, (1,) * 17, (1,) * 17, 0)),
+    lambda g, x: g.set_outputs([5]),
+])
+def test_malformed_graphs_are_rejected(bad):
+    g, x = _graph_1in()
+    with pytest.raises((_C.Error, ValueError, TypeError)):
+        bad(g, x)
+    g.verify()  # still a valid graph
+    assert g.num_nodes == 0
+
+
+def test_unknown_op_fails_when_resolved_not_later():
+    g, x = _graph_1in()
+    (y,) = g.add_node("aten::no_such_op.default", [("v", x)], [], [("tensor", "float32", "cpu", -1, (2, 3), (3, 1), 0)])
+    g.set_outputs([y])
+    with pytest.raises(_C.Error, match="no_such_op"):
+        _C.Program(g)
+
+
+def test_program_rejects_wrong_inputs():
+    g, x = _graph_1in()
+    (y,) = g.add_node("aten::neg.default", [("v", x)], [], [("tensor", "float32", "cpu", -1, (2, 3), (3, 1), 0)])
+    g.set_outputs([y])
+    prog = _C.Program(g)
+    for bad, what in [((torch.randn(3, 2),), "size"), ((torch.randn(2, 3).double(),), "dtype"),
+                      ((torch.randn(3, 2).t(),), "stride"), (("nope",), "tensor"), ((), "inputs")]:
+        with pytest.raises(_C.Error, match=what):
+            prog.run(list(bad))
+
+
+def test_extern_exception_propagates_with_a_note():
+    g, x = _graph_1in()
+    # mm of [2,3] x [2,3] fails inside ATen; the error keeps its type and names the step
+    (y,) = g.add_node("aten::mm.default", [("v", x), ("v", x)], [], [("tensor", "float32", "cpu", -1, (2, 3), (3, 1), 0)])
+    g.set_outputs([y])
+    prog = _C.Program(g)
+    with pytest.raises(RuntimeError) as info:
+        prog.run([torch.randn(2, 3)])
+    assert any("aten::mm.default" in n for n in getattr(info.value, "__notes__", []))
+
+
+def test_bridge_reports_the_shim_functions_it_found():
+    info = _C.bridge_info()
+    for name in ("aoti_torch_get_sizes", "aoti_torch_get_strides", "aoti_torch_get_dtype",
+                 "aoti_torch_delete_tensor_object"):
+        assert info[name] is True
