@@ -137,9 +137,12 @@ int af_device_type_parse(const char *name, af_device_type *out) {
 }
 
 int64_t af_tensor_meta_nbytes(const af_tensor_meta *m) {
-    if (!m || m->type != AF_VALUE_TENSOR) return 0;
+    if (!m || m->type != AF_VALUE_TENSOR || (m->ndim > 0 && !m->sizes)) return 0;
     int64_t n = 1;
-    for (int32_t d = 0; d < m->ndim; d++) n *= m->sizes[d];
+    for (int32_t d = 0; d < m->ndim; d++) {
+        if (m->sizes[d] > 0 && n > INT64_MAX / 16 / m->sizes[d]) return INT64_MAX; /* saturate */
+        n *= m->sizes[d];
+    }
     return n * af_dtype_itemsize(m->dtype);
 }
 
@@ -248,6 +251,7 @@ static int arg_copy(af_arena *a, const af_arg *src, af_arg *dst) {
     *dst = *src;
     if (src->name && !(dst->name = arena_strdup(a, src->name)))
         return af_error_set(AF_ERR_NOMEM, "out of memory copying an argument");
+    if (src->kind == AF_ARG_LIST) dst->u.list.items = NULL; /* never keep the caller's pointer */
     if ((src->kind == AF_ARG_STR || src->kind == AF_ARG_LAYOUT || src->kind == AF_ARG_MEMORY_FORMAT) &&
         !(dst->u.s = arena_strdup(a, src->u.s)))
         return af_error_set(AF_ERR_NOMEM, "out of memory copying an argument");
@@ -269,10 +273,14 @@ int af_graph_add_node(af_graph *g, const char *op, const af_arg *args, int32_t n
     if (!op || !*op) return af_error_set(AF_ERR_INVALID, "node without an op name");
     if (n_args < 0 || (n_args > 0 && !args)) return af_error_set(AF_ERR_INVALID, "node %s: bad argument count %d", op, (int)n_args);
     if (n_outputs < 1 || !metas) return af_error_set(AF_ERR_INVALID, "node %s: needs at least one output", op);
-    int st;
-    for (int32_t i = 0; i < n_args; i++)
+    int st, keyword_seen = 0;
+    for (int32_t i = 0; i < n_args; i++) {
         if ((st = arg_check(g, &args[i], 0, g->n_values)))
             return af_error_set(st, "node %s, argument %d: %s", op, (int)i, af_error_message());
+        if (args[i].name) keyword_seen = 1;
+        else if (keyword_seen)
+            return af_error_set(AF_ERR_INVALID, "node %s: positional argument %d after a keyword", op, (int)i);
+    }
     for (int32_t i = 0; i < n_outputs; i++)
         if ((st = meta_check(&metas[i], "node output")))
             return af_error_set(st, "node %s, output %d: %s", op, (int)i, af_error_message());

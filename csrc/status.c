@@ -3,14 +3,19 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 static _Thread_local char af_error_buf[1024];
 
 int af_error_set(int status, const char *fmt, ...) {
+    /* Formats into a local buffer first: callers may pass af_error_message() itself as an
+     * argument to prefix the previous message ("node x: <inner error>"). */
+    char tmp[sizeof af_error_buf];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(af_error_buf, sizeof af_error_buf, fmt, ap);
+    vsnprintf(tmp, sizeof tmp, fmt, ap);
     va_end(ap);
+    memcpy(af_error_buf, tmp, sizeof tmp);
     return status;
 }
 

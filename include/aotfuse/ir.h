@@ -143,7 +143,7 @@ int32_t af_graph_output(const af_graph *g, int32_t index); /* value id of the in
 /* Bytes of a tensor value's elements (numel * itemsize); 0 for non-tensors. */
 int64_t af_tensor_meta_nbytes(const af_tensor_meta *meta);
 
-/* Names: "float32", "cpu", ... and their parsers (AF_ERR_INVALID for unknown names). */
+/* Names: "float32", "cpu", ... and their parsers (AF_ERR_UNSUPPORTED for unknown names). */
 const char *af_dtype_name(af_dtype dtype);
 int af_dtype_itemsize(af_dtype dtype);
 int af_dtype_parse(const char *name, af_dtype *out);

@@ -3,10 +3,6 @@
  * Build and run with tests/c/Makefile:
  *   make check       ASan + UBSan (+ LeakSanitizer where the sandbox allows it)
  *   make valgrind    plain build under valgrind --leak-check=full
- *   make known-bugs  also runs the tests of known bugs in csrc/ (fails until they are fixed)
- *
- * Tests guarded by AF_TEST_KNOWN_BUGS pin down behaviour that the headers promise but the
- * current sources do not deliver; without that macro they are reported as SKIPPED.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -1280,19 +1276,13 @@ static void test_long_names(void **state) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* known bugs in csrc/ (see the report); SKIPPED unless built with -DAF_TEST_KNOWN_BUGS          */
+/* regression tests of bugs found in csrc/ (fixed)                                            */
 /* ------------------------------------------------------------------------------------------ */
 
-#ifdef AF_TEST_KNOWN_BUGS
-#define KNOWN_BUG_GUARD() ((void)0)
-#else
-#define KNOWN_BUG_GUARD() skip()
-#endif
 
 /* af_graph_add_node and af_graph_verify pass af_error_message() (the thread's error buffer) as
  * a %s argument to af_error_set, which vsnprintf's into that same buffer: the detail is lost. */
-static void test_known_bug_nested_error_message(void **state) {
-    KNOWN_BUG_GUARD();
+static void test_regression_nested_error_message(void **state) {
     af_graph *g = *state; /* small graph: 3 values */
     af_tensor_meta m = meta_f32_4x8();
     af_arg args[1] = {arg_value(5)};
@@ -1315,8 +1305,7 @@ static void test_known_bug_nested_error_message(void **state) {
 /* af_node says "positional first, then keyword" and af_graph_verify enforces it, but
  * af_graph_add_node accepts a positional argument after a keyword one: the builder makes a
  * graph that verify then rejects. */
-static void test_known_bug_keyword_order(void **state) {
-    KNOWN_BUG_GUARD();
+static void test_regression_keyword_order(void **state) {
     af_graph *g = *state;
     af_tensor_meta m = meta_f32_4x8();
     af_arg args[3] = {arg_value(0), kw("alpha", arg_int(1)), arg_value(1)};
@@ -1325,8 +1314,7 @@ static void test_known_bug_keyword_order(void **state) {
 
 /* Builders copy what they are given and no pointer in a graph refers to caller memory; an
  * empty list keeps the caller's items pointer. */
-static void test_known_bug_empty_list_keeps_caller_pointer(void **state) {
-    KNOWN_BUG_GUARD();
+static void test_regression_empty_list_keeps_caller_pointer(void **state) {
     af_graph *g = *state;
     af_tensor_meta m = meta_f32_4x8();
     af_arg caller_items[1] = {arg_int(1)};
@@ -1368,9 +1356,9 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_verify_detects_corruption, small_graph_setup, graph_teardown),
         cmocka_unit_test_setup_teardown(test_large_chain, graph_setup, graph_teardown),
         cmocka_unit_test_setup_teardown(test_long_names, graph_setup, graph_teardown),
-        cmocka_unit_test_setup_teardown(test_known_bug_nested_error_message, small_graph_setup, graph_teardown),
-        cmocka_unit_test_setup_teardown(test_known_bug_keyword_order, small_graph_setup, graph_teardown),
-        cmocka_unit_test_setup_teardown(test_known_bug_empty_list_keeps_caller_pointer, graph_setup, graph_teardown),
+        cmocka_unit_test_setup_teardown(test_regression_nested_error_message, small_graph_setup, graph_teardown),
+        cmocka_unit_test_setup_teardown(test_regression_keyword_order, small_graph_setup, graph_teardown),
+        cmocka_unit_test_setup_teardown(test_regression_empty_list_keeps_caller_pointer, graph_setup, graph_teardown),
     };
     return cmocka_run_group_tests_name("aotfuse IR", tests, NULL, NULL);
 }
