@@ -169,3 +169,16 @@ def test_no_grad_and_inference_mode():
     assert_close(out, ref, "inference_mode output")
     out = compiled(x)  # grad mode again: a separate signature, with autograd
     assert out.requires_grad
+
+
+def test_graph_with_tensor_constants():
+    # a tensor literal in the model becomes a get_attr constant in the captured graph
+    def f(x):
+        return x * torch.tensor([1.0, 2.0, 3.0]) + torch.tensor(0.5)
+
+    x = torch.randn(4, 3, requires_grad=True)
+    cf = aotfuse.aot_function(f)
+    out = cf(x)
+    assert_close(out, f(x.detach()), "output")
+    out.sum().backward()
+    assert_close(x.grad, torch.tensor([1.0, 2.0, 3.0]).expand(4, 3), "grad")

@@ -115,7 +115,6 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None) -> Lo
     g = _C.Graph()
     env: dict[fx.Node, Any] = {}
     constants: list[torch.Tensor] = []
-    const_nodes: list[fx.Node] = []
     out_template: list = []
     out_ids: list[int] = []
     n_user_inputs = 0
@@ -127,7 +126,12 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None) -> Lo
             env[node] = g.add_input(node.name, _meta(node.meta.get("val")))
             n_user_inputs += 1
         elif node.op == "get_attr":
-            const_nodes.append(node)  # added as inputs after the placeholders, below
+            # a tensor constant: an extra input after the placeholders, bound by Lowered
+            value = getattr(gm, node.target)
+            if not isinstance(value, torch.Tensor):
+                raise UnsupportedError(f"get_attr {node.target} is a {type(value).__name__}, not a tensor")
+            env[node] = g.add_input(node.name, _meta(value))
+            constants.append(value)
         elif node.op == "call_function":
             if node.target is operator.getitem:
                 src, idx = node.args
@@ -156,9 +160,6 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None) -> Lo
                     out_template.append((o,))  # None gradients and constants pass through
         else:
             raise UnsupportedError(f"{where}: FX op kind {node.op!r} is not supported")
-        if const_nodes and node.op != "get_attr" and node.op != "placeholder":
-            _bind_constants(g, gm, const_nodes, env, constants)
-    _bind_constants(g, gm, const_nodes, env, constants)
     g.set_outputs(out_ids)
     program = _C.Program(g)
     program.check_inputs = config.check_inputs()
@@ -166,13 +167,3 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None) -> Lo
     config.emit("lowering", f"{gm.__class__.__name__}: {program.num_steps} steps\n{program}")
     return lowered
 
-
-def _bind_constants(g: Any, gm: fx.GraphModule, nodes: list, env: dict, constants: list) -> None:
-    """Turns get_attr tensor constants into extra program inputs bound at call time."""
-    for node in nodes:
-        value = getattr(gm, node.target)
-        if not isinstance(value, torch.Tensor):
-            raise UnsupportedError(f"get_attr {node.target} is a {type(value).__name__}, not a tensor")
-        env[node] = g.add_input(node.name, _meta(value))
-        constants.append(value)
-    nodes.clear()
