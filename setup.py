@@ -12,7 +12,7 @@ core = Extension(
     include_dirs=["include"],
     depends=glob.glob("include/aotfuse/*.h") + glob.glob("csrc/*.def"),
     extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-Wno-missing-field-initializers"],
-    libraries=["dl"],
+    libraries=["dl", "m"],
 )
 
 setup(ext_modules=[core])

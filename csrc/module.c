@@ -21,6 +21,7 @@
 #include "aotfuse/bridge.h"
 #include "aotfuse/ir.h"
 #include "aotfuse/ops.h"
+#include "aotfuse/partition.h"
 #include "aotfuse/runtime.h"
 
 static PyObject *AotfuseError;
@@ -544,7 +545,69 @@ static PyObject *op_kind(PyObject *m, PyObject *arg) {
     return PyUnicode_FromString(af_op_kind_name(af_op_get(af_op_lookup(name))->kind));
 }
 
+/* partition(graph, roles, num_fwd_outputs, min_cut=True, max_dist_from_bw=.., reduction_ratio=..,
+ *           ban_materialized_bw=..) -> dict(saved=[value ids], forward=[node idx], backward=[node idx in
+ *           run order], recomputed=int, saved_bytes=int, cut_value=int) */
+static PyObject *partition(PyObject *m, PyObject *args, PyObject *kwds) {
+    (void)m;
+    static char *kwlist[] = {"graph", "roles", "num_fwd_outputs", "min_cut", "max_dist_from_bw", "reduction_ratio",
+                             "ban_materialized_bw", NULL};
+    GraphObject *graph;
+    Py_buffer roles;
+    int nfwd, min_cut = 1;
+    af_partition_options o = af_partition_default_options();
+    long long max_dist = o.max_dist_from_bw;
+    int ratio = o.reduction_ratio, ban_bw = o.ban_materialized_bw;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!y*i|pLip", kwlist, &GraphType, &graph, &roles, &nfwd, &min_cut,
+                                     &max_dist, &ratio, &ban_bw))
+        return NULL;
+    PyObject *result = NULL;
+    af_partition *p = NULL;
+    if (!graph_alive(graph)) goto done;
+    if (roles.len != af_graph_num_inputs(graph->g)) {
+        PyErr_Format(PyExc_ValueError, "%zd roles for %d graph inputs", roles.len, (int)af_graph_num_inputs(graph->g));
+        goto done;
+    }
+    o.max_dist_from_bw = max_dist;
+    o.reduction_ratio = ratio;
+    o.ban_materialized_bw = ban_bw;
+    int st = min_cut ? af_partition_min_cut(graph->g, roles.buf, nfwd, &o, &p)
+                     : af_partition_default(graph->g, roles.buf, nfwd, &p);
+    if (!st) st = af_partition_check(graph->g, roles.buf, nfwd, p);
+    if (st) {
+        raise_status(st);
+        goto done;
+    }
+    PyObject *saved = PyList_New(p->n_saved), *fw = PyList_New(0), *bw = PyList_New(p->n_backward_order);
+    if (saved && fw && bw) {
+        for (int32_t i = 0; i < p->n_saved; i++) PyList_SET_ITEM(saved, i, PyLong_FromLong(p->saved[i]));
+        for (int32_t i = 0; i < p->n_backward_order; i++) PyList_SET_ITEM(bw, i, PyLong_FromLong(p->backward_order[i]));
+        for (int32_t n = 0; n < af_graph_num_nodes(graph->g); n++) {
+            if (!p->in_forward[n]) continue;
+            PyObject *idx = PyLong_FromLong(n);
+            if (!idx || PyList_Append(fw, idx) < 0) {
+                Py_XDECREF(idx);
+                goto build_failed;
+            }
+            Py_DECREF(idx);
+        }
+        result = Py_BuildValue("{s:O,s:O,s:O,s:i,s:L,s:L}", "saved", saved, "forward", fw, "backward", bw,
+                               "recomputed", (int)p->n_recomputed, "saved_bytes", (long long)p->saved_bytes,
+                               "cut_value", (long long)p->cut_value);
+    }
+build_failed:
+    Py_XDECREF(saved);
+    Py_XDECREF(fw);
+    Py_XDECREF(bw);
+done:
+    af_partition_free(p);
+    PyBuffer_Release(&roles);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
+    {"partition", (PyCFunction)(void (*)(void))partition, METH_VARARGS | METH_KEYWORDS,
+     "partition(graph, roles: bytes, num_fwd_outputs, min_cut=True, ...) -> dict"},
     {"bridge_info", bridge_info, METH_NOARGS, "{shim function: found in this torch}"},
     {"op_kind", op_kind, METH_O, "op_kind('aten::add.Tensor') -> 'pointwise'"},
     {NULL, NULL, 0, NULL}};

@@ -13,6 +13,7 @@ from .compile import AOTModule, CaptureError, aot_function, aot_module, memory_e
 from .decompositions import default_decompositions
 from .explain import explain
 from .lower import UnsupportedError
+from .partition import default_partition, min_cut_rematerialization_partition
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,8 @@ __all__ = [
     "aot_function",
     "aot_module",
     "explain",
+    "min_cut_rematerialization_partition",
+    "default_partition",
     "default_decompositions",
     "AOTModule",
     "CaptureError",

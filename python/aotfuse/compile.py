@@ -13,12 +13,12 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 from torch._functorch.aot_autograd import aot_function as _torch_aot_function
-from torch._functorch.partitioners import default_partition as _torch_default_partition
 
 from . import config
 from ._pytree import tree_flatten, tree_unflatten
 from .decompositions import default_decompositions
 from .lower import Lowered, UnsupportedError, lower
+from .partition import default_partition, min_cut_rematerialization_partition
 
 __all__ = ["aot_function", "aot_module", "memory_efficient_fusion", "CaptureError", "AOTModule"]
 
@@ -42,6 +42,7 @@ class _Record:
         self.num_fwd_outputs = 0
         self.saved_bytes = 0
         self.saved: list[tuple[str, tuple, str, int]] = []
+        self.recomputed: list[str] = []
 
 
 def _compile_with_core(record: _Record, stage: str, gm: torch.fx.GraphModule, example_inputs: Any) -> Lowered:
@@ -61,6 +62,8 @@ def _recording_partition(record: _Record, partition_fn: Callable, lower_backward
         _compile_with_core(record, "backward", bw, None)
     num_fwd_outputs = kwargs.get("num_fwd_outputs", 0)
     record.num_fwd_outputs = num_fwd_outputs
+    stats = fw.meta.get("aotfuse_partition")
+    record.recomputed = list(stats.recomputed) if stats is not None else []
     (outs,) = next(n for n in reversed(fw.graph.nodes) if n.op == "output").args
     record.saved, record.saved_bytes = [], 0
     for node in list(outs)[num_fwd_outputs:]:
@@ -112,7 +115,7 @@ class CompiledFunction:
         self.fw_compiler = fw_compiler
         self.bw_compiler = bw_compiler
         self.inference_compiler = inference_compiler
-        self.partition_fn = partition_fn or _torch_default_partition
+        self.partition_fn = partition_fn or default_partition
         self.decompositions = default_decompositions() if decompositions is None else decompositions
         self.num_params_buffers = num_params_buffers
         self.keep_inference_input_mutations = keep_inference_input_mutations
@@ -312,7 +315,9 @@ def memory_efficient_fusion(fn: Callable | nn.Module, **kwargs: Any) -> Callable
         >>> model(input_ids=ids, labels=labels).loss.backward()
 
     Keyword arguments override aot_function's (fw_compiler, partition_fn, fallback="eager", ...).
+    The partition is aotfuse's min-cut rematerialization unless partition_fn is given.
     """
+    kwargs.setdefault("partition_fn", min_cut_rematerialization_partition)
     if isinstance(fn, nn.Module):
         return aot_module(fn, **kwargs)
     return aot_function(fn, **kwargs)

@@ -19,6 +19,7 @@ class Explanation:
     fused_kernels: int
     saved_bytes: int            # bytes the forward saves for the backward
     saved: list[tuple[str, tuple, str, int]]  # (name, shape, dtype, bytes) of each saved value
+    recomputed: list[str]       # forward nodes the backward recomputes (min-cut partition)
     forward_program: str
     backward_program: str
 
@@ -33,6 +34,8 @@ class Explanation:
         ]
         for name, shape, dtype, nbytes in self.saved:
             lines.append(f"    {name}: {dtype}{list(shape)} {nbytes} B")
+        lines.append(f"  recomputed in backward: {len(self.recomputed)} nodes"
+                     + (f" ({', '.join(self.recomputed)})" if self.recomputed else ""))
         lines.append("  extern ops:")
         for op, n in sorted(self.extern_ops.items(), key=lambda kv: (-kv[1], kv[0])):
             lines.append(f"    {n:5d}  {op}")
@@ -71,6 +74,7 @@ def explain(fn_or_module: Callable | nn.Module, *args: Any, **kwargs: Any) -> Ex
         fused_kernels=0,
         saved_bytes=record.saved_bytes if bw else 0,
         saved=list(record.saved) if bw else [],
+        recomputed=list(record.recomputed) if bw else [],
         forward_program=str(fw) if fw else "",
         backward_program=str(bw) if bw else "",
     )

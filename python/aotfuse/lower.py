@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from . import _C, config
 
-__all__ = ["lower", "Lowered", "UnsupportedError"]
+__all__ = ["lower", "build_graph", "GraphBuild", "Lowered", "UnsupportedError"]
 
 
 class UnsupportedError(RuntimeError):
@@ -32,11 +32,12 @@ def _meta(val: Any) -> tuple:
             raise UnsupportedError(f"dtype {val.dtype} is not supported by aotfuse")
         if val.layout != torch.strided:
             raise UnsupportedError(f"layout {val.layout} is not supported by aotfuse")
-        if any(isinstance(s, torch.SymInt) for s in (*val.shape, *val.stride())):
+        shape, stride = tuple(val.shape), val.stride()
+        if torch.SymInt in map(type, shape) or torch.SymInt in map(type, stride):
             raise UnsupportedError("symbolic shapes are not supported: aotfuse compiles each shape on its own")
         dev = val.device
-        return ("tensor", dtype, dev.type, -1 if dev.index is None else dev.index,
-                tuple(int(s) for s in val.shape), tuple(int(s) for s in val.stride()), int(val.storage_offset()))
+        return ("tensor", dtype, dev.type, -1 if dev.index is None else dev.index, shape, stride,
+                int(val.storage_offset()))
     return ("other",)
 
 
@@ -110,28 +111,47 @@ class Lowered:
         return counts
 
 
-def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None) -> Lowered:
-    """Lowers an ATen-level FX graph (as AOTAutograd produces) into a C program."""
-    g = _C.Graph()
+class GraphBuild:
+    """An FX graph handed to the C core: the graph, and how its values map back to FX."""
+
+    def __init__(self) -> None:
+        self.graph = _C.Graph()
+        self.constants: list[torch.Tensor] = []  # get_attr tensors, inputs after the placeholders
+        self.out_template: list = []             # per FX output: None (a graph output) or (constant,)
+        self.value_nodes: list = []              # value id -> the FX node holding it (None: unread output)
+        self.ir_nodes: list[fx.Node] = []        # IR node index -> FX node
+        self.input_nodes: list[fx.Node] = []     # graph input index -> placeholder or get_attr node
+
+    def _values(self, ids: list[int], node: fx.Node | None) -> None:
+        for vid in ids:
+            while len(self.value_nodes) <= vid:
+                self.value_nodes.append(None)
+            self.value_nodes[vid] = node
+
+
+def build_graph(gm: fx.GraphModule) -> GraphBuild:
+    """One walk over an ATen-level FX graph (as AOTAutograd produces): every node goes to the C IR."""
+    b = GraphBuild()
+    g = b.graph
     env: dict[fx.Node, Any] = {}
-    constants: list[torch.Tensor] = []
-    out_template: list = []
     out_ids: list[int] = []
-    n_user_inputs = 0
     for node in gm.graph.nodes:
         where = f"node {node.name} ({node.target})"
         if node.op == "placeholder":
-            if constants:
+            if b.constants:
                 raise UnsupportedError(f"{where}: a placeholder after a constant")
             env[node] = g.add_input(node.name, _meta(node.meta.get("val")))
-            n_user_inputs += 1
+            b._values([env[node]], node)
+            b.input_nodes.append(node)
         elif node.op == "get_attr":
             # a tensor constant: an extra input after the placeholders, bound by Lowered
             value = getattr(gm, node.target)
             if not isinstance(value, torch.Tensor):
                 raise UnsupportedError(f"get_attr {node.target} is a {type(value).__name__}, not a tensor")
             env[node] = g.add_input(node.name, _meta(value))
-            constants.append(value)
+            b._values([env[node]], node)
+            b.input_nodes.append(node)
+            b.constants.append(value)
         elif node.op == "call_function":
             if node.target is operator.getitem:
                 src, idx = node.args
@@ -139,14 +159,18 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None) -> Lo
                 if not isinstance(ids, list):
                     raise UnsupportedError(f"{where}: getitem on a single value")
                 env[node] = ids[idx]
+                b._values([ids[idx]], node)
                 continue
             op = _op_name(node.target)
             val = node.meta.get("val")
-            metas = [_meta(v) for v in val] if isinstance(val, (list, tuple)) else [_meta(val)]
+            multi = isinstance(val, (list, tuple))
+            metas = [_meta(v) for v in val] if multi else [_meta(val)]
             args = [_encode(a, env, where) for a in node.args]
             kwargs = [(k, _encode(v, env, where)) for k, v in node.kwargs.items()]
             ids = g.add_node(op, args, kwargs, metas)
-            env[node] = ids if isinstance(val, (list, tuple)) else ids[0]
+            env[node] = ids if multi else ids[0]
+            b._values(ids, None if multi else node)
+            b.ir_nodes.append(node)
         elif node.op == "output":
             (outs,) = node.args
             for o in (outs if isinstance(outs, (list, tuple)) else (outs,)):
@@ -155,15 +179,20 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None) -> Lo
                     if not isinstance(vid, int):
                         raise UnsupportedError(f"graph output {o.name} is not a single value")
                     out_ids.append(vid)
-                    out_template.append(None)
+                    b.out_template.append(None)
                 else:
-                    out_template.append((o,))  # None gradients and constants pass through
+                    b.out_template.append((o,))  # None gradients and constants pass through
         else:
             raise UnsupportedError(f"{where}: FX op kind {node.op!r} is not supported")
     g.set_outputs(out_ids)
-    program = _C.Program(g)
+    return b
+
+
+def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None) -> Lowered:
+    """Lowers an ATen-level FX graph (as AOTAutograd produces) into a C program."""
+    b = build_graph(gm)
+    program = _C.Program(b.graph)
     program.check_inputs = config.check_inputs()
-    lowered = Lowered(program, tuple(constants), out_template, n_user_inputs)
+    lowered = Lowered(program, tuple(b.constants), b.out_template, len(b.input_nodes) - len(b.constants))
     config.emit("lowering", f"{gm.__class__.__name__}: {program.num_steps} steps\n{program}")
     return lowered
-

@@ -1,0 +1,532 @@
+/* Partitioning a joint graph: min-cut rematerialization and the default split
+ * (see include/aotfuse/partition.h). */
+#include "aotfuse/partition.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "aotfuse/maxflow.h"
+
+#define DIST_INF ((int64_t)1000000000)
+
+/* What the partitioner knows about a joint graph. */
+typedef struct {
+    const af_graph *g;
+    const uint8_t *roles;
+    int32_t nv, nn, ni, no, nfwd;
+    int32_t *input_role;  /* per value: its role if a graph input, else -1 */
+    int32_t *arg_start;   /* per node: its argument value ids in args_flat (CSR, duplicates kept) */
+    int32_t *args_flat;
+    int32_t *user_start;  /* per value: the nodes reading it (CSR, one entry per read) */
+    int32_t *users;
+    uint8_t *is_output;   /* per value: a graph output */
+    uint8_t *fw_required; /* per value: needed to compute the forward outputs */
+    uint8_t *tangent;     /* per value: depends on a tangent (must be computed in the backward) */
+    uint8_t *bw_required; /* per value: tangent closure and backward outputs */
+    int64_t *dist;        /* per value: distance from the backward along users */
+} joint_ctx;
+
+static void ctx_free(joint_ctx *c) {
+    free(c->input_role);
+    free(c->arg_start);
+    free(c->args_flat);
+    free(c->user_start);
+    free(c->users);
+    free(c->is_output);
+    free(c->fw_required);
+    free(c->tangent);
+    free(c->bw_required);
+    free(c->dist);
+}
+
+static void count_arg_values(const af_arg *a, int32_t *n) {
+    if (a->kind == AF_ARG_VALUE) (*n)++;
+    else if (a->kind == AF_ARG_LIST)
+        for (int32_t i = 0; i < a->u.list.n; i++) count_arg_values(&a->u.list.items[i], n);
+}
+
+static void collect_arg_values(const af_arg *a, int32_t *out, int32_t *n) {
+    if (a->kind == AF_ARG_VALUE) out[(*n)++] = a->u.value;
+    else if (a->kind == AF_ARG_LIST)
+        for (int32_t i = 0; i < a->u.list.n; i++) collect_arg_values(&a->u.list.items[i], out, n);
+}
+
+static af_op_kind value_kind(const joint_ctx *c, int32_t v) {
+    int32_t producer = af_graph_value(c->g, v)->producer;
+    return producer < 0 ? AF_KIND_EXTERN : af_op_get(af_graph_node(c->g, producer)->op_id)->kind;
+}
+
+static af_op_kind node_kind(const joint_ctx *c, int32_t n) { return af_op_get(af_graph_node(c->g, n)->op_id)->kind; }
+
+static int kind_fusible(af_op_kind k) { return k == AF_KIND_POINTWISE || k == AF_KIND_REDUCTION || k == AF_KIND_VIEW; }
+
+/* Would value v fuse into node n (so v need not be written to memory for it)? */
+static int fusible(const joint_ctx *c, int32_t v, int32_t n) {
+    return af_graph_value(c->g, v)->producer >= 0 && kind_fusible(value_kind(c, v)) && kind_fusible(node_kind(c, n));
+}
+
+static int ctx_build(joint_ctx *c, const af_graph *g, const uint8_t *roles, int32_t num_fwd_outputs) {
+    memset(c, 0, sizeof *c);
+    c->g = g;
+    c->roles = roles;
+    c->nv = af_graph_num_values(g);
+    c->nn = af_graph_num_nodes(g);
+    c->ni = af_graph_num_inputs(g);
+    c->no = af_graph_num_outputs(g);
+    c->nfwd = num_fwd_outputs;
+    if (num_fwd_outputs < 0 || num_fwd_outputs > c->no)
+        return af_error_set(AF_ERR_INVALID, "num_fwd_outputs %d outside 0..%d", (int)num_fwd_outputs, (int)c->no);
+    for (int32_t i = 0; i < c->ni; i++)
+        if (roles[i] >= AF_ROLE_COUNT) return af_error_set(AF_ERR_INVALID, "input %d: bad role %d", (int)i, (int)roles[i]);
+    size_t nv = (size_t)c->nv + 1, nn = (size_t)c->nn + 1;
+    c->input_role = malloc(nv * sizeof(int32_t));
+    c->arg_start = calloc(nn + 1, sizeof(int32_t));
+    c->user_start = calloc(nv + 1, sizeof(int32_t));
+    c->is_output = calloc(nv, 1);
+    c->fw_required = calloc(nv, 1);
+    c->tangent = calloc(nv, 1);
+    c->bw_required = calloc(nv, 1);
+    c->dist = malloc(nv * sizeof(int64_t));
+    if (!c->input_role || !c->arg_start || !c->user_start || !c->is_output || !c->fw_required || !c->tangent ||
+        !c->bw_required || !c->dist)
+        return af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
+    for (int32_t v = 0; v < c->nv; v++) c->input_role[v] = -1;
+    for (int32_t i = 0; i < c->ni; i++) c->input_role[af_graph_input(g, i)] = roles[i];
+
+    /* arguments (CSR) and users (CSR) */
+    int32_t total = 0;
+    for (int32_t n = 0; n < c->nn; n++) {
+        const af_node *node = af_graph_node(g, n);
+        c->arg_start[n] = total;
+        for (int32_t a = 0; a < node->n_args; a++) count_arg_values(&node->args[a], &total);
+    }
+    c->arg_start[c->nn] = total;
+    c->args_flat = malloc(((size_t)total + 1) * sizeof(int32_t));
+    c->users = malloc(((size_t)total + 1) * sizeof(int32_t));
+    if (!c->args_flat || !c->users) return af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
+    for (int32_t n = 0, k = 0; n < c->nn; n++) {
+        const af_node *node = af_graph_node(g, n);
+        for (int32_t a = 0; a < node->n_args; a++) collect_arg_values(&node->args[a], c->args_flat, &k);
+    }
+    for (int32_t k = 0; k < total; k++) c->user_start[c->args_flat[k] + 1]++;
+    for (int32_t v = 0; v < c->nv; v++) c->user_start[v + 1] += c->user_start[v];
+    int32_t *fill = malloc(nv * sizeof(int32_t));
+    if (!fill) return af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
+    memcpy(fill, c->user_start, (size_t)c->nv * sizeof(int32_t));
+    for (int32_t n = 0; n < c->nn; n++)
+        for (int32_t k = c->arg_start[n]; k < c->arg_start[n + 1]; k++) c->users[fill[c->args_flat[k]]++] = n;
+    free(fill);
+
+    /* forward slice: what the forward outputs need (value ids are topologically ordered) */
+    for (int32_t o = 0; o < c->no; o++) c->is_output[af_graph_output(g, o)] = 1;
+    for (int32_t o = 0; o < c->nfwd; o++) c->fw_required[af_graph_output(g, o)] = 1;
+    for (int32_t v = c->nv - 1; v >= 0; v--) {
+        int32_t p = af_graph_value(g, v)->producer;
+        if (!c->fw_required[v] || p < 0) continue;
+        for (int32_t k = c->arg_start[p]; k < c->arg_start[p + 1]; k++) c->fw_required[c->args_flat[k]] = 1;
+    }
+    /* tangent closure, forward over the nodes */
+    for (int32_t v = 0; v < c->nv; v++)
+        if (c->input_role[v] == AF_ROLE_TANGENT || c->input_role[v] == AF_ROLE_BWD_SEED) c->tangent[v] = 1;
+    for (int32_t n = 0; n < c->nn; n++) {
+        int hit = 0;
+        for (int32_t k = c->arg_start[n]; k < c->arg_start[n + 1] && !hit; k++) hit = c->tangent[c->args_flat[k]];
+        if (!hit) continue;
+        const af_node *node = af_graph_node(g, n);
+        for (int32_t o = 0; o < node->n_outputs; o++) c->tangent[node->first_output + o] = 1;
+    }
+    for (int32_t v = 0; v < c->nv; v++) c->bw_required[v] = c->tangent[v];
+    for (int32_t o = c->nfwd; o < c->no; o++) c->bw_required[af_graph_output(g, o)] = 1;
+    /* distance from the backward: 0 outside the forward, else 1 + the nearest user's */
+    for (int32_t v = c->nv - 1; v >= 0; v--) {
+        if (!c->fw_required[v]) {
+            c->dist[v] = 0;
+            continue;
+        }
+        int64_t d = DIST_INF;
+        for (int32_t k = c->user_start[v]; k < c->user_start[v + 1]; k++) {
+            const af_node *u = af_graph_node(g, c->users[k]);
+            for (int32_t o = 0; o < u->n_outputs; o++)
+                if (c->dist[u->first_output + o] + 1 < d) d = c->dist[u->first_output + o] + 1;
+        }
+        c->dist[v] = d;
+    }
+    return AF_OK;
+}
+
+/* ---- min-cut heuristics ---- */
+
+static int node_fw_required(const joint_ctx *c, int32_t n) {
+    const af_node *node = af_graph_node(c->g, n);
+    for (int32_t o = 0; o < node->n_outputs; o++)
+        if (c->fw_required[node->first_output + o]) return 1;
+    return 0;
+}
+
+static int is_materialized(const joint_ctx *c, int32_t v) {
+    if (af_graph_value(c->g, v)->producer < 0 || c->is_output[v]) return 1;
+    for (int32_t k = c->user_start[v]; k < c->user_start[v + 1]; k++)
+        if (!fusible(c, v, c->users[k])) return 1;
+    return 0;
+}
+
+/* Does the backward materialize v anyway (a backward user, through views, that cannot fuse it)?
+ * Walks views with an explicit stack; `mark` is scratch (all zero on entry and exit). */
+static int materialized_backward(const joint_ctx *c, int32_t v, int32_t *stack, uint8_t *mark) {
+    if (value_kind(c, v) == AF_KIND_VIEW) return 0;
+    int32_t top = 0, seen = 0, result = 0;
+    stack[top++] = v;
+    mark[v] = 1;
+    int32_t *visited = stack + c->nv; /* second half of the scratch: what to unmark */
+    visited[seen++] = v;
+    while (top > 0 && !result) {
+        int32_t cur = stack[--top];
+        for (int32_t k = c->user_start[cur]; k < c->user_start[cur + 1] && !result; k++) {
+            int32_t u = c->users[k];
+            if (!node_fw_required(c, u) && !fusible(c, cur, u)) result = 1;
+            else if (node_kind(c, u) == AF_KIND_VIEW) {
+                const af_node *un = af_graph_node(c->g, u);
+                for (int32_t o = 0; o < un->n_outputs; o++) {
+                    int32_t w = un->first_output + o;
+                    if (!mark[w]) {
+                        mark[w] = 1;
+                        visited[seen++] = w;
+                        stack[top++] = w;
+                    }
+                }
+            }
+        }
+    }
+    for (int32_t i = 0; i < seen; i++) mark[visited[i]] = 0;
+    return result;
+}
+
+static int should_ban(const joint_ctx *c, const af_partition_options *o, int32_t v, int32_t *stack, uint8_t *mark) {
+    int32_t p = af_graph_value(c->g, v)->producer;
+    if (p < 0) return 1;
+    af_op_kind kind = node_kind(c, p);
+    if (kind == AF_KIND_VIEW) return 0;
+    if (!kind_fusible(kind)) return 1; /* compute-heavy, random, extern: never recomputed */
+    if (o->ban_materialized_bw && materialized_backward(c, v, stack, mark)) return 1;
+    if (o->max_dist_from_bw > 0 && c->dist[v] > o->max_dist_from_bw && c->dist[v] < DIST_INF) return 1;
+    if (o->reduction_ratio > 0) {
+        int64_t in_bytes = 0;
+        for (int32_t k = c->arg_start[p]; k < c->arg_start[p + 1]; k++)
+            in_bytes += af_tensor_meta_nbytes(&af_graph_value(c->g, c->args_flat[k])->meta);
+        if (af_tensor_meta_nbytes(&af_graph_value(c->g, v)->meta) * o->reduction_ratio < in_bytes) return 1;
+    }
+    return 0;
+}
+
+static int64_t save_weight(const joint_ctx *c, int32_t v) {
+    const af_value *val = af_graph_value(c->g, v);
+    if (val->meta.type != AF_VALUE_TENSOR) return AF_FLOW_INF;
+    if (c->input_role[v] == AF_ROLE_CONSTANT) return 0;
+    int64_t d = c->dist[v] < 1 ? 1 : c->dist[v] > 100 ? 100 : c->dist[v];
+    double w = (double)af_tensor_meta_nbytes(&val->meta) * pow(1.1, (double)d);
+    if (!is_materialized(c, v)) w *= 2;
+    return w >= (double)(AF_FLOW_INF / 2) ? AF_FLOW_INF / 2 : (int64_t)w;
+}
+
+/* ---- turning a stop set into programs ---- */
+
+static int finish(const joint_ctx *c, const uint8_t *stop, af_partition *p) {
+    const af_graph *g = c->g;
+    int st = AF_OK;
+    uint8_t *need = calloc((size_t)c->nv + 1, 1);
+    uint8_t *saved = calloc((size_t)c->nv + 1, 1);
+    uint8_t *emitted = calloc((size_t)c->nn + 1, 1);
+    int32_t *stack_n = malloc(((size_t)c->nn + 1) * sizeof(int32_t));
+    int32_t *stack_k = malloc(((size_t)c->nn + 1) * sizeof(int32_t));
+    p->in_forward = calloc((size_t)c->nn + 1, 1);
+    p->in_backward = calloc((size_t)c->nn + 1, 1);
+    p->backward_order = malloc(((size_t)c->nn + 1) * sizeof(int32_t));
+    if (!need || !saved || !emitted || !stack_n || !stack_k || !p->in_forward || !p->in_backward || !p->backward_order) {
+        st = af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
+        goto done;
+    }
+    /* backward slice: from the gradients down to saved values and backward inputs */
+    for (int32_t o = c->nfwd; o < c->no; o++) need[af_graph_output(g, o)] = 1;
+    for (int32_t v = c->nv - 1; v >= 0; v--) {
+        if (!need[v]) continue;
+        int32_t role = c->input_role[v];
+        if (role == AF_ROLE_TANGENT || role == AF_ROLE_BWD_SEED || role == AF_ROLE_CONSTANT) continue;
+        if (stop[v]) {
+            saved[v] = 1;
+            continue;
+        }
+        int32_t prod = af_graph_value(g, v)->producer;
+        if (prod < 0) {
+            st = af_error_set(AF_ERR_INVALID, "the backward needs input %s, which is not saved", af_graph_value(g, v)->name);
+            goto done;
+        }
+        p->in_backward[prod] = 1;
+        for (int32_t k = c->arg_start[prod]; k < c->arg_start[prod + 1]; k++) need[c->args_flat[k]] = 1;
+    }
+    /* forward slice: the forward outputs and the saved values */
+    memset(need, 0, (size_t)c->nv);
+    for (int32_t o = 0; o < c->nfwd; o++) need[af_graph_output(g, o)] = 1;
+    for (int32_t v = 0; v < c->nv; v++)
+        if (saved[v]) need[v] = 1;
+    for (int32_t v = c->nv - 1; v >= 0; v--) {
+        if (!need[v]) continue;
+        int32_t prod = af_graph_value(g, v)->producer;
+        if (prod < 0) {
+            int32_t role = c->input_role[v];
+            if (role == AF_ROLE_TANGENT || role == AF_ROLE_BWD_SEED) {
+                st = af_error_set(AF_ERR_INVALID, "the forward needs backward input %s", af_graph_value(g, v)->name);
+                goto done;
+            }
+            continue;
+        }
+        p->in_forward[prod] = 1;
+        for (int32_t k = c->arg_start[prod]; k < c->arg_start[prod + 1]; k++) need[c->args_flat[k]] = 1;
+    }
+    /* the saved list, and its bytes */
+    p->saved = malloc(((size_t)c->nv + 1) * sizeof(int32_t));
+    if (!p->saved) {
+        st = af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
+        goto done;
+    }
+    for (int32_t v = 0; v < c->nv; v++)
+        if (saved[v]) {
+            p->saved[p->n_saved++] = v;
+            p->saved_bytes += af_tensor_meta_nbytes(&af_graph_value(g, v)->meta);
+        }
+    /* backward order: each node that depends on a tangent, in graph order, preceded by the
+     * recomputation it needs that has not run yet (depth first, so recomputed work runs just
+     * before its first use); then whatever feeds the gradients directly. */
+    for (int32_t pass = 0; pass < 2; pass++) {
+        for (int32_t root = 0; root < c->nn; root++) {
+            if (!p->in_backward[root] || emitted[root]) continue;
+            const af_node *rn = af_graph_node(g, root);
+            if (pass == 0 && !c->tangent[rn->first_output]) continue;
+            int32_t top = 0;
+            stack_n[top] = root;
+            stack_k[top++] = c->arg_start[root];
+            emitted[root] = 2; /* on the stack */
+            while (top > 0) {
+                int32_t n = stack_n[top - 1];
+                if (stack_k[top - 1] < c->arg_start[n + 1]) {
+                    int32_t v = c->args_flat[stack_k[top - 1]++];
+                    int32_t prod = af_graph_value(g, v)->producer;
+                    if (prod >= 0 && p->in_backward[prod] && !emitted[prod] && !saved[v]) {
+                        emitted[prod] = 2;
+                        stack_n[top] = prod;
+                        stack_k[top++] = c->arg_start[prod];
+                    }
+                    continue;
+                }
+                emitted[n] = 1;
+                p->backward_order[p->n_backward_order++] = n;
+                top--;
+            }
+        }
+    }
+    for (int32_t n = 0; n < c->nn; n++)
+        if (p->in_forward[n] && p->in_backward[n]) p->n_recomputed++;
+done:
+    free(need);
+    free(saved);
+    free(emitted);
+    free(stack_n);
+    free(stack_k);
+    return st;
+}
+
+af_partition_options af_partition_default_options(void) {
+    af_partition_options o = {.max_dist_from_bw = 1000, .reduction_ratio = 4, .ban_materialized_bw = 1};
+    return o;
+}
+
+void af_partition_free(af_partition *p) {
+    if (!p) return;
+    free(p->saved);
+    free(p->in_forward);
+    free(p->in_backward);
+    free(p->backward_order);
+    free(p);
+}
+
+static int start(const af_graph *g, const uint8_t *roles, af_partition **out) {
+    if (!g || !out || (af_graph_num_inputs(g) > 0 && !roles))
+        return af_error_set(AF_ERR_INVALID, "partition: NULL argument");
+    int st = af_graph_verify(g);
+    if (st) return st;
+    *out = calloc(1, sizeof **out);
+    return *out ? AF_OK : af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
+}
+
+int af_partition_default(const af_graph *g, const uint8_t *roles, int32_t num_fwd_outputs, af_partition **out) {
+    af_partition *p = NULL;
+    int st = start(g, roles, &p);
+    if (st) return st;
+    joint_ctx c;
+    uint8_t *stop = NULL;
+    if ((st = ctx_build(&c, g, roles, num_fwd_outputs))) goto done;
+    /* everything the forward computes, and every forward input, can be handed over */
+    stop = calloc((size_t)c.nv + 1, 1);
+    if (!stop) {
+        st = af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
+        goto done;
+    }
+    for (int32_t v = 0; v < c.nv; v++) {
+        int32_t role = c.input_role[v];
+        stop[v] = c.fw_required[v] || role == AF_ROLE_PRIMAL || role == AF_ROLE_FWD_SEED;
+    }
+    st = finish(&c, stop, p);
+done:
+    free(stop);
+    ctx_free(&c);
+    if (st) af_partition_free(p);
+    else *out = p;
+    return st;
+}
+
+int af_partition_min_cut(const af_graph *g, const uint8_t *roles, int32_t num_fwd_outputs,
+                         const af_partition_options *opts, af_partition **out) {
+    af_partition *p = NULL;
+    int st = start(g, roles, &p);
+    if (st) return st;
+    af_partition_options o = opts ? *opts : af_partition_default_options();
+    joint_ctx c;
+    af_flow *f = NULL;
+    uint8_t *side = NULL, *stop = NULL, *mark = NULL, *node_ban = NULL;
+    int32_t *scratch = NULL;
+    if ((st = ctx_build(&c, g, roles, num_fwd_outputs))) goto done;
+    int32_t nv = c.nv, source = 2 * nv, sink = 2 * nv + 1;
+    side = calloc((size_t)2 * nv + 2, 1);
+    stop = calloc((size_t)nv + 1, 1);
+    mark = calloc((size_t)nv + 1, 1);
+    scratch = malloc(((size_t)2 * nv + 2) * sizeof(int32_t));
+    if (!side || !stop || !mark || !scratch) {
+        st = af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
+        goto done;
+    }
+    /* Bans are per node: a node runs whole, so if one output must not be recomputed (or the
+     * node is compute-heavy, random, extern), none of its outputs is recomputed either. */
+    node_ban = calloc((size_t)c.nn + 1, 1);
+    if (!node_ban) {
+        st = af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
+        goto done;
+    }
+    for (int32_t n = 0; n < c.nn; n++) {
+        if (!node_fw_required(&c, n)) continue;
+        const af_node *node = af_graph_node(g, n);
+        for (int32_t k = 0; k < node->n_outputs && !node_ban[n]; k++)
+            node_ban[n] = (uint8_t)should_ban(&c, &o, node->first_output + k, scratch, mark);
+    }
+    if ((st = af_flow_new(2 * nv + 2, &f))) goto done;
+#define EDGE(a, b, w)                                        \
+    do {                                                     \
+        if ((st = af_flow_add_edge(f, (a), (b), (w)))) goto done; \
+    } while (0)
+    for (int32_t v = 0; v < nv; v++) {
+        int32_t vin = 2 * v, vout = 2 * v + 1, role = c.input_role[v];
+        if (c.tangent[v]) { /* must be computed in the backward */
+            EDGE(vin, sink, AF_FLOW_INF);
+            continue;
+        }
+        if (c.bw_required[v]) EDGE(vout, sink, AF_FLOW_INF); /* must be available to the backward */
+        if (role == AF_ROLE_PRIMAL || role == AF_ROLE_FWD_SEED || role == AF_ROLE_CONSTANT)
+            EDGE(source, vin, AF_FLOW_INF);
+        else if (role < 0 && node_ban[af_graph_value(g, v)->producer])
+            EDGE(source, vin, AF_FLOW_INF);
+        EDGE(vin, vout, save_weight(&c, v));
+        for (int32_t k = c.user_start[v]; k < c.user_start[v + 1]; k++) {
+            const af_node *u = af_graph_node(g, c.users[k]);
+            for (int32_t out_i = 0; out_i < u->n_outputs; out_i++) EDGE(vout, 2 * (u->first_output + out_i), AF_FLOW_INF);
+        }
+    }
+#undef EDGE
+    if ((st = af_flow_solve(f, source, sink, &p->cut_value))) goto done;
+    if (p->cut_value >= AF_FLOW_INF) {
+        st = af_error_set(AF_ERR_INVALID, "partition: no finite cut (the backward needs a value that cannot be saved)");
+        goto done;
+    }
+    if ((st = af_flow_source_side(f, side))) goto done;
+    for (int32_t v = 0; v < nv; v++) stop[v] = side[2 * v] && !side[2 * v + 1];
+    st = finish(&c, stop, p);
+done:
+    af_flow_free(f);
+    free(side);
+    free(stop);
+    free(mark);
+    free(scratch);
+    free(node_ban);
+    ctx_free(&c);
+    if (st) af_partition_free(p);
+    else *out = p;
+    return st;
+}
+
+int af_partition_check(const af_graph *g, const uint8_t *roles, int32_t nfwd, const af_partition *p) {
+    if (!g || !p || (af_graph_num_inputs(g) > 0 && !roles)) return af_error_set(AF_ERR_INVALID, "partition check: NULL argument");
+    int32_t nv = af_graph_num_values(g), nn = af_graph_num_nodes(g), no = af_graph_num_outputs(g);
+    if (nfwd < 0 || nfwd > no) return af_error_set(AF_ERR_INVALID, "partition check: bad num_fwd_outputs");
+    uint8_t *avail = calloc((size_t)nv + 1, 1);
+    int32_t *vals = malloc(((size_t)nv + 1) * sizeof(int32_t));
+    int st = AF_OK;
+    if (!avail || !vals) {
+        st = af_error_set(AF_ERR_NOMEM, "out of memory checking a partition");
+        goto done;
+    }
+    /* forward: forward inputs, then nodes in graph order */
+    for (int32_t i = 0; i < af_graph_num_inputs(g); i++)
+        avail[af_graph_input(g, i)] = roles[i] == AF_ROLE_PRIMAL || roles[i] == AF_ROLE_FWD_SEED || roles[i] == AF_ROLE_CONSTANT;
+    for (int32_t n = 0; n < nn; n++) {
+        if (!p->in_forward[n]) continue;
+        const af_node *node = af_graph_node(g, n);
+        int32_t k = 0;
+        for (int32_t a = 0; a < node->n_args; a++) collect_arg_values(&node->args[a], vals, &k);
+        for (int32_t i = 0; i < k; i++)
+            if (!avail[vals[i]]) {
+                st = af_error_set(AF_ERR_INVALID, "forward node %d (%s) reads %s, not available in the forward", (int)n,
+                                  node->op, af_graph_value(g, vals[i])->name);
+                goto done;
+            }
+        for (int32_t o = 0; o < node->n_outputs; o++) avail[node->first_output + o] = 1;
+    }
+    for (int32_t o = 0; o < nfwd; o++)
+        if (!avail[af_graph_output(g, o)]) {
+            st = af_error_set(AF_ERR_INVALID, "forward output %d is not computed by the forward", (int)o);
+            goto done;
+        }
+    for (int32_t s = 0; s < p->n_saved; s++)
+        if (p->saved[s] < 0 || p->saved[s] >= nv || !avail[p->saved[s]]) {
+            st = af_error_set(AF_ERR_INVALID, "saved value %d is not computed by the forward", (int)p->saved[s]);
+            goto done;
+        }
+    /* backward: saved values and backward inputs, then nodes in backward order */
+    memset(avail, 0, (size_t)nv);
+    for (int32_t i = 0; i < af_graph_num_inputs(g); i++)
+        avail[af_graph_input(g, i)] = roles[i] == AF_ROLE_TANGENT || roles[i] == AF_ROLE_BWD_SEED || roles[i] == AF_ROLE_CONSTANT;
+    for (int32_t s = 0; s < p->n_saved; s++) avail[p->saved[s]] = 1;
+    for (int32_t i = 0; i < p->n_backward_order; i++) {
+        int32_t n = p->backward_order[i];
+        if (n < 0 || n >= nn || !p->in_backward[n]) {
+            st = af_error_set(AF_ERR_INVALID, "backward order lists node %d outside the backward", (int)n);
+            goto done;
+        }
+        const af_node *node = af_graph_node(g, n);
+        int32_t k = 0;
+        for (int32_t a = 0; a < node->n_args; a++) collect_arg_values(&node->args[a], vals, &k);
+        for (int32_t j = 0; j < k; j++)
+            if (!avail[vals[j]]) {
+                st = af_error_set(AF_ERR_INVALID, "backward node %d (%s) reads %s before it is available", (int)n, node->op,
+                                  af_graph_value(g, vals[j])->name);
+                goto done;
+            }
+        for (int32_t o = 0; o < node->n_outputs; o++) avail[node->first_output + o] = 1;
+    }
+    for (int32_t o = nfwd; o < no; o++)
+        if (!avail[af_graph_output(g, o)]) {
+            st = af_error_set(AF_ERR_INVALID, "backward output %d is not computed by the backward", (int)o);
+            goto done;
+        }
+done:
+    free(avail);
+    free(vals);
+    return st;
+}

@@ -1,0 +1,175 @@
+"""Partition functions with torch's partition_fn signature, decided by the C core.
+
+    fw_module, bw_module = min_cut_rematerialization_partition(joint_module, joint_inputs,
+                                                               num_fwd_outputs=n)
+
+The joint graph is lowered into the C IR; csrc/partition.c picks the saved set (min cut, or
+"save what the backward reads") and the backward's run order. The FX modules are then cut out of
+the joint graph around that saved set with torch's own extractor, so that they plug into torch's
+aot_function as well as ours.
+"""
+from __future__ import annotations
+
+import inspect
+import operator
+from typing import Any
+
+import torch.fx as fx
+
+from . import _C, config
+from .lower import build_graph
+
+__all__ = ["min_cut_rematerialization_partition", "default_partition", "PartitionStats"]
+
+ROLE_PRIMAL, ROLE_TANGENT, ROLE_CONSTANT, ROLE_FWD_SEED, ROLE_BWD_SEED = range(5)
+
+
+class PartitionStats:
+    """What the last partition of a graph decided (kept on the returned forward module as
+    `fw_module.meta["aotfuse_partition"]`)."""
+
+    def __init__(self, saved: list[tuple[str, tuple, str, int]], recomputed: list[str], saved_bytes: int,
+                 mode: str):
+        self.saved = saved            # (name, shape, dtype, bytes) per saved value
+        self.recomputed = recomputed  # names of forward nodes the backward recomputes
+        self.saved_bytes = saved_bytes
+        self.mode = mode
+
+    def __str__(self) -> str:
+        lines = [f"{self.mode} partition: saved {len(self.saved)} values, {self.saved_bytes} bytes; "
+                 f"recomputed {len(self.recomputed)} nodes in the backward"]
+        lines += [f"  saved {n}: {d}{list(s)} {b} B" for n, s, d, b in self.saved]
+        if self.recomputed:
+            lines.append("  recomputed: " + ", ".join(self.recomputed))
+        return "\n".join(lines)
+
+
+def _role(node: fx.Node) -> int:
+    if node.op == "get_attr":
+        return ROLE_CONSTANT
+    name = str(node.target)
+    if name.startswith("tangents"):
+        return ROLE_TANGENT
+    if name.startswith("bwd_seed") or name.startswith("bwd_base_offset"):
+        return ROLE_BWD_SEED
+    if name.startswith("fwd_seed") or name.startswith("fwd_base_offset"):
+        return ROLE_FWD_SEED
+    return ROLE_PRIMAL
+
+
+def _extract(joint_module: fx.GraphModule, saved: list[fx.Node], num_fwd_outputs: int,
+             static_lifetime_input_nodes: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    try:
+        from torch._functorch.partitioners import _extract_fwd_bwd_modules
+    except ImportError as e:  # torch moved its extractor
+        raise RuntimeError("aotfuse: this torch has no torch._functorch.partitioners._extract_fwd_bwd_modules; "
+                           "use a torch in aotfuse's supported range (2.11 - 2.14)") from e
+    kwargs: dict[str, Any] = {"num_fwd_outputs": num_fwd_outputs}
+    if static_lifetime_input_nodes is not None and \
+            "static_lifetime_input_nodes" in inspect.signature(_extract_fwd_bwd_modules).parameters:
+        kwargs["static_lifetime_input_nodes"] = static_lifetime_input_nodes
+    return _extract_fwd_bwd_modules(joint_module, saved, saved_sym_nodes=[], **kwargs)
+
+
+def _merge_duplicate_getitems(graph: fx.Graph) -> None:
+    """One FX node per value: a second getitem of the same output (AOTAutograd emits them for
+    the backward) would make the extractor re-run the producer to get it."""
+    first: dict[tuple, fx.Node] = {}
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is operator.getitem:
+            key = (node.args[0], node.args[1])
+            if key in first:
+                node.replace_all_uses_with(first[key])
+                graph.erase_node(node)
+            else:
+                first[key] = node
+
+
+def _reorder(bw_module: fx.GraphModule, order: list[str]) -> None:
+    """Moves the backward's nodes into the C core's run order (getitems right after their source)."""
+    by_name = {n.name: n for n in bw_module.graph.nodes}
+    placeholders = [n for n in bw_module.graph.nodes if n.op == "placeholder"]
+    if not placeholders:
+        return
+    cursor = placeholders[-1]
+    for name in order:
+        node = by_name.get(name)
+        if node is None or node.op != "call_function":
+            continue
+        cursor.append(node)
+        cursor = node
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                cursor.append(user)
+                cursor = user
+    # The extractor copies every node whose inputs are available; DCE keeps ops it considers
+    # impure (attention with a dropout argument, say) even when nothing reads them. Only what
+    # the C core put in the backward runs there.
+    keep = set(order)
+    for node in reversed(list(bw_module.graph.nodes)):
+        if node.op == "call_function" and not node.users and node.name not in keep \
+                and node.target is not operator.getitem:
+            bw_module.graph.erase_node(node)
+    bw_module.graph.lint()
+    bw_module.recompile()
+
+
+def _partition(joint_module: fx.GraphModule, num_fwd_outputs: int, min_cut: bool,
+               static_lifetime_input_nodes: Any = None, **options: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    joint_module.graph.eliminate_dead_code()
+    if min_cut:
+        # common subexpressions once, as torch's min-cut partitioner does before it cuts
+        from torch._functorch.compile_utils import fx_graph_cse
+
+        joint_module.graph = fx_graph_cse(joint_module.graph)
+    _merge_duplicate_getitems(joint_module.graph)
+    build = build_graph(joint_module)
+    roles = bytes(_role(n) for n in build.input_nodes)
+    # graph outputs skip None entries: count the forward's among the real ones
+    nfwd = sum(1 for t in build.out_template[:num_fwd_outputs] if t is None)
+    res = _C.partition(build.graph, roles, nfwd, min_cut=min_cut, **options)
+    saved_nodes = []
+    for vid in res["saved"]:
+        node = build.value_nodes[vid]
+        if node is None:
+            raise RuntimeError(f"aotfuse partition: saved value {vid} has no FX node")
+        if node.op != "get_attr":  # constants are copied into both graphs, never saved
+            saved_nodes.append(node)
+    fw, bw = _extract(joint_module, saved_nodes, num_fwd_outputs, static_lifetime_input_nodes)
+    _reorder(bw, [build.ir_nodes[i].name for i in res["backward"]])
+    fw_names = {build.ir_nodes[i].name for i in res["forward"]}
+    bw_names = {n.name for n in bw.graph.nodes if n.op == "call_function"}
+    saved_info = []
+    for node in saved_nodes:
+        val = node.meta.get("val")
+        shape = tuple(val.shape) if hasattr(val, "shape") else ()
+        dtype = str(getattr(val, "dtype", "")).replace("torch.", "")
+        nbytes = val.numel() * val.element_size() if hasattr(val, "numel") else 0
+        saved_info.append((node.name, shape, dtype, nbytes))
+    stats = PartitionStats(saved_info, sorted(fw_names & bw_names), res["saved_bytes"],
+                           "min-cut" if min_cut else "default")
+    fw.meta["aotfuse_partition"] = stats
+    config.emit("partition", str(stats))
+    return fw, bw
+
+
+def min_cut_rematerialization_partition(joint_module: fx.GraphModule, _joint_inputs: Any, compiler: Any = None, *,
+                                        num_fwd_outputs: int, static_lifetime_input_indices: Any = None,
+                                        **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """torch's partition_fn signature: saves the min-cut set of activations (chosen in C) and
+    recomputes cheap pointwise work in the backward.
+
+    Example:
+        >>> from torch._functorch.aot_autograd import aot_function
+        >>> f = aot_function(fn, nop, partition_fn=aotfuse.min_cut_rematerialization_partition)
+    Options (keyword): max_dist_from_bw, reduction_ratio, ban_materialized_bw.
+    """
+    options = {k: kwargs.pop(k) for k in ("max_dist_from_bw", "reduction_ratio", "ban_materialized_bw") if k in kwargs}
+    return _partition(joint_module, num_fwd_outputs, True, kwargs.get("static_lifetime_input_nodes"), **options)
+
+
+def default_partition(joint_module: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
+                      static_lifetime_input_indices: Any = None, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """torch's partition_fn signature: the forward saves every value the backward reads;
+    nothing is recomputed."""
+    return _partition(joint_module, num_fwd_outputs, False, kwargs.get("static_lifetime_input_nodes"))

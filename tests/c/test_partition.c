@@ -1,0 +1,241 @@
+/* CMocka tests of csrc/partition.c: on hundreds of random joint graphs, both partitions are
+ * valid splits (af_partition_check), min-cut never saves a tangent-dependent value, and on
+ * hand-made graphs it recomputes cheap pointwise work and keeps what must not be recomputed. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "aotfuse/partition.h"
+
+static uint64_t rng = 0x243F6A8885A308D3ull;
+static uint32_t rnd(uint32_t n) {
+    rng ^= rng >> 12;
+    rng ^= rng << 25;
+    rng ^= rng >> 27;
+    return (uint32_t)((rng * 2685821657736338717ull) >> 33) % n;
+}
+
+static af_tensor_meta vec(int64_t *size, int64_t *stride) {
+    af_tensor_meta m = {0};
+    m.type = AF_VALUE_TENSOR;
+    m.dtype = AF_DTYPE_FLOAT32;
+    m.device.type = AF_DEVICE_CPU;
+    m.device.index = -1;
+    m.ndim = 1;
+    m.sizes = size;
+    m.strides = stride;
+    return m;
+}
+
+static int32_t add(af_graph *g, const char *op, int32_t a, int32_t b, int64_t n) {
+    int64_t size = n, stride = 1;
+    af_tensor_meta m = vec(&size, &stride);
+    af_arg args[2] = {{.kind = AF_ARG_VALUE, .u.value = a}, {.kind = AF_ARG_VALUE, .u.value = b}};
+    int32_t out = -1;
+    assert_int_equal(af_graph_add_node(g, op, args, b >= 0 ? 2 : 1, &m, 1, &out), AF_OK);
+    return out;
+}
+
+static int32_t input(af_graph *g, const char *name, int64_t n) {
+    int64_t size = n, stride = 1;
+    af_tensor_meta m = vec(&size, &stride);
+    int32_t id;
+    assert_int_equal(af_graph_add_input(g, name, &m, &id), AF_OK);
+    return id;
+}
+
+static const char *const ops[] = {"aten::mul.Tensor", "aten::add.Tensor", "aten::exp.default", "aten::view.default",
+                                  "aten::sum.dim_IntList", "aten::mm.default", "aten::native_dropout.default",
+                                  "aten::some_extern.default", "aten::tanh.default", "aten::amax.default"};
+#define N_OPS ((uint32_t)(sizeof ops / sizeof ops[0]))
+
+static void check_partition(const af_graph *g, const uint8_t *roles, int32_t nfwd, const af_partition *p) {
+    int st = af_partition_check(g, roles, nfwd, p);
+    if (st) fail_msg("invalid partition: %s", af_error_message());
+    for (int32_t s = 0; s < p->n_saved; s++) {
+        const af_value *v = af_graph_value(g, p->saved[s]);
+        if (v->producer < 0) {
+            /* a saved input must be a forward input */
+            int32_t i = 0;
+            while (af_graph_input(g, i) != p->saved[s]) i++;
+            assert_true(roles[i] == AF_ROLE_PRIMAL || roles[i] == AF_ROLE_FWD_SEED);
+        }
+    }
+}
+
+static void test_random_joint_graphs_are_split_validly(void **state) {
+    (void)state;
+    for (int trial = 0; trial < 400; trial++) {
+        af_graph *g = NULL;
+        assert_int_equal(af_graph_new(&g), AF_OK);
+        int32_t vals[256], nvals = 0, fw_vals[256], n_fw = 0;
+        uint8_t roles[16];
+        int32_t n_primal = 1 + (int32_t)rnd(4), n_tangent = 1 + (int32_t)rnd(2);
+        for (int32_t i = 0; i < n_primal; i++) {
+            roles[i] = AF_ROLE_PRIMAL;
+            vals[nvals++] = fw_vals[n_fw++] = input(g, NULL, 1 + rnd(64));
+        }
+        int32_t tangents[4];
+        for (int32_t i = 0; i < n_tangent; i++) {
+            roles[n_primal + i] = AF_ROLE_TANGENT;
+            tangents[i] = input(g, NULL, 1 + rnd(64));
+        }
+        /* forward: ops over forward values only */
+        int32_t n_fw_nodes = 1 + (int32_t)rnd(25);
+        for (int32_t k = 0; k < n_fw_nodes; k++) {
+            int32_t a = fw_vals[rnd((uint32_t)n_fw)], b = rnd(2) ? fw_vals[rnd((uint32_t)n_fw)] : -1;
+            fw_vals[n_fw++] = add(g, ops[rnd(N_OPS)], a, b, 1 + rnd(64));
+        }
+        /* backward: each node reads something tangent-dependent and maybe a forward value */
+        int32_t bw_vals[128], n_bw = 0;
+        for (int32_t i = 0; i < n_tangent; i++) bw_vals[n_bw++] = tangents[i];
+        int32_t n_bw_nodes = 1 + (int32_t)rnd(25);
+        for (int32_t k = 0; k < n_bw_nodes; k++) {
+            int32_t a = bw_vals[rnd((uint32_t)n_bw)], b = rnd(3) ? fw_vals[rnd((uint32_t)n_fw)] : -1;
+            bw_vals[n_bw++] = add(g, ops[rnd(N_OPS)], a, b, 1 + rnd(64));
+        }
+        /* outputs: some forward values, then gradients (tangent-dependent, sometimes a forward value) */
+        int32_t outs[16], no = 0, nfwd = 1 + (int32_t)rnd(3);
+        for (int32_t i = 0; i < nfwd; i++) outs[no++] = fw_vals[n_primal + rnd((uint32_t)(n_fw - n_primal))];
+        int32_t ngrad = 1 + (int32_t)rnd(4);
+        for (int32_t i = 0; i < ngrad; i++) outs[no++] = rnd(5) ? bw_vals[n_tangent + rnd((uint32_t)(n_bw - n_tangent))] : fw_vals[rnd((uint32_t)n_fw)];
+        assert_int_equal(af_graph_set_outputs(g, outs, no), AF_OK);
+        (void)vals;
+
+        af_partition *mc = NULL, *def = NULL;
+        if (af_partition_min_cut(g, roles, nfwd, NULL, &mc)) fail_msg("min cut failed: %s", af_error_message());
+        check_partition(g, roles, nfwd, mc);
+        if (af_partition_default(g, roles, nfwd, &def)) fail_msg("default failed: %s", af_error_message());
+        check_partition(g, roles, nfwd, def);
+        assert_int_equal(def->n_recomputed, 0);
+        af_partition_free(mc);
+        af_partition_free(def);
+        af_graph_free(g);
+    }
+}
+
+/* x -> mm(W) -> h -> exp -> e -> mul(e, e) -> y; backward reads e:
+ * min cut saves h (or e) once, and recomputes exp in the backward rather than saving both. */
+static void test_pointwise_chain_is_recomputed(void **state) {
+    (void)state;
+    af_graph *g = NULL;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    int32_t x = input(g, "x", 64), w = input(g, "w", 64), t = input(g, "t", 64);
+    int32_t h = add(g, "aten::mm.default", x, w, 64);
+    int32_t e = add(g, "aten::exp.default", h, -1, 64);
+    int32_t y = add(g, "aten::mul.Tensor", e, e, 64);
+    int32_t ge = add(g, "aten::mul.Tensor", t, e, 64);      /* grad wrt e: t * e (uses e) */
+    int32_t gh = add(g, "aten::mul.Tensor", ge, e, 64);     /* grad wrt h: * exp(h) */
+    int32_t gx = add(g, "aten::mm.default", gh, w, 64);     /* grad wrt x: reads w */
+    int32_t outs[2] = {y, gx};
+    assert_int_equal(af_graph_set_outputs(g, outs, 2), AF_OK);
+    uint8_t roles[3] = {AF_ROLE_PRIMAL, AF_ROLE_PRIMAL, AF_ROLE_TANGENT};
+    af_partition *mc = NULL, *def = NULL;
+    assert_int_equal(af_partition_min_cut(g, roles, 1, NULL, &mc), AF_OK);
+    assert_int_equal(af_partition_default(g, roles, 1, &def), AF_OK);
+    check_partition(g, roles, 1, mc);
+    check_partition(g, roles, 1, def);
+    /* default saves e and w; min cut saves h and w and recomputes exp */
+    assert_int_equal(def->n_saved, 2);
+    assert_int_equal(mc->n_saved, 2);
+    assert_true(mc->saved[0] == w || mc->saved[1] == w);
+    assert_true(mc->saved[0] == h || mc->saved[1] == h);
+    assert_int_equal(mc->n_recomputed, 1);
+    /* exp runs in both programs: in the backward just before its first use */
+    int32_t exp_node = af_graph_value(g, e)->producer;
+    assert_true(mc->in_forward[exp_node] && mc->in_backward[exp_node]);
+    assert_int_equal(mc->backward_order[0], exp_node);
+    af_partition_free(mc);
+    af_partition_free(def);
+    af_graph_free(g);
+}
+
+/* Random ops and compute-heavy ops are never recomputed. */
+static void test_banned_ops_are_saved(void **state) {
+    (void)state;
+    af_graph *g = NULL;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    int32_t x = input(g, "x", 32), t = input(g, "t", 32);
+    int32_t d = add(g, "aten::native_dropout.default", x, -1, 32);
+    int32_t y = add(g, "aten::mul.Tensor", d, x, 32);
+    int32_t gx = add(g, "aten::mul.Tensor", t, d, 32);
+    int32_t outs[2] = {y, gx};
+    assert_int_equal(af_graph_set_outputs(g, outs, 2), AF_OK);
+    uint8_t roles[2] = {AF_ROLE_PRIMAL, AF_ROLE_TANGENT};
+    af_partition *mc = NULL;
+    assert_int_equal(af_partition_min_cut(g, roles, 1, NULL, &mc), AF_OK);
+    check_partition(g, roles, 1, mc);
+    assert_int_equal(mc->n_saved, 1);
+    assert_int_equal(mc->saved[0], d); /* the dropout result itself, never a re-run of dropout */
+    assert_int_equal(mc->n_recomputed, 0);
+    af_partition_free(mc);
+    af_graph_free(g);
+}
+
+/* A compute node with two outputs, the second read only by the backward (attention's logsumexp):
+ * the node is banned as a whole, so the second output is saved, never recomputed. */
+static void test_multi_output_compute_node_is_not_rerun(void **state) {
+    (void)state;
+    af_graph *g = NULL;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    int32_t x = input(g, "x", 32), t = input(g, "t", 32);
+    int64_t size = 32, stride = 1;
+    af_tensor_meta metas[2] = {vec(&size, &stride), vec(&size, &stride)};
+    af_arg args[1] = {{.kind = AF_ARG_VALUE, .u.value = x}};
+    int32_t first = -1;
+    assert_int_equal(af_graph_add_node(g, "aten::_scaled_dot_product_flash_attention_for_cpu.default", args, 1, metas, 2, &first), AF_OK);
+    int32_t out = first, lse = first + 1;
+    int32_t y = add(g, "aten::exp.default", out, -1, 32);
+    int32_t gx = add(g, "aten::mul.Tensor", t, lse, 32);
+    int32_t outs[2] = {y, gx};
+    assert_int_equal(af_graph_set_outputs(g, outs, 2), AF_OK);
+    uint8_t roles[2] = {AF_ROLE_PRIMAL, AF_ROLE_TANGENT};
+    af_partition *mc = NULL;
+    assert_int_equal(af_partition_min_cut(g, roles, 1, NULL, &mc), AF_OK);
+    check_partition(g, roles, 1, mc);
+    assert_int_equal(mc->n_recomputed, 0);
+    assert_int_equal(mc->n_saved, 1);
+    assert_int_equal(mc->saved[0], lse);
+    af_partition_free(mc);
+    af_graph_free(g);
+}
+
+static void test_bad_arguments(void **state) {
+    (void)state;
+    af_graph *g = NULL;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    int32_t x = input(g, "x", 4);
+    int32_t y = add(g, "aten::exp.default", x, -1, 4);
+    assert_int_equal(af_graph_set_outputs(g, &y, 1), AF_OK);
+    uint8_t roles[1] = {AF_ROLE_PRIMAL}, bad[1] = {99};
+    af_partition *p = NULL;
+    assert_int_equal(af_partition_min_cut(NULL, roles, 1, NULL, &p), AF_ERR_INVALID);
+    assert_int_equal(af_partition_min_cut(g, roles, 2, NULL, &p), AF_ERR_INVALID);
+    assert_int_equal(af_partition_min_cut(g, bad, 1, NULL, &p), AF_ERR_INVALID);
+    assert_int_equal(af_partition_default(g, roles, -1, &p), AF_ERR_INVALID);
+    assert_int_equal(af_partition_check(g, roles, 1, NULL), AF_ERR_INVALID);
+    /* a forward-only graph: nothing to save */
+    assert_int_equal(af_partition_min_cut(g, roles, 1, NULL, &p), AF_OK);
+    assert_int_equal(p->n_saved, 0);
+    assert_int_equal(p->n_backward_order, 0);
+    af_partition_free(p);
+    af_partition_free(NULL);
+    af_graph_free(g);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_random_joint_graphs_are_split_validly),
+        cmocka_unit_test(test_pointwise_chain_is_recomputed),
+        cmocka_unit_test(test_banned_ops_are_saved),
+        cmocka_unit_test(test_multi_output_compute_node_is_not_rerun),
+        cmocka_unit_test(test_bad_arguments),
+    };
+    return cmocka_run_group_tests_name("partition", tests, NULL, NULL);
+}
