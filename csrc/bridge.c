@@ -85,6 +85,7 @@ static struct {
     PyObject *dtypes[AF_DTYPE_COUNT];
     PyObject *device_ctor;          /* torch.device */
     PyObject *handles_from_tensors; /* torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors */
+    PyObject *empty_strided;        /* torch.empty_strided */
 } py;
 
 static int bridge_fail(const char *what) {
@@ -169,7 +170,8 @@ int af_bridge_init(void) {
     py.ops = PyObject_GetAttrString(py.torch, "ops");
     PyObject *tensor = PyObject_GetAttrString(py.torch, "Tensor");
     py.device_ctor = PyObject_GetAttrString(py.torch, "device");
-    if (!py.ops || !tensor || !py.device_ctor || !PyType_Check(tensor)) {
+    py.empty_strided = PyObject_GetAttrString(py.torch, "empty_strided");
+    if (!py.ops || !tensor || !py.device_ctor || !py.empty_strided || !PyType_Check(tensor)) {
         Py_XDECREF(tensor);
         return bridge_fail("torch.ops, torch.Tensor or torch.device missing");
     }
@@ -464,6 +466,9 @@ error:
 
 /* ---- checking tensors through the shim ---- */
 
+/* The data pointer check_one read for a kernel operand (name == NULL). */
+static void *kernel_ptr;
+
 /* torch._C._aoti hands handles back as nameless capsules (older builds: ints). */
 static aten_handle handle_of(PyObject *o) {
     if (PyCapsule_CheckExact(o)) return PyCapsule_GetPointer(o, PyCapsule_GetName(o));
@@ -473,6 +478,19 @@ static aten_handle handle_of(PyObject *o) {
 static int check_one(aten_handle h, const af_tensor_meta *m, const char *name) {
     int64_t dim = 0, *sizes = NULL, *strides = NULL, offset = 0;
     int32_t dtype = 0, dev = 0, dev_index = 0;
+    if (!name) { /* a kernel operand: compare quietly, read the data pointer */
+        void *ptr = NULL;
+        if (shim.aoti_torch_get_dim(h, &dim) || shim.aoti_torch_get_sizes(h, &sizes) ||
+            shim.aoti_torch_get_strides(h, &strides) || shim.aoti_torch_get_dtype(h, &dtype) ||
+            shim.aoti_torch_get_device_type(h, &dev) || shim.aoti_torch_get_data_ptr(h, &ptr))
+            return af_error_set(AF_ERR_BRIDGE, "torch's shim could not read a kernel operand");
+        if (dtype != torch_dtype_code[m->dtype] || dev != torch_device_code[m->device.type] || dim != m->ndim)
+            return AF_BRIDGE_LAYOUT_MISMATCH;
+        for (int32_t d = 0; d < m->ndim; d++)
+            if (sizes[d] != m->sizes[d] || (sizes[d] > 1 && strides[d] != m->strides[d])) return AF_BRIDGE_LAYOUT_MISMATCH;
+        kernel_ptr = ptr;
+        return AF_OK;
+    }
     if (shim.aoti_torch_get_dim(h, &dim) || shim.aoti_torch_get_sizes(h, &sizes) ||
         shim.aoti_torch_get_strides(h, &strides) || shim.aoti_torch_get_dtype(h, &dtype) ||
         shim.aoti_torch_get_device_type(h, &dev) || shim.aoti_torch_get_device_index(h, &dev_index) ||
@@ -498,34 +516,44 @@ static int check_one(aten_handle h, const af_tensor_meta *m, const char *name) {
     return AF_OK;
 }
 
-int af_bridge_check_tensors(af_obj *const *objs, const af_tensor_meta *const *metas, const char *const *names,
-                            int32_t n) {
+/* Runs check_one over every tensor input: names != NULL checks program inputs (errors name
+ * them); names == NULL reads kernel operands into ptrs (a mismatch is reported softly). */
+static int visit_tensors(af_obj *const *objs, const af_tensor_meta *const *metas, const char *const *names,
+                         int32_t n, void **ptrs) {
     int st = af_bridge_init();
     if (st) return st;
     for (int32_t i = 0; i < n; i++) {
         int is_tensor = PyObject_TypeCheck((PyObject *)objs[i], py.tensor_type);
-        if (metas[i]->type == AF_VALUE_TENSOR && !is_tensor)
+        if (metas[i]->type == AF_VALUE_TENSOR && !is_tensor) {
+            if (!names) return AF_BRIDGE_LAYOUT_MISMATCH;
             return af_error_set(AF_ERR_INVALID, "input %s: a %s where the program takes a tensor", names[i],
                                 Py_TYPE((PyObject *)objs[i])->tp_name);
+        }
     }
+#define VISIT(h, i)                                                   \
+    do {                                                              \
+        int r_ = check_one((h), metas[i], names ? names[i] : NULL);   \
+        if (!r_ && ptrs) ptrs[i] = kernel_ptr;                        \
+        if (!st) st = r_;                                             \
+    } while (0)
     if (shim.torch_tensor_from_pyobject) {
         for (int32_t i = 0; i < n && !st; i++) {
             if (metas[i]->type != AF_VALUE_TENSOR) continue;
             aten_handle h = NULL;
             if (shim.torch_tensor_from_pyobject((void *)objs[i], &h) || !h)
-                return af_error_set(AF_ERR_BRIDGE, "input %s: torch_tensor_from_pyobject failed", names[i]);
-            st = check_one(h, metas[i], names[i]);
+                return af_error_set(AF_ERR_BRIDGE, "torch_tensor_from_pyobject failed");
+            VISIT(h, i);
             shim.aoti_torch_delete_tensor_object(h);
         }
         return st;
     }
     /* one Python call turns every tensor into an owning shim handle */
     PyObject *list = PyList_New(0), *handles = NULL;
-    if (!list) return bridge_fail("checking inputs");
+    if (!list) return bridge_fail("reading tensors");
     for (int32_t i = 0; i < n; i++)
         if (metas[i]->type == AF_VALUE_TENSOR && PyList_Append(list, (PyObject *)objs[i]) < 0) {
             Py_DECREF(list);
-            return bridge_fail("checking inputs");
+            return bridge_fail("reading tensors");
         }
     handles = PyObject_CallOneArg(py.handles_from_tensors, list);
     Py_DECREF(list);
@@ -540,12 +568,13 @@ int af_bridge_check_tensors(af_obj *const *objs, const af_tensor_meta *const *me
         k++;
         if (!h) {
             PyErr_Clear();
-            if (!st) st = af_error_set(AF_ERR_BRIDGE, "input %s: no shim handle", names[i]);
+            if (!st) st = af_error_set(AF_ERR_BRIDGE, "tensor %d: no shim handle", (int)i);
             continue;
         }
-        if (!st) st = check_one(h, metas[i], names[i]);
+        if (!st) VISIT(h, i);
         shim.aoti_torch_delete_tensor_object(h); /* every handle is owned: delete all of them */
     }
+#undef VISIT
     for (; k < nh; k++) {
         aten_handle h = handle_of(PyList_GET_ITEM(handles, k));
         if (h) shim.aoti_torch_delete_tensor_object(h);
@@ -553,4 +582,63 @@ int af_bridge_check_tensors(af_obj *const *objs, const af_tensor_meta *const *me
     PyErr_Clear();
     Py_DECREF(handles);
     return st;
+}
+
+int af_bridge_check_tensors(af_obj *const *objs, const af_tensor_meta *const *metas, const char *const *names,
+                            int32_t n) {
+    return visit_tensors(objs, metas, names, n, NULL);
+}
+
+int af_bridge_tensor_data(af_obj *const *objs, const af_tensor_meta *const *metas, int32_t n, void **ptrs) {
+    return visit_tensors(objs, metas, NULL, n, ptrs);
+}
+
+int af_bridge_empty(const af_tensor_meta *m, af_obj **out) {
+    int st = af_bridge_init();
+    if (st) return st;
+    PyObject *sizes = PyTuple_New(m->ndim), *strides = PyTuple_New(m->ndim), *args = NULL, *kw = NULL, *t = NULL;
+    if (!sizes || !strides) goto fail;
+    for (int32_t d = 0; d < m->ndim; d++) {
+        PyObject *a = PyLong_FromLongLong(m->sizes[d]), *b = PyLong_FromLongLong(m->strides[d]);
+        if (!a || !b) {
+            Py_XDECREF(a);
+            Py_XDECREF(b);
+            goto fail;
+        }
+        PyTuple_SET_ITEM(sizes, d, a);
+        PyTuple_SET_ITEM(strides, d, b);
+    }
+    args = PyTuple_Pack(2, sizes, strides);
+    kw = Py_BuildValue("{s:O}", "dtype", py.dtypes[m->dtype]);
+    if (!args || !kw) goto fail;
+    if (m->device.type != AF_DEVICE_CPU) {
+        PyObject *dev = m->device.index >= 0
+                            ? PyObject_CallFunction(py.device_ctor, "si", af_device_type_name(m->device.type), (int)m->device.index)
+                            : PyObject_CallFunction(py.device_ctor, "s", af_device_type_name(m->device.type));
+        if (!dev || PyDict_SetItemString(kw, "device", dev) < 0) {
+            Py_XDECREF(dev);
+            goto fail;
+        }
+        Py_DECREF(dev);
+    }
+    t = PyObject_Call(py.empty_strided, args, kw);
+    if (!t) goto fail;
+    Py_DECREF(sizes);
+    Py_DECREF(strides);
+    Py_DECREF(args);
+    Py_DECREF(kw);
+    *out = (af_obj *)t;
+    return AF_OK;
+fail:
+    Py_XDECREF(sizes);
+    Py_XDECREF(strides);
+    Py_XDECREF(args);
+    Py_XDECREF(kw);
+    return af_error_set(AF_ERR_RUNTIME, "allocating a kernel output failed");
+}
+
+void af_bridge_run_kernel(void (*fn)(char *const *), char *const *ptrs) {
+    Py_BEGIN_ALLOW_THREADS
+    fn(ptrs);
+    Py_END_ALLOW_THREADS
 }

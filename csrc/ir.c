@@ -1,6 +1,8 @@
 /* The IR: an arena-owned graph of values and nodes (see include/aotfuse/ir.h). */
 #include "aotfuse/ir.h"
 
+#include "aotfuse/strbuf.h"
+
 #include <inttypes.h>
 #include <math.h>
 #include <stdarg.h>
@@ -390,53 +392,14 @@ int af_graph_verify(const af_graph *g) {
 
 /* ---- printing ---- */
 
-typedef struct {
-    char *buf;
-    size_t len, cap;
-    int failed;
-} af_strbuf;
-
-static void sb_printf(af_strbuf *sb, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
-
-static void sb_printf(af_strbuf *sb, const char *fmt, ...) {
-    if (sb->failed) return;
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int n = vsnprintf(sb->buf ? sb->buf + sb->len : NULL, sb->buf ? sb->cap - sb->len : 0, fmt, ap);
-        va_end(ap);
-        if (n < 0) {
-            sb->failed = 1;
-            return;
-        }
-        if (sb->buf && sb->len + (size_t)n < sb->cap) {
-            sb->len += (size_t)n;
-            return;
-        }
-        size_t ncap = sb->cap ? sb->cap * 2 : 256;
-        while (ncap <= sb->len + (size_t)n) ncap *= 2;
-        char *p = realloc(sb->buf, ncap);
-        if (!p) {
-            sb->failed = 1;
-            return;
-        }
-        sb->buf = p;
-        sb->cap = ncap;
-    }
-}
-
 static void print_meta(af_strbuf *sb, const af_tensor_meta *m) {
     if (m->type != AF_VALUE_TENSOR) {
-        sb_printf(sb, "other");
+        af_strbuf_printf(sb, "other");
         return;
     }
-    sb_printf(sb, "%s[", dtype_short[m->dtype]);
-    for (int32_t d = 0; d < m->ndim; d++) sb_printf(sb, "%s%" PRId64, d ? ", " : "", m->sizes[d]);
-    sb_printf(sb, "]");
+    af_strbuf_printf(sb, "%s[", dtype_short[m->dtype]);
+    for (int32_t d = 0; d < m->ndim; d++) af_strbuf_printf(sb, "%s%" PRId64, d ? ", " : "", m->sizes[d]);
+    af_strbuf_printf(sb, "]");
     /* strides only when not contiguous, to keep listings short */
     int64_t expect = 1;
     int contiguous = 1;
@@ -445,79 +408,74 @@ static void print_meta(af_strbuf *sb, const af_tensor_meta *m) {
         expect *= m->sizes[d];
     }
     if (!contiguous) {
-        sb_printf(sb, "{");
-        for (int32_t d = 0; d < m->ndim; d++) sb_printf(sb, "%s%" PRId64, d ? ", " : "", m->strides[d]);
-        sb_printf(sb, "}");
+        af_strbuf_printf(sb, "{");
+        for (int32_t d = 0; d < m->ndim; d++) af_strbuf_printf(sb, "%s%" PRId64, d ? ", " : "", m->strides[d]);
+        af_strbuf_printf(sb, "}");
     }
     if (m->device.type != AF_DEVICE_CPU) {
-        sb_printf(sb, "@%s", device_names[m->device.type]);
-        if (m->device.index >= 0) sb_printf(sb, ":%d", (int)m->device.index);
+        af_strbuf_printf(sb, "@%s", device_names[m->device.type]);
+        if (m->device.index >= 0) af_strbuf_printf(sb, ":%d", (int)m->device.index);
     }
 }
 
 static void print_arg(af_strbuf *sb, const af_graph *g, const af_arg *a) {
-    if (a->name) sb_printf(sb, "%s=", a->name);
+    if (a->name) af_strbuf_printf(sb, "%s=", a->name);
     switch (a->kind) {
-    case AF_ARG_VALUE: sb_printf(sb, "%%%s", g->values[a->u.value].name); break;
-    case AF_ARG_NONE: sb_printf(sb, "None"); break;
-    case AF_ARG_BOOL: sb_printf(sb, "%s", a->u.i ? "True" : "False"); break;
-    case AF_ARG_INT: sb_printf(sb, "%" PRId64, a->u.i); break;
-    case AF_ARG_FLOAT: sb_printf(sb, "%.9g", a->u.f); break;
-    case AF_ARG_STR: sb_printf(sb, "'%s'", a->u.s); break;
-    case AF_ARG_DTYPE: sb_printf(sb, "torch.%s", af_dtype_name(a->u.dtype)); break;
+    case AF_ARG_VALUE: af_strbuf_printf(sb, "%%%s", g->values[a->u.value].name); break;
+    case AF_ARG_NONE: af_strbuf_printf(sb, "None"); break;
+    case AF_ARG_BOOL: af_strbuf_printf(sb, "%s", a->u.i ? "True" : "False"); break;
+    case AF_ARG_INT: af_strbuf_printf(sb, "%" PRId64, a->u.i); break;
+    case AF_ARG_FLOAT: af_strbuf_printf(sb, "%.9g", a->u.f); break;
+    case AF_ARG_STR: af_strbuf_printf(sb, "'%s'", a->u.s); break;
+    case AF_ARG_DTYPE: af_strbuf_printf(sb, "torch.%s", af_dtype_name(a->u.dtype)); break;
     case AF_ARG_DEVICE:
-        sb_printf(sb, "device(%s", af_device_type_name(a->u.device.type));
-        if (a->u.device.index >= 0) sb_printf(sb, ":%d", (int)a->u.device.index);
-        sb_printf(sb, ")");
+        af_strbuf_printf(sb, "device(%s", af_device_type_name(a->u.device.type));
+        if (a->u.device.index >= 0) af_strbuf_printf(sb, ":%d", (int)a->u.device.index);
+        af_strbuf_printf(sb, ")");
         break;
-    case AF_ARG_LAYOUT: case AF_ARG_MEMORY_FORMAT: sb_printf(sb, "torch.%s", a->u.s); break;
+    case AF_ARG_LAYOUT: case AF_ARG_MEMORY_FORMAT: af_strbuf_printf(sb, "torch.%s", a->u.s); break;
     case AF_ARG_LIST:
-        sb_printf(sb, "[");
+        af_strbuf_printf(sb, "[");
         for (int32_t i = 0; i < a->u.list.n; i++) {
-            if (i) sb_printf(sb, ", ");
+            if (i) af_strbuf_printf(sb, ", ");
             print_arg(sb, g, &a->u.list.items[i]);
         }
-        sb_printf(sb, "]");
+        af_strbuf_printf(sb, "]");
         break;
-    default: sb_printf(sb, "<bad arg>"); break;
+    default: af_strbuf_printf(sb, "<bad arg>"); break;
     }
 }
 
 int af_graph_print(const af_graph *g, char **text) {
     if (!g || !text) return af_error_set(AF_ERR_INVALID, "af_graph_print: NULL argument");
     af_strbuf sb = {0};
-    sb_printf(&sb, "graph(");
+    af_strbuf_printf(&sb, "graph(");
     for (int32_t i = 0; i < g->n_inputs; i++) {
         const af_value *v = &g->values[g->inputs[i]];
-        sb_printf(&sb, "%s%%%s: ", i ? ", " : "", v->name);
+        af_strbuf_printf(&sb, "%s%%%s: ", i ? ", " : "", v->name);
         print_meta(&sb, &v->meta);
     }
-    sb_printf(&sb, "):\n");
+    af_strbuf_printf(&sb, "):\n");
     for (int32_t i = 0; i < g->n_nodes; i++) {
         const af_node *n = &g->nodes[i];
-        sb_printf(&sb, "  ");
+        af_strbuf_printf(&sb, "  ");
         for (int32_t o = 0; o < n->n_outputs; o++) {
             const af_value *v = &g->values[n->first_output + o];
-            sb_printf(&sb, "%s%%%s: ", o ? ", " : "", v->name);
+            af_strbuf_printf(&sb, "%s%%%s: ", o ? ", " : "", v->name);
             print_meta(&sb, &v->meta);
         }
-        sb_printf(&sb, " = %s(", n->op);
+        af_strbuf_printf(&sb, " = %s(", n->op);
         for (int32_t a = 0; a < n->n_args; a++) {
-            if (a) sb_printf(&sb, ", ");
+            if (a) af_strbuf_printf(&sb, ", ");
             print_arg(&sb, g, &n->args[a]);
         }
-        sb_printf(&sb, ")");
-        if (n->op_id != AF_OP_UNKNOWN) sb_printf(&sb, "  # %s", af_op_kind_name(af_op_get(n->op_id)->kind));
-        sb_printf(&sb, "\n");
+        af_strbuf_printf(&sb, ")");
+        if (n->op_id != AF_OP_UNKNOWN) af_strbuf_printf(&sb, "  # %s", af_op_kind_name(af_op_get(n->op_id)->kind));
+        af_strbuf_printf(&sb, "\n");
     }
-    sb_printf(&sb, "  return (");
+    af_strbuf_printf(&sb, "  return (");
     for (int32_t i = 0; i < g->n_outputs; i++)
-        sb_printf(&sb, "%s%%%s", i ? ", " : "", g->values[g->outputs[i]].name);
-    sb_printf(&sb, ")\n");
-    if (sb.failed || !sb.buf) {
-        free(sb.buf);
-        return af_error_set(AF_ERR_NOMEM, "out of memory printing a graph");
-    }
-    *text = sb.buf;
-    return AF_OK;
+        af_strbuf_printf(&sb, "%s%%%s", i ? ", " : "", g->values[g->outputs[i]].name);
+    af_strbuf_printf(&sb, ")\n");
+    return af_strbuf_finish(&sb, text);
 }

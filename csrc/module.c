@@ -419,12 +419,15 @@ typedef struct {
 } ProgramObject;
 
 static PyObject *Program_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"graph", NULL};
+    static char *kwlist[] = {"graph", "fuse", "min_group", NULL};
     GraphObject *graph;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!", kwlist, &GraphType, &graph) || !graph_alive(graph)) return NULL;
+    af_program_options opts = {.fuse = 0, .min_group = 2};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|pi", kwlist, &GraphType, &graph, &opts.fuse, &opts.min_group) ||
+        !graph_alive(graph))
+        return NULL;
     ProgramObject *self = (ProgramObject *)type->tp_alloc(type, 0);
     if (!self) return NULL;
-    int st = af_program_new(graph->g, &self->p);
+    int st = af_program_new(graph->g, &opts, &self->p);
     if (st) {
         Py_DECREF(self);
         return raise_status(st);
@@ -494,19 +497,53 @@ static int Program_set_check_inputs(ProgramObject *self, PyObject *value, void *
 
 static PyObject *Program_get_num(ProgramObject *self, void *which) {
     const af_graph *g = af_program_graph(self->p);
-    intptr_t w = (intptr_t)which;
-    return PyLong_FromLong(w == 0 ? af_graph_num_inputs(g) : w == 1 ? af_graph_num_nodes(g) : af_graph_num_outputs(g));
+    switch ((intptr_t)which) {
+    case 0: return PyLong_FromLong(af_graph_num_inputs(g));
+    case 1: return PyLong_FromLong(af_graph_num_nodes(g));
+    case 2: return PyLong_FromLong(af_graph_num_outputs(g));
+    case 3: return PyLong_FromLong(af_program_num_kernels(self->p));
+    case 4: return PyLong_FromLongLong(af_program_kernel_fallbacks(self->p));
+    case 5: return PyBool_FromLong(af_program_cache_hit(self->p));
+    case 6: return PyLong_FromLong(af_program_num_steps(self->p));
+    default: {
+        const char *src = af_program_source(self->p);
+        if (!src) Py_RETURN_NONE;
+        return PyUnicode_FromString(src);
+    }
+    }
+}
+
+/* [(op, kind, group or -1), ...]: which nodes ran fused */
+static PyObject *Program_node_groups(ProgramObject *self, PyObject *unused) {
+    (void)unused;
+    const af_graph *g = af_program_graph(self->p);
+    int32_t n = af_graph_num_nodes(g);
+    PyObject *list = PyList_New(n);
+    for (int32_t i = 0; list && i < n; i++) {
+        const af_node *node = af_graph_node(g, i);
+        PyObject *t = Py_BuildValue("(ssi)", node->op, af_op_kind_name(af_op_get(node->op_id)->kind),
+                                    (int)af_program_node_group(self->p, i));
+        if (!t) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, i, t);
+    }
+    return list;
 }
 
 static PyMethodDef Program_methods[] = {
     {"run", (PyCFunction)Program_run, METH_O, "run(inputs) -> tuple of outputs"},
     {"nodes", (PyCFunction)Program_nodes, METH_NOARGS, "[(op, kind), ...]"},
+    {"node_groups", (PyCFunction)Program_node_groups, METH_NOARGS, "[(op, kind, fusion group or -1), ...]"},
     {"value_nbytes", (PyCFunction)Program_value_nbytes, METH_O, "bytes of a tensor value"},
     {NULL, NULL, 0, NULL}};
 
 static PyGetSetDef Program_getset[] = {
     {"num_inputs", (getter)Program_get_num, NULL, "number of inputs", (void *)0},
-    {"num_steps", (getter)Program_get_num, NULL, "number of steps", (void *)1},
+    {"num_nodes", (getter)Program_get_num, NULL, "number of graph nodes", (void *)1},
+    {"num_steps", (getter)Program_get_num, NULL, "number of steps (extern calls + kernels)", (void *)6},
+    {"num_kernels", (getter)Program_get_num, NULL, "fused kernels compiled", (void *)3},
+    {"kernel_fallbacks", (getter)Program_get_num, NULL, "kernel calls that ran as extern calls", (void *)4},
+    {"cache_hit", (getter)Program_get_num, NULL, "the kernels came from the disk cache", (void *)5},
+    {"source", (getter)Program_get_num, NULL, "the generated C source, or None", (void *)7},
     {"num_outputs", (getter)Program_get_num, NULL, "number of outputs", (void *)2},
     {"check_inputs", NULL, (setter)Program_set_check_inputs, "check inputs against the graph on each run", NULL},
     {NULL, NULL, NULL, NULL, NULL}};

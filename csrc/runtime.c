@@ -1,67 +1,97 @@
-/* The runtime: a flat list of steps, intermediates released at their last use. */
+/* The runtime: a flat list of steps (extern calls and fused kernels), intermediates released
+ * after the last step that reads them. */
 #include "aotfuse/runtime.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "aotfuse/codegen.h"
+#include "aotfuse/fuse.h"
+#include "aotfuse/jit.h"
+
+typedef struct {
+    int32_t node;  /* extern step: the node; kernel step: -1 */
+    int32_t group; /* kernel step: the fusion group; extern step: -1 */
+} af_step;
+
 struct af_program {
     af_graph *graph;
-    af_extern **steps;      /* one per node */
+    af_extern **externs;    /* one per node: extern steps, and the fallback of kernel steps */
+    af_step *steps;
+    int32_t n_steps;
     int32_t *release;       /* value ids released after each step, concatenated */
-    int32_t *release_start; /* n_nodes + 1 offsets into release */
-    int32_t *input_ids;     /* graph input value ids, cached */
+    int32_t *release_start; /* n_steps + 1 offsets into release */
+    int32_t *input_ids;
     const af_tensor_meta **input_metas;
     const char **input_names;
     af_obj **values;        /* scratch: one slot per value, NULL between runs */
+    af_fusion_plan *plan;   /* NULL without fusion */
+    af_jit_module *module;
+    af_kernel_fn *kernels;  /* per group */
+    const af_tensor_meta **kernel_metas; /* scratch: operand metas of the widest group */
+    af_obj **kernel_objs;   /* scratch */
+    void **kernel_ptrs;     /* scratch */
+    char *source;
+    int64_t fallbacks;
+    int cache_hit;
     int check_inputs;
     int running;            /* a run is in progress (re-entry guard) */
 };
 
-static void mark_uses(const af_arg *a, int32_t node, int32_t *last_use) {
+static void mark_uses(const af_arg *a, int32_t step, int32_t *last_use) {
     if (a->kind == AF_ARG_VALUE) {
-        if (last_use[a->u.value] < node) last_use[a->u.value] = node;
+        if (last_use[a->u.value] < step) last_use[a->u.value] = step;
     } else if (a->kind == AF_ARG_LIST) {
-        for (int32_t i = 0; i < a->u.list.n; i++) mark_uses(&a->u.list.items[i], node, last_use);
+        for (int32_t i = 0; i < a->u.list.n; i++) mark_uses(&a->u.list.items[i], step, last_use);
     }
 }
 
-/* For each value: the last node that reads it; -1 if none; n_nodes if the graph returns it. */
-static int plan_releases(af_program *p) {
+/* Which step produces each value (-1: an input, or a value inside a kernel). */
+static int32_t producing_step(const af_program *p, const int32_t *step_of_node, int32_t v) {
+    int32_t node = af_graph_value(p->graph, v)->producer;
+    return node < 0 ? -1 : step_of_node[node];
+}
+
+/* For each value: released after the last step reading it; graph outputs never; values nobody
+ * reads right after the step that made them; unread inputs after the first step. */
+static int plan_releases(af_program *p, const int32_t *step_of_node) {
     const af_graph *g = p->graph;
-    int32_t nv = af_graph_num_values(g), nn = af_graph_num_nodes(g);
+    int32_t nv = af_graph_num_values(g), ns = p->n_steps;
     int32_t *last_use = malloc(((size_t)nv + 1) * sizeof(int32_t));
-    p->release_start = calloc((size_t)nn + 1, sizeof(int32_t));
+    int32_t *fill = malloc(((size_t)ns + 1) * sizeof(int32_t));
+    p->release_start = calloc((size_t)ns + 2, sizeof(int32_t));
     p->release = malloc(((size_t)nv + 1) * sizeof(int32_t));
-    if (!last_use || !p->release_start || !p->release) {
+    if (!last_use || !fill || !p->release_start || !p->release) {
         free(last_use);
+        free(fill);
         return af_error_set(AF_ERR_NOMEM, "out of memory planning a program");
     }
     for (int32_t v = 0; v < nv; v++) last_use[v] = -1;
-    for (int32_t i = 0; i < nn; i++) {
-        const af_node *n = af_graph_node(g, i);
-        for (int32_t a = 0; a < n->n_args; a++) mark_uses(&n->args[a], i, last_use);
+    for (int32_t s = 0; s < ns; s++) {
+        if (p->steps[s].node >= 0) {
+            const af_node *n = af_graph_node(g, p->steps[s].node);
+            for (int32_t a = 0; a < n->n_args; a++) mark_uses(&n->args[a], s, last_use);
+        } else {
+            const af_fusion_group *grp = &p->plan->groups[p->steps[s].group];
+            for (int32_t k = 0; k < grp->n_inputs; k++)
+                if (last_use[grp->inputs[k]] < s) last_use[grp->inputs[k]] = s;
+        }
     }
-    for (int32_t o = 0; o < af_graph_num_outputs(g); o++) last_use[af_graph_output(g, o)] = nn;
-    /* A value nobody reads is released right after the step that made it; an unread input
-     * is released after the first step (or never taken, when there are no steps). */
+    for (int32_t o = 0; o < af_graph_num_outputs(g); o++) last_use[af_graph_output(g, o)] = ns;
     for (int32_t v = 0; v < nv; v++) {
         if (last_use[v] != -1) continue;
-        int32_t producer = af_graph_value(g, v)->producer;
-        last_use[v] = producer >= 0 ? producer : (nn > 0 ? 0 : nn);
+        int32_t s = producing_step(p, step_of_node, v);
+        if (af_graph_value(g, v)->producer >= 0 && s < 0) continue; /* inside a kernel: never exists */
+        last_use[v] = s >= 0 ? s : (ns > 0 ? 0 : ns);
     }
-    /* counting sort of values by release step */
     int32_t *count = p->release_start;
     for (int32_t v = 0; v < nv; v++)
-        if (last_use[v] < nn) count[last_use[v] + 1]++;
-    for (int32_t i = 0; i < nn; i++) count[i + 1] += count[i];
-    int32_t *fill = malloc(((size_t)nn + 1) * sizeof(int32_t));
-    if (!fill) {
-        free(last_use);
-        return af_error_set(AF_ERR_NOMEM, "out of memory planning a program");
-    }
-    memcpy(fill, count, ((size_t)nn + 1) * sizeof(int32_t));
+        if (last_use[v] >= 0 && last_use[v] < ns) count[last_use[v] + 1]++;
+    for (int32_t s = 0; s < ns; s++) count[s + 1] += count[s];
+    memcpy(fill, count, ((size_t)ns + 1) * sizeof(int32_t));
     for (int32_t v = 0; v < nv; v++)
-        if (last_use[v] < nn) p->release[fill[last_use[v]]++] = v;
+        if (last_use[v] >= 0 && last_use[v] < ns) p->release[fill[last_use[v]]++] = v;
     free(fill);
     free(last_use);
     return AF_OK;
@@ -69,8 +99,9 @@ static int plan_releases(af_program *p) {
 
 void af_program_free(af_program *p) {
     if (!p) return;
-    if (p->steps)
-        for (int32_t i = 0; i < af_graph_num_nodes(p->graph); i++) af_extern_free(p->steps[i]);
+    if (p->externs)
+        for (int32_t i = 0; i < af_graph_num_nodes(p->graph); i++) af_extern_free(p->externs[i]);
+    free(p->externs);
     free(p->steps);
     free(p->release);
     free(p->release_start);
@@ -78,12 +109,46 @@ void af_program_free(af_program *p) {
     free(p->input_metas);
     free(p->input_names);
     free(p->values);
+    free(p->kernels);
+    free(p->kernel_metas);
+    free(p->kernel_objs);
+    free(p->kernel_ptrs);
+    free(p->source);
+    af_fuse_plan_free(p->plan);
+    af_jit_module_free(p->module);
     af_graph_free(p->graph);
     free(p);
 }
 
-int af_program_new(af_graph *g, af_program **out) {
+/* Plans fusion groups, generates and compiles their kernels. */
+static int build_kernels(af_program *p, const af_program_options *opts) {
+    af_fuse_options fo = {.min_nodes = opts->min_group > 0 ? opts->min_group : 2};
+    int st = af_fuse_plan_new(p->graph, &fo, &p->plan);
+    if (st || p->plan->n_groups == 0) return st;
+    if ((st = af_codegen_c(p->graph, p->plan, &p->source))) return st;
+    if ((st = af_jit_cpu_load(p->source, &p->module, &p->cache_hit))) return st;
+    int32_t widest = 0;
+    p->kernels = calloc((size_t)p->plan->n_groups, sizeof *p->kernels);
+    if (!p->kernels) return af_error_set(AF_ERR_NOMEM, "out of memory loading kernels");
+    for (int32_t i = 0; i < p->plan->n_groups; i++) {
+        char name[32];
+        snprintf(name, sizeof name, "af_kernel_%d", (int)i);
+        *(void **)&p->kernels[i] = af_jit_symbol(p->module, name);
+        if (!p->kernels[i]) return af_error_set(AF_ERR_RUNTIME, "kernel %s missing from %s", name, af_jit_path(p->module));
+        int32_t w = p->plan->groups[i].n_inputs + p->plan->groups[i].n_outputs;
+        if (w > widest) widest = w;
+    }
+    p->kernel_metas = malloc(((size_t)widest + 1) * sizeof *p->kernel_metas);
+    p->kernel_objs = malloc(((size_t)widest + 1) * sizeof *p->kernel_objs);
+    p->kernel_ptrs = malloc(((size_t)widest + 1) * sizeof *p->kernel_ptrs);
+    if (!p->kernel_metas || !p->kernel_objs || !p->kernel_ptrs) return af_error_set(AF_ERR_NOMEM, "out of memory loading kernels");
+    return AF_OK;
+}
+
+int af_program_new(af_graph *g, const af_program_options *opts, af_program **out) {
     if (!g || !out) return af_error_set(AF_ERR_INVALID, "af_program_new: NULL argument");
+    af_program_options o = {0};
+    if (opts) o = *opts;
     int st = af_graph_verify(g);
     if (st) return st;
     if ((st = af_bridge_init())) return st;
@@ -92,12 +157,14 @@ int af_program_new(af_graph *g, af_program **out) {
     p->graph = g;
     p->check_inputs = 1;
     int32_t nn = af_graph_num_nodes(g), nv = af_graph_num_values(g), ni = af_graph_num_inputs(g);
+    int32_t *step_of_node = malloc(((size_t)nn + 1) * sizeof(int32_t));
+    p->externs = calloc((size_t)nn + 1, sizeof *p->externs);
     p->steps = calloc((size_t)nn + 1, sizeof *p->steps);
     p->values = calloc((size_t)nv + 1, sizeof *p->values);
     p->input_ids = malloc(((size_t)ni + 1) * sizeof *p->input_ids);
     p->input_metas = malloc(((size_t)ni + 1) * sizeof *p->input_metas);
     p->input_names = malloc(((size_t)ni + 1) * sizeof *p->input_names);
-    if (!p->steps || !p->values || !p->input_ids || !p->input_metas || !p->input_names) {
+    if (!step_of_node || !p->externs || !p->steps || !p->values || !p->input_ids || !p->input_metas || !p->input_names) {
         st = af_error_set(AF_ERR_NOMEM, "out of memory allocating a program");
         goto error;
     }
@@ -107,18 +174,47 @@ int af_program_new(af_graph *g, af_program **out) {
         p->input_metas[i] = &v->meta;
         p->input_names[i] = v->name;
     }
-    if ((st = plan_releases(p))) goto error;
+    if (o.fuse && (st = build_kernels(p, &o))) goto error;
+    for (int32_t i = 0; i < nn; i++) {
+        int32_t gi = p->plan ? p->plan->group_of_node[i] : -1;
+        step_of_node[i] = -1;
+        if (gi < 0) {
+            step_of_node[i] = p->n_steps;
+            p->steps[p->n_steps++] = (af_step){.node = i, .group = -1};
+        } else if (p->plan->groups[gi].last_node == i) {
+            p->steps[p->n_steps++] = (af_step){.node = -1, .group = gi};
+        }
+    }
+    if (p->plan) /* a kernel's outputs come from its step */
+        for (int32_t s = 0; s < p->n_steps; s++)
+            if (p->steps[s].group >= 0) {
+                const af_fusion_group *grp = &p->plan->groups[p->steps[s].group];
+                for (int32_t k = 0; k < grp->n_outputs; k++)
+                    step_of_node[af_graph_value(g, grp->outputs[k])->producer] = s;
+            }
+    if ((st = plan_releases(p, step_of_node))) goto error;
     for (int32_t i = 0; i < nn; i++)
-        if ((st = af_extern_new(g, i, &p->steps[i]))) goto error;
+        if ((st = af_extern_new(g, i, &p->externs[i]))) goto error;
+    free(step_of_node);
     *out = p;
     return AF_OK;
 error:
+    free(step_of_node);
     p->graph = NULL; /* still the caller's */
     af_program_free(p);
     return st;
 }
 
 const af_graph *af_program_graph(const af_program *p) { return p ? p->graph : NULL; }
+int32_t af_program_num_kernels(const af_program *p) { return p && p->plan && p->module ? p->plan->n_groups : 0; }
+int64_t af_program_kernel_fallbacks(const af_program *p) { return p ? p->fallbacks : 0; }
+int af_program_cache_hit(const af_program *p) { return p ? p->cache_hit : 0; }
+const char *af_program_source(const af_program *p) { return p ? p->source : NULL; }
+int32_t af_program_num_steps(const af_program *p) { return p ? p->n_steps : 0; }
+int32_t af_program_node_group(const af_program *p, int32_t node) {
+    if (!p || !p->plan || node < 0 || node >= af_graph_num_nodes(p->graph)) return -1;
+    return p->plan->group_of_node[node];
+}
 
 void af_program_set_check_inputs(af_program *p, int enabled) {
     if (p) p->check_inputs = enabled != 0;
@@ -132,10 +228,51 @@ static void release_all(af_program *p) {
     }
 }
 
+/* A kernel step; on a layout mismatch its nodes run as extern calls instead. */
+static int run_kernel(af_program *p, int32_t gi) {
+    const af_fusion_group *grp = &p->plan->groups[gi];
+    int32_t ni = grp->n_inputs, no = grp->n_outputs;
+    for (int32_t k = 0; k < ni; k++) {
+        p->kernel_objs[k] = p->values[grp->inputs[k]];
+        p->kernel_metas[k] = &af_graph_value(p->graph, grp->inputs[k])->meta;
+    }
+    int st = af_bridge_tensor_data(p->kernel_objs, p->kernel_metas, ni, p->kernel_ptrs);
+    if (st == AF_BRIDGE_LAYOUT_MISMATCH) {
+        /* run the members one by one; values only the kernel would have held are dropped after */
+        p->fallbacks++;
+        for (int32_t m = 0; m < grp->n_nodes; m++) {
+            const af_node *n = af_graph_node(p->graph, grp->nodes[m]);
+            if ((st = af_extern_call(p->externs[grp->nodes[m]], p->values, &p->values[n->first_output]))) return st;
+        }
+        for (int32_t m = 0; m < grp->n_nodes; m++) {
+            int32_t v = af_graph_node(p->graph, grp->nodes[m])->first_output;
+            int keep = 0;
+            for (int32_t k = 0; k < no && !keep; k++) keep = grp->outputs[k] == v;
+            if (!keep) {
+                af_obj_release(p->values[v]);
+                p->values[v] = NULL;
+            }
+        }
+        return AF_OK;
+    }
+    if (st) return st;
+    for (int32_t k = 0; k < no; k++) {
+        int32_t v = grp->outputs[k];
+        const af_tensor_meta *m = &af_graph_value(p->graph, v)->meta;
+        if ((st = af_bridge_empty(m, &p->values[v]))) return st;
+        p->kernel_objs[ni + k] = p->values[v];
+        p->kernel_metas[ni + k] = m;
+    }
+    st = af_bridge_tensor_data(p->kernel_objs + ni, p->kernel_metas + ni, no, p->kernel_ptrs + ni);
+    if (st) return st == AF_BRIDGE_LAYOUT_MISMATCH ? af_error_set(AF_ERR_RUNTIME, "a kernel output was allocated with another layout") : st;
+    af_bridge_run_kernel(p->kernels[gi], (char *const *)p->kernel_ptrs);
+    return AF_OK;
+}
+
 int af_program_run(af_program *p, af_obj *const *inputs, int32_t n_inputs, af_obj **outputs) {
     if (!p || (n_inputs > 0 && !inputs) || !outputs) return af_error_set(AF_ERR_INVALID, "af_program_run: NULL argument");
     const af_graph *g = p->graph;
-    int32_t ni = af_graph_num_inputs(g), nn = af_graph_num_nodes(g), no = af_graph_num_outputs(g);
+    int32_t ni = af_graph_num_inputs(g), no = af_graph_num_outputs(g);
     if (n_inputs != ni)
         return af_error_set(AF_ERR_INVALID, "program takes %d inputs, got %d", (int)ni, (int)n_inputs);
     if (p->running)
@@ -149,14 +286,19 @@ int af_program_run(af_program *p, af_obj *const *inputs, int32_t n_inputs, af_ob
         af_obj_retain(inputs[i]);
         p->values[p->input_ids[i]] = inputs[i];
     }
-    for (int32_t i = 0; i < nn; i++) {
-        const af_node *n = af_graph_node(g, i);
-        if ((st = af_extern_call(p->steps[i], p->values, &p->values[n->first_output]))) {
+    for (int32_t s = 0; s < p->n_steps; s++) {
+        if (p->steps[s].node >= 0) {
+            const af_node *n = af_graph_node(g, p->steps[s].node);
+            st = af_extern_call(p->externs[p->steps[s].node], p->values, &p->values[n->first_output]);
+        } else {
+            st = run_kernel(p, p->steps[s].group);
+        }
+        if (st) {
             release_all(p);
             p->running = 0;
             return st;
         }
-        for (int32_t r = p->release_start[i]; r < p->release_start[i + 1]; r++) {
+        for (int32_t r = p->release_start[s]; r < p->release_start[s + 1]; r++) {
             af_obj_release(p->values[p->release[r]]);
             p->values[p->release[r]] = NULL;
         }

@@ -250,9 +250,9 @@ def test_explain_report():
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
     report = aotfuse.explain(model, torch.randn(3, 8))
     assert report.forward_nodes > 0 and report.backward_nodes > 0
-    assert report.fused_kernels == 0
+    assert report.fused_kernels >= 1  # GELU and its backward are pointwise chains
     assert report.extern_ops.get("aten::mm.default", 0) >= 1
-    assert sum(report.extern_ops.values()) == report.forward_nodes + report.backward_nodes
+    assert sum(report.extern_ops.values()) < report.forward_nodes + report.backward_nodes
     assert report.saved_bytes == sum(s[3] for s in report.saved) > 0
     text = str(report)
     assert "forward program" in text and "saved for backward" in text and "aten::mm.default" in text

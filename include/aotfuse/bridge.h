@@ -45,4 +45,17 @@ int af_extern_call(af_extern *e, af_obj *const *values, af_obj **outs);
 int af_bridge_check_tensors(af_obj *const *objs, const af_tensor_meta *const *metas,
                             const char *const *names, int32_t n);
 
+/* Data pointers of n tensors (through the C shim), for a kernel compiled for metas: AF_OK with
+ * ptrs filled, AF_BRIDGE_LAYOUT_MISMATCH (> 0, not an error) when some tensor's dtype, sizes or
+ * strides differ from what the kernel was compiled for, or an AF_ERR_* status. */
+#define AF_BRIDGE_LAYOUT_MISMATCH 1
+int af_bridge_tensor_data(af_obj *const *objs, const af_tensor_meta *const *metas, int32_t n, void **ptrs);
+
+/* A new uninitialized tensor with meta's sizes, strides, dtype and device, from torch's
+ * allocator (so torch's memory statistics see it). */
+int af_bridge_empty(const af_tensor_meta *meta, af_obj **out);
+
+/* Calls a compiled kernel with the GIL released. */
+void af_bridge_run_kernel(void (*fn)(char *const *), char *const *ptrs);
+
 #endif

@@ -15,7 +15,7 @@ typedef enum {
 
 typedef enum {
     AF_OP_UNKNOWN = 0,
-#define AF_OP(e, name, kind) AF_OP_##e,
+#define AF_OP(e, name, kind, expr) AF_OP_##e,
 #include "../../csrc/ops.def"
 #undef AF_OP
     AF_OP_COUNT
@@ -24,6 +24,7 @@ typedef enum {
 typedef struct {
     const char *name; /* "aten::add" */
     af_op_kind kind;
+    const char *c_expr; /* one element in float from $0 $1 $2; NULL if not fusible */
 } af_op_info;
 
 /* Looks up an op by its qualified name with or without overload ("aten::add.Tensor" and

@@ -1,8 +1,11 @@
 /* The runtime: runs a graph as a flat list of steps.
  *
- * A program owns its graph and one step per node (today every step is an extern call through
- * the bridge; fused kernels will be another kind of step). Each intermediate is released right
- * after its last use, so peak memory is what the program needs, not what the graph holds.
+ * A program owns its graph, its fusion plan and compiled module, and a list of steps: an extern
+ * call through the bridge per unfused node, a fused kernel per group (at its last member's place).
+ * Each intermediate is released right after the last step that reads it, so peak memory is what
+ * the program needs, not what the graph holds; values inside a kernel never exist.
+ * Before a kernel runs, its inputs' layouts are checked against what it was compiled for; on a
+ * mismatch that call runs the group's nodes as extern calls instead (counted, never wrong).
  * Needs the GIL (the bridge does).
  */
 #ifndef AOTFUSE_RUNTIME_H
@@ -13,9 +16,23 @@
 
 typedef struct af_program af_program;
 
-/* Verifies g, plans it and resolves its steps. On success the program owns g (freed with it);
- * on failure g is still the caller's. */
-int af_program_new(af_graph *g, af_program **out);
+typedef struct {
+    int fuse;               /* plan fused kernels and compile them (CPU backend) */
+    int32_t min_group;      /* smallest group worth a kernel (default 2) */
+} af_program_options;
+
+/* Verifies g, plans it and resolves its steps. opts may be NULL (no fusion). On success the
+ * program owns g (freed with it); on failure g is still the caller's. */
+int af_program_new(af_graph *g, const af_program_options *opts, af_program **out);
+
+/* Fusion facts: kernels compiled, kernel calls that fell back to externs, whether the module came
+ * from the disk cache, the generated source (NULL without kernels). */
+int32_t af_program_num_kernels(const af_program *p);
+int64_t af_program_kernel_fallbacks(const af_program *p);
+int af_program_cache_hit(const af_program *p);
+const char *af_program_source(const af_program *p);
+int32_t af_program_num_steps(const af_program *p);
+int32_t af_program_node_group(const af_program *p, int32_t node); /* its fusion group, or -1 */
 
 void af_program_free(af_program *p); /* NULL allowed */
 

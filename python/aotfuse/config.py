@@ -1,9 +1,10 @@
 """Environment configuration, read when used (so tests can change it).
 
 AOTFUSE_DISABLE=1      run every compiled function eagerly (for bisecting)
-AOTFUSE_LOG=a,b        log stages: capture, lowering, cache (and "all")
+AOTFUSE_LOG=a,b        log stages: partition, lowering, fusion, codegen, cache (and "all")
 AOTFUSE_CACHE_SIZE=N   compiled signatures kept per function (default 8)
 AOTFUSE_CHECK_INPUTS=0 skip the C runtime's check of each input against the program
+AOTFUSE_FUSION=0       no fused kernels: every node runs as an extern ATen call
 """
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ def cache_size() -> int:
 
 def check_inputs() -> bool:
     return os.environ.get("AOTFUSE_CHECK_INPUTS", "1") not in ("", "0")
+
+
+def fusion() -> bool:
+    return os.environ.get("AOTFUSE_FUSION", "1") not in ("", "0")
 
 
 def emit(stage: str, message: str) -> None:

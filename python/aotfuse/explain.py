@@ -15,8 +15,8 @@ class Explanation:
 
     forward_nodes: int
     backward_nodes: int
-    extern_ops: dict[str, int]  # op name -> count, forward and backward together
-    fused_kernels: int
+    extern_ops: dict[str, int]  # op name -> extern calls, forward and backward together
+    fused_kernels: int          # kernels launched per forward+backward
     saved_bytes: int            # bytes the forward saves for the backward
     saved: list[tuple[str, tuple, str, int]]  # (name, shape, dtype, bytes) of each saved value
     recomputed: list[str]       # forward nodes the backward recomputes (min-cut partition)
@@ -68,10 +68,10 @@ def explain(fn_or_module: Callable | nn.Module, *args: Any, **kwargs: Any) -> Ex
         for op, n in (prog.extern_counts() if prog else {}).items():
             counts[op] = counts.get(op, 0) + n
     return Explanation(
-        forward_nodes=fw.program.num_steps if fw else 0,
-        backward_nodes=bw.program.num_steps if bw else 0,
+        forward_nodes=fw.program.num_nodes if fw else 0,
+        backward_nodes=bw.program.num_nodes if bw else 0,
         extern_ops=counts,
-        fused_kernels=0,
+        fused_kernels=sum(p.program.num_kernels for p in (fw, bw) if p),
         saved_bytes=record.saved_bytes if bw else 0,
         saved=list(record.saved) if bw else [],
         recomputed=list(record.recomputed) if bw else [],

@@ -105,9 +105,11 @@ class Lowered:
         return str(self.program)
 
     def extern_counts(self) -> dict[str, int]:
+        """Extern ATen calls per op name (nodes that run outside fused kernels)."""
         counts: dict[str, int] = {}
-        for op, _kind in self.program.nodes():
-            counts[op] = counts.get(op, 0) + 1
+        for op, _kind, group in self.program.node_groups():
+            if group < 0:
+                counts[op] = counts.get(op, 0) + 1
         return counts
 
 
@@ -191,8 +193,16 @@ def build_graph(gm: fx.GraphModule) -> GraphBuild:
 def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None) -> Lowered:
     """Lowers an ATen-level FX graph (as AOTAutograd produces) into a C program."""
     b = build_graph(gm)
-    program = _C.Program(b.graph)
+    program = _C.Program(b.graph, fuse=config.fusion())
     program.check_inputs = config.check_inputs()
     lowered = Lowered(program, tuple(b.constants), b.out_template, len(b.input_nodes) - len(b.constants))
-    config.emit("lowering", f"{gm.__class__.__name__}: {program.num_steps} steps\n{program}")
+    config.emit("lowering", f"{gm.__class__.__name__}: {program.num_nodes} nodes\n{program}")
+    if program.num_kernels:
+        groups: dict[int, list[str]] = {}
+        for op, _kind, group in program.node_groups():
+            if group >= 0:
+                groups.setdefault(group, []).append(op)
+        config.emit("fusion", f"{program.num_kernels} kernels, {program.num_steps} steps for {program.num_nodes} nodes"
+                    + "".join(f"\n  kernel {k}: {', '.join(v)}" for k, v in sorted(groups.items())))
+        config.emit("codegen", f"(cache {'hit' if program.cache_hit else 'miss'})\n{program.source}")
     return lowered

@@ -1,0 +1,223 @@
+/* Fusion planning (see include/aotfuse/fuse.h). */
+#include "aotfuse/fuse.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static int float_like(af_dtype d) {
+    return d == AF_DTYPE_FLOAT32 || d == AF_DTYPE_FLOAT16 || d == AF_DTYPE_BFLOAT16 || d == AF_DTYPE_BOOL;
+}
+
+/* Keywords that do not change a pointwise op's value (the output meta already says dtype). */
+static int harmless_keyword(const char *name) {
+    static const char *const ok[] = {"dtype", "layout", "device", "pin_memory", "memory_format", "non_blocking"};
+    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++)
+        if (strcmp(name, ok[i]) == 0) return 1;
+    return 0;
+}
+
+/* Highest $k an expression uses, or -1. */
+static int expr_arity(const char *e) {
+    int hi = -1;
+    for (; *e; e++)
+        if (e[0] == '$' && e[1] >= '0' && e[1] <= '9' && e[1] - '0' > hi) hi = e[1] - '0';
+    return hi + 1;
+}
+
+int af_fuse_node_ok(const af_graph *g, int32_t index) {
+    const af_node *n = af_graph_node(g, index);
+    if (!n) return 0;
+    const af_op_info *info = af_op_get(n->op_id);
+    if (info->kind != AF_KIND_POINTWISE || !info->c_expr || n->n_outputs != 1) return 0;
+    const af_value *out = af_graph_value(g, n->first_output);
+    if (out->meta.type != AF_VALUE_TENSOR || !float_like(out->meta.dtype) || out->meta.device.type != AF_DEVICE_CPU)
+        return 0;
+    int arity = expr_arity(info->c_expr), tensors = 0;
+    for (int32_t a = 0; a < n->n_args; a++) {
+        const af_arg *arg = &n->args[a];
+        if (arg->name) {
+            if (!harmless_keyword(arg->name)) return 0;
+            if (arg->kind == AF_ARG_DEVICE && arg->u.device.type != AF_DEVICE_CPU) return 0;
+            continue;
+        }
+        if (a >= arity) return 0; /* a positional argument the expression ignores: not ours to drop */
+        if (arg->kind == AF_ARG_VALUE) {
+            const af_value *v = af_graph_value(g, arg->u.value);
+            if (v->meta.type != AF_VALUE_TENSOR || !float_like(v->meta.dtype) || v->meta.device.type != AF_DEVICE_CPU)
+                return 0;
+            tensors++;
+        } else if (arg->kind != AF_ARG_FLOAT && arg->kind != AF_ARG_INT && arg->kind != AF_ARG_BOOL) {
+            return 0;
+        }
+    }
+    int32_t positional = 0;
+    while (positional < n->n_args && !n->args[positional].name) positional++;
+    return positional == arity && tensors > 0;
+}
+
+static int same_shape(const af_tensor_meta *a, const af_tensor_meta *b) {
+    if (a->ndim != b->ndim) return 0;
+    for (int32_t d = 0; d < a->ndim; d++)
+        if (a->sizes[d] != b->sizes[d]) return 0;
+    return 1;
+}
+
+void af_fuse_plan_free(af_fusion_plan *plan) {
+    if (!plan) return;
+    for (int32_t i = 0; plan->groups && i < plan->n_groups; i++) {
+        free(plan->groups[i].nodes);
+        free(plan->groups[i].inputs);
+        free(plan->groups[i].outputs);
+    }
+    free(plan->groups);
+    free(plan->group_of_node);
+    free(plan);
+}
+
+/* Appends x to a malloc'd array of *n (grown by doubling at powers of two). */
+static int push(int32_t **arr, int32_t *n, int32_t x) {
+    if ((*n & (*n - 1)) == 0) {
+        int32_t cap = *n ? *n * 2 : 4;
+        int32_t *p = realloc(*arr, (size_t)cap * sizeof(int32_t));
+        if (!p) return af_error_set(AF_ERR_NOMEM, "out of memory planning fusion");
+        *arr = p;
+    }
+    (*arr)[(*n)++] = x;
+    return AF_OK;
+}
+
+static int contains(const int32_t *arr, int32_t n, int32_t x) {
+    for (int32_t i = 0; i < n; i++)
+        if (arr[i] == x) return 1;
+    return 0;
+}
+
+static void mark_reads(const af_arg *a, const int32_t *value_group, int32_t reader_group, uint8_t *closed) {
+    if (a->kind == AF_ARG_VALUE) {
+        int32_t gidx = value_group[a->u.value];
+        if (gidx >= 0 && gidx != reader_group) closed[gidx] = 1;
+    } else if (a->kind == AF_ARG_LIST) {
+        for (int32_t i = 0; i < a->u.list.n; i++) mark_reads(&a->u.list.items[i], value_group, reader_group, closed);
+    }
+}
+
+/* Any read from outside a value's group (lists included) makes the value a group output. */
+static int materialize_reads(af_fusion_plan *plan, const af_arg *a, const int32_t *value_group, int32_t reader) {
+    if (a->kind == AF_ARG_LIST) {
+        for (int32_t j = 0; j < a->u.list.n; j++) {
+            int st = materialize_reads(plan, &a->u.list.items[j], value_group, reader);
+            if (st) return st;
+        }
+        return AF_OK;
+    }
+    if (a->kind != AF_ARG_VALUE) return AF_OK;
+    int32_t gi = value_group[a->u.value];
+    if (gi < 0 || gi == reader) return AF_OK;
+    af_fusion_group *grp = &plan->groups[gi];
+    return contains(grp->outputs, grp->n_outputs, a->u.value) ? AF_OK : push(&grp->outputs, &grp->n_outputs, a->u.value);
+}
+
+int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_plan **out) {
+    if (!g || !out) return af_error_set(AF_ERR_INVALID, "af_fuse_plan_new: NULL argument");
+    int32_t min_nodes = opts && opts->min_nodes > 0 ? opts->min_nodes : 2;
+    int32_t nn = af_graph_num_nodes(g), nv = af_graph_num_values(g);
+    af_fusion_plan *plan = calloc(1, sizeof *plan);
+    int32_t *value_group = malloc(((size_t)nv + 1) * sizeof(int32_t));
+    uint8_t *closed = calloc((size_t)nn + 1, 1); /* per provisional group (at most one per node) */
+    int32_t *prov_of_node = malloc(((size_t)nn + 1) * sizeof(int32_t));
+    int32_t *prov_size = calloc((size_t)nn + 1, sizeof(int32_t));
+    uint8_t *is_output = calloc((size_t)nv + 1, 1);
+    int st = AF_OK;
+    if (!plan || !value_group || !closed || !prov_of_node || !prov_size || !is_output) {
+        st = af_error_set(AF_ERR_NOMEM, "out of memory planning fusion");
+        goto done;
+    }
+    for (int32_t v = 0; v < nv; v++) value_group[v] = -1;
+    for (int32_t o = 0; o < af_graph_num_outputs(g); o++) is_output[af_graph_output(g, o)] = 1;
+
+    /* provisional groups, greedily in graph order */
+    int32_t n_prov = 0;
+    for (int32_t i = 0; i < nn; i++) {
+        const af_node *n = af_graph_node(g, i);
+        prov_of_node[i] = -1;
+        if (af_fuse_node_ok(g, i)) {
+            const af_tensor_meta *shape = &af_graph_value(g, n->first_output)->meta;
+            int32_t join = -1;
+            for (int32_t a = 0; a < n->n_args && join < 0; a++) {
+                if (n->args[a].kind != AF_ARG_VALUE) continue;
+                int32_t v = n->args[a].u.value, gidx = value_group[v];
+                if (gidx >= 0 && !closed[gidx] && same_shape(&af_graph_value(g, v)->meta, shape)) join = gidx;
+            }
+            if (join < 0) join = n_prov++;
+            prov_of_node[i] = join;
+            prov_size[join]++;
+            value_group[n->first_output] = join;
+        }
+        /* reads by this node close every other group it reads from */
+        for (int32_t a = 0; a < n->n_args; a++) mark_reads(&n->args[a], value_group, prov_of_node[i], closed);
+    }
+
+    /* keep groups big enough; number them densely */
+    int32_t *dense = malloc(((size_t)n_prov + 1) * sizeof(int32_t));
+    plan->group_of_node = malloc(((size_t)nn + 1) * sizeof(int32_t));
+    if (!dense || !plan->group_of_node) {
+        free(dense);
+        st = af_error_set(AF_ERR_NOMEM, "out of memory planning fusion");
+        goto done;
+    }
+    for (int32_t p = 0; p < n_prov; p++) dense[p] = prov_size[p] >= min_nodes ? plan->n_groups++ : -1;
+    plan->groups = calloc((size_t)plan->n_groups + 1, sizeof(af_fusion_group));
+    if (!plan->groups) {
+        free(dense);
+        st = af_error_set(AF_ERR_NOMEM, "out of memory planning fusion");
+        goto done;
+    }
+    for (int32_t i = 0; i < nn; i++) {
+        int32_t gi = prov_of_node[i] >= 0 ? dense[prov_of_node[i]] : -1;
+        plan->group_of_node[i] = gi;
+        if (gi < 0) continue;
+        af_fusion_group *grp = &plan->groups[gi];
+        if ((st = push(&grp->nodes, &grp->n_nodes, i))) break;
+        grp->last_node = i;
+    }
+    free(dense);
+    if (st) goto done;
+    for (int32_t v = 0; v < nv; v++) {
+        int32_t p = af_graph_value(g, v)->producer;
+        value_group[v] = p >= 0 ? plan->group_of_node[p] : -1;
+    }
+    /* inputs: tensor args from outside; outputs: members read outside or returned */
+    for (int32_t gi = 0; gi < plan->n_groups && !st; gi++) {
+        af_fusion_group *grp = &plan->groups[gi];
+        for (int32_t k = 0; k < grp->n_nodes && !st; k++) {
+            const af_node *n = af_graph_node(g, grp->nodes[k]);
+            for (int32_t a = 0; a < n->n_args && !st; a++) {
+                if (n->args[a].kind != AF_ARG_VALUE) continue;
+                int32_t v = n->args[a].u.value;
+                if (value_group[v] != gi && !contains(grp->inputs, grp->n_inputs, v)) st = push(&grp->inputs, &grp->n_inputs, v);
+            }
+        }
+    }
+    for (int32_t v = 0; v < nv && !st; v++)
+        if (is_output[v] && value_group[v] >= 0) {
+            af_fusion_group *grp = &plan->groups[value_group[v]];
+            if (!contains(grp->outputs, grp->n_outputs, v)) st = push(&grp->outputs, &grp->n_outputs, v);
+        }
+    for (int32_t i = 0; i < nn && !st; i++) {
+        const af_node *n = af_graph_node(g, i);
+        for (int32_t a = 0; a < n->n_args && !st; a++)
+            st = materialize_reads(plan, &n->args[a], value_group, plan->group_of_node[i]);
+    }
+done:
+    free(value_group);
+    free(closed);
+    free(prov_of_node);
+    free(prov_size);
+    free(is_output);
+    if (st) {
+        af_fuse_plan_free(plan);
+        return st;
+    }
+    *out = plan;
+    return AF_OK;
+}

@@ -1,0 +1,197 @@
+/* CPU JIT: system C compiler + dlopen + an atomic disk cache (see include/aotfuse/jit.h). */
+#define _GNU_SOURCE
+#include "aotfuse/jit.h"
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+extern char **environ;
+
+#define JIT_VERSION "aotfuse-jit-1"
+static const char *const base_flags[] = {"-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-w"};
+#define N_BASE_FLAGS ((int)(sizeof base_flags / sizeof base_flags[0]))
+
+struct af_jit_module {
+    void *handle;
+    char path[4096];
+};
+
+static uint64_t fnv1a(uint64_t h, const char *s) {
+    for (; *s; s++) {
+        h ^= (unsigned char)*s;
+        h *= 1099511628211ull;
+    }
+    return h ^ 0xff; /* separator, so ("ab","c") and ("a","bc") differ */
+}
+
+static int mkdir_p(const char *dir) {
+    char tmp[4096];
+    if (snprintf(tmp, sizeof tmp, "%s", dir) >= (int)sizeof tmp) return af_error_set(AF_ERR_INVALID, "cache path too long");
+    for (char *p = tmp + 1; *p; p++)
+        if (*p == '/') {
+            *p = '\0';
+            if (mkdir(tmp, 0755) != 0 && errno != EEXIST) return af_error_set(AF_ERR_RUNTIME, "cannot create %s: %s", tmp, strerror(errno));
+            *p = '/';
+        }
+    if (mkdir(tmp, 0755) != 0 && errno != EEXIST) return af_error_set(AF_ERR_RUNTIME, "cannot create %s: %s", tmp, strerror(errno));
+    return AF_OK;
+}
+
+static int cache_dir(char *out, size_t n) {
+    const char *d = getenv("AOTFUSE_CACHE_DIR"), *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
+    int w;
+    if (d && *d) w = snprintf(out, n, "%s", d);
+    else if (xdg && *xdg) w = snprintf(out, n, "%s/aotfuse", xdg);
+    else if (home && *home) w = snprintf(out, n, "%s/.cache/aotfuse", home);
+    else w = snprintf(out, n, "/tmp/aotfuse-cache-%d", (int)getuid());
+    if (w < 0 || (size_t)w >= n) return af_error_set(AF_ERR_INVALID, "cache directory path too long");
+    return mkdir_p(out);
+}
+
+/* Splits AOTFUSE_CC ("ccache gcc") into argv words, in buf. */
+static int compiler_words(char *buf, size_t n, char **words, int max) {
+    const char *cc = getenv("AOTFUSE_CC");
+    if (!cc || !*cc) cc = "cc";
+    if (snprintf(buf, n, "%s", cc) >= (int)n) return -1;
+    int k = 0;
+    for (char *tok = strtok(buf, " \t"); tok && k < max; tok = strtok(NULL, " \t")) words[k++] = tok;
+    return k;
+}
+
+/* Runs the compiler; on failure the message holds the start of its output. */
+static int run_compiler(char *const *argv, const char *log_path) {
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, log_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    pid_t pid;
+    int err = posix_spawnp(&pid, argv[0], &fa, NULL, argv, environ);
+    posix_spawn_file_actions_destroy(&fa);
+    if (err) return af_error_set(AF_ERR_UNSUPPORTED, "cannot run the C compiler '%s' (%s): install one, or set AOTFUSE_CC, or AOTFUSE_FUSION=0 to run without fused kernels", argv[0], strerror(err));
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0)
+        if (errno != EINTR) return af_error_set(AF_ERR_RUNTIME, "waiting for the C compiler: %s", strerror(errno));
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return AF_OK;
+    char log[700] = "";
+    FILE *f = fopen(log_path, "r");
+    if (f) {
+        size_t got = fread(log, 1, sizeof log - 1, f);
+        log[got] = '\0';
+        fclose(f);
+    }
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 127)
+        return af_error_set(AF_ERR_UNSUPPORTED, "the C compiler '%s' was not found: install one, or set AOTFUSE_CC, or AOTFUSE_FUSION=0", argv[0]);
+    return af_error_set(AF_ERR_UNSUPPORTED, "the C compiler '%s' failed (status %d): %s", argv[0], status, log);
+}
+
+/* dlopen + key check; 0 if the entry is missing, broken or someone else's. */
+static void *open_checked(const char *path, const char *key) {
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!h) return NULL;
+    const char *k = dlsym(h, "af_module_key");
+    if (!k || strcmp(k, key) != 0) {
+        dlclose(h);
+        return NULL;
+    }
+    return h;
+}
+
+static int compile_to(const char *dir, const char *key, const char *source, const char *final_path) {
+    char tmp_c[4200], tmp_so[4200], log[4200];
+    long salt = (long)getpid() ^ ((long)(uintptr_t)&salt >> 4);
+    snprintf(tmp_c, sizeof tmp_c, "%s/.%s.%ld.c", dir, key, salt);
+    snprintf(tmp_so, sizeof tmp_so, "%s/.%s.%ld.so", dir, key, salt);
+    snprintf(log, sizeof log, "%s/.%s.%ld.log", dir, key, salt);
+    FILE *f = fopen(tmp_c, "w");
+    if (!f) return af_error_set(AF_ERR_RUNTIME, "cannot write %s: %s", tmp_c, strerror(errno));
+    int ok = fputs(source, f) >= 0;
+    ok &= fprintf(f, "\nconst char af_module_key[] = \"%s\";\n", key) > 0;
+    ok &= fclose(f) == 0;
+    if (!ok) {
+        unlink(tmp_c);
+        return af_error_set(AF_ERR_RUNTIME, "cannot write %s", tmp_c);
+    }
+    char ccbuf[1024];
+    char *argv[64];
+    int n = compiler_words(ccbuf, sizeof ccbuf, argv, 16);
+    if (n <= 0) {
+        unlink(tmp_c);
+        return af_error_set(AF_ERR_INVALID, "AOTFUSE_CC is empty or too long");
+    }
+    int st = AF_OK;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        int k = n;
+        for (int i = 0; i < N_BASE_FLAGS; i++) argv[k++] = (char *)base_flags[i];
+        if (attempt == 0) argv[k++] = "-fopenmp"; /* second attempt: a compiler without OpenMP */
+        argv[k++] = tmp_c;
+        argv[k++] = "-o";
+        argv[k++] = tmp_so;
+        argv[k++] = "-lm";
+        argv[k] = NULL;
+        st = run_compiler(argv, log);
+        if (st == AF_OK) break;
+        if (strstr(af_error_message(), "not found") || strstr(af_error_message(), "cannot run")) break;
+    }
+    unlink(log);
+    if (st == AF_OK && rename(tmp_so, final_path) != 0)
+        st = af_error_set(AF_ERR_RUNTIME, "cannot move %s into the cache: %s", tmp_so, strerror(errno));
+    if (st != AF_OK) unlink(tmp_so);
+    /* keep the source beside the object for AOTFUSE_LOG=codegen readers and bug reports */
+    char src_path[4200];
+    snprintf(src_path, sizeof src_path, "%s/%s.c", dir, key);
+    if (st != AF_OK || rename(tmp_c, src_path) != 0) unlink(tmp_c);
+    return st;
+}
+
+int af_jit_cpu_load(const char *source, af_jit_module **out, int *cache_hit) {
+    if (!source || !out) return af_error_set(AF_ERR_INVALID, "af_jit_cpu_load: NULL argument");
+    char dir[4000], ccbuf[1024], *words[16];
+    int st = cache_dir(dir, sizeof dir);
+    if (st) return st;
+    int n = compiler_words(ccbuf, sizeof ccbuf, words, 16);
+    uint64_t h = fnv1a(14695981039346656037ull, JIT_VERSION);
+    h = fnv1a(h, source);
+    for (int i = 0; i < n; i++) h = fnv1a(h, words[i]);
+    for (int i = 0; i < N_BASE_FLAGS; i++) h = fnv1a(h, base_flags[i]);
+    char key[32];
+    snprintf(key, sizeof key, "%016" PRIx64, h);
+    af_jit_module *m = calloc(1, sizeof *m);
+    if (!m) return af_error_set(AF_ERR_NOMEM, "out of memory loading a module");
+    snprintf(m->path, sizeof m->path, "%s/%s.so", dir, key);
+    int hit = 1;
+    m->handle = open_checked(m->path, key);
+    if (!m->handle) {
+        hit = 0;
+        unlink(m->path); /* missing, truncated, corrupt or stale: rebuild */
+        if ((st = compile_to(dir, key, source, m->path)) == AF_OK) {
+            m->handle = open_checked(m->path, key);
+            if (!m->handle) st = af_error_set(AF_ERR_RUNTIME, "cannot load %s: %s", m->path, dlerror());
+        }
+    }
+    if (st) {
+        free(m);
+        return st;
+    }
+    if (cache_hit) *cache_hit = hit;
+    *out = m;
+    return AF_OK;
+}
+
+void *af_jit_symbol(af_jit_module *m, const char *name) { return m && m->handle ? dlsym(m->handle, name) : NULL; }
+
+const char *af_jit_path(const af_jit_module *m) { return m ? m->path : ""; }
+
+void af_jit_module_free(af_jit_module *m) {
+    if (!m) return;
+    if (m->handle) dlclose(m->handle);
+    free(m);
+}

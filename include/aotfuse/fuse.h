@@ -1,0 +1,47 @@
+/* Fusion: grouping a program's pointwise nodes into kernels.
+ *
+ * A group is a set of nodes with an op-table C expression, computed element by element over one
+ * iteration shape (every member's output shape). Its inputs are tensors read by index arithmetic
+ * (broadcast dims have stride 0) or scalar constants; its outputs are the members' values read
+ * outside the group or returned by the graph. Values between members are never materialized.
+ * The group runs where its last member stood; a group is closed to new members as soon as a node
+ * outside it reads one of its values, which keeps the step order acyclic.
+ *
+ * The plan is owned by the caller (af_fuse_plan_free).
+ */
+#ifndef AOTFUSE_FUSE_H
+#define AOTFUSE_FUSE_H
+
+#include <stdint.h>
+
+#include "aotfuse/ir.h"
+
+typedef struct {
+    int32_t n_nodes;
+    int32_t *nodes;    /* member node indices, in graph order */
+    int32_t n_inputs;
+    int32_t *inputs;   /* value ids read from outside (tensors) */
+    int32_t n_outputs;
+    int32_t *outputs;  /* member values that are materialized */
+    int32_t last_node; /* where the group runs */
+} af_fusion_group;
+
+typedef struct {
+    int32_t n_groups;
+    af_fusion_group *groups;
+    int32_t *group_of_node; /* per node: its group, or -1 (an extern step) */
+} af_fusion_plan;
+
+typedef struct {
+    int32_t min_nodes;   /* smallest group worth a kernel (default 2; 1 also fuses lone nodes) */
+} af_fuse_options;
+
+/* Whether one node could be a group member (its op has an expression, its dtypes and arguments
+ * are ones the code generators handle). */
+int af_fuse_node_ok(const af_graph *g, int32_t node);
+
+/* Plans the groups of g (verified). opts may be NULL. */
+int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_plan **out);
+void af_fuse_plan_free(af_fusion_plan *plan); /* NULL allowed */
+
+#endif

@@ -1,0 +1,28 @@
+/* JIT for the CPU backend: C source -> shared object -> loaded module, through a disk cache.
+ *
+ * The cache (AOTFUSE_CACHE_DIR, else $XDG_CACHE_HOME/aotfuse, else ~/.cache/aotfuse) holds one
+ * <key>.so per distinct (source, compiler, flags), key = 64-bit FNV-1a of the three. Entries are
+ * written to a temporary name and renamed into place, so concurrent processes never see half a
+ * file; each object embeds its key, and an entry that fails to load or carries another key is
+ * rebuilt. The compiler is AOTFUSE_CC (default "cc"); a missing or failing compiler is an
+ * AF_ERR_UNSUPPORTED error carrying the compiler's own message.
+ */
+#ifndef AOTFUSE_JIT_H
+#define AOTFUSE_JIT_H
+
+#include "aotfuse/status.h"
+
+typedef struct af_jit_module af_jit_module;
+
+/* Compiles (or finds in the cache) `source` and loads it. *cache_hit says which, when not NULL. */
+int af_jit_cpu_load(const char *source, af_jit_module **out, int *cache_hit);
+
+/* A symbol of a loaded module, or NULL. */
+void *af_jit_symbol(af_jit_module *m, const char *name);
+
+/* Where the module's shared object lives (for logs). */
+const char *af_jit_path(const af_jit_module *m);
+
+void af_jit_module_free(af_jit_module *m); /* NULL allowed; unloads */
+
+#endif
