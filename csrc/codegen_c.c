@@ -77,11 +77,16 @@ static void emit_store_value(af_strbuf *sb, af_dtype d, const char *v) {
     }
 }
 
-static void emit_scalar(af_strbuf *sb, const af_arg *a) {
+/* A scalar argument as a float literal; rounded through `as` (bf16/f16) when the op's scalar rule
+ * says ATen converts it to the tensor's dtype first. */
+static void emit_scalar(af_strbuf *sb, const af_arg *a, af_dtype as) {
     double x = a->kind == AF_ARG_FLOAT ? a->u.f : (double)a->u.i;
+    const char *wrap = as == AF_DTYPE_BFLOAT16 ? "af_bf16_load(af_bf16_store" : as == AF_DTYPE_FLOAT16 ? "af_f16_load(af_f16_store" : NULL;
+    if (wrap) af_strbuf_printf(sb, "%s(", wrap);
     if (isnan(x)) af_strbuf_printf(sb, "((float)NAN)");
     else if (isinf(x)) af_strbuf_printf(sb, "(%s(float)INFINITY)", x < 0 ? "-" : "");
     else af_strbuf_printf(sb, "((float)%.17g)", x);
+    if (wrap) af_strbuf_printf(sb, "))");
 }
 
 /* The operand's strides over the iteration shape: right-aligned, 0 on broadcast dims. */
@@ -178,12 +183,19 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
         const af_value *out = af_graph_value(g, n->first_output);
+        const af_op_info *info = af_op_get(n->op_id);
+        af_dtype scalar_as = AF_DTYPE_FLOAT32;
+        for (int32_t a = 0; a < n->n_args && info->scalars == AF_SCALAR_AS_TENSOR; a++)
+            if (n->args[a].kind == AF_ARG_VALUE) {
+                scalar_as = af_graph_value(g, n->args[a].u.value)->meta.dtype;
+                break;
+            }
         af_strbuf_printf(sb, "      float v%d = ", (int)n->first_output);
-        for (const char *e = af_op_get(n->op_id)->c_expr; *e; e++) {
+        for (const char *e = info->c_expr; *e; e++) {
             if (e[0] == '$' && e[1] >= '0' && e[1] <= '9') {
                 const af_arg *a = &n->args[e[1] - '0'];
                 if (a->kind == AF_ARG_VALUE) af_strbuf_printf(sb, "v%d", (int)a->u.value);
-                else emit_scalar(sb, a);
+                else emit_scalar(sb, a, scalar_as);
                 e++;
             } else {
                 af_strbuf_printf(sb, "%c", *e);

@@ -40,7 +40,10 @@ int af_fuse_node_ok(const af_graph *g, int32_t index) {
             if (arg->kind == AF_ARG_DEVICE && arg->u.device.type != AF_DEVICE_CPU) return 0;
             continue;
         }
-        if (a >= arity) return 0; /* a positional argument the expression ignores: not ours to drop */
+        if (a >= arity) { /* a positional argument the expression ignores: only a target dtype may be */
+            if (arg->kind != AF_ARG_DTYPE) return 0;
+            continue;
+        }
         if (arg->kind == AF_ARG_VALUE) {
             const af_value *v = af_graph_value(g, arg->u.value);
             if (v->meta.type != AF_VALUE_TENSOR || !float_like(v->meta.dtype) || v->meta.device.type != AF_DEVICE_CPU)
@@ -52,7 +55,7 @@ int af_fuse_node_ok(const af_graph *g, int32_t index) {
     }
     int32_t positional = 0;
     while (positional < n->n_args && !n->args[positional].name) positional++;
-    return positional == arity && tensors > 0;
+    return positional >= arity && tensors > 0;
 }
 
 static int same_shape(const af_tensor_meta *a, const af_tensor_meta *b) {

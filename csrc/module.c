@@ -642,7 +642,21 @@ done:
     return result;
 }
 
+static PyObject *op_table(PyObject *m, PyObject *unused) {
+    (void)m;
+    (void)unused;
+    PyObject *list = PyList_New(0);
+    for (int i = 1; list && i < AF_OP_COUNT; i++) {
+        const af_op_info *info = af_op_get((af_op_id)i);
+        PyObject *t = Py_BuildValue("(ssz)", info->name, af_op_kind_name(info->kind), info->c_expr);
+        if (!t || PyList_Append(list, t) < 0) Py_CLEAR(list);
+        Py_XDECREF(t);
+    }
+    return list;
+}
+
 static PyMethodDef module_methods[] = {
+    {"op_table", op_table, METH_NOARGS, "[(name, kind, C expression or None), ...]"},
     {"partition", (PyCFunction)(void (*)(void))partition, METH_VARARGS | METH_KEYWORDS,
      "partition(graph, roles: bytes, num_fwd_outputs, min_cut=True, ...) -> dict"},
     {"bridge_info", bridge_info, METH_NOARGS, "{shim function: found in this torch}"},

@@ -4,8 +4,8 @@
 #include <string.h>
 
 static const af_op_info af_op_table[AF_OP_COUNT] = {
-    [AF_OP_UNKNOWN] = {"extern", AF_KIND_EXTERN, NULL},
-#define AF_OP(e, name, kind, expr) [AF_OP_##e] = {name, kind, expr},
+    [AF_OP_UNKNOWN] = {"extern", AF_KIND_EXTERN, NULL, AF_SCALAR_OPMATH},
+#define AF_OP(e, name, kind, expr, scalars) [AF_OP_##e] = {name, kind, expr, scalars},
 #include "ops.def"
 #undef AF_OP
 };

@@ -15,16 +15,22 @@ typedef enum {
 
 typedef enum {
     AF_OP_UNKNOWN = 0,
-#define AF_OP(e, name, kind, expr) AF_OP_##e,
+#define AF_OP(e, name, kind, expr, scalars) AF_OP_##e,
 #include "../../csrc/ops.def"
 #undef AF_OP
     AF_OP_COUNT
 } af_op_id;
 
+typedef enum {
+    AF_SCALAR_OPMATH = 0, /* a scalar argument enters the computation in float, as given */
+    AF_SCALAR_AS_TENSOR   /* a scalar argument is first rounded to the tensor operand's dtype */
+} af_scalar_rule;
+
 typedef struct {
     const char *name; /* "aten::add" */
     af_op_kind kind;
     const char *c_expr; /* one element in float from $0 $1 $2; NULL if not fusible */
+    af_scalar_rule scalars;
 } af_op_info;
 
 /* Looks up an op by its qualified name with or without overload ("aten::add.Tensor" and

@@ -1,0 +1,243 @@
+"""Fused CPU kernels against ATen: every op-table expression on broadcast and non-contiguous inputs
+in fp32 and bf16, backward chains, seeded random graphs, the disk cache, and fallbacks."""
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import aotfuse
+from aotfuse import _C
+from aotfuse.lower import lower
+from helpers import assert_close
+
+aten, prims = torch.ops.aten, torch.ops.prims
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 1e-2)}
+
+
+def _pos(t):
+    return t.abs() + 0.5
+
+
+# per op-table entry with an expression: how to call it (tensor args first get a `pre` op so
+# that the fused group has two nodes), and whether its inputs must be positive
+OP_CASES = {
+    "aten::abs": lambda a, b, c: aten.abs(a),
+    "aten::add": lambda a, b, c: aten.add.Tensor(a, b),
+    "aten::sub": lambda a, b, c: aten.sub.Tensor(a, b),
+    "aten::rsub": lambda a, b, c: aten.rsub.Scalar(a, 2.5),
+    "aten::mul": lambda a, b, c: aten.mul.Tensor(a, b),
+    "aten::div": lambda a, b, c: aten.div.Tensor(a, _pos(b)),
+    "aten::neg": lambda a, b, c: aten.neg(a),
+    "aten::reciprocal": lambda a, b, c: aten.reciprocal(_pos(a)),
+    "aten::pow": lambda a, b, c: aten.pow.Tensor_Scalar(_pos(a), 1.7) + aten.pow.Tensor_Scalar(a, 2),
+    "aten::sqrt": lambda a, b, c: aten.sqrt(_pos(a)),
+    "aten::rsqrt": lambda a, b, c: aten.rsqrt(_pos(a)),
+    "aten::exp": lambda a, b, c: aten.exp(a),
+    "aten::log": lambda a, b, c: aten.log(_pos(a)),
+    "aten::log1p": lambda a, b, c: aten.log1p(_pos(a)),
+    "aten::tanh": lambda a, b, c: aten.tanh(a),
+    "aten::sigmoid": lambda a, b, c: aten.sigmoid(a),
+    "aten::erf": lambda a, b, c: aten.erf(a),
+    "aten::relu": lambda a, b, c: aten.relu(a),
+    "aten::maximum": lambda a, b, c: aten.maximum(a, b),
+    "aten::minimum": lambda a, b, c: aten.minimum(a, b),
+    "aten::clamp_min": lambda a, b, c: aten.clamp_min(a, -0.25),
+    "aten::clamp_max": lambda a, b, c: aten.clamp_max(a, 0.25),
+    "aten::where": lambda a, b, c: aten.where.self(aten.gt.Scalar(c, 0.0), a, b),
+    "aten::eq": lambda a, b, c: aten.where.self(aten.eq.Tensor(aten.round(a), aten.round(b)), a, b),
+    "aten::ne": lambda a, b, c: aten.where.self(aten.ne.Scalar(aten.round(a), 0.0), a, b),
+    "aten::lt": lambda a, b, c: aten.where.self(aten.lt.Tensor(a, b), a, b),
+    "aten::le": lambda a, b, c: aten.where.self(aten.le.Scalar(a, 0.1), a, b),
+    "aten::gt": lambda a, b, c: aten.where.self(aten.gt.Tensor(a, b), a, c),
+    "aten::ge": lambda a, b, c: aten.where.self(aten.ge.Scalar(a, -0.1), b, c),
+    "aten::logical_not": lambda a, b, c: aten.where.self(aten.logical_not(aten.gt.Scalar(a, 0.0)), b, c),
+    "aten::threshold_backward": lambda a, b, c: aten.threshold_backward(a, b, 0.0),
+    "aten::tanh_backward": lambda a, b, c: aten.tanh_backward(a, aten.tanh(b)),
+    "aten::sigmoid_backward": lambda a, b, c: aten.sigmoid_backward(a, aten.sigmoid(b)),
+    "prims::convert_element_type": lambda a, b, c: prims.convert_element_type(a, torch.float64).to(a.dtype) * 1.0
+    if False else prims.convert_element_type(prims.convert_element_type(a, torch.bfloat16), a.dtype),
+    "aten::_to_copy": lambda a, b, c: aten._to_copy(aten._to_copy(a, dtype=torch.bfloat16), dtype=a.dtype),
+    "aten::clone": lambda a, b, c: aten.clone(a),
+}
+
+
+def test_every_expression_has_a_case():
+    with_expr = {name for name, _kind, expr in _C.op_table() if expr}
+    assert with_expr == set(OP_CASES), with_expr ^ set(OP_CASES)
+
+
+def _inputs(dtype, layout):
+    g = torch.Generator().manual_seed(1)
+    if layout == "contiguous":
+        shapes = [(4, 5, 6)] * 3
+        make = lambda s: torch.randn(s, generator=g)  # noqa: E731
+    elif layout == "broadcast":
+        shapes = [(4, 5, 6), (5, 1), (6,)]
+        make = lambda s: torch.randn(s, generator=g)  # noqa: E731
+    else:  # non-contiguous: transposed and sliced views
+        shapes = [(4, 5, 6)] * 3
+        make = lambda s: torch.randn(s[0], s[2], s[1] * 2, generator=g)[:, :, ::2].transpose(1, 2)  # noqa: E731
+    return [make(s).to(dtype) for s in shapes]
+
+
+def _fused_vs_eager(fn, args, dtype):
+    def with_pre(a, b, c):
+        return fn(aten.mul.Tensor(a, 1.0), b, c) * 1.0  # a pre and a post op: a group of several nodes
+
+    gm = make_fx(with_pre, tracing_mode="fake")(*args)
+    lowered = lower(gm)
+    got = lowered(list(args))[0]
+    ref = with_pre(*args)
+    atol, rtol = TOL[dtype]
+    assert_close(got, ref, "fused output", atol=atol, rtol=rtol)
+    return lowered
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "broadcast", "strided"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("op", sorted(OP_CASES))
+def test_op_table_expression_matches_aten(op, dtype, layout):
+    lowered = _fused_vs_eager(OP_CASES[op], _inputs(dtype, layout), dtype)
+    assert lowered.program.num_kernels >= 1
+    fused_ops = {o for o, _k, grp in lowered.program.node_groups() if grp >= 0}
+    assert op + "." in " ".join(fused_ops) + " " or any(o.startswith(op + ".") or o == op for o in fused_ops), \
+        f"{op} did not run in a kernel: {fused_ops}"
+    assert lowered.program.kernel_fallbacks == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("act", ["gelu", "tanh_gelu", "silu", "sigmoid", "tanh", "softplus", "relu", "elu"])
+def test_activation_forward_and_backward(act, dtype):
+    fn = {"gelu": F.gelu, "tanh_gelu": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu,
+          "sigmoid": torch.sigmoid, "tanh": torch.tanh, "softplus": F.softplus, "relu": F.relu, "elu": F.elu}[act]
+
+    def f(x, w):
+        return fn(x * w + 0.1) * w
+
+    x = torch.randn(8, 33, dtype=dtype, requires_grad=True)
+    w = torch.randn(33, dtype=dtype, requires_grad=True)
+    xr, wr = (t.detach().clone().requires_grad_() for t in (x, w))
+    cf = aotfuse.memory_efficient_fusion(f)
+    out, ref = cf(x, w), f(xr, wr)
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
+    assert_close(out, ref, f"{act} output", atol=atol, rtol=rtol)
+    g = torch.randn_like(ref)
+    out.backward(g)
+    ref.backward(g)
+    assert_close(x.grad, xr.grad, f"{act} grad x", atol=atol, rtol=rtol)
+    assert_close(w.grad, wr.grad, f"{act} grad w", atol=atol * 10, rtol=rtol)
+    assert aotfuse.explain(cf, x, w).fused_kernels >= 1
+
+
+UNARY = [torch.sin, torch.exp, torch.tanh, torch.sigmoid, F.gelu, lambda t: t * t, torch.neg, F.relu]
+BINARY = [torch.add, torch.sub, torch.mul, lambda a, b: a / (b.abs() + 1.0), torch.maximum]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_pointwise_broadcast_reduction_graphs(seed):
+    rng = random.Random(seed)
+    shape = (rng.randint(1, 6), rng.randint(1, 7), rng.randint(2, 9))
+    bshapes = [shape, shape[1:], (shape[0], 1, shape[2]), (shape[2],), (1, 1, 1)]
+    n_inputs = rng.randint(2, 4)
+    in_shapes = [rng.choice(bshapes) for _ in range(n_inputs)]
+    program = []
+    for _ in range(rng.randint(3, 12)):
+        kind = rng.random()
+        if kind < 0.45:
+            program.append(("u", rng.randrange(len(UNARY)), rng.randrange(1000)))
+        elif kind < 0.85:
+            program.append(("b", rng.randrange(len(BINARY)), rng.randrange(1000), rng.randrange(1000)))
+        else:
+            program.append(("r", rng.randrange(3), rng.randrange(1000)))
+
+    def f(*xs):
+        vals = list(xs)
+        for step in program:
+            if step[0] == "u":
+                vals.append(UNARY[step[1]](vals[step[2] % len(vals)]))
+            elif step[0] == "b":
+                vals.append(BINARY[step[1]](vals[step[2] % len(vals)], vals[step[3] % len(vals)]))
+            else:
+                v = vals[step[2] % len(vals)]
+                vals.append(v.sum(dim=-1, keepdim=True) if step[1] == 0 else v.mean() if step[1] == 1 else v.amax(-1, keepdim=True))
+        return sum(v.sum() for v in vals[n_inputs:]) + vals[-1].sum() * 0.5, vals[-1]
+
+    xs = [torch.randn(s, requires_grad=True) for s in in_shapes]
+    refs = [x.detach().clone().requires_grad_() for x in xs]
+    cf = aotfuse.memory_efficient_fusion(f)
+    out, ref = cf(*xs), f(*refs)
+    for i, (a, b) in enumerate(zip(out, ref)):
+        assert_close(a, b, f"seed {seed} output {i}", atol=1e-4, rtol=1e-4)
+    out[0].backward()
+    ref[0].backward()
+    for i, (a, b) in enumerate(zip(xs, refs)):
+        assert_close(a.grad, b.grad, f"seed {seed} grad of input {i}", atol=1e-4, rtol=1e-4)
+
+
+def test_layout_mismatch_falls_back_to_extern_calls():
+    # declare an extern's output contiguous while ATen returns it transposed: the kernel reading it
+    # must notice and run its nodes as extern calls, with the right answer
+    g = _C.Graph()
+    x = g.add_input("x", ("tensor", "float32", "cpu", -1, (4, 6), (6, 1), 0))
+    (t,) = g.add_node("aten::t.default", [("v", x)], [], [("tensor", "float32", "cpu", -1, (6, 4), (4, 1), 0)])
+    (a,) = g.add_node("aten::mul.Tensor", [("v", t), ("float", 2.0)], [], [("tensor", "float32", "cpu", -1, (6, 4), (4, 1), 0)])
+    (b,) = g.add_node("aten::exp.default", [("v", a)], [], [("tensor", "float32", "cpu", -1, (6, 4), (4, 1), 0)])
+    g.set_outputs([b])
+    prog = _C.Program(g, fuse=True)
+    assert prog.num_kernels == 1
+    xv = torch.randn(4, 6)
+    (out,) = prog.run([xv])
+    assert_close(out, (xv.t() * 2).exp(), "fallback result")
+    assert prog.kernel_fallbacks == 1
+
+
+def _run_in_subprocess(code, env):
+    full_env = {**os.environ, **env}
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full_env,
+                         timeout=300)
+    return res
+
+
+CACHE_SCRIPT = """
+    import torch, aotfuse
+    f = aotfuse.memory_efficient_fusion(lambda x: (x * 3.0).tanh().exp() - 1.0)
+    x = torch.linspace(-1, 1, 50, requires_grad=True)
+    y = f(x)
+    assert torch.allclose(y, (x * 3.0).tanh().exp() - 1.0, atol=1e-6)
+    rec = f.records[-1]
+    print("HIT", rec.programs["forward"].program.cache_hit, rec.programs["forward"].program.num_kernels)
+"""
+
+
+def test_disk_cache_is_hit_by_a_second_process_and_survives_corruption(tmp_path):
+    env = {"AOTFUSE_CACHE_DIR": str(tmp_path)}
+    first = _run_in_subprocess(CACHE_SCRIPT, env)
+    assert first.returncode == 0, first.stderr
+    assert "HIT False 1" in first.stdout
+    second = _run_in_subprocess(CACHE_SCRIPT, env)
+    assert second.returncode == 0, second.stderr
+    assert "HIT True 1" in second.stdout
+    objects = list(tmp_path.glob("*.so"))
+    assert objects
+    for obj in objects:  # truncate every cached object: the next process must rebuild, not crash
+        obj.write_bytes(obj.read_bytes()[:100])
+    third = _run_in_subprocess(CACHE_SCRIPT, env)
+    assert third.returncode == 0, third.stderr
+    assert "HIT False 1" in third.stdout
+    assert not list(tmp_path.glob(".*"))  # no temporary files left behind
+
+
+def test_missing_compiler_is_a_clear_error_and_fusion_can_be_turned_off(tmp_path):
+    env = {"AOTFUSE_CACHE_DIR": str(tmp_path), "AOTFUSE_CC": "/nonexistent/cc"}
+    res = _run_in_subprocess(CACHE_SCRIPT, env)
+    assert res.returncode != 0
+    assert "C compiler" in res.stderr and "AOTFUSE_CC" in res.stderr
+    off = _run_in_subprocess(CACHE_SCRIPT.replace('print("HIT"', 'print("OFF"'), {**env, "AOTFUSE_FUSION": "0"})
+    assert off.returncode == 0, off.stderr
+    assert "OFF False 0" in off.stdout
