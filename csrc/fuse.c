@@ -95,12 +95,20 @@ static int contains(const int32_t *arr, int32_t n, int32_t x) {
     return 0;
 }
 
-static void mark_reads(const af_arg *a, const int32_t *value_group, int32_t reader_group, uint8_t *closed) {
+static int32_t find_root(int32_t *parent, int32_t x) {
+    while (parent[x] != x) {
+        parent[x] = parent[parent[x]];
+        x = parent[x];
+    }
+    return x;
+}
+
+static void mark_reads(const af_arg *a, const int32_t *value_group, int32_t *parent, int32_t reader_group, uint8_t *closed) {
     if (a->kind == AF_ARG_VALUE) {
         int32_t gidx = value_group[a->u.value];
-        if (gidx >= 0 && gidx != reader_group) closed[gidx] = 1;
+        if (gidx >= 0 && find_root(parent, gidx) != reader_group) closed[find_root(parent, gidx)] = 1;
     } else if (a->kind == AF_ARG_LIST) {
-        for (int32_t i = 0; i < a->u.list.n; i++) mark_reads(&a->u.list.items[i], value_group, reader_group, closed);
+        for (int32_t i = 0; i < a->u.list.n; i++) mark_reads(&a->u.list.items[i], value_group, parent, reader_group, closed);
     }
 }
 
@@ -130,15 +138,21 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
     int32_t *prov_of_node = malloc(((size_t)nn + 1) * sizeof(int32_t));
     int32_t *prov_size = calloc((size_t)nn + 1, sizeof(int32_t));
     uint8_t *is_output = calloc((size_t)nv + 1, 1);
+    int32_t *parent = malloc(((size_t)nn + 1) * sizeof(int32_t));
+    int32_t *last_reader = malloc(((size_t)nv + 1) * sizeof(int32_t));
+    const af_tensor_meta **gshape = malloc(((size_t)nn + 1) * sizeof *gshape);
     int st = AF_OK;
-    if (!plan || !value_group || !closed || !prov_of_node || !prov_size || !is_output) {
+    if (!plan || !value_group || !closed || !prov_of_node || !prov_size || !is_output || !parent || !last_reader || !gshape) {
         st = af_error_set(AF_ERR_NOMEM, "out of memory planning fusion");
         goto done;
     }
-    for (int32_t v = 0; v < nv; v++) value_group[v] = -1;
+    for (int32_t v = 0; v < nv; v++) value_group[v] = last_reader[v] = -1;
     for (int32_t o = 0; o < af_graph_num_outputs(g); o++) is_output[af_graph_output(g, o)] = 1;
 
-    /* provisional groups, greedily in graph order */
+    /* Provisional groups, greedily in graph order, as a union-find forest. A fusible node joins
+     * every open group of its shape that produces one of its inputs (merging them), or else an
+     * open group of its shape that reads one of the same inputs (a sibling: x*0.5 beside
+     * erf(x*0.7071)); otherwise it starts a group. */
     int32_t n_prov = 0;
     for (int32_t i = 0; i < nn; i++) {
         const af_node *n = af_graph_node(g, i);
@@ -146,19 +160,42 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
         if (af_fuse_node_ok(g, i)) {
             const af_tensor_meta *shape = &af_graph_value(g, n->first_output)->meta;
             int32_t join = -1;
-            for (int32_t a = 0; a < n->n_args && join < 0; a++) {
-                if (n->args[a].kind != AF_ARG_VALUE) continue;
-                int32_t v = n->args[a].u.value, gidx = value_group[v];
-                if (gidx >= 0 && !closed[gidx] && same_shape(&af_graph_value(g, v)->meta, shape)) join = gidx;
+            for (int pass = 0; pass < 2; pass++) {
+                for (int32_t a = 0; a < n->n_args; a++) {
+                    if (n->args[a].kind != AF_ARG_VALUE) continue;
+                    int32_t v = n->args[a].u.value;
+                    int32_t cand = pass == 0 ? value_group[v] : last_reader[v];
+                    if (cand < 0) continue;
+                    cand = find_root(parent, cand);
+                    if (closed[cand] || !same_shape(gshape[cand], shape)) continue;
+                    if (pass == 0 && !same_shape(&af_graph_value(g, v)->meta, shape)) continue;
+                    if (pass == 1 && join >= 0) continue;
+                    if (join < 0) join = cand;
+                    else if (cand != join) { /* merge: both open, so no outsider read either yet */
+                        parent[cand] = join;
+                        prov_size[join] += prov_size[cand];
+                    }
+                }
+                if (join >= 0) break;
             }
-            if (join < 0) join = n_prov++;
+            if (join < 0) {
+                join = n_prov++;
+                parent[join] = join;
+                gshape[join] = shape;
+            }
             prov_of_node[i] = join;
             prov_size[join]++;
             value_group[n->first_output] = join;
         }
         /* reads by this node close every other group it reads from */
-        for (int32_t a = 0; a < n->n_args; a++) mark_reads(&n->args[a], value_group, prov_of_node[i], closed);
+        for (int32_t a = 0; a < n->n_args; a++)
+            mark_reads(&n->args[a], value_group, parent, prov_of_node[i] >= 0 ? find_root(parent, prov_of_node[i]) : -1, closed);
+        if (prov_of_node[i] >= 0)
+            for (int32_t a = 0; a < n->n_args; a++)
+                if (n->args[a].kind == AF_ARG_VALUE) last_reader[n->args[a].u.value] = prov_of_node[i];
     }
+    for (int32_t i = 0; i < nn; i++)
+        if (prov_of_node[i] >= 0) prov_of_node[i] = find_root(parent, prov_of_node[i]);
 
     /* keep groups big enough; number them densely */
     int32_t *dense = malloc(((size_t)n_prov + 1) * sizeof(int32_t));
@@ -168,7 +205,7 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
         st = af_error_set(AF_ERR_NOMEM, "out of memory planning fusion");
         goto done;
     }
-    for (int32_t p = 0; p < n_prov; p++) dense[p] = prov_size[p] >= min_nodes ? plan->n_groups++ : -1;
+    for (int32_t p = 0; p < n_prov; p++) dense[p] = (parent[p] == p && prov_size[p] >= min_nodes) ? plan->n_groups++ : -1;
     plan->groups = calloc((size_t)plan->n_groups + 1, sizeof(af_fusion_group));
     if (!plan->groups) {
         free(dense);
@@ -217,6 +254,9 @@ done:
     free(prov_of_node);
     free(prov_size);
     free(is_output);
+    free(parent);
+    free(last_reader);
+    free(gshape);
     if (st) {
         af_fuse_plan_free(plan);
         return st;

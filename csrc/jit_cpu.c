@@ -16,8 +16,10 @@
 
 extern char **environ;
 
-#define JIT_VERSION "aotfuse-jit-1"
-static const char *const base_flags[] = {"-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-w"};
+#define JIT_VERSION "aotfuse-jit-2"
+/* -fno-math-errno / -fno-trapping-math let sqrt and selects vectorize; they change no result */
+static const char *const base_flags[] = {"-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off",
+                                         "-fno-math-errno", "-fno-trapping-math", "-w"};
 #define N_BASE_FLAGS ((int)(sizeof base_flags / sizeof base_flags[0]))
 
 struct af_jit_module {
