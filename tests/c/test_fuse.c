@@ -1,0 +1,113 @@
+/* CMocka tests of csrc/fuse.c and csrc/codegen_c.c: which nodes group together, which values
+ * are materialized, and that the generated source names every kernel. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "aotfuse/codegen.h"
+#include "aotfuse/fuse.h"
+
+static int64_t S2[2] = {4, 8}, T2[2] = {8, 1}, S1[1] = {8}, T1[1] = {1};
+
+static af_tensor_meta f32(int nd) {
+    af_tensor_meta m = {0};
+    m.type = AF_VALUE_TENSOR;
+    m.dtype = AF_DTYPE_FLOAT32;
+    m.device.index = -1;
+    m.ndim = nd;
+    m.sizes = nd == 2 ? S2 : S1;
+    m.strides = nd == 2 ? T2 : T1;
+    return m;
+}
+
+static int32_t node(af_graph *g, const char *op, int32_t a, int32_t b, int nd) {
+    af_tensor_meta m = f32(nd);
+    af_arg args[2] = {{.kind = AF_ARG_VALUE, .u.value = a}, {.kind = AF_ARG_VALUE, .u.value = b}};
+    if (b < 0) args[1] = (af_arg){.kind = AF_ARG_FLOAT, .u.f = 0.5};
+    int32_t out;
+    int n_args = strstr(op, "exp") || strstr(op, "mm") ? 1 : 2;
+    if (strstr(op, "mm")) args[1] = args[0], n_args = 2;
+    assert_int_equal(af_graph_add_node(g, op, args, n_args, &m, 1, &out), AF_OK);
+    return out;
+}
+
+static void test_chain_siblings_and_closing(void **state) {
+    (void)state;
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    af_tensor_meta m2 = f32(2), m1 = f32(1);
+    int32_t x, bias;
+    assert_int_equal(af_graph_add_input(g, "x", &m2, &x), AF_OK);
+    assert_int_equal(af_graph_add_input(g, "bias", &m1, &bias), AF_OK);
+    int32_t a = node(g, "aten::mul.Tensor", x, -1, 2);      /* n0: x * 0.5          group A */
+    int32_t b = node(g, "aten::exp.default", x, -1, 2);     /* n1: exp(x), sibling   group A */
+    int32_t c = node(g, "aten::add.Tensor", a, b, 2);       /* n2                    group A */
+    int32_t d = node(g, "aten::add.Tensor", c, bias, 2);    /* n3: broadcast input   group A */
+    int32_t e = node(g, "aten::mm.default", d, -1, 2);      /* n4: extern reads d: A closed */
+    int32_t f = node(g, "aten::mul.Tensor", d, -1, 2);      /* n5: A is closed: new group B */
+    int32_t h = node(g, "aten::add.Tensor", f, e, 2);       /* n6                    group B */
+    int32_t outs[1] = {h};
+    assert_int_equal(af_graph_set_outputs(g, outs, 1), AF_OK);
+    af_fusion_plan *plan;
+    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+    assert_int_equal(plan->n_groups, 2);
+    int32_t ga = plan->group_of_node[0], gb = plan->group_of_node[5];
+    assert_true(ga >= 0 && gb >= 0 && ga != gb);
+    for (int32_t i = 0; i < 4; i++) assert_int_equal(plan->group_of_node[i], ga);
+    assert_int_equal(plan->group_of_node[4], -1);
+    assert_int_equal(plan->group_of_node[6], gb);
+    /* A: reads x and bias; materializes only d (read by mm and by group B) */
+    assert_int_equal(plan->groups[ga].n_inputs, 2);
+    assert_int_equal(plan->groups[ga].n_outputs, 1);
+    assert_int_equal(plan->groups[ga].outputs[0], d);
+    assert_int_equal(plan->groups[ga].last_node, 3);
+    /* B: its result is a graph output */
+    assert_int_equal(plan->groups[gb].n_outputs, 1);
+    assert_int_equal(plan->groups[gb].outputs[0], h);
+    char *src = NULL;
+    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
+    assert_non_null(strstr(src, "void af_kernel_0("));
+    assert_non_null(strstr(src, "void af_kernel_1("));
+    assert_non_null(strstr(src, "af_exp("));
+    assert_non_null(strstr(src, "af_kernel_count = 2"));
+    free(src);
+    af_fuse_plan_free(plan);
+    (void)c;
+    af_graph_free(g);
+}
+
+static void test_lone_nodes_and_min_group(void **state) {
+    (void)state;
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    af_tensor_meta m2 = f32(2);
+    int32_t x;
+    assert_int_equal(af_graph_add_input(g, "x", &m2, &x), AF_OK);
+    int32_t a = node(g, "aten::exp.default", x, -1, 2);
+    int32_t outs[1] = {a};
+    assert_int_equal(af_graph_set_outputs(g, outs, 1), AF_OK);
+    af_fusion_plan *plan;
+    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+    assert_int_equal(plan->n_groups, 0); /* one node: not worth a kernel by default */
+    af_fuse_plan_free(plan);
+    af_fuse_options one = {.min_nodes = 1};
+    assert_int_equal(af_fuse_plan_new(g, &one, &plan), AF_OK);
+    assert_int_equal(plan->n_groups, 1);
+    af_fuse_plan_free(plan);
+    assert_int_equal(af_fuse_plan_new(NULL, NULL, &plan), AF_ERR_INVALID);
+    af_fuse_plan_free(NULL);
+    af_graph_free(g);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_chain_siblings_and_closing),
+        cmocka_unit_test(test_lone_nodes_and_min_group),
+    };
+    return cmocka_run_group_tests_name("fuse", tests, NULL, NULL);
+}
