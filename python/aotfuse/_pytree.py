@@ -17,29 +17,60 @@ def _is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
 
-def tree_flatten(tree: Any) -> tuple[list[Any], tuple]:
-    """Returns (leaves, spec). Example: tree_flatten(((x, 1), {"a": y})) -> ([x, 1, y], spec)."""
+def tree_flatten(tree: Any, objects: bool = False) -> tuple[list[Any], tuple]:
+    """Returns (leaves, spec). Example: tree_flatten(((x, 1), {"a": y})) -> ([x, 1, y], spec).
+
+    objects=True (for results) also opens plain objects whose attributes hold tensors, such as
+    Hugging Face's DynamicCache, so that each call returns its own object around its own tensors.
+    """
     leaves: list[Any] = []
-    spec = _flatten(tree, leaves)
+    spec = _flatten(tree, leaves, objects, set())
     return leaves, spec
 
 
-def _flatten(x: Any, leaves: list[Any]) -> tuple:
+def _is_tensor(x: Any) -> bool:
+    import torch
+
+    return isinstance(x, torch.Tensor)
+
+
+def _holds_tensor(x: Any, depth: int, seen: set) -> bool:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return True
+    if depth > 6 or id(x) in seen or isinstance(x, (str, bytes, int, float, bool, type(None), type)):
+        return False
+    seen.add(id(x))
+    if isinstance(x, dict):
+        return any(_holds_tensor(v, depth + 1, seen) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(_holds_tensor(v, depth + 1, seen) for v in x)
+    d = getattr(x, "__dict__", None)
+    return isinstance(d, dict) and not isinstance(x, torch.nn.Module) and \
+        any(_holds_tensor(v, depth + 1, seen) for v in d.values())
+
+
+def _flatten(x: Any, leaves: list[Any], objects: bool, seen: set) -> tuple:
     t = type(x)
     if t is tuple or t is list:
-        return ("seq", t, None, tuple(_flatten(v, leaves) for v in x))
+        return ("seq", t, None, tuple(_flatten(v, leaves, objects, seen) for v in x))
     if isinstance(x, dict):
         keys = tuple(x.keys())
         # ModelOutput and other dict dataclasses are rebuilt from keywords; plain dicts from pairs
         kind = "dictdc" if dataclasses.is_dataclass(x) else "dict"
-        return (kind, t, keys, tuple(_flatten(x[k], leaves) for k in keys))
+        return (kind, t, keys, tuple(_flatten(x[k], leaves, objects, seen) for k in keys))
     if _is_namedtuple(x):
-        return ("namedtuple", t, None, tuple(_flatten(v, leaves) for v in x))
+        return ("namedtuple", t, None, tuple(_flatten(v, leaves, objects, seen) for v in x))
     if isinstance(x, (tuple, list)):
-        return ("seq", t, None, tuple(_flatten(v, leaves) for v in x))
+        return ("seq", t, None, tuple(_flatten(v, leaves, objects, seen) for v in x))
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         names = tuple(f.name for f in dataclasses.fields(x))
-        return ("dataclass", t, names, tuple(_flatten(getattr(x, n), leaves) for n in names))
+        return ("dataclass", t, names, tuple(_flatten(getattr(x, n), leaves, objects, seen) for n in names))
+    if objects and not _is_tensor(x) and id(x) not in seen and _holds_tensor(x, 0, set()):
+        seen.add(id(x))
+        names = tuple(vars(x).keys())
+        return ("object", t, names, tuple(_flatten(vars(x)[n], leaves, objects, seen) for n in names))
     leaves.append(x)
     return LEAF
 
@@ -74,6 +105,10 @@ def _unflatten(it, spec: tuple) -> Any:
         except TypeError:
             return dict(zip(keys, values))
         out.update(zip(keys, values))
+        return out
+    if kind == "object":
+        out = object.__new__(t)
+        out.__dict__.update(zip(keys, values))
         return out
     if kind == "dataclass":
         out = object.__new__(t)  # no __init__/__post_init__: the fields are set as they were

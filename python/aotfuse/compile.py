@@ -6,6 +6,7 @@ a call with a known signature goes straight to them.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from typing import Any, Callable
@@ -73,6 +74,24 @@ def _recording_partition(record: _Record, partition_fn: Callable, lower_backward
             record.saved.append((node.name, tuple(val.shape), str(val.dtype).replace("torch.", ""), nbytes))
             record.saved_bytes += nbytes
     return fw, bw
+
+
+@contextlib.contextmanager
+def _tracing_flag():
+    """Tells libraries that a compiler is tracing (torch.compiler.is_compiling() is True), as
+    torch.export's non-strict tracing does: Hugging Face then skips data-dependent shortcuts
+    (`if padding_mask.all(): mask = None`) and always builds the general mask, which is correct
+    for every input."""
+    compiler = torch.compiler
+    if not hasattr(compiler, "_is_compiling_flag"):
+        yield
+        return
+    old = compiler._is_compiling_flag
+    compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        compiler._is_compiling_flag = old
 
 
 def _leaf_key(x: Any, seen: dict) -> Any:
@@ -177,7 +196,7 @@ class CompiledFunction:
                 vals[i] = t
             args, kwargs = tree_unflatten(vals, spec)
             out = fn(*args, **kwargs)
-            out_leaves, out_spec = tree_flatten(out)
+            out_leaves, out_spec = tree_flatten(out, objects=True)
             record.out_spec = out_spec
             record.out_consts = [None if isinstance(x, torch.Tensor) else (x,) for x in out_leaves]
             return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
@@ -204,7 +223,8 @@ class CompiledFunction:
     def _first_run(self, entry: _Entry, leaves: list, tree: Any) -> Any:
         """The first call of a signature traces, partitions, lowers (forward and backward) and runs."""
         try:
-            outs = entry.compiled(*[leaves[i] for i in entry.tensor_idx])
+            with _tracing_flag():
+                outs = entry.compiled(*[leaves[i] for i in entry.tensor_idx])
         except Exception as e:
             if "inference" in entry.record.programs or "forward" in entry.record.programs or isinstance(
                     e, torch.OutOfMemoryError):
