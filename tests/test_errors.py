@@ -19,7 +19,7 @@ def test_untraceable_function_raises_a_clear_error():
     with pytest.raises(aotfuse.CaptureError) as info:
         cf(torch.randn(4))
     msg = str(info.value)
-    assert "data_dependent" in msg and "fallback='eager'" in msg and "backend='aotfuse'" in msg
+    assert "data_dependent" in msg and "fallback='dynamo'" in msg and "backend='aotfuse'" in msg
 
 
 def test_fallback_eager_warns_once_and_is_right():
@@ -29,6 +29,20 @@ def test_fallback_eager_warns_once_and_is_right():
         for x in (torch.ones(3), -torch.ones(3), torch.ones(3)):
             torch.testing.assert_close(cf(x), data_dependent(x))
     assert len([w for w in caught if "aotfuse" in str(w.message)]) == 1
+
+
+def test_fallback_dynamo_splits_the_graph_and_is_right():
+    cf = aotfuse.aot_function(data_dependent, fallback="dynamo")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in (torch.ones(3), -torch.ones(3), torch.ones(3)):  # both branches, guarded by Dynamo
+            x = x.requires_grad_()
+            out = cf(x)
+            torch.testing.assert_close(out, data_dependent(x.detach()))
+            out.sum().backward()
+            torch.testing.assert_close(x.grad, torch.full((3,), 2.0 if x.sum() > 0 else 1.0))
+    assert len([w for w in caught if "aotfuse: could not capture" in str(w.message)]) == 1
+    torch._dynamo.reset()
 
 
 def test_bad_fallback_value():

@@ -5,7 +5,8 @@ name and every parameter after the update must agree (the seed's tolerance and t
 
 Paths:
 - Albert, Bert, GPT2: memory_efficient_fusion (one AOTAutograd capture of the whole model).
-- Longformer: torch.compile(model, backend="aotfuse", dynamic=False). Its encoder calls
+- Longformer: memory_efficient_fusion(model, fallback="dynamo"), or directly
+  torch.compile(model, backend="aotfuse", dynamic=False). Its encoder calls
   `is_index_global_attn.flatten().any().item()` and branches on it, which one capture cannot
   represent (memory_efficient_fusion raises CaptureError, tested below); Dynamo splits the model
   there (4 graphs, 3 breaks, all at that .item(); more with global attention) and aotfuse compiles
@@ -157,6 +158,16 @@ def test_longformer_memory_efficient_fusion_names_the_data_dependent_branch():
     compiled = aotfuse.memory_efficient_fusion(model)
     with pytest.raises(aotfuse.CaptureError, match="DataDependentOutputException.*_local_scalar_dense"):
         compiled(**make_inputs())
+
+
+def test_longformer_memory_efficient_fusion_fallback_dynamo():
+    """PATH: memory_efficient_fusion(model, fallback="dynamo"): the whole-graph capture fails at
+    the .item(), so (with one warning) the model runs under torch.compile with aotfuse's backend."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check("longformer", compile_fn=lambda m: aotfuse.memory_efficient_fusion(m, fallback="dynamo"))
+    assert any("could not capture" in str(w.message) for w in caught)
+    torch._dynamo.reset()
 
 
 def test_longformer_torch_compile_bf16_eval():

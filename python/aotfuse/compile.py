@@ -29,7 +29,7 @@ class CaptureError(RuntimeError):
     tracer rejects, ...). The message names the cause and the ways out."""
 
 
-_FALLBACKS = ("error", "eager")
+_FALLBACKS = ("error", "eager", "dynamo")
 
 
 class _Record:
@@ -113,13 +113,13 @@ def _signature(leaves: list, spec: tuple, extra: tuple) -> tuple:
 
 
 class _Entry:
-    __slots__ = ("compiled", "tensor_idx", "record", "eager")
+    __slots__ = ("compiled", "tensor_idx", "record", "fallback")
 
-    def __init__(self, compiled, tensor_idx, record, eager=False):
+    def __init__(self, compiled, tensor_idx, record):
         self.compiled = compiled
         self.tensor_idx = tensor_idx
         self.record = record
-        self.eager = eager
+        self.fallback: Callable | None = None  # set when this signature could not be captured
 
 
 class CompiledFunction:
@@ -143,6 +143,7 @@ class CompiledFunction:
         self.name = name or getattr(fn, "__qualname__", None) or type(fn).__name__
         self._cache: dict[tuple, _Entry] = {}
         self._warned_full = False
+        self._dynamo_fn: Callable | None = None
         self.compile_count = 0
         functools.update_wrapper(self, fn, updated=())
 
@@ -161,13 +162,10 @@ class CompiledFunction:
             if entry is None:  # cache full: this signature runs eagerly
                 args, kwargs = tree
                 return self.fn(*args, **kwargs)
-            if entry.eager:
-                args, kwargs = tree
-                return self.fn(*args, **kwargs)
             return self._first_run(entry, leaves, tree)
-        if entry.eager:
+        if entry.fallback is not None:
             args, kwargs = tree
-            return self.fn(*args, **kwargs)
+            return entry.fallback(*args, **kwargs)
         outs = entry.compiled(*[leaves[i] for i in entry.tensor_idx])
         return self._rebuild(entry.record, outs)
 
@@ -230,20 +228,31 @@ class CompiledFunction:
                     e, torch.OutOfMemoryError):
                 raise  # captured and lowered: this is a failure of the run itself
             reason = f"{type(e).__name__}: {e}".strip()
-            if self.fallback == "eager":
-                warnings.warn(f"aotfuse: could not compile {self.name}, running it eagerly. Cause: "
+            if self.fallback in ("eager", "dynamo"):
+                how = "eagerly" if self.fallback == "eager" else "through torch.compile(backend='aotfuse')"
+                warnings.warn(f"aotfuse: could not capture {self.name} as one graph, running it {how}. Cause: "
                               f"{reason.splitlines()[0] if reason else type(e).__name__}", stacklevel=4)
-                entry.eager = True
+                entry.fallback = self.fn if self.fallback == "eager" else self._dynamo()
                 args, kwargs = tree
-                return self.fn(*args, **kwargs)
+                return entry.fallback(*args, **kwargs)
             hint = ("an op or argument the C core cannot take" if isinstance(e, UnsupportedError)
                     else "data-dependent control flow or an op AOTAutograd cannot trace")
             raise CaptureError(
                 f"aotfuse could not capture {self.name} ({hint}).\nCause: {reason}\nWays out: "
                 f"torch.compile(model, backend='aotfuse') splits the graph around what cannot be captured; "
-                f"memory_efficient_fusion(model, fallback='eager') runs such functions eagerly with one "
-                f"warning; AOTFUSE_DISABLE=1 turns aotfuse off.") from e
+                f"memory_efficient_fusion(model, fallback='dynamo') does that automatically for such functions; "
+                f"fallback='eager' runs them eagerly (each with one warning); AOTFUSE_DISABLE=1 turns aotfuse "
+                f"off.") from e
         return self._rebuild(entry.record, outs)
+
+    def _dynamo(self) -> Callable:
+        """The function under Dynamo with aotfuse as its backend: Dynamo splits the graph where
+        Python must run (a data-dependent branch) and guards it; aotfuse compiles each piece."""
+        if self._dynamo_fn is None:
+            from .dynamo import aotfuse_backend
+
+            self._dynamo_fn = torch.compile(self.fn, backend=aotfuse_backend, dynamic=False)
+        return self._dynamo_fn
 
     def cache_clear(self) -> None:
         self._cache.clear()
@@ -251,7 +260,7 @@ class CompiledFunction:
 
     @property
     def records(self) -> list[_Record]:
-        return [e.record for e in self._cache.values() if not e.eager]
+        return [e.record for e in self._cache.values() if e.fallback is None]
 
 
 def aot_function(fn: Callable, fw_compiler: Callable | None = None, bw_compiler: Callable | None = None,
@@ -263,6 +272,10 @@ def aot_function(fn: Callable, fw_compiler: Callable | None = None, bw_compiler:
     """Compiles `fn` (tensors, or pytrees of them, in and out) into C programs for its forward and
     backward, as functorch.compile.aot_function does. fw_compiler/bw_compiler default to aotfuse's
     C core; pass your own (gm, example_inputs) -> callable to use another.
+
+    fallback: what a signature that cannot be captured as one graph (data-dependent Python control
+    flow) does: "error" (raise CaptureError), "eager" (run eagerly, one warning) or "dynamo" (run
+    under torch.compile with aotfuse's backend, which splits the graph there, one warning).
 
     Example:
         >>> f = aot_function(lambda x, y: (x * y).sin().sum())
