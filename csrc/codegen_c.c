@@ -78,6 +78,8 @@ static const char *const prelude =
     "  big = x < 0.0f ? -big : big;\n"
     "  return x != x ? x : (ax < 0.3f ? small : big);\n"
     "}\n"
+    "static inline double af_maxd(double a, double b) { return a != a ? a : (b != b ? b : (a > b ? a : b)); }\n"
+    "static inline double af_mind(double a, double b) { return a != a ? a : (b != b ? b : (a < b ? a : b)); }\n"
     "static inline float af_max(float a, float b) { return a != a ? a : (b != b ? b : (a > b ? a : b)); }\n"
     "static inline float af_min(float a, float b) { return a != a ? a : (b != b ? b : (a < b ? a : b)); }\n"
     "static inline float af_pow(float a, float b) {\n"
@@ -139,8 +141,186 @@ static void operand_strides(const af_tensor_meta *m, const af_tensor_meta *iter,
     }
 }
 
+/* Emits the members' element computation (pointwise values as floats; reductions combined into
+ * their accumulators acc<value>). */
+static void emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent) {
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        const af_node *n = af_graph_node(g, grp->nodes[m]);
+        const af_value *out = af_graph_value(g, n->first_output);
+        const af_op_info *info = af_op_get(n->op_id);
+        if (info->kind == AF_KIND_REDUCTION) {
+            int32_t x = n->args[0].u.value, v = n->first_output;
+            if (n->op_id == AF_OP_AMAX) af_strbuf_printf(sb, "%sacc%d = af_maxd(acc%d, (double)v%d);\n", indent, (int)v, (int)v, (int)x);
+            else if (n->op_id == AF_OP_AMIN) af_strbuf_printf(sb, "%sacc%d = af_mind(acc%d, (double)v%d);\n", indent, (int)v, (int)v, (int)x);
+            else af_strbuf_printf(sb, "%sacc%d += (double)v%d;\n", indent, (int)v, (int)x);
+            continue;
+        }
+        af_dtype scalar_as = AF_DTYPE_FLOAT32;
+        for (int32_t a = 0; a < n->n_args && info->scalars == AF_SCALAR_AS_TENSOR; a++)
+            if (n->args[a].kind == AF_ARG_VALUE) {
+                scalar_as = af_graph_value(g, n->args[a].u.value)->meta.dtype;
+                break;
+            }
+        af_strbuf_printf(sb, "%sfloat v%d = ", indent, (int)n->first_output);
+        for (const char *e = info->c_expr; *e; e++) {
+            if (e[0] == '$' && e[1] >= '0' && e[1] <= '9') {
+                const af_arg *a = &n->args[e[1] - '0'];
+                if (a->kind == AF_ARG_VALUE) af_strbuf_printf(sb, "v%d", (int)a->u.value);
+                else emit_scalar(sb, a, scalar_as);
+                e++;
+            } else {
+                af_strbuf_printf(sb, "%c", *e);
+            }
+        }
+        af_strbuf_printf(sb, "; /* %s */\n", n->op);
+        /* a 16-bit or bool value rounds as if stored, so the group matches op-by-op results */
+        if (out->meta.dtype == AF_DTYPE_BFLOAT16)
+            af_strbuf_printf(sb, "%sv%d = af_bf16_load(af_bf16_store(v%d));\n", indent, (int)n->first_output, (int)n->first_output);
+        else if (out->meta.dtype == AF_DTYPE_FLOAT16)
+            af_strbuf_printf(sb, "%sv%d = af_f16_load(af_f16_store(v%d));\n", indent, (int)n->first_output, (int)n->first_output);
+        else if (out->meta.dtype == AF_DTYPE_BOOL)
+            af_strbuf_printf(sb, "%sv%d = (float)(v%d != 0.0f);\n", indent, (int)n->first_output, (int)n->first_output);
+    }
+}
+
+static int is_reduction_value(const af_graph *g, int32_t v) {
+    int32_t p = af_graph_value(g, v)->producer;
+    return p >= 0 && af_op_get(af_graph_node(g, p)->op_id)->kind == AF_KIND_REDUCTION;
+}
+
+/* A reduction output's strides over the iteration dims: 0 on reduced dims, the output's own
+ * stride on the others (skipping removed dims when keepdim is false). */
+static void reduction_strides(const af_tensor_meta *out, const af_tensor_meta *iter, uint32_t mask, int64_t *strides) {
+    int keep = out->ndim == iter->ndim;
+    int32_t od = 0;
+    for (int32_t d = 0; d < iter->ndim; d++) {
+        int reduced = (mask >> d) & 1u;
+        if (reduced) {
+            strides[d] = 0;
+            if (keep) od++;
+        } else {
+            strides[d] = out->sizes[od] == 1 ? 0 : out->strides[od];
+            od++;
+        }
+    }
+}
+
+/* Kernels with reductions: kept dims outside (threads), reduced dims inside, accumulators in double. */
+static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, int32_t index) {
+    const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
+    int32_t nops = grp->n_inputs + grp->n_outputs;
+    operand *ops = calloc((size_t)nops + 1, sizeof *ops);
+    if (!ops) return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
+    for (int32_t k = 0; k < nops; k++) {
+        int32_t v = k < grp->n_inputs ? grp->inputs[k] : grp->outputs[k - grp->n_inputs];
+        const af_tensor_meta *m = &af_graph_value(g, v)->meta;
+        ops[k].value = v;
+        ops[k].dtype = m->dtype;
+        if (k >= grp->n_inputs && is_reduction_value(g, v)) reduction_strides(m, iter, grp->reduce_mask, ops[k].strides);
+        else operand_strides(m, iter, ops[k].strides);
+    }
+    /* kept dims first, then reduced; size-1 dims dropped; neighbours of one class merged */
+    int64_t sizes[AF_MAX_DIMS];
+    int64_t(*strides)[AF_MAX_DIMS] = calloc((size_t)nops + 1, sizeof *strides); /* [operand][dim] */
+    int cls[AF_MAX_DIMS];
+    if (!strides) {
+        free(ops);
+        return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
+    }
+    int32_t nd = 0, n_kept = 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (int32_t d = 0; d < iter->ndim; d++) {
+            int reduced = (grp->reduce_mask >> d) & 1u;
+            if (reduced != pass || iter->sizes[d] == 1) continue;
+            int merge = nd > 0 && cls[nd - 1] == reduced;
+            for (int32_t k = 0; k < nops && merge; k++) merge = strides[k][nd - 1] == ops[k].strides[d] * iter->sizes[d];
+            if (merge) {
+                sizes[nd - 1] *= iter->sizes[d];
+                for (int32_t k = 0; k < nops; k++) strides[k][nd - 1] = ops[k].strides[d];
+            } else {
+                sizes[nd] = iter->sizes[d];
+                cls[nd] = reduced;
+                for (int32_t k = 0; k < nops; k++) strides[k][nd] = ops[k].strides[d];
+                n_kept += !reduced;
+                nd++;
+            }
+        }
+    int64_t outer = 1, inner = 1;
+    for (int32_t d = 0; d < nd; d++) {
+        if (cls[d]) inner *= sizes[d];
+        else outer *= sizes[d];
+    }
+    int parallel = outer > 1 && outer * inner >= 32768;
+    af_strbuf_printf(sb, "\n/* group %d: %d nodes (%d reductions), %d inputs, %d outputs, %" PRId64 " x %" PRId64 " */\n",
+                     (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)grp->n_inputs, (int)grp->n_outputs, outer, inner);
+    af_strbuf_printf(sb, "void af_kernel_%d(char *const *p) {\n", (int)index);
+    for (int32_t k = 0; k < nops; k++)
+        af_strbuf_printf(sb, "  %s%s *restrict q%d = (%s%s *)p[%d];\n", k < grp->n_inputs ? "const " : "",
+                         ctype(ops[k].dtype), (int)k, k < grp->n_inputs ? "const " : "", ctype(ops[k].dtype), (int)k);
+    af_strbuf_printf(sb, "  %s\n  for (int64_t c = 0; c < %" PRId64 "; c++) {\n",
+                     parallel ? "#pragma omp parallel for schedule(static)" : "", outer);
+    for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    int64_t b%d = 0;\n", (int)k);
+    af_strbuf_printf(sb, "    int64_t r = c;\n");
+    for (int32_t d = n_kept - 1; d >= 0; d--) {
+        af_strbuf_printf(sb, "    { int64_t x = r %% %" PRId64 "; r /= %" PRId64 ";", sizes[d], sizes[d]);
+        for (int32_t k = 0; k < nops; k++)
+            if (strides[k][d]) af_strbuf_printf(sb, " b%d += x * %" PRId64 ";", (int)k, strides[k][d]);
+        af_strbuf_printf(sb, " }\n");
+    }
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        const af_node *n = af_graph_node(g, grp->nodes[m]);
+        if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION) continue;
+        const char *init = n->op_id == AF_OP_AMAX ? "-INFINITY" : n->op_id == AF_OP_AMIN ? "INFINITY" : "0.0";
+        af_strbuf_printf(sb, "    double acc%d = %s;\n", (int)n->first_output, init);
+    }
+    af_strbuf_printf(sb, "    for (int64_t i = 0; i < %" PRId64 "; i++) {\n", inner);
+    af_strbuf_printf(sb, "      int64_t s = i;\n");
+    for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      int64_t o%d = b%d;\n", (int)k, (int)k);
+    for (int32_t d = nd - 1; d >= n_kept; d--) {
+        af_strbuf_printf(sb, "      { int64_t x = s %% %" PRId64 "; s /= %" PRId64 ";", sizes[d], sizes[d]);
+        for (int32_t k = 0; k < nops; k++)
+            if (strides[k][d]) af_strbuf_printf(sb, " o%d += x * %" PRId64 ";", (int)k, strides[k][d]);
+        af_strbuf_printf(sb, " }\n");
+    }
+    af_strbuf_printf(sb, "      (void)s;\n");
+    for (int32_t k = 0; k < grp->n_inputs; k++) {
+        char ptr[16], off[16];
+        snprintf(ptr, sizeof ptr, "q%d", (int)k);
+        snprintf(off, sizeof off, "o%d", (int)k);
+        af_strbuf_printf(sb, "      const float v%d = ", (int)ops[k].value);
+        emit_load(sb, ops[k].dtype, ptr, off);
+        af_strbuf_printf(sb, ";\n");
+    }
+    emit_members(sb, g, grp, "      ");
+    for (int32_t k = grp->n_inputs; k < nops; k++) {
+        if (is_reduction_value(g, ops[k].value)) continue;
+        char v[16];
+        snprintf(v, sizeof v, "v%d", (int)ops[k].value);
+        af_strbuf_printf(sb, "      q%d[o%d] = ", (int)k, (int)k);
+        emit_store_value(sb, ops[k].dtype, v);
+        af_strbuf_printf(sb, ";\n");
+    }
+    af_strbuf_printf(sb, "    }\n");
+    for (int32_t k = grp->n_inputs; k < nops; k++) {
+        if (!is_reduction_value(g, ops[k].value)) continue;
+        int32_t v = ops[k].value;
+        const af_node *n = af_graph_node(g, af_graph_value(g, v)->producer);
+        char val[64];
+        if (n->op_id == AF_OP_MEAN) snprintf(val, sizeof val, "(float)(acc%d / %" PRId64 ".0)", (int)v, inner);
+        else snprintf(val, sizeof val, "(float)acc%d", (int)v);
+        af_strbuf_printf(sb, "    q%d[b%d] = ", (int)k, (int)k);
+        emit_store_value(sb, ops[k].dtype, val);
+        af_strbuf_printf(sb, ";\n");
+    }
+    af_strbuf_printf(sb, "  }\n}\n");
+    free(ops);
+    free(strides);
+    return AF_OK;
+}
+
 static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, int32_t index) {
-    const af_tensor_meta *iter = &af_graph_value(g, af_graph_node(g, grp->nodes[0])->first_output)->meta;
+    if (grp->n_reductions > 0) return emit_reduction_kernel(sb, g, grp, index);
+    const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
     int32_t nops = grp->n_inputs + grp->n_outputs;
     operand *ops = calloc((size_t)nops + 1, sizeof *ops);
     if (!ops) return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
@@ -153,7 +333,11 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
     }
     /* iteration dims without size-1 dims, merged where every operand is contiguous across them */
     int64_t sizes[AF_MAX_DIMS];
-    int64_t strides[AF_MAX_DIMS + 1][AF_MAX_DIMS]; /* [operand][dim] */
+    int64_t(*strides)[AF_MAX_DIMS] = calloc((size_t)nops + 1, sizeof *strides); /* [operand][dim] */
+    if (!strides) {
+        free(ops);
+        return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
+    }
     int32_t nd = 0;
     for (int32_t d = 0; d < iter->ndim; d++) {
         if (iter->sizes[d] == 1) continue;
@@ -187,6 +371,7 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
     if (numel == 0) {
         af_strbuf_printf(sb, "  (void)p;\n}\n");
         free(ops);
+        free(strides);
         return AF_OK;
     }
     int parallel = numel >= 32768;
@@ -221,36 +406,7 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
         emit_load(sb, ops[k].dtype, ptr, off);
         af_strbuf_printf(sb, ";\n");
     }
-    for (int32_t m = 0; m < grp->n_nodes; m++) {
-        const af_node *n = af_graph_node(g, grp->nodes[m]);
-        const af_value *out = af_graph_value(g, n->first_output);
-        const af_op_info *info = af_op_get(n->op_id);
-        af_dtype scalar_as = AF_DTYPE_FLOAT32;
-        for (int32_t a = 0; a < n->n_args && info->scalars == AF_SCALAR_AS_TENSOR; a++)
-            if (n->args[a].kind == AF_ARG_VALUE) {
-                scalar_as = af_graph_value(g, n->args[a].u.value)->meta.dtype;
-                break;
-            }
-        af_strbuf_printf(sb, "      float v%d = ", (int)n->first_output);
-        for (const char *e = info->c_expr; *e; e++) {
-            if (e[0] == '$' && e[1] >= '0' && e[1] <= '9') {
-                const af_arg *a = &n->args[e[1] - '0'];
-                if (a->kind == AF_ARG_VALUE) af_strbuf_printf(sb, "v%d", (int)a->u.value);
-                else emit_scalar(sb, a, scalar_as);
-                e++;
-            } else {
-                af_strbuf_printf(sb, "%c", *e);
-            }
-        }
-        af_strbuf_printf(sb, "; /* %s */\n", n->op);
-        /* a 16-bit or bool value rounds as if stored, so the group matches op-by-op results */
-        if (out->meta.dtype == AF_DTYPE_BFLOAT16)
-            af_strbuf_printf(sb, "      v%d = af_bf16_load(af_bf16_store(v%d));\n", (int)n->first_output, (int)n->first_output);
-        else if (out->meta.dtype == AF_DTYPE_FLOAT16)
-            af_strbuf_printf(sb, "      v%d = af_f16_load(af_f16_store(v%d));\n", (int)n->first_output, (int)n->first_output);
-        else if (out->meta.dtype == AF_DTYPE_BOOL)
-            af_strbuf_printf(sb, "      v%d = (float)(v%d != 0.0f);\n", (int)n->first_output, (int)n->first_output);
-    }
+    emit_members(sb, g, grp, "      ");
     for (int32_t k = grp->n_inputs; k < nops; k++) {
         char v[16];
         snprintf(v, sizeof v, "v%d", (int)ops[k].value);
@@ -260,6 +416,7 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
     }
     af_strbuf_printf(sb, "    }\n  }\n}\n");
     free(ops);
+    free(strides);
     return AF_OK;
 }
 

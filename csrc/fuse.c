@@ -58,6 +58,67 @@ int af_fuse_node_ok(const af_graph *g, int32_t index) {
     return positional >= arity && tensors > 0;
 }
 
+static int float_only(af_dtype d) {
+    return d == AF_DTYPE_FLOAT32 || d == AF_DTYPE_FLOAT16 || d == AF_DTYPE_BFLOAT16;
+}
+
+int af_fuse_reduction_ok(const af_graph *g, int32_t index, uint32_t *mask_out) {
+    const af_node *n = af_graph_node(g, index);
+    if (!n || n->n_outputs != 1 || n->n_args < 1) return 0;
+    if (n->op_id != AF_OP_SUM && n->op_id != AF_OP_MEAN && n->op_id != AF_OP_AMAX && n->op_id != AF_OP_AMIN) return 0;
+    const af_value *out = af_graph_value(g, n->first_output);
+    if (out->meta.type != AF_VALUE_TENSOR || !float_only(out->meta.dtype) || out->meta.device.type != AF_DEVICE_CPU) return 0;
+    if (n->args[0].kind != AF_ARG_VALUE || n->args[0].name) return 0;
+    const af_tensor_meta *in = &af_graph_value(g, n->args[0].u.value)->meta;
+    if (in->type != AF_VALUE_TENSOR || !float_only(in->dtype) || in->device.type != AF_DEVICE_CPU || in->ndim > 30) return 0;
+    int64_t numel = 1;
+    for (int32_t d = 0; d < in->ndim; d++) numel *= in->sizes[d];
+    if (numel == 0) return 0;
+    uint32_t mask = 0;
+    int keepdim = 0, have_dims = 0;
+    for (int32_t a = 1; a < n->n_args; a++) {
+        const af_arg *arg = &n->args[a];
+        const char *name = arg->name;
+        if ((!name && a == 1) || (name && strcmp(name, "dim") == 0)) {
+            if (arg->kind == AF_ARG_NONE) continue;
+            if (arg->kind == AF_ARG_INT) { /* a single dim */
+                int64_t d = arg->u.i < 0 ? arg->u.i + in->ndim : arg->u.i;
+                if (d < 0 || d >= in->ndim) return 0;
+                mask |= 1u << d;
+                have_dims = 1;
+                continue;
+            }
+            if (arg->kind != AF_ARG_LIST) return 0;
+            for (int32_t k = 0; k < arg->u.list.n; k++) {
+                if (arg->u.list.items[k].kind != AF_ARG_INT) return 0;
+                int64_t d = arg->u.list.items[k].u.i;
+                d = d < 0 ? d + in->ndim : d;
+                if (d < 0 || d >= in->ndim) return 0;
+                mask |= 1u << d;
+                have_dims = 1;
+            }
+        } else if ((!name && a == 2) || (name && strcmp(name, "keepdim") == 0)) {
+            if (arg->kind != AF_ARG_BOOL) return 0;
+            keepdim = (int)arg->u.i;
+        } else if (!(name && strcmp(name, "dtype") == 0)) {
+            return 0;
+        }
+    }
+    if (!have_dims) mask = in->ndim >= 32 ? 0 : (uint32_t)((1ull << in->ndim) - 1); /* no dims or []: all */
+    /* the output must be the input with those dims removed (or kept as 1) */
+    int32_t od = 0;
+    for (int32_t d = 0; d < in->ndim; d++) {
+        if (mask & (1u << d)) {
+            if (keepdim && (od >= out->meta.ndim || out->meta.sizes[od++] != 1)) return 0;
+        } else if (od >= out->meta.ndim || out->meta.sizes[od++] != in->sizes[d]) {
+            return 0;
+        }
+    }
+    if (od != out->meta.ndim) return 0;
+    if (mask_out) *mask_out = mask;
+    return 1;
+}
+
 static int same_shape(const af_tensor_meta *a, const af_tensor_meta *b) {
     if (a->ndim != b->ndim) return 0;
     for (int32_t d = 0; d < a->ndim; d++)
@@ -103,6 +164,18 @@ static int32_t find_root(int32_t *parent, int32_t x) {
     return x;
 }
 
+/* Does node n read a reduction result of group `root`? (It would need the finished reduction
+ * inside the loop that computes it.) */
+static int reads_reduction_of(const af_node *n, const int32_t *value_group, const uint8_t *is_reduced, int32_t *parent,
+                              int32_t root) {
+    for (int32_t a = 0; a < n->n_args; a++) {
+        if (n->args[a].kind != AF_ARG_VALUE) continue;
+        int32_t v = n->args[a].u.value;
+        if (is_reduced[v] && value_group[v] >= 0 && find_root(parent, value_group[v]) == root) return 1;
+    }
+    return 0;
+}
+
 static void mark_reads(const af_arg *a, const int32_t *value_group, int32_t *parent, int32_t reader_group, uint8_t *closed) {
     if (a->kind == AF_ARG_VALUE) {
         int32_t gidx = value_group[a->u.value];
@@ -141,8 +214,11 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
     int32_t *parent = malloc(((size_t)nn + 1) * sizeof(int32_t));
     int32_t *last_reader = malloc(((size_t)nv + 1) * sizeof(int32_t));
     const af_tensor_meta **gshape = malloc(((size_t)nn + 1) * sizeof *gshape);
+    uint32_t *gmask = calloc((size_t)nn + 1, sizeof(uint32_t));
+    uint8_t *is_reduced = calloc((size_t)nv + 1, 1);
     int st = AF_OK;
-    if (!plan || !value_group || !closed || !prov_of_node || !prov_size || !is_output || !parent || !last_reader || !gshape) {
+    if (!plan || !value_group || !closed || !prov_of_node || !prov_size || !is_output || !parent || !last_reader || !gshape ||
+        !gmask || !is_reduced) {
         st = af_error_set(AF_ERR_NOMEM, "out of memory planning fusion");
         goto done;
     }
@@ -157,8 +233,12 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
     for (int32_t i = 0; i < nn; i++) {
         const af_node *n = af_graph_node(g, i);
         prov_of_node[i] = -1;
-        if (af_fuse_node_ok(g, i)) {
-            const af_tensor_meta *shape = &af_graph_value(g, n->first_output)->meta;
+        uint32_t mask = 0;
+        int kind = af_fuse_node_ok(g, i) ? 1 : af_fuse_reduction_ok(g, i, &mask) ? 2 : 0;
+        if (kind) {
+            /* a reduction iterates over its input's shape; a pointwise node over its output's */
+            const af_tensor_meta *shape = kind == 1 ? &af_graph_value(g, n->first_output)->meta
+                                                    : &af_graph_value(g, n->args[0].u.value)->meta;
             int32_t join = -1;
             for (int pass = 0; pass < 2; pass++) {
                 for (int32_t a = 0; a < n->n_args; a++) {
@@ -168,12 +248,16 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
                     if (cand < 0) continue;
                     cand = find_root(parent, cand);
                     if (closed[cand] || !same_shape(gshape[cand], shape)) continue;
-                    if (pass == 0 && !same_shape(&af_graph_value(g, v)->meta, shape)) continue;
+                    if (pass == 0 && (is_reduced[v] || !same_shape(&af_graph_value(g, v)->meta, shape))) continue;
                     if (pass == 1 && join >= 0) continue;
+                    if (kind == 2 && gmask[cand] && gmask[cand] != mask) continue;
+                    if (reads_reduction_of(n, value_group, is_reduced, parent, cand)) continue;
                     if (join < 0) join = cand;
                     else if (cand != join) { /* merge: both open, so no outsider read either yet */
+                        if (gmask[cand] && gmask[join] && gmask[cand] != gmask[join]) continue;
                         parent[cand] = join;
                         prov_size[join] += prov_size[cand];
+                        if (gmask[cand]) gmask[join] = gmask[cand];
                     }
                 }
                 if (join >= 0) break;
@@ -182,6 +266,11 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
                 join = n_prov++;
                 parent[join] = join;
                 gshape[join] = shape;
+                gmask[join] = 0;
+            }
+            if (kind == 2) {
+                gmask[join] = mask;
+                is_reduced[n->first_output] = 1;
             }
             prov_of_node[i] = join;
             prov_size[join]++;
@@ -217,8 +306,18 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
         plan->group_of_node[i] = gi;
         if (gi < 0) continue;
         af_fusion_group *grp = &plan->groups[gi];
+        if (grp->n_nodes == 0) grp->iter_value = -1;
         if ((st = push(&grp->nodes, &grp->n_nodes, i))) break;
         grp->last_node = i;
+        const af_node *n = af_graph_node(g, i);
+        uint32_t mask = 0;
+        if (af_fuse_node_ok(g, i)) {
+            if (grp->iter_value < 0) grp->iter_value = n->first_output;
+        } else if (af_fuse_reduction_ok(g, i, &mask)) {
+            grp->reduce_mask = mask;
+            grp->n_reductions++;
+            if (grp->iter_value < 0) grp->iter_value = n->args[0].u.value;
+        }
     }
     free(dense);
     if (st) goto done;
@@ -257,6 +356,8 @@ done:
     free(parent);
     free(last_reader);
     free(gshape);
+    free(gmask);
+    free(is_reduced);
     if (st) {
         af_fuse_plan_free(plan);
         return st;

@@ -241,3 +241,37 @@ def test_missing_compiler_is_a_clear_error_and_fusion_can_be_turned_off(tmp_path
     off = _run_in_subprocess(CACHE_SCRIPT.replace('print("HIT"', 'print("OFF"'), {**env, "AOTFUSE_FUSION": "0"})
     assert off.returncode == 0, off.stderr
     assert "OFF False 0" in off.stdout
+
+
+REDUCTION_CASES = {
+    "row_sum_keepdim": lambda a, b, c: aten.sum.dim_IntList(aten.mul.Tensor(a, b), [-1], True),
+    "bias_grad_sum": lambda a, b, c: aten.sum.dim_IntList(aten.mul.Tensor(a, 2.0), [0, 1], False),
+    "middle_dim_mean": lambda a, b, c: aten.mean.dim(aten.exp(aten.mul.Tensor(a, 0.5)), [1], False),
+    "amax_softmax_piece": lambda a, b, c: aten.amax(aten.add.Tensor(a, c), [-1], True),
+    "amin_all": lambda a, b, c: aten.amin(aten.sub.Tensor(a, b), [], False),
+    "full_sum": lambda a, b, c: aten.sum.default(aten.mul.Tensor(a, a)),
+    "sum_and_pointwise_output": lambda a, b, c: (aten.sum.dim_IntList(aten.tanh(a), [2], False), aten.tanh(a)),
+}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "broadcast", "strided"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", sorted(REDUCTION_CASES))
+def test_reductions_fused_with_their_prologue(case, dtype, layout):
+    fn = REDUCTION_CASES[case]
+
+    def g(a, b, c):
+        out = fn(aten.mul.Tensor(a, 1.0), b, c)
+        return tuple(o * 1.0 for o in out) if isinstance(out, tuple) else out * 1.0
+
+    args = _inputs(dtype, layout)
+    gm = make_fx(g, tracing_mode="fake")(*args)
+    lowered = lower(gm)
+    got = lowered(list(args))
+    ref = g(*args)
+    ref = ref if isinstance(ref, tuple) else (ref,)
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
+    for i, (a, b) in enumerate(zip(got, ref)):
+        assert_close(a, b, f"{case} output {i}", atol=atol, rtol=rtol)
+    fused = [op for op, _k, grp in lowered.program.node_groups() if grp >= 0]
+    assert any(op.split(".")[0] in ("aten::sum", "aten::mean", "aten::amax", "aten::amin") for op in fused), fused

@@ -1,7 +1,8 @@
-/* Fusion: grouping a program's pointwise nodes into kernels.
+/* Fusion: grouping a program's pointwise nodes, and the reductions they feed, into kernels.
  *
  * A group is a set of nodes with an op-table C expression, computed element by element over one
- * iteration shape (every member's output shape). Its inputs are tensors read by index arithmetic
+ * iteration shape (every pointwise member's output shape), plus reductions (sum, mean, amax,
+ * amin) of values of that shape over one set of dims, accumulated in the same loop. Its inputs are tensors read by index arithmetic
  * (broadcast dims have stride 0) or scalar constants; its outputs are the members' values read
  * outside the group or returned by the graph. Values between members are never materialized.
  * The group runs where its last member stood; a group is closed to new members as soon as a node
@@ -24,6 +25,9 @@ typedef struct {
     int32_t n_outputs;
     int32_t *outputs;  /* member values that are materialized */
     int32_t last_node; /* where the group runs */
+    int32_t iter_value; /* a value whose shape is the iteration shape */
+    uint32_t reduce_mask; /* iteration dims the reductions reduce (bit d = dim d); 0 without reductions */
+    int32_t n_reductions;
 } af_fusion_group;
 
 typedef struct {
@@ -36,9 +40,11 @@ typedef struct {
     int32_t min_nodes;   /* smallest group worth a kernel (default 2; 1 also fuses lone nodes) */
 } af_fuse_options;
 
-/* Whether one node could be a group member (its op has an expression, its dtypes and arguments
- * are ones the code generators handle). */
+/* Whether one node could be a group member: 1 pointwise (its op has an expression, its dtypes
+ * and arguments are ones the code generators handle), 2 a supported reduction, 0 neither. A
+ * reduction's reduced dims go in *mask (bit d = dim d of its input) when mask is not NULL. */
 int af_fuse_node_ok(const af_graph *g, int32_t node);
+int af_fuse_reduction_ok(const af_graph *g, int32_t node, uint32_t *mask);
 
 /* Plans the groups of g (verified). opts may be NULL. */
 int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_plan **out);

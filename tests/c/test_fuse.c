@@ -104,10 +104,35 @@ static void test_lone_nodes_and_min_group(void **state) {
     af_graph_free(g);
 }
 
+/* A group wider than AF_MAX_DIMS operands (the code generator once kept per-operand strides in a
+ * fixed array of AF_MAX_DIMS + 1). */
+static void test_wide_group(void **state) {
+    (void)state;
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    af_tensor_meta m2 = f32(2);
+    int32_t inputs[40], acc;
+    for (int i = 0; i < 40; i++) assert_int_equal(af_graph_add_input(g, NULL, &m2, &inputs[i]), AF_OK);
+    acc = node(g, "aten::mul.Tensor", inputs[0], -1, 2);
+    for (int i = 1; i < 40; i++) acc = node(g, "aten::add.Tensor", acc, inputs[i], 2);
+    assert_int_equal(af_graph_set_outputs(g, &acc, 1), AF_OK);
+    af_fusion_plan *plan;
+    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+    assert_int_equal(plan->n_groups, 1);
+    assert_int_equal(plan->groups[0].n_inputs, 40);
+    char *src = NULL;
+    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
+    assert_non_null(strstr(src, "q40["));
+    free(src);
+    af_fuse_plan_free(plan);
+    af_graph_free(g);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chain_siblings_and_closing),
         cmocka_unit_test(test_lone_nodes_and_min_group),
+        cmocka_unit_test(test_wide_group),
     };
     return cmocka_run_group_tests_name("fuse", tests, NULL, NULL);
 }
