@@ -15,8 +15,8 @@ fi
 
 # torch 2.13.0 is the CPU build tested here (an unpinned install would fetch a CUDA build).
 python3 -c "import torch" 2>/dev/null || python3 -m pip install -q torch==2.13.0
-python3 -c "import transformers, pytest, tqdm" 2>/dev/null || \
-  python3 -m pip install -q transformers==5.17.0 pytest tqdm
+python3 -c "import transformers, pytest, tqdm, accelerate" 2>/dev/null || \
+  python3 -m pip install -q transformers==5.17.0 pytest tqdm accelerate
 python3 -m pip install -q --no-build-isolation --no-deps -e .
 
 echo "== C core: CMocka under ASan+UBSan"

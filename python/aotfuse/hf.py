@@ -1,0 +1,97 @@
+"""Hugging Face Trainer integration: `--fusion aot` trains the model through aotfuse.
+
+Drop-in replacements for transformers' TrainingArguments and Trainer:
+
+    >>> from transformers import HfArgumentParser
+    >>> from aotfuse.hf import Trainer, TrainingArguments
+    >>> (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+    ...     ["--output_dir", "out", "--fusion", "aot"])
+    >>> trainer = Trainer(model=model, args=args, train_dataset=ds)
+    >>> trainer.train()
+
+How it hooks in: transformers' Trainer keeps `self.model` as the plain PreTrainedModel and lets accelerate
+prepare the module it runs (device placement, mixed-precision autocast, torch.compile through the dynamo
+plugin) as `self.model_wrapped`. aotfuse.hf.Trainer leaves both alone and overrides `compute_loss` (the
+documented override point that train and evaluate both go through): the prepared module is compiled once
+with `aotfuse.memory_efficient_fusion` and the loss is computed through the compiled view. That view shares
+the module's parameters, buffers and train/eval mode, so the optimizer, gradient clipping and
+`save_model`/checkpoints see the same tensors under the same state_dict keys as without fusion.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import transformers
+
+__all__ = ["TrainingArguments", "Trainer", "FUSION_CHOICES"]
+
+FUSION_CHOICES = ("none", "aot")
+
+
+@dataclasses.dataclass
+class TrainingArguments(transformers.TrainingArguments):
+    """transformers.TrainingArguments plus `fusion` ("none" or "aot")."""
+
+    fusion: str = dataclasses.field(
+        default="none",
+        metadata={"help": "Compile the training step with aotfuse: 'aot' wraps the model with "
+                          "aotfuse.memory_efficient_fusion, 'none' trains it as it is.",
+                  "choices": list(FUSION_CHOICES)},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.fusion not in FUSION_CHOICES:
+            raise ValueError(f"fusion must be one of {', '.join(FUSION_CHOICES)}, got {self.fusion!r}")
+        if self.fusion == "aot" and self.torch_compile:
+            raise ValueError("--fusion aot and --torch_compile are alternatives; pick one "
+                             "(torch.compile(model, backend='aotfuse') is --torch_compile_backend aotfuse)")
+
+
+class Trainer(transformers.Trainer):
+    """transformers.Trainer that trains through aotfuse when `args.fusion == "aot"`.
+
+    `fusion_kwargs` (a class or instance attribute) is passed to memory_efficient_fusion, e.g.
+    `{"fallback": "eager"}` to train a model that cannot be captured eagerly instead of failing.
+    """
+
+    fusion_kwargs: dict[str, Any] = {}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._fusion_cache: tuple[torch.nn.Module, torch.nn.Module] | None = None
+        if self.fusion == "aot" and (self.args.world_size > 1 or self.args.n_gpu > 1
+                                     or self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            raise ValueError("--fusion aot supports single-process, single-device training for now "
+                             "(no DataParallel, DistributedDataParallel, DeepSpeed or FSDP)")
+
+    @property
+    def fusion(self) -> str:
+        return getattr(self.args, "fusion", "none")
+
+    def fused_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The aotfuse view of `model` (compiled once per model object); `model` itself when fusion is off."""
+        if self.fusion != "aot":
+            return model
+        from .compile import AOTModule, memory_efficient_fusion
+
+        if isinstance(model, AOTModule):
+            return model
+        if self._fusion_cache is not None and self._fusion_cache[0] is model:
+            return self._fusion_cache[1]
+        if self.accelerator.unwrap_model(model) is not model:
+            raise ValueError(f"--fusion aot cannot compile a {type(model).__name__}-wrapped model; "
+                             "it supports single-process, single-device training for now")
+        fused = memory_efficient_fusion(model, **self.fusion_kwargs)
+        # Trainer.compute_loss picks label smoothing's label shift (causal LMs) by the class name of the
+        # module it is given: let the compiled view answer with the model's own name.
+        fused._get_name = model._get_name
+        self._fusion_cache = (model, fused)
+        return fused
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> Any:
+        return super().compute_loss(self.fused_model(model), inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)

@@ -1,0 +1,150 @@
+"""aotfuse.hf: the Trainer with --fusion aot matches the plain Trainer; checkpoints keep their keys."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
+from safetensors.torch import load_file  # noqa: E402
+from transformers import BertConfig, BertForMaskedLM, HfArgumentParser  # noqa: E402
+
+from aotfuse import AOTModule  # noqa: E402
+from aotfuse.hf import Trainer, TrainingArguments  # noqa: E402
+
+from helpers import ATOL, RTOL  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB, SEQ = 64, 16
+
+
+class _Random(torch.utils.data.Dataset):
+    """Fixed random MLM examples: a fifth of the positions carry labels."""
+
+    def __init__(self, n: int, seed: int, attention_mask: bool = False) -> None:
+        self.attention_mask = attention_mask
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(5, VOCAB, (n, SEQ), generator=g)
+        self.labels = torch.where(torch.rand(n, SEQ, generator=g) < 0.2, self.ids, torch.full_like(self.ids, -100))
+        self.labels[:, 0] = self.ids[:, 0]  # at least one label per example
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        item = {"input_ids": self.ids[i], "labels": self.labels[i]}
+        if self.attention_mask:  # what a tokenizer adds
+            item["attention_mask"] = torch.ones_like(self.ids[i])
+        return item
+
+
+def _parse(out_dir, *extra: str) -> TrainingArguments:
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(out_dir), "--max_steps", "3", "--per_device_train_batch_size", "4",
+         "--per_device_eval_batch_size", "4", "--learning_rate", "1e-3", "--logging_steps", "1",
+         "--save_strategy", "steps", "--save_steps", "3", "--report_to", "none", "--use_cpu", "true",
+         "--seed", "0", *extra])
+    return args
+
+
+def _model() -> BertForMaskedLM:
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    return BertForMaskedLM(config)
+
+
+def _train(out_dir, fusion: str):
+    args = _parse(out_dir, "--fusion", fusion)
+    assert args.fusion == fusion
+    model = _model()
+    trainer = Trainer(model=model, args=args, train_dataset=_Random(12, 1), eval_dataset=_Random(8, 2))
+    trainer.train()
+    metrics = trainer.evaluate()
+    trainer.save_model()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return trainer, model, losses, metrics
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return {f: _train(tmp_path_factory.mktemp(f), f) for f in ("none", "aot")}
+
+
+def test_aot_logs_the_same_losses_as_plain(runs):
+    _, _, plain, plain_metrics = runs["none"]
+    trainer, _, fused, fused_metrics = runs["aot"]
+    assert len(plain) == len(fused) == 3
+    torch.testing.assert_close(torch.tensor(fused), torch.tensor(plain), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(fused_metrics["eval_loss"], plain_metrics["eval_loss"], atol=ATOL, rtol=RTOL)
+    # the training step really ran through aotfuse: the compiled view is cached and has compiled programs
+    fused_view = trainer.fused_model(trainer.model_wrapped)
+    assert isinstance(fused_view, AOTModule)
+    assert fused_view._aotfuse_compiled.compile_count >= 1
+    # Trainer chooses label smoothing's label shift by this name: the compiled view answers the model's
+    assert trainer.accelerator.unwrap_model(fused_view)._get_name() == "BertForMaskedLM"
+
+
+def test_aot_trained_weights_match_plain(runs):
+    _, plain_model, _, _ = runs["none"]
+    _, fused_model, _, _ = runs["aot"]
+    fused = dict(fused_model.named_parameters())
+    for name, p in plain_model.named_parameters():
+        torch.testing.assert_close(fused[name], p, atol=ATOL, rtol=RTOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_checkpoint_keys_are_the_plain_models(runs):
+    plain_trainer, plain_model, _, _ = runs["none"]
+    fused_trainer, _, _, _ = runs["aot"]
+    assert not isinstance(fused_trainer.model, AOTModule)  # Trainer.model stays the PreTrainedModel
+    for sub in ("", "checkpoint-3"):
+        plain_keys = set(load_file(os.path.join(plain_trainer.args.output_dir, sub, "model.safetensors")))
+        fused_keys = set(load_file(os.path.join(fused_trainer.args.output_dir, sub, "model.safetensors")))
+        assert fused_keys == plain_keys, sub
+        assert fused_keys <= set(plain_model.state_dict())
+    # the checkpoint loads back into a plain model
+    reloaded = BertForMaskedLM.from_pretrained(fused_trainer.args.output_dir)
+    torch.testing.assert_close(reloaded.state_dict()["bert.embeddings.word_embeddings.weight"],
+                               fused_trainer.model.state_dict()["bert.embeddings.word_embeddings.weight"])
+
+
+def test_aot_with_an_attention_mask(tmp_path):
+    """Tokenizers add an attention_mask (transformers' mask code branches on its values unless a
+    compiler is tracing): the batches of a real Trainer run are captured, and match plain training."""
+    losses = {}
+    for fusion in ("none", "aot"):
+        trainer = Trainer(model=_model(), args=_parse(tmp_path / fusion, "--fusion", fusion, "--max_steps", "2",
+                                                      "--save_strategy", "no"),
+                          train_dataset=_Random(8, 1, attention_mask=True))
+        trainer.train()
+        losses[fusion] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert trainer.fused_model(trainer.model_wrapped)._aotfuse_compiled.compile_count >= 1
+    torch.testing.assert_close(torch.tensor(losses["aot"]), torch.tensor(losses["none"]), atol=ATOL, rtol=RTOL)
+
+
+def test_fusion_choices_are_enforced(tmp_path):
+    with pytest.raises(SystemExit):
+        _parse(tmp_path, "--fusion", "bogus")
+    assert _parse(tmp_path).fusion == "none"
+    with pytest.raises(ValueError, match="fusion"):
+        TrainingArguments(output_dir=str(tmp_path), fusion="bogus", report_to="none")
+    with pytest.raises(ValueError, match="alternatives"):
+        TrainingArguments(output_dir=str(tmp_path), fusion="aot", torch_compile=True, report_to="none")
+
+
+def test_run_mlm_example(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("run_mlm", os.path.join(ROOT, "examples", "run_mlm.py"))
+    run_mlm = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "run_mlm", run_mlm)  # its dataclasses look their module up
+    spec.loader.exec_module(run_mlm)
+    trainer = run_mlm.main(["--output_dir", str(tmp_path), "--fusion", "aot", "--max_steps", "6",
+                            "--logging_steps", "3"])
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert os.path.exists(tmp_path / "model.safetensors")
+    assert isinstance(trainer.fused_model(trainer.model_wrapped), AOTModule)
