@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The one prepared check for a GPU machine (../shared/GPU_CHECK.md): versions, an in-place build with
+# no network, the GPU test subset, the seed benchmark on the seed's shapes; logs and results under
+# $OUT (default ./gpu-results); a short table printed last. Budget: well inside 8 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-./gpu-results}"
+mkdir -p "$OUT"
+start=$(date +%s)
+{
+  echo "== $(date -u +%FT%TZ)"
+  nvidia-smi || true
+  python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"
+  python3 -c "import transformers; print('transformers', transformers.__version__)" || true
+} 2>&1 | tee "$OUT/versions.txt"
+
+echo "== build (in place, no network)"
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/build.log" 2>&1 || {
+  echo "pip install failed, building the extension in place"; python3 setup.py build_ext --inplace >> "$OUT/build.log" 2>&1
+  export PYTHONPATH="$PWD/python:${PYTHONPATH:-}"; }
+python3 -c "import aotfuse, aotfuse._C as C; print('aotfuse', aotfuse.__version__, 'shim', sum(C.bridge_info().values()), 'of', len(C.bridge_info()))" | tee -a "$OUT/versions.txt"
+
+echo "== pytest -m cuda"
+timeout 150 python3 -m pytest tests/test_cuda.py -m cuda -q -p no:cacheprovider > "$OUT/pytest-cuda.log" 2>&1
+echo "pytest rc=$? ($(tail -n 1 "$OUT/pytest-cuda.log"))"
+
+echo "== seed benchmark (cuda: seed shapes; fp32 and bf16; eager, aotfuse, torch.compile)"
+timeout 300 python3 -m aotfuse.bench --device cuda --dtypes fp32,bf16 --repeats 10 --out-dir "$OUT" \
+  > "$OUT/bench.log" 2>&1
+echo "bench rc=$?"
+
+echo "== summary ($(( $(date +%s) - start )) s)"
+for f in "$OUT"/hf-cuda-*.md; do [ -f "$f" ] && grep -E '^\| (model|[A-Za-z]+For|GPT2)' "$f" | cut -c1-160; done
+tail -n 3 "$OUT/pytest-cuda.log"
