@@ -188,6 +188,35 @@ static int is_reduction_value(const af_graph *g, int32_t v) {
     return p >= 0 && af_op_get(af_graph_node(g, p)->op_id)->kind == AF_KIND_REDUCTION;
 }
 
+/* The kernel's typed data pointers q<k>: inputs first (const), then outputs. */
+static void emit_pointers(af_strbuf *sb, const af_fusion_group *grp, const operand *ops) {
+    for (int32_t k = 0; k < grp->n_inputs + grp->n_outputs; k++)
+        af_strbuf_printf(sb, "  %s%s *restrict q%d = (%s%s *)p[%d];\n", k < grp->n_inputs ? "const " : "",
+                         ctype(ops[k].dtype), (int)k, k < grp->n_inputs ? "const " : "", ctype(ops[k].dtype), (int)k);
+}
+
+/* One element, at offsets o<k>: load the inputs, compute the members, store the elementwise
+ * outputs (reductions are stored after their loop). */
+static void emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const operand *ops) {
+    for (int32_t k = 0; k < grp->n_inputs; k++) {
+        char ptr[16], off[16];
+        snprintf(ptr, sizeof ptr, "q%d", (int)k);
+        snprintf(off, sizeof off, "o%d", (int)k);
+        af_strbuf_printf(sb, "      const float v%d = ", (int)ops[k].value);
+        emit_load(sb, ops[k].dtype, ptr, off);
+        af_strbuf_printf(sb, ";\n");
+    }
+    emit_members(sb, g, grp, "      ");
+    for (int32_t k = grp->n_inputs; k < grp->n_inputs + grp->n_outputs; k++) {
+        if (is_reduction_value(g, ops[k].value)) continue;
+        char v[16];
+        snprintf(v, sizeof v, "v%d", (int)ops[k].value);
+        af_strbuf_printf(sb, "      q%d[o%d] = ", (int)k, (int)k);
+        emit_store_value(sb, ops[k].dtype, v);
+        af_strbuf_printf(sb, ";\n");
+    }
+}
+
 /* A reduction output's strides over the iteration dims: 0 on reduced dims, the output's own
  * stride on the others (skipping removed dims when keepdim is false). */
 static void reduction_strides(const af_tensor_meta *out, const af_tensor_meta *iter, uint32_t mask, int64_t *strides) {
@@ -254,9 +283,7 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
     af_strbuf_printf(sb, "\n/* group %d: %d nodes (%d reductions), %d inputs, %d outputs, %" PRId64 " x %" PRId64 " */\n",
                      (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)grp->n_inputs, (int)grp->n_outputs, outer, inner);
     af_strbuf_printf(sb, "void af_kernel_%d(char *const *p) {\n", (int)index);
-    for (int32_t k = 0; k < nops; k++)
-        af_strbuf_printf(sb, "  %s%s *restrict q%d = (%s%s *)p[%d];\n", k < grp->n_inputs ? "const " : "",
-                         ctype(ops[k].dtype), (int)k, k < grp->n_inputs ? "const " : "", ctype(ops[k].dtype), (int)k);
+    emit_pointers(sb, grp, ops);
     af_strbuf_printf(sb, "  %s\n  for (int64_t c = 0; c < %" PRId64 "; c++) {\n",
                      parallel ? "#pragma omp parallel for schedule(static)" : "", outer);
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    int64_t b%d = 0;\n", (int)k);
@@ -283,23 +310,7 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
         af_strbuf_printf(sb, " }\n");
     }
     af_strbuf_printf(sb, "      (void)s;\n");
-    for (int32_t k = 0; k < grp->n_inputs; k++) {
-        char ptr[16], off[16];
-        snprintf(ptr, sizeof ptr, "q%d", (int)k);
-        snprintf(off, sizeof off, "o%d", (int)k);
-        af_strbuf_printf(sb, "      const float v%d = ", (int)ops[k].value);
-        emit_load(sb, ops[k].dtype, ptr, off);
-        af_strbuf_printf(sb, ";\n");
-    }
-    emit_members(sb, g, grp, "      ");
-    for (int32_t k = grp->n_inputs; k < nops; k++) {
-        if (is_reduction_value(g, ops[k].value)) continue;
-        char v[16];
-        snprintf(v, sizeof v, "v%d", (int)ops[k].value);
-        af_strbuf_printf(sb, "      q%d[o%d] = ", (int)k, (int)k);
-        emit_store_value(sb, ops[k].dtype, v);
-        af_strbuf_printf(sb, ";\n");
-    }
+    emit_body(sb, g, grp, ops);
     af_strbuf_printf(sb, "    }\n");
     for (int32_t k = grp->n_inputs; k < nops; k++) {
         if (!is_reduction_value(g, ops[k].value)) continue;
@@ -365,9 +376,7 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
     af_strbuf_printf(sb, "\n/* group %d: %d nodes, %d inputs, %d outputs, %" PRId64 " elements */\n", (int)index,
                      (int)grp->n_nodes, (int)grp->n_inputs, (int)grp->n_outputs, numel);
     af_strbuf_printf(sb, "void af_kernel_%d(char *const *p) {\n", (int)index);
-    for (int32_t k = 0; k < nops; k++)
-        af_strbuf_printf(sb, "  %s%s *restrict q%d = (%s%s *)p[%d];\n", k < grp->n_inputs ? "const " : "",
-                         ctype(ops[k].dtype), (int)k, k < grp->n_inputs ? "const " : "", ctype(ops[k].dtype), (int)k);
+    emit_pointers(sb, grp, ops);
     if (numel == 0) {
         af_strbuf_printf(sb, "  (void)p;\n}\n");
         free(ops);
@@ -398,22 +407,7 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
         for (int32_t k = 0; k < nops; k++)
             af_strbuf_printf(sb, "      int64_t o%d = b%d + i * %" PRId64 ";\n", (int)k, (int)k, strides[k][nd - 1]);
     }
-    for (int32_t k = 0; k < grp->n_inputs; k++) {
-        char ptr[16], off[16];
-        snprintf(ptr, sizeof ptr, "q%d", (int)k);
-        snprintf(off, sizeof off, "o%d", (int)k);
-        af_strbuf_printf(sb, "      const float v%d = ", (int)ops[k].value);
-        emit_load(sb, ops[k].dtype, ptr, off);
-        af_strbuf_printf(sb, ";\n");
-    }
-    emit_members(sb, g, grp, "      ");
-    for (int32_t k = grp->n_inputs; k < nops; k++) {
-        char v[16];
-        snprintf(v, sizeof v, "v%d", (int)ops[k].value);
-        af_strbuf_printf(sb, "      q%d[o%d] = ", (int)k, (int)k);
-        emit_store_value(sb, ops[k].dtype, v);
-        af_strbuf_printf(sb, ";\n");
-    }
+    emit_body(sb, g, grp, ops);
     af_strbuf_printf(sb, "    }\n  }\n}\n");
     free(ops);
     free(strides);
