@@ -371,9 +371,10 @@ int af_partition_default(const af_graph *g, const uint8_t *roles, int32_t num_fw
         st = af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
         goto done;
     }
+    /* a node the forward runs makes all of its outputs (native_layer_norm's mean and rstd too) */
     for (int32_t v = 0; v < c.nv; v++) {
-        int32_t role = c.input_role[v];
-        stop[v] = c.fw_required[v] || role == AF_ROLE_PRIMAL || role == AF_ROLE_FWD_SEED;
+        int32_t role = c.input_role[v], prod = af_graph_value(g, v)->producer;
+        stop[v] = (prod >= 0 ? node_fw_required(&c, prod) : 0) || role == AF_ROLE_PRIMAL || role == AF_ROLE_FWD_SEED;
     }
     st = finish(&c, stop, p);
 done:

@@ -185,12 +185,24 @@ def test_memory_efficient_fusion_uses_min_cut_and_matches_eager(case):
 def test_min_cut_recomputes_pointwise_work():
     # LayerNorm + GELU in the middle of two matmuls: the default partition saves the GELU input and
     # output; min-cut saves less and recomputes cheap pointwise ops in the backward.
+    # (layer norm decomposed, as it will be by default once the fuser handles its epilogue)
     model = nn.Sequential(nn.Linear(32, 128), nn.LayerNorm(128), nn.GELU(), nn.Dropout(0.0), nn.Linear(128, 32))
     x = torch.randn(16, 32)
-    mc = aotfuse.explain(aotfuse.memory_efficient_fusion(copy.deepcopy(model)), x)
-    df = aotfuse.explain(aotfuse.memory_efficient_fusion(copy.deepcopy(model), partition_fn=aotfuse.default_partition), x)
+    dec = aotfuse.default_decompositions(norms=True)
+    mc = aotfuse.explain(aotfuse.memory_efficient_fusion(copy.deepcopy(model), decompositions=dec), x)
+    df = aotfuse.explain(aotfuse.memory_efficient_fusion(copy.deepcopy(model), decompositions=dec,
+                                                         partition_fn=aotfuse.default_partition), x)
     assert mc.saved_bytes < df.saved_bytes
     assert mc.recomputed and not df.recomputed
+
+
+def test_default_partition_never_reruns_a_forward_node():
+    # native_layer_norm kept whole: its mean and rstd outputs, read only by the backward, are saved
+    model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 8))
+    report = aotfuse.explain(aotfuse.memory_efficient_fusion(model, partition_fn=aotfuse.default_partition),
+                             torch.randn(4, 32))
+    assert not report.recomputed
+    assert sum(1 for s in report.saved if s[1] == (4, 1)) == 2  # mean and rstd
 
 
 def test_random_ops_are_not_recomputed():

@@ -2,6 +2,8 @@
 pointwise primitives plus reductions (so that later stages can fuse them) and which stay whole."""
 from __future__ import annotations
 
+import os
+
 import torch
 from torch._decomp import get_decompositions
 
@@ -9,8 +11,8 @@ __all__ = ["default_decompositions"]
 
 aten = torch.ops.aten
 
-# Norms, softmax and activations (and their backwards) become pointwise ops and reductions;
-# matmuls, convolutions, embedding and attention stay whole (extern calls).
+# Activations and losses (and their backwards) become pointwise ops and reductions; matmuls,
+# convolutions, embedding and attention stay whole (extern calls).
 _DECOMPOSED = [
     aten.detach,
     aten.gelu,
@@ -28,12 +30,6 @@ _DECOMPOSED = [
     aten.softplus_backward,
     aten.mse_loss_backward,
     aten.l1_loss,
-    aten.native_layer_norm,
-    aten.native_layer_norm_backward,
-    aten._softmax,
-    aten._log_softmax,
-    aten._softmax_backward_data,
-    aten._log_softmax_backward_data,
     aten.nll_loss_forward,
     aten.nll_loss_backward,
     aten.native_dropout_backward,
@@ -48,6 +44,24 @@ _DECOMPOSED = [
 ]
 
 
-def default_decompositions() -> dict:
-    """The table memory_efficient_fusion and aot_function use when given none (a fresh dict)."""
-    return get_decompositions(_DECOMPOSED)
+# Layer norm and softmax (and their backwards) decompose into reductions whose epilogues (the
+# normalize, the divide) the CPU fuser cannot yet put in the same kernel; ATen's native kernels
+# do each in one pass, and measured faster (benchmarks/blocks.py, 1 thread: Bert layer 73 ms whole
+# vs 98 ms decomposed, GPT2 block 68 vs 85 ms) for the same saved bytes within 1%. They stay whole
+# until the fuser handles them; AOTFUSE_DECOMPOSE_NORMS=1 decomposes them anyway.
+_NORMS = [
+    aten.native_layer_norm,
+    aten.native_layer_norm_backward,
+    aten._softmax,
+    aten._log_softmax,
+    aten._softmax_backward_data,
+    aten._log_softmax_backward_data,
+]
+
+
+def default_decompositions(norms: bool | None = None) -> dict:
+    """The table memory_efficient_fusion and aot_function use when given none (a fresh dict).
+    norms: also decompose layer norm and softmax (default: AOTFUSE_DECOMPOSE_NORMS, off)."""
+    if norms is None:
+        norms = os.environ.get("AOTFUSE_DECOMPOSE_NORMS", "0") not in ("", "0")
+    return get_decompositions(_DECOMPOSED + (_NORMS if norms else []))

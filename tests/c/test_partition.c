@@ -196,12 +196,19 @@ static void test_multi_output_compute_node_is_not_rerun(void **state) {
     int32_t outs[2] = {y, gx};
     assert_int_equal(af_graph_set_outputs(g, outs, 2), AF_OK);
     uint8_t roles[2] = {AF_ROLE_PRIMAL, AF_ROLE_TANGENT};
-    af_partition *mc = NULL;
+    af_partition *mc = NULL, *def = NULL;
     assert_int_equal(af_partition_min_cut(g, roles, 1, NULL, &mc), AF_OK);
     check_partition(g, roles, 1, mc);
     assert_int_equal(mc->n_recomputed, 0);
     assert_int_equal(mc->n_saved, 1);
     assert_int_equal(mc->saved[0], lse);
+    /* the default partition too: the forward made lse, the backward reads it, nothing reruns */
+    assert_int_equal(af_partition_default(g, roles, 1, &def), AF_OK);
+    check_partition(g, roles, 1, def);
+    assert_int_equal(def->n_recomputed, 0);
+    assert_int_equal(def->n_saved, 1);
+    assert_int_equal(def->saved[0], lse);
+    af_partition_free(def);
     af_partition_free(mc);
     af_graph_free(g);
 }
