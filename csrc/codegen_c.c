@@ -234,13 +234,12 @@ static void reduction_strides(const af_tensor_meta *out, const af_tensor_meta *i
     }
 }
 
-/* Kernels with reductions: kept dims outside (threads), reduced dims inside, accumulators in double. */
-static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, int32_t index) {
-    const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
+/* The kernel's operands (inputs, then outputs) with their strides over the iteration dims;
+ * NULL when out of memory. */
+static operand *make_operands(const af_graph *g, const af_fusion_group *grp, const af_tensor_meta *iter) {
     int32_t nops = grp->n_inputs + grp->n_outputs;
     operand *ops = calloc((size_t)nops + 1, sizeof *ops);
-    if (!ops) return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
-    for (int32_t k = 0; k < nops; k++) {
+    for (int32_t k = 0; ops && k < nops; k++) {
         int32_t v = k < grp->n_inputs ? grp->inputs[k] : grp->outputs[k - grp->n_inputs];
         const af_tensor_meta *m = &af_graph_value(g, v)->meta;
         ops[k].value = v;
@@ -248,6 +247,15 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
         if (k >= grp->n_inputs && is_reduction_value(g, v)) reduction_strides(m, iter, grp->reduce_mask, ops[k].strides);
         else operand_strides(m, iter, ops[k].strides);
     }
+    return ops;
+}
+
+/* Kernels with reductions: kept dims outside (threads), reduced dims inside, accumulators in double. */
+static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, int32_t index) {
+    const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
+    int32_t nops = grp->n_inputs + grp->n_outputs;
+    operand *ops = make_operands(g, grp, iter);
+    if (!ops) return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
     /* kept dims first, then reduced; size-1 dims dropped; neighbours of one class merged */
     int64_t sizes[AF_MAX_DIMS];
     int64_t(*strides)[AF_MAX_DIMS] = calloc((size_t)nops + 1, sizeof *strides); /* [operand][dim] */
@@ -333,15 +341,8 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
     if (grp->n_reductions > 0) return emit_reduction_kernel(sb, g, grp, index);
     const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
     int32_t nops = grp->n_inputs + grp->n_outputs;
-    operand *ops = calloc((size_t)nops + 1, sizeof *ops);
+    operand *ops = make_operands(g, grp, iter);
     if (!ops) return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
-    for (int32_t k = 0; k < nops; k++) {
-        int32_t v = k < grp->n_inputs ? grp->inputs[k] : grp->outputs[k - grp->n_inputs];
-        const af_tensor_meta *m = &af_graph_value(g, v)->meta;
-        ops[k].value = v;
-        ops[k].dtype = m->dtype;
-        operand_strides(m, iter, ops[k].strides);
-    }
     /* iteration dims without size-1 dims, merged where every operand is contiguous across them */
     int64_t sizes[AF_MAX_DIMS];
     int64_t(*strides)[AF_MAX_DIMS] = calloc((size_t)nops + 1, sizeof *strides); /* [operand][dim] */
