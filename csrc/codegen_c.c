@@ -143,16 +143,19 @@ static void operand_strides(const af_tensor_meta *m, const af_tensor_meta *iter,
 
 /* Emits the members' element computation (pointwise values as floats; reductions combined into
  * their accumulators acc<value>). */
-static void emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent) {
+static void emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent,
+                         const char *acc_at) {
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
         const af_value *out = af_graph_value(g, n->first_output);
         const af_op_info *info = af_op_get(n->op_id);
         if (info->kind == AF_KIND_REDUCTION) {
             int32_t x = n->args[0].u.value, v = n->first_output;
-            if (n->op_id == AF_OP_AMAX) af_strbuf_printf(sb, "%sacc%d = af_maxd(acc%d, (double)v%d);\n", indent, (int)v, (int)v, (int)x);
-            else if (n->op_id == AF_OP_AMIN) af_strbuf_printf(sb, "%sacc%d = af_mind(acc%d, (double)v%d);\n", indent, (int)v, (int)v, (int)x);
-            else af_strbuf_printf(sb, "%sacc%d += (double)v%d;\n", indent, (int)v, (int)x);
+            if (n->op_id == AF_OP_AMAX)
+                af_strbuf_printf(sb, "%sacc%d%s = af_maxd(acc%d%s, (double)v%d);\n", indent, (int)v, acc_at, (int)v, acc_at, (int)x);
+            else if (n->op_id == AF_OP_AMIN)
+                af_strbuf_printf(sb, "%sacc%d%s = af_mind(acc%d%s, (double)v%d);\n", indent, (int)v, acc_at, (int)v, acc_at, (int)x);
+            else af_strbuf_printf(sb, "%sacc%d%s += (double)v%d;\n", indent, (int)v, acc_at, (int)x);
             continue;
         }
         af_dtype scalar_as = AF_DTYPE_FLOAT32;
@@ -197,7 +200,8 @@ static void emit_pointers(af_strbuf *sb, const af_fusion_group *grp, const opera
 
 /* One element, at offsets o<k>: load the inputs, compute the members, store the elementwise
  * outputs (reductions are stored after their loop). */
-static void emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const operand *ops) {
+static void emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const operand *ops,
+                      const char *acc_at) {
     for (int32_t k = 0; k < grp->n_inputs; k++) {
         char ptr[16], off[16];
         snprintf(ptr, sizeof ptr, "q%d", (int)k);
@@ -206,7 +210,7 @@ static void emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *g
         emit_load(sb, ops[k].dtype, ptr, off);
         af_strbuf_printf(sb, ";\n");
     }
-    emit_members(sb, g, grp, "      ");
+    emit_members(sb, g, grp, "      ", acc_at);
     for (int32_t k = grp->n_inputs; k < grp->n_inputs + grp->n_outputs; k++) {
         if (is_reduction_value(g, ops[k].value)) continue;
         char v[16];
@@ -250,6 +254,67 @@ static operand *make_operands(const af_graph *g, const af_fusion_group *grp, con
     return ops;
 }
 
+/* Stores each finished reduction: row mode at the kept-dims base offset b<k>; column mode (strides
+ * given) at column c of the block, accumulator acc<v>[c - c0]. */
+static void emit_reduction_stores(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const operand *ops,
+                                  int64_t count, int64_t (*column_strides)[AF_MAX_DIMS], const char *indent) {
+    for (int32_t k = grp->n_inputs; k < grp->n_inputs + grp->n_outputs; k++) {
+        if (!is_reduction_value(g, ops[k].value)) continue;
+        int32_t v = ops[k].value;
+        const af_node *n = af_graph_node(g, af_graph_value(g, v)->producer);
+        const char *at = column_strides ? "[c - c0]" : "";
+        char val[96], off[64];
+        if (n->op_id == AF_OP_MEAN) snprintf(val, sizeof val, "(float)(acc%d%s / %" PRId64 ".0)", (int)v, at, count);
+        else snprintf(val, sizeof val, "(float)acc%d%s", (int)v, at);
+        if (column_strides) snprintf(off, sizeof off, "c * %" PRId64, column_strides[k][0]);
+        else snprintf(off, sizeof off, "b%d", (int)k);
+        af_strbuf_printf(sb, "%sq%d[%s] = ", indent, (int)k, off);
+        emit_store_value(sb, ops[k].dtype, val);
+        af_strbuf_printf(sb, ";\n");
+    }
+}
+
+#define AF_COLUMN_BLOCK 256
+
+static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const operand *ops,
+                                  int32_t index, const int64_t *sizes, int64_t (*strides)[AF_MAX_DIMS], int32_t nd,
+                                  int64_t columns, int64_t rows) {
+    int32_t nops = grp->n_inputs + grp->n_outputs;
+    int64_t blocks = (columns + AF_COLUMN_BLOCK - 1) / AF_COLUMN_BLOCK;
+    int parallel = blocks > 1 && columns * rows >= 32768;
+    af_strbuf_printf(sb, "\n/* group %d: %d nodes (%d column reductions), %d inputs, %d outputs, %" PRId64 " columns x %" PRId64
+                     " rows */\n", (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)grp->n_inputs,
+                     (int)grp->n_outputs, columns, rows);
+    af_strbuf_printf(sb, "void af_kernel_%d(char *const *p) {\n", (int)index);
+    emit_pointers(sb, grp, ops);
+    af_strbuf_printf(sb, "  %s\n  for (int64_t cb = 0; cb < %" PRId64 "; cb++) {\n",
+                     parallel ? "#pragma omp parallel for schedule(static)" : "", blocks);
+    af_strbuf_printf(sb, "    const int64_t c0 = cb * %d, c1 = c0 + %d < %" PRId64 " ? c0 + %d : %" PRId64 ";\n",
+                     AF_COLUMN_BLOCK, AF_COLUMN_BLOCK, columns, AF_COLUMN_BLOCK, columns);
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        const af_node *n = af_graph_node(g, grp->nodes[m]);
+        if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION) continue;
+        const char *init = n->op_id == AF_OP_AMAX ? "-INFINITY" : n->op_id == AF_OP_AMIN ? "INFINITY" : "0.0";
+        af_strbuf_printf(sb, "    double acc%d[%d];\n    for (int64_t c = 0; c < c1 - c0; c++) acc%d[c] = %s;\n",
+                         (int)n->first_output, AF_COLUMN_BLOCK, (int)n->first_output, init);
+    }
+    af_strbuf_printf(sb, "    for (int64_t i = 0; i < %" PRId64 "; i++) {\n      int64_t s = i;\n", rows);
+    for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      int64_t r%d = 0;\n", (int)k);
+    for (int32_t d = nd - 1; d >= 1; d--) {
+        af_strbuf_printf(sb, "      { int64_t x = s %% %" PRId64 "; s /= %" PRId64 ";", sizes[d], sizes[d]);
+        for (int32_t k = 0; k < nops; k++)
+            if (strides[k][d]) af_strbuf_printf(sb, " r%d += x * %" PRId64 ";", (int)k, strides[k][d]);
+        af_strbuf_printf(sb, " }\n");
+    }
+    af_strbuf_printf(sb, "      (void)s;\n      for (int64_t c = c0; c < c1; c++) {\n");
+    for (int32_t k = 0; k < nops; k++)
+        af_strbuf_printf(sb, "      int64_t o%d = r%d + c * %" PRId64 ";\n", (int)k, (int)k, strides[k][0]);
+    emit_body(sb, g, grp, ops, "[c - c0]");
+    af_strbuf_printf(sb, "      }\n    }\n    for (int64_t c = c0; c < c1; c++) {\n");
+    emit_reduction_stores(sb, g, grp, ops, rows, strides, "      ");
+    af_strbuf_printf(sb, "    }\n  }\n}\n");
+}
+
 /* Kernels with reductions: kept dims outside (threads), reduced dims inside, accumulators in double. */
 static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, int32_t index) {
     const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
@@ -288,6 +353,15 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
         else outer *= sizes[d];
     }
     int parallel = outer > 1 && outer * inner >= 32768;
+    /* Column reductions (the innermost dim is kept, as for bias gradients): walking one column at a
+     * time strides through memory, so rows go outside and a block of columns inside, each with its
+     * own accumulator; the inner loop is contiguous and vectorizes. */
+    if (n_kept == 1 && nd > 1 && !((grp->reduce_mask >> (iter->ndim - 1)) & 1u)) {
+        emit_column_reduction(sb, g, grp, ops, index, sizes, strides, nd, outer, inner);
+        free(ops);
+        free(strides);
+        return AF_OK;
+    }
     af_strbuf_printf(sb, "\n/* group %d: %d nodes (%d reductions), %d inputs, %d outputs, %" PRId64 " x %" PRId64 " */\n",
                      (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)grp->n_inputs, (int)grp->n_outputs, outer, inner);
     af_strbuf_printf(sb, "void af_kernel_%d(char *const *p) {\n", (int)index);
@@ -318,19 +392,9 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
         af_strbuf_printf(sb, " }\n");
     }
     af_strbuf_printf(sb, "      (void)s;\n");
-    emit_body(sb, g, grp, ops);
+    emit_body(sb, g, grp, ops, "");
     af_strbuf_printf(sb, "    }\n");
-    for (int32_t k = grp->n_inputs; k < nops; k++) {
-        if (!is_reduction_value(g, ops[k].value)) continue;
-        int32_t v = ops[k].value;
-        const af_node *n = af_graph_node(g, af_graph_value(g, v)->producer);
-        char val[64];
-        if (n->op_id == AF_OP_MEAN) snprintf(val, sizeof val, "(float)(acc%d / %" PRId64 ".0)", (int)v, inner);
-        else snprintf(val, sizeof val, "(float)acc%d", (int)v);
-        af_strbuf_printf(sb, "    q%d[b%d] = ", (int)k, (int)k);
-        emit_store_value(sb, ops[k].dtype, val);
-        af_strbuf_printf(sb, ";\n");
-    }
+    emit_reduction_stores(sb, g, grp, ops, inner, NULL, "    ");
     af_strbuf_printf(sb, "  }\n}\n");
     free(ops);
     free(strides);
@@ -408,7 +472,7 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
         for (int32_t k = 0; k < nops; k++)
             af_strbuf_printf(sb, "      int64_t o%d = b%d + i * %" PRId64 ";\n", (int)k, (int)k, strides[k][nd - 1]);
     }
-    emit_body(sb, g, grp, ops);
+    emit_body(sb, g, grp, ops, "");
     af_strbuf_printf(sb, "    }\n  }\n}\n");
     free(ops);
     free(strides);

@@ -275,3 +275,5 @@ def test_reductions_fused_with_their_prologue(case, dtype, layout):
         assert_close(a, b, f"{case} output {i}", atol=atol, rtol=rtol)
     fused = [op for op, _k, grp in lowered.program.node_groups() if grp >= 0]
     assert any(op.split(".")[0] in ("aten::sum", "aten::mean", "aten::amax", "aten::amin") for op in fused), fused
+    if case == "bias_grad_sum":  # reduces the leading dims: the column kernel (rows outside, columns inside)
+        assert "column reductions" in lowered.program.source
