@@ -382,6 +382,17 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
         const char *init = n->op_id == AF_OP_AMAX ? "-INFINITY" : n->op_id == AF_OP_AMIN ? "INFINITY" : "0.0";
         af_strbuf_printf(sb, "    double acc%d = %s;\n", (int)n->first_output, init);
     }
+    /* sums may be reassociated within the row (double accumulators): the loop vectorizes */
+    int only_sums = 1;
+    af_strbuf sums = {0};
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        const af_node *n = af_graph_node(g, grp->nodes[m]);
+        if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION) continue;
+        if (n->op_id == AF_OP_AMAX || n->op_id == AF_OP_AMIN) only_sums = 0;
+        af_strbuf_printf(&sums, "%sacc%d", sums.len ? "," : "", (int)n->first_output);
+    }
+    if (only_sums && sums.buf && !sums.failed) af_strbuf_printf(sb, "    #pragma omp simd reduction(+:%s)\n", sums.buf);
+    free(sums.buf);
     af_strbuf_printf(sb, "    for (int64_t i = 0; i < %" PRId64 "; i++) {\n", inner);
     af_strbuf_printf(sb, "      int64_t s = i;\n");
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      int64_t o%d = b%d;\n", (int)k, (int)k);
