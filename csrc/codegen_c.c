@@ -254,6 +254,18 @@ static operand *make_operands(const af_graph *g, const af_fusion_group *grp, con
     return ops;
 }
 
+/* Splits the flat index `var` over dims hi..lo (innermost first) and adds each coordinate times the
+ * operand's stride to the offsets <prefix><k>. */
+static void emit_unflatten(af_strbuf *sb, const char *indent, const char *var, const char *prefix, int32_t lo, int32_t hi,
+                           const int64_t *sizes, int64_t (*strides)[AF_MAX_DIMS], int32_t nops) {
+    for (int32_t d = hi; d >= lo; d--) {
+        af_strbuf_printf(sb, "%s{ int64_t x = %s %% %" PRId64 "; %s /= %" PRId64 ";", indent, var, sizes[d], var, sizes[d]);
+        for (int32_t k = 0; k < nops; k++)
+            if (strides[k][d]) af_strbuf_printf(sb, " %s%d += x * %" PRId64 ";", prefix, (int)k, strides[k][d]);
+        af_strbuf_printf(sb, " }\n");
+    }
+}
+
 /* Stores each finished reduction: row mode at the kept-dims base offset b<k>; column mode (strides
  * given) at column c of the block, accumulator acc<v>[c - c0]. */
 static void emit_reduction_stores(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const operand *ops,
@@ -300,12 +312,7 @@ static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fus
     }
     af_strbuf_printf(sb, "    for (int64_t i = 0; i < %" PRId64 "; i++) {\n      int64_t s = i;\n", rows);
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      int64_t r%d = 0;\n", (int)k);
-    for (int32_t d = nd - 1; d >= 1; d--) {
-        af_strbuf_printf(sb, "      { int64_t x = s %% %" PRId64 "; s /= %" PRId64 ";", sizes[d], sizes[d]);
-        for (int32_t k = 0; k < nops; k++)
-            if (strides[k][d]) af_strbuf_printf(sb, " r%d += x * %" PRId64 ";", (int)k, strides[k][d]);
-        af_strbuf_printf(sb, " }\n");
-    }
+    emit_unflatten(sb, "      ", "s", "r", 1, nd - 1, sizes, strides, nops);
     af_strbuf_printf(sb, "      (void)s;\n      for (int64_t c = c0; c < c1; c++) {\n");
     for (int32_t k = 0; k < nops; k++)
         af_strbuf_printf(sb, "      int64_t o%d = r%d + c * %" PRId64 ";\n", (int)k, (int)k, strides[k][0]);
@@ -370,12 +377,7 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
                      parallel ? "#pragma omp parallel for schedule(static)" : "", outer);
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    int64_t b%d = 0;\n", (int)k);
     af_strbuf_printf(sb, "    int64_t r = c;\n");
-    for (int32_t d = n_kept - 1; d >= 0; d--) {
-        af_strbuf_printf(sb, "    { int64_t x = r %% %" PRId64 "; r /= %" PRId64 ";", sizes[d], sizes[d]);
-        for (int32_t k = 0; k < nops; k++)
-            if (strides[k][d]) af_strbuf_printf(sb, " b%d += x * %" PRId64 ";", (int)k, strides[k][d]);
-        af_strbuf_printf(sb, " }\n");
-    }
+    emit_unflatten(sb, "    ", "r", "b", 0, n_kept - 1, sizes, strides, nops);
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
         if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION) continue;
@@ -396,12 +398,7 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
     af_strbuf_printf(sb, "    for (int64_t i = 0; i < %" PRId64 "; i++) {\n", inner);
     af_strbuf_printf(sb, "      int64_t s = i;\n");
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      int64_t o%d = b%d;\n", (int)k, (int)k);
-    for (int32_t d = nd - 1; d >= n_kept; d--) {
-        af_strbuf_printf(sb, "      { int64_t x = s %% %" PRId64 "; s /= %" PRId64 ";", sizes[d], sizes[d]);
-        for (int32_t k = 0; k < nops; k++)
-            if (strides[k][d]) af_strbuf_printf(sb, " o%d += x * %" PRId64 ";", (int)k, strides[k][d]);
-        af_strbuf_printf(sb, " }\n");
-    }
+    emit_unflatten(sb, "      ", "s", "o", n_kept, nd - 1, sizes, strides, nops);
     af_strbuf_printf(sb, "      (void)s;\n");
     emit_body(sb, g, grp, ops, "");
     af_strbuf_printf(sb, "    }\n");
@@ -473,12 +470,7 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
                          parallel ? "#pragma omp parallel for schedule(static)" : "", outer);
         for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    int64_t b%d = 0;\n", (int)k);
         af_strbuf_printf(sb, "    int64_t r = c;\n");
-        for (int32_t d = nd - 2; d >= 0; d--) {
-            af_strbuf_printf(sb, "    { int64_t x = r %% %" PRId64 "; r /= %" PRId64 ";", sizes[d], sizes[d]);
-            for (int32_t k = 0; k < nops; k++)
-                if (strides[k][d]) af_strbuf_printf(sb, " b%d += x * %" PRId64 ";", (int)k, strides[k][d]);
-            af_strbuf_printf(sb, " }\n");
-        }
+        emit_unflatten(sb, "    ", "r", "b", 0, nd - 2, sizes, strides, nops);
         af_strbuf_printf(sb, "    for (int64_t i = 0; i < %" PRId64 "; i++) {\n", inner);
         for (int32_t k = 0; k < nops; k++)
             af_strbuf_printf(sb, "      int64_t o%d = b%d + i * %" PRId64 ";\n", (int)k, (int)k, strides[k][nd - 1]);
