@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "aotfuse/strbuf.h"
+#include "codegen_common.h"
 
 /* Loads, stores and helpers every kernel file starts with. */
 static const char *const prelude =
@@ -91,204 +92,9 @@ static const char *const prelude =
     "  return powf(a, b);\n"
     "}\n";
 
-/* An operand of a kernel: its strides over the iteration dims (0 where broadcast). */
-typedef struct {
-    int32_t value;
-    af_dtype dtype;
-    int64_t strides[AF_MAX_DIMS];
-} operand;
-
-static const char *ctype(af_dtype d) {
-    return d == AF_DTYPE_FLOAT32 ? "float" : d == AF_DTYPE_BOOL ? "uint8_t" : "uint16_t";
-}
-
-static void emit_load(af_strbuf *sb, af_dtype d, const char *ptr, const char *off) {
-    switch (d) {
-    case AF_DTYPE_BFLOAT16: af_strbuf_printf(sb, "af_bf16_load(%s[%s])", ptr, off); break;
-    case AF_DTYPE_FLOAT16: af_strbuf_printf(sb, "af_f16_load(%s[%s])", ptr, off); break;
-    case AF_DTYPE_BOOL: af_strbuf_printf(sb, "(float)%s[%s]", ptr, off); break;
-    default: af_strbuf_printf(sb, "%s[%s]", ptr, off); break;
-    }
-}
-
-static void emit_store_value(af_strbuf *sb, af_dtype d, const char *v) {
-    switch (d) {
-    case AF_DTYPE_BFLOAT16: af_strbuf_printf(sb, "af_bf16_store(%s)", v); break;
-    case AF_DTYPE_FLOAT16: af_strbuf_printf(sb, "af_f16_store(%s)", v); break;
-    case AF_DTYPE_BOOL: af_strbuf_printf(sb, "(uint8_t)(%s != 0.0f)", v); break;
-    default: af_strbuf_printf(sb, "%s", v); break;
-    }
-}
-
-/* A scalar argument as a float literal; rounded through `as` (bf16/f16) when the op's scalar rule
- * says ATen converts it to the tensor's dtype first. */
-static void emit_scalar(af_strbuf *sb, const af_arg *a, af_dtype as) {
-    double x = a->kind == AF_ARG_FLOAT ? a->u.f : (double)a->u.i;
-    const char *wrap = as == AF_DTYPE_BFLOAT16 ? "af_bf16_load(af_bf16_store" : as == AF_DTYPE_FLOAT16 ? "af_f16_load(af_f16_store" : NULL;
-    if (wrap) af_strbuf_printf(sb, "%s(", wrap);
-    if (isnan(x)) af_strbuf_printf(sb, "((float)NAN)");
-    else if (isinf(x)) af_strbuf_printf(sb, "(%s(float)INFINITY)", x < 0 ? "-" : "");
-    else af_strbuf_printf(sb, "((float)%.17g)", x);
-    if (wrap) af_strbuf_printf(sb, "))");
-}
-
-/* The operand's strides over the iteration shape: right-aligned, 0 on broadcast dims. */
-static void operand_strides(const af_tensor_meta *m, const af_tensor_meta *iter, int64_t *out) {
-    int32_t shift = iter->ndim - m->ndim;
-    for (int32_t d = 0; d < iter->ndim; d++) {
-        int32_t md = d - shift;
-        out[d] = (md < 0 || m->sizes[md] == 1) ? 0 : m->strides[md];
-    }
-}
-
-/* Emits the members' element computation (pointwise values as floats; reductions combined into
- * their accumulators acc<value>). */
-static void emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent,
-                         const char *acc_at) {
-    for (int32_t m = 0; m < grp->n_nodes; m++) {
-        const af_node *n = af_graph_node(g, grp->nodes[m]);
-        const af_value *out = af_graph_value(g, n->first_output);
-        const af_op_info *info = af_op_get(n->op_id);
-        if (info->kind == AF_KIND_REDUCTION) {
-            int32_t x = n->args[0].u.value, v = n->first_output;
-            if (n->op_id == AF_OP_AMAX)
-                af_strbuf_printf(sb, "%sacc%d%s = af_maxd(acc%d%s, (double)v%d);\n", indent, (int)v, acc_at, (int)v, acc_at, (int)x);
-            else if (n->op_id == AF_OP_AMIN)
-                af_strbuf_printf(sb, "%sacc%d%s = af_mind(acc%d%s, (double)v%d);\n", indent, (int)v, acc_at, (int)v, acc_at, (int)x);
-            else af_strbuf_printf(sb, "%sacc%d%s += (double)v%d;\n", indent, (int)v, acc_at, (int)x);
-            continue;
-        }
-        af_dtype scalar_as = AF_DTYPE_FLOAT32;
-        for (int32_t a = 0; a < n->n_args && info->scalars == AF_SCALAR_AS_TENSOR; a++)
-            if (n->args[a].kind == AF_ARG_VALUE) {
-                scalar_as = af_graph_value(g, n->args[a].u.value)->meta.dtype;
-                break;
-            }
-        af_strbuf_printf(sb, "%sfloat v%d = ", indent, (int)n->first_output);
-        for (const char *e = info->c_expr; *e; e++) {
-            if (e[0] == '$' && e[1] >= '0' && e[1] <= '9') {
-                const af_arg *a = &n->args[e[1] - '0'];
-                if (a->kind == AF_ARG_VALUE) af_strbuf_printf(sb, "v%d", (int)a->u.value);
-                else emit_scalar(sb, a, scalar_as);
-                e++;
-            } else {
-                af_strbuf_printf(sb, "%c", *e);
-            }
-        }
-        af_strbuf_printf(sb, "; /* %s */\n", n->op);
-        /* a 16-bit or bool value rounds as if stored, so the group matches op-by-op results */
-        if (out->meta.dtype == AF_DTYPE_BFLOAT16)
-            af_strbuf_printf(sb, "%sv%d = af_bf16_load(af_bf16_store(v%d));\n", indent, (int)n->first_output, (int)n->first_output);
-        else if (out->meta.dtype == AF_DTYPE_FLOAT16)
-            af_strbuf_printf(sb, "%sv%d = af_f16_load(af_f16_store(v%d));\n", indent, (int)n->first_output, (int)n->first_output);
-        else if (out->meta.dtype == AF_DTYPE_BOOL)
-            af_strbuf_printf(sb, "%sv%d = (float)(v%d != 0.0f);\n", indent, (int)n->first_output, (int)n->first_output);
-    }
-}
-
-static int is_reduction_value(const af_graph *g, int32_t v) {
-    int32_t p = af_graph_value(g, v)->producer;
-    return p >= 0 && af_op_get(af_graph_node(g, p)->op_id)->kind == AF_KIND_REDUCTION;
-}
-
-/* The kernel's typed data pointers q<k>: inputs first (const), then outputs. */
-static void emit_pointers(af_strbuf *sb, const af_fusion_group *grp, const operand *ops) {
-    for (int32_t k = 0; k < grp->n_inputs + grp->n_outputs; k++)
-        af_strbuf_printf(sb, "  %s%s *restrict q%d = (%s%s *)p[%d];\n", k < grp->n_inputs ? "const " : "",
-                         ctype(ops[k].dtype), (int)k, k < grp->n_inputs ? "const " : "", ctype(ops[k].dtype), (int)k);
-}
-
-/* One element, at offsets o<k>: load the inputs, compute the members, store the elementwise
- * outputs (reductions are stored after their loop). */
-static void emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const operand *ops,
-                      const char *acc_at) {
-    for (int32_t k = 0; k < grp->n_inputs; k++) {
-        char ptr[16], off[16];
-        snprintf(ptr, sizeof ptr, "q%d", (int)k);
-        snprintf(off, sizeof off, "o%d", (int)k);
-        af_strbuf_printf(sb, "      const float v%d = ", (int)ops[k].value);
-        emit_load(sb, ops[k].dtype, ptr, off);
-        af_strbuf_printf(sb, ";\n");
-    }
-    emit_members(sb, g, grp, "      ", acc_at);
-    for (int32_t k = grp->n_inputs; k < grp->n_inputs + grp->n_outputs; k++) {
-        if (is_reduction_value(g, ops[k].value)) continue;
-        char v[16];
-        snprintf(v, sizeof v, "v%d", (int)ops[k].value);
-        af_strbuf_printf(sb, "      q%d[o%d] = ", (int)k, (int)k);
-        emit_store_value(sb, ops[k].dtype, v);
-        af_strbuf_printf(sb, ";\n");
-    }
-}
-
-/* A reduction output's strides over the iteration dims: 0 on reduced dims, the output's own
- * stride on the others (skipping removed dims when keepdim is false). */
-static void reduction_strides(const af_tensor_meta *out, const af_tensor_meta *iter, uint32_t mask, int64_t *strides) {
-    int keep = out->ndim == iter->ndim;
-    int32_t od = 0;
-    for (int32_t d = 0; d < iter->ndim; d++) {
-        int reduced = (mask >> d) & 1u;
-        if (reduced) {
-            strides[d] = 0;
-            if (keep) od++;
-        } else {
-            strides[d] = out->sizes[od] == 1 ? 0 : out->strides[od];
-            od++;
-        }
-    }
-}
-
-/* The kernel's operands (inputs, then outputs) with their strides over the iteration dims;
- * NULL when out of memory. */
-static operand *make_operands(const af_graph *g, const af_fusion_group *grp, const af_tensor_meta *iter) {
-    int32_t nops = grp->n_inputs + grp->n_outputs;
-    operand *ops = calloc((size_t)nops + 1, sizeof *ops);
-    for (int32_t k = 0; ops && k < nops; k++) {
-        int32_t v = k < grp->n_inputs ? grp->inputs[k] : grp->outputs[k - grp->n_inputs];
-        const af_tensor_meta *m = &af_graph_value(g, v)->meta;
-        ops[k].value = v;
-        ops[k].dtype = m->dtype;
-        if (k >= grp->n_inputs && is_reduction_value(g, v)) reduction_strides(m, iter, grp->reduce_mask, ops[k].strides);
-        else operand_strides(m, iter, ops[k].strides);
-    }
-    return ops;
-}
-
-/* Splits the flat index `var` over dims hi..lo (innermost first) and adds each coordinate times the
- * operand's stride to the offsets <prefix><k>. */
-static void emit_unflatten(af_strbuf *sb, const char *indent, const char *var, const char *prefix, int32_t lo, int32_t hi,
-                           const int64_t *sizes, int64_t (*strides)[AF_MAX_DIMS], int32_t nops) {
-    for (int32_t d = hi; d >= lo; d--) {
-        af_strbuf_printf(sb, "%s{ int64_t x = %s %% %" PRId64 "; %s /= %" PRId64 ";", indent, var, sizes[d], var, sizes[d]);
-        for (int32_t k = 0; k < nops; k++)
-            if (strides[k][d]) af_strbuf_printf(sb, " %s%d += x * %" PRId64 ";", prefix, (int)k, strides[k][d]);
-        af_strbuf_printf(sb, " }\n");
-    }
-}
-
-/* Stores each finished reduction: row mode at the kept-dims base offset b<k>; column mode (strides
- * given) at column c of the block, accumulator acc<v>[c - c0]. */
-static void emit_reduction_stores(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const operand *ops,
-                                  int64_t count, int64_t (*column_strides)[AF_MAX_DIMS], const char *indent) {
-    for (int32_t k = grp->n_inputs; k < grp->n_inputs + grp->n_outputs; k++) {
-        if (!is_reduction_value(g, ops[k].value)) continue;
-        int32_t v = ops[k].value;
-        const af_node *n = af_graph_node(g, af_graph_value(g, v)->producer);
-        const char *at = column_strides ? "[c - c0]" : "";
-        char val[96], off[64];
-        if (n->op_id == AF_OP_MEAN) snprintf(val, sizeof val, "(float)(acc%d%s / %" PRId64 ".0)", (int)v, at, count);
-        else snprintf(val, sizeof val, "(float)acc%d%s", (int)v, at);
-        if (column_strides) snprintf(off, sizeof off, "c * %" PRId64, column_strides[k][0]);
-        else snprintf(off, sizeof off, "b%d", (int)k);
-        af_strbuf_printf(sb, "%sq%d[%s] = ", indent, (int)k, off);
-        emit_store_value(sb, ops[k].dtype, val);
-        af_strbuf_printf(sb, ";\n");
-    }
-}
-
 #define AF_COLUMN_BLOCK 256
 
-static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const operand *ops,
+static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
                                   int32_t index, const int64_t *sizes, int64_t (*strides)[AF_MAX_DIMS], int32_t nd,
                                   int64_t columns, int64_t rows) {
     int32_t nops = grp->n_inputs + grp->n_outputs;
@@ -298,7 +104,7 @@ static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fus
                      " rows */\n", (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)grp->n_inputs,
                      (int)grp->n_outputs, columns, rows);
     af_strbuf_printf(sb, "void af_kernel_%d(char *const *p) {\n", (int)index);
-    emit_pointers(sb, grp, ops);
+    af_cg_emit_pointers(sb, grp, ops);
     af_strbuf_printf(sb, "  %s\n  for (int64_t cb = 0; cb < %" PRId64 "; cb++) {\n",
                      parallel ? "#pragma omp parallel for schedule(static)" : "", blocks);
     af_strbuf_printf(sb, "    const int64_t c0 = cb * %d, c1 = c0 + %d < %" PRId64 " ? c0 + %d : %" PRId64 ";\n",
@@ -306,82 +112,53 @@ static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fus
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
         if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION) continue;
-        const char *init = n->op_id == AF_OP_AMAX ? "-INFINITY" : n->op_id == AF_OP_AMIN ? "INFINITY" : "0.0";
+        const char *init = af_cg_acc_init(n);
         af_strbuf_printf(sb, "    double acc%d[%d];\n    for (int64_t c = 0; c < c1 - c0; c++) acc%d[c] = %s;\n",
                          (int)n->first_output, AF_COLUMN_BLOCK, (int)n->first_output, init);
     }
     af_strbuf_printf(sb, "    for (int64_t i = 0; i < %" PRId64 "; i++) {\n      int64_t s = i;\n", rows);
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      int64_t r%d = 0;\n", (int)k);
-    emit_unflatten(sb, "      ", "s", "r", 1, nd - 1, sizes, strides, nops);
+    af_cg_emit_unflatten(sb, "      ", "s", "r", 1, nd - 1, sizes, strides, nops);
     af_strbuf_printf(sb, "      (void)s;\n      for (int64_t c = c0; c < c1; c++) {\n");
     for (int32_t k = 0; k < nops; k++)
         af_strbuf_printf(sb, "      int64_t o%d = r%d + c * %" PRId64 ";\n", (int)k, (int)k, strides[k][0]);
-    emit_body(sb, g, grp, ops, "[c - c0]");
+    af_cg_emit_body(sb, g, grp, ops, "[c - c0]");
     af_strbuf_printf(sb, "      }\n    }\n    for (int64_t c = c0; c < c1; c++) {\n");
-    emit_reduction_stores(sb, g, grp, ops, rows, strides, "      ");
+    af_cg_emit_reduction_stores(sb, g, grp, ops, rows, strides, "      ");
     af_strbuf_printf(sb, "    }\n  }\n}\n");
 }
 
 /* Kernels with reductions: kept dims outside (threads), reduced dims inside, accumulators in double. */
 static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, int32_t index) {
-    const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
-    int32_t nops = grp->n_inputs + grp->n_outputs;
-    operand *ops = make_operands(g, grp, iter);
-    if (!ops) return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
-    /* kept dims first, then reduced; size-1 dims dropped; neighbours of one class merged */
-    int64_t sizes[AF_MAX_DIMS];
-    int64_t(*strides)[AF_MAX_DIMS] = calloc((size_t)nops + 1, sizeof *strides); /* [operand][dim] */
-    int cls[AF_MAX_DIMS];
-    if (!strides) {
-        free(ops);
-        return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
-    }
-    int32_t nd = 0, n_kept = 0;
-    for (int pass = 0; pass < 2; pass++)
-        for (int32_t d = 0; d < iter->ndim; d++) {
-            int reduced = (grp->reduce_mask >> d) & 1u;
-            if (reduced != pass || iter->sizes[d] == 1) continue;
-            int merge = nd > 0 && cls[nd - 1] == reduced;
-            for (int32_t k = 0; k < nops && merge; k++) merge = strides[k][nd - 1] == ops[k].strides[d] * iter->sizes[d];
-            if (merge) {
-                sizes[nd - 1] *= iter->sizes[d];
-                for (int32_t k = 0; k < nops; k++) strides[k][nd - 1] = ops[k].strides[d];
-            } else {
-                sizes[nd] = iter->sizes[d];
-                cls[nd] = reduced;
-                for (int32_t k = 0; k < nops; k++) strides[k][nd] = ops[k].strides[d];
-                n_kept += !reduced;
-                nd++;
-            }
-        }
-    int64_t outer = 1, inner = 1;
-    for (int32_t d = 0; d < nd; d++) {
-        if (cls[d]) inner *= sizes[d];
-        else outer *= sizes[d];
-    }
+    af_cg_space sp;
+    int st = af_cg_space_new(g, grp, &sp);
+    if (st) return st;
+    const af_cg_operand *ops = sp.ops;
+    int32_t nops = sp.nops, nd = sp.nd, n_kept = sp.n_kept;
+    int64_t outer = sp.outer, inner = sp.inner, *sizes = sp.sizes;
+    int64_t(*strides)[AF_MAX_DIMS] = sp.strides;
     int parallel = outer > 1 && outer * inner >= 32768;
     /* Column reductions (the innermost dim is kept, as for bias gradients): walking one column at a
      * time strides through memory, so rows go outside and a block of columns inside, each with its
      * own accumulator; the inner loop is contiguous and vectorizes. */
-    if (n_kept == 1 && nd > 1 && !((grp->reduce_mask >> (iter->ndim - 1)) & 1u)) {
+    if (sp.column) {
         emit_column_reduction(sb, g, grp, ops, index, sizes, strides, nd, outer, inner);
-        free(ops);
-        free(strides);
+        af_cg_space_free(&sp);
         return AF_OK;
     }
     af_strbuf_printf(sb, "\n/* group %d: %d nodes (%d reductions), %d inputs, %d outputs, %" PRId64 " x %" PRId64 " */\n",
                      (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)grp->n_inputs, (int)grp->n_outputs, outer, inner);
     af_strbuf_printf(sb, "void af_kernel_%d(char *const *p) {\n", (int)index);
-    emit_pointers(sb, grp, ops);
+    af_cg_emit_pointers(sb, grp, ops);
     af_strbuf_printf(sb, "  %s\n  for (int64_t c = 0; c < %" PRId64 "; c++) {\n",
                      parallel ? "#pragma omp parallel for schedule(static)" : "", outer);
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    int64_t b%d = 0;\n", (int)k);
     af_strbuf_printf(sb, "    int64_t r = c;\n");
-    emit_unflatten(sb, "    ", "r", "b", 0, n_kept - 1, sizes, strides, nops);
+    af_cg_emit_unflatten(sb, "    ", "r", "b", 0, n_kept - 1, sizes, strides, nops);
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
         if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION) continue;
-        const char *init = n->op_id == AF_OP_AMAX ? "-INFINITY" : n->op_id == AF_OP_AMIN ? "INFINITY" : "0.0";
+        const char *init = af_cg_acc_init(n);
         af_strbuf_printf(sb, "    double acc%d = %s;\n", (int)n->first_output, init);
     }
     /* sums may be reassociated within the row (double accumulators): the loop vectorizes */
@@ -398,62 +175,34 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
     af_strbuf_printf(sb, "    for (int64_t i = 0; i < %" PRId64 "; i++) {\n", inner);
     af_strbuf_printf(sb, "      int64_t s = i;\n");
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      int64_t o%d = b%d;\n", (int)k, (int)k);
-    emit_unflatten(sb, "      ", "s", "o", n_kept, nd - 1, sizes, strides, nops);
+    af_cg_emit_unflatten(sb, "      ", "s", "o", n_kept, nd - 1, sizes, strides, nops);
     af_strbuf_printf(sb, "      (void)s;\n");
-    emit_body(sb, g, grp, ops, "");
+    af_cg_emit_body(sb, g, grp, ops, "");
     af_strbuf_printf(sb, "    }\n");
-    emit_reduction_stores(sb, g, grp, ops, inner, NULL, "    ");
+    af_cg_emit_reduction_stores(sb, g, grp, ops, inner, NULL, "    ");
     af_strbuf_printf(sb, "  }\n}\n");
-    free(ops);
-    free(strides);
+    af_cg_space_free(&sp);
     return AF_OK;
 }
 
 static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, int32_t index) {
     if (grp->n_reductions > 0) return emit_reduction_kernel(sb, g, grp, index);
-    const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
-    int32_t nops = grp->n_inputs + grp->n_outputs;
-    operand *ops = make_operands(g, grp, iter);
-    if (!ops) return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
-    /* iteration dims without size-1 dims, merged where every operand is contiguous across them */
-    int64_t sizes[AF_MAX_DIMS];
-    int64_t(*strides)[AF_MAX_DIMS] = calloc((size_t)nops + 1, sizeof *strides); /* [operand][dim] */
-    if (!strides) {
-        free(ops);
-        return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
-    }
-    int32_t nd = 0;
-    for (int32_t d = 0; d < iter->ndim; d++) {
-        if (iter->sizes[d] == 1) continue;
-        int merge = nd > 0;
-        for (int32_t k = 0; k < nops && merge; k++)
-            merge = strides[k][nd - 1] == ops[k].strides[d] * iter->sizes[d];
-        if (merge) {
-            sizes[nd - 1] *= iter->sizes[d];
-            for (int32_t k = 0; k < nops; k++) strides[k][nd - 1] = ops[k].strides[d];
-        } else {
-            sizes[nd] = iter->sizes[d];
-            for (int32_t k = 0; k < nops; k++) strides[k][nd] = ops[k].strides[d];
-            nd++;
-        }
-    }
-    int64_t numel = 1;
-    for (int32_t d = 0; d < iter->ndim; d++) numel *= iter->sizes[d];
-    if (nd == 0) { /* one element */
-        sizes[0] = 1;
-        for (int32_t k = 0; k < nops; k++) strides[k][0] = 0;
-        nd = 1;
-    }
+    af_cg_space sp;
+    int st = af_cg_space_new(g, grp, &sp);
+    if (st) return st;
+    const af_cg_operand *ops = sp.ops;
+    int32_t nops = sp.nops, nd = sp.nd;
+    int64_t numel = sp.numel, *sizes = sp.sizes;
+    int64_t(*strides)[AF_MAX_DIMS] = sp.strides;
     int64_t inner = sizes[nd - 1], outer = numel / (inner ? inner : 1);
 
     af_strbuf_printf(sb, "\n/* group %d: %d nodes, %d inputs, %d outputs, %" PRId64 " elements */\n", (int)index,
                      (int)grp->n_nodes, (int)grp->n_inputs, (int)grp->n_outputs, numel);
     af_strbuf_printf(sb, "void af_kernel_%d(char *const *p) {\n", (int)index);
-    emit_pointers(sb, grp, ops);
+    af_cg_emit_pointers(sb, grp, ops);
     if (numel == 0) {
         af_strbuf_printf(sb, "  (void)p;\n}\n");
-        free(ops);
-        free(strides);
+        af_cg_space_free(&sp);
         return AF_OK;
     }
     int parallel = numel >= 32768;
@@ -470,15 +219,14 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
                          parallel ? "#pragma omp parallel for schedule(static)" : "", outer);
         for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    int64_t b%d = 0;\n", (int)k);
         af_strbuf_printf(sb, "    int64_t r = c;\n");
-        emit_unflatten(sb, "    ", "r", "b", 0, nd - 2, sizes, strides, nops);
+        af_cg_emit_unflatten(sb, "    ", "r", "b", 0, nd - 2, sizes, strides, nops);
         af_strbuf_printf(sb, "    for (int64_t i = 0; i < %" PRId64 "; i++) {\n", inner);
         for (int32_t k = 0; k < nops; k++)
             af_strbuf_printf(sb, "      int64_t o%d = b%d + i * %" PRId64 ";\n", (int)k, (int)k, strides[k][nd - 1]);
     }
-    emit_body(sb, g, grp, ops, "");
+    af_cg_emit_body(sb, g, grp, ops, "");
     af_strbuf_printf(sb, "    }\n  }\n}\n");
-    free(ops);
-    free(strides);
+    af_cg_space_free(&sp);
     return AF_OK;
 }
 
@@ -487,6 +235,7 @@ int af_codegen_c(const af_graph *g, const af_fusion_plan *plan, char **source) {
     af_strbuf sb = {0};
     af_strbuf_printf(&sb, "%s", prelude);
     for (int32_t i = 0; i < plan->n_groups; i++) {
+        if (plan->groups[i].device.type != AF_DEVICE_CPU) continue; /* another backend's */
         int st = emit_kernel(&sb, g, &plan->groups[i], i);
         if (st) {
             free(sb.buf);

@@ -24,20 +24,25 @@ static int expr_arity(const char *e) {
     return hi + 1;
 }
 
+/* A device the code generators target (CPU: C, CUDA: CUDA C). */
+static int device_supported(af_device d) { return d.type == AF_DEVICE_CPU || d.type == AF_DEVICE_CUDA; }
+
+static int same_device(af_device a, af_device b) { return a.type == b.type && a.index == b.index; }
+
 int af_fuse_node_ok(const af_graph *g, int32_t index) {
     const af_node *n = af_graph_node(g, index);
     if (!n) return 0;
     const af_op_info *info = af_op_get(n->op_id);
     if (info->kind != AF_KIND_POINTWISE || !info->c_expr || n->n_outputs != 1) return 0;
     const af_value *out = af_graph_value(g, n->first_output);
-    if (out->meta.type != AF_VALUE_TENSOR || !float_like(out->meta.dtype) || out->meta.device.type != AF_DEVICE_CPU)
+    if (out->meta.type != AF_VALUE_TENSOR || !float_like(out->meta.dtype) || !device_supported(out->meta.device))
         return 0;
     int arity = expr_arity(info->c_expr), tensors = 0;
     for (int32_t a = 0; a < n->n_args; a++) {
         const af_arg *arg = &n->args[a];
         if (arg->name) {
             if (!harmless_keyword(arg->name)) return 0;
-            if (arg->kind == AF_ARG_DEVICE && arg->u.device.type != AF_DEVICE_CPU) return 0;
+            if (arg->kind == AF_ARG_DEVICE && arg->u.device.type != out->meta.device.type) return 0;
             continue;
         }
         if (a >= arity) { /* a positional argument the expression ignores: only a target dtype may be */
@@ -46,7 +51,8 @@ int af_fuse_node_ok(const af_graph *g, int32_t index) {
         }
         if (arg->kind == AF_ARG_VALUE) {
             const af_value *v = af_graph_value(g, arg->u.value);
-            if (v->meta.type != AF_VALUE_TENSOR || !float_like(v->meta.dtype) || v->meta.device.type != AF_DEVICE_CPU)
+            /* one device per node (a CPU scalar tensor beside CUDA tensors stays an extern) */
+            if (v->meta.type != AF_VALUE_TENSOR || !float_like(v->meta.dtype) || !same_device(v->meta.device, out->meta.device))
                 return 0;
             tensors++;
         } else if (arg->kind != AF_ARG_FLOAT && arg->kind != AF_ARG_INT && arg->kind != AF_ARG_BOOL) {
@@ -67,10 +73,11 @@ int af_fuse_reduction_ok(const af_graph *g, int32_t index, uint32_t *mask_out) {
     if (!n || n->n_outputs != 1 || n->n_args < 1) return 0;
     if (n->op_id != AF_OP_SUM && n->op_id != AF_OP_MEAN && n->op_id != AF_OP_AMAX && n->op_id != AF_OP_AMIN) return 0;
     const af_value *out = af_graph_value(g, n->first_output);
-    if (out->meta.type != AF_VALUE_TENSOR || !float_only(out->meta.dtype) || out->meta.device.type != AF_DEVICE_CPU) return 0;
+    if (out->meta.type != AF_VALUE_TENSOR || !float_only(out->meta.dtype) || !device_supported(out->meta.device)) return 0;
     if (n->args[0].kind != AF_ARG_VALUE || n->args[0].name) return 0;
     const af_tensor_meta *in = &af_graph_value(g, n->args[0].u.value)->meta;
-    if (in->type != AF_VALUE_TENSOR || !float_only(in->dtype) || in->device.type != AF_DEVICE_CPU || in->ndim > 30) return 0;
+    if (in->type != AF_VALUE_TENSOR || !float_only(in->dtype) || !same_device(in->device, out->meta.device) || in->ndim > 30)
+        return 0;
     int64_t numel = 1;
     for (int32_t d = 0; d < in->ndim; d++) numel *= in->sizes[d];
     if (numel == 0) return 0;
@@ -204,6 +211,7 @@ static int materialize_reads(af_fusion_plan *plan, const af_arg *a, const int32_
 int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_plan **out) {
     if (!g || !out) return af_error_set(AF_ERR_INVALID, "af_fuse_plan_new: NULL argument");
     int32_t min_nodes = opts && opts->min_nodes > 0 ? opts->min_nodes : 2;
+    uint32_t devices = opts && opts->device_types ? opts->device_types : AF_FUSE_ALL_DEVICES;
     int32_t nn = af_graph_num_nodes(g), nv = af_graph_num_values(g);
     af_fusion_plan *plan = calloc(1, sizeof *plan);
     int32_t *value_group = malloc(((size_t)nv + 1) * sizeof(int32_t));
@@ -235,6 +243,7 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
         prov_of_node[i] = -1;
         uint32_t mask = 0;
         int kind = af_fuse_node_ok(g, i) ? 1 : af_fuse_reduction_ok(g, i, &mask) ? 2 : 0;
+        if (kind && !((devices >> af_graph_value(g, n->first_output)->meta.device.type) & 1u)) kind = 0;
         if (kind) {
             /* a reduction iterates over its input's shape; a pointwise node over its output's */
             const af_tensor_meta *shape = kind == 1 ? &af_graph_value(g, n->first_output)->meta
@@ -306,7 +315,10 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
         plan->group_of_node[i] = gi;
         if (gi < 0) continue;
         af_fusion_group *grp = &plan->groups[gi];
-        if (grp->n_nodes == 0) grp->iter_value = -1;
+        if (grp->n_nodes == 0) {
+            grp->iter_value = -1;
+            grp->device = af_graph_value(g, af_graph_node(g, i)->first_output)->meta.device;
+        }
         if ((st = push(&grp->nodes, &grp->n_nodes, i))) break;
         grp->last_node = i;
         const af_node *n = af_graph_node(g, i);

@@ -8,6 +8,8 @@
  * The group runs where its last member stood; a group is closed to new members as soon as a node
  * outside it reads one of its values, which keeps the step order acyclic.
  *
+ * Every tensor a member touches lives on one device (type and index), CPU or CUDA: a group is
+ * compiled by that device's code generator.
  * The plan is owned by the caller (af_fuse_plan_free).
  */
 #ifndef AOTFUSE_FUSE_H
@@ -28,6 +30,7 @@ typedef struct {
     int32_t iter_value; /* a value whose shape is the iteration shape */
     uint32_t reduce_mask; /* iteration dims the reductions reduce (bit d = dim d); 0 without reductions */
     int32_t n_reductions;
+    af_device device;     /* where every member's tensors live (CPU: C kernel, CUDA: CUDA kernel) */
 } af_fusion_group;
 
 typedef struct {
@@ -36,8 +39,11 @@ typedef struct {
     int32_t *group_of_node; /* per node: its group, or -1 (an extern step) */
 } af_fusion_plan;
 
+#define AF_FUSE_ALL_DEVICES ((1u << AF_DEVICE_CPU) | (1u << AF_DEVICE_CUDA))
+
 typedef struct {
-    int32_t min_nodes;   /* smallest group worth a kernel (default 2; 1 also fuses lone nodes) */
+    int32_t min_nodes;     /* smallest group worth a kernel (default 2; 1 also fuses lone nodes) */
+    uint32_t device_types; /* bit per af_device_type that gets kernels; 0: every supported one */
 } af_fuse_options;
 
 /* Whether one node could be a group member: 1 pointwise (its op has an expression, its dtypes

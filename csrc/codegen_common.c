@@ -1,0 +1,257 @@
+/* Code generation helpers shared by the C and CUDA backends (see codegen_common.h). */
+#include "codegen_common.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* An af_cg_operand of a kernel: its strides over the iteration dims (0 where broadcast). */
+
+const char *af_cg_ctype(af_dtype d) {
+    return d == AF_DTYPE_FLOAT32 ? "float" : d == AF_DTYPE_BOOL ? "uint8_t" : "uint16_t";
+}
+
+void af_cg_emit_load(af_strbuf *sb, af_dtype d, const char *ptr, const char *off) {
+    switch (d) {
+    case AF_DTYPE_BFLOAT16: af_strbuf_printf(sb, "af_bf16_load(%s[%s])", ptr, off); break;
+    case AF_DTYPE_FLOAT16: af_strbuf_printf(sb, "af_f16_load(%s[%s])", ptr, off); break;
+    case AF_DTYPE_BOOL: af_strbuf_printf(sb, "(float)%s[%s]", ptr, off); break;
+    default: af_strbuf_printf(sb, "%s[%s]", ptr, off); break;
+    }
+}
+
+void af_cg_emit_store_value(af_strbuf *sb, af_dtype d, const char *v) {
+    switch (d) {
+    case AF_DTYPE_BFLOAT16: af_strbuf_printf(sb, "af_bf16_store(%s)", v); break;
+    case AF_DTYPE_FLOAT16: af_strbuf_printf(sb, "af_f16_store(%s)", v); break;
+    case AF_DTYPE_BOOL: af_strbuf_printf(sb, "(uint8_t)(%s != 0.0f)", v); break;
+    default: af_strbuf_printf(sb, "%s", v); break;
+    }
+}
+
+/* A scalar argument as a float literal; rounded through `as` (bf16/f16) when the op's scalar rule
+ * says ATen converts it to the tensor's dtype first. */
+static void emit_scalar(af_strbuf *sb, const af_arg *a, af_dtype as) {
+    double x = a->kind == AF_ARG_FLOAT ? a->u.f : (double)a->u.i;
+    const char *wrap = as == AF_DTYPE_BFLOAT16 ? "af_bf16_load(af_bf16_store" : as == AF_DTYPE_FLOAT16 ? "af_f16_load(af_f16_store" : NULL;
+    if (wrap) af_strbuf_printf(sb, "%s(", wrap);
+    if (isnan(x)) af_strbuf_printf(sb, "((float)NAN)");
+    else if (isinf(x)) af_strbuf_printf(sb, "(%s(float)INFINITY)", x < 0 ? "-" : "");
+    else af_strbuf_printf(sb, "((float)%.17g)", x);
+    if (wrap) af_strbuf_printf(sb, "))");
+}
+
+/* The af_cg_operand's strides over the iteration shape: right-aligned, 0 on broadcast dims. */
+static void operand_strides(const af_tensor_meta *m, const af_tensor_meta *iter, int64_t *out) {
+    int32_t shift = iter->ndim - m->ndim;
+    for (int32_t d = 0; d < iter->ndim; d++) {
+        int32_t md = d - shift;
+        out[d] = (md < 0 || m->sizes[md] == 1) ? 0 : m->strides[md];
+    }
+}
+
+/* Emits the members' element computation (pointwise values as floats; reductions combined into
+ * their accumulators acc<value>). */
+void af_cg_emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent,
+                         const char *acc_at) {
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        const af_node *n = af_graph_node(g, grp->nodes[m]);
+        const af_value *out = af_graph_value(g, n->first_output);
+        const af_op_info *info = af_op_get(n->op_id);
+        if (info->kind == AF_KIND_REDUCTION) {
+            int32_t x = n->args[0].u.value, v = n->first_output;
+            if (n->op_id == AF_OP_AMAX)
+                af_strbuf_printf(sb, "%sacc%d%s = af_maxd(acc%d%s, (double)v%d);\n", indent, (int)v, acc_at, (int)v, acc_at, (int)x);
+            else if (n->op_id == AF_OP_AMIN)
+                af_strbuf_printf(sb, "%sacc%d%s = af_mind(acc%d%s, (double)v%d);\n", indent, (int)v, acc_at, (int)v, acc_at, (int)x);
+            else af_strbuf_printf(sb, "%sacc%d%s += (double)v%d;\n", indent, (int)v, acc_at, (int)x);
+            continue;
+        }
+        af_dtype scalar_as = AF_DTYPE_FLOAT32;
+        for (int32_t a = 0; a < n->n_args && info->scalars == AF_SCALAR_AS_TENSOR; a++)
+            if (n->args[a].kind == AF_ARG_VALUE) {
+                scalar_as = af_graph_value(g, n->args[a].u.value)->meta.dtype;
+                break;
+            }
+        af_strbuf_printf(sb, "%sfloat v%d = ", indent, (int)n->first_output);
+        for (const char *e = info->c_expr; *e; e++) {
+            if (e[0] == '$' && e[1] >= '0' && e[1] <= '9') {
+                const af_arg *a = &n->args[e[1] - '0'];
+                if (a->kind == AF_ARG_VALUE) af_strbuf_printf(sb, "v%d", (int)a->u.value);
+                else emit_scalar(sb, a, scalar_as);
+                e++;
+            } else {
+                af_strbuf_printf(sb, "%c", *e);
+            }
+        }
+        af_strbuf_printf(sb, "; /* %s */\n", n->op);
+        /* a 16-bit or bool value rounds as if stored, so the group matches op-by-op results */
+        if (out->meta.dtype == AF_DTYPE_BFLOAT16)
+            af_strbuf_printf(sb, "%sv%d = af_bf16_load(af_bf16_store(v%d));\n", indent, (int)n->first_output, (int)n->first_output);
+        else if (out->meta.dtype == AF_DTYPE_FLOAT16)
+            af_strbuf_printf(sb, "%sv%d = af_f16_load(af_f16_store(v%d));\n", indent, (int)n->first_output, (int)n->first_output);
+        else if (out->meta.dtype == AF_DTYPE_BOOL)
+            af_strbuf_printf(sb, "%sv%d = (float)(v%d != 0.0f);\n", indent, (int)n->first_output, (int)n->first_output);
+    }
+}
+
+int af_cg_is_reduction_value(const af_graph *g, int32_t v) {
+    int32_t p = af_graph_value(g, v)->producer;
+    return p >= 0 && af_op_get(af_graph_node(g, p)->op_id)->kind == AF_KIND_REDUCTION;
+}
+
+/* The kernel's typed data pointers q<k>: inputs first (const), then outputs. */
+void af_cg_emit_pointers(af_strbuf *sb, const af_fusion_group *grp, const af_cg_operand *ops) {
+    for (int32_t k = 0; k < grp->n_inputs + grp->n_outputs; k++)
+        af_strbuf_printf(sb, "  %s%s *restrict q%d = (%s%s *)p[%d];\n", k < grp->n_inputs ? "const " : "",
+                         af_cg_ctype(ops[k].dtype), (int)k, k < grp->n_inputs ? "const " : "", af_cg_ctype(ops[k].dtype), (int)k);
+}
+
+/* One element, at offsets o<k>: load the inputs, compute the members, store the elementwise
+ * outputs (reductions are stored after their loop). */
+void af_cg_emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
+                      const char *acc_at) {
+    for (int32_t k = 0; k < grp->n_inputs; k++) {
+        char ptr[16], off[16];
+        snprintf(ptr, sizeof ptr, "q%d", (int)k);
+        snprintf(off, sizeof off, "o%d", (int)k);
+        af_strbuf_printf(sb, "      const float v%d = ", (int)ops[k].value);
+        af_cg_emit_load(sb, ops[k].dtype, ptr, off);
+        af_strbuf_printf(sb, ";\n");
+    }
+    af_cg_emit_members(sb, g, grp, "      ", acc_at);
+    for (int32_t k = grp->n_inputs; k < grp->n_inputs + grp->n_outputs; k++) {
+        if (af_cg_is_reduction_value(g, ops[k].value)) continue;
+        char v[16];
+        snprintf(v, sizeof v, "v%d", (int)ops[k].value);
+        af_strbuf_printf(sb, "      q%d[o%d] = ", (int)k, (int)k);
+        af_cg_emit_store_value(sb, ops[k].dtype, v);
+        af_strbuf_printf(sb, ";\n");
+    }
+}
+
+/* A reduction output's strides over the iteration dims: 0 on reduced dims, the output's own
+ * stride on the others (skipping removed dims when keepdim is false). */
+static void reduction_strides(const af_tensor_meta *out, const af_tensor_meta *iter, uint32_t mask, int64_t *strides) {
+    int keep = out->ndim == iter->ndim;
+    int32_t od = 0;
+    for (int32_t d = 0; d < iter->ndim; d++) {
+        int reduced = (mask >> d) & 1u;
+        if (reduced) {
+            strides[d] = 0;
+            if (keep) od++;
+        } else {
+            strides[d] = out->sizes[od] == 1 ? 0 : out->strides[od];
+            od++;
+        }
+    }
+}
+
+/* The kernel's operands (inputs, then outputs) with their strides over the iteration dims;
+ * NULL when out of memory. */
+static af_cg_operand *make_operands(const af_graph *g, const af_fusion_group *grp, const af_tensor_meta *iter) {
+    int32_t nops = grp->n_inputs + grp->n_outputs;
+    af_cg_operand *ops = calloc((size_t)nops + 1, sizeof *ops);
+    for (int32_t k = 0; ops && k < nops; k++) {
+        int32_t v = k < grp->n_inputs ? grp->inputs[k] : grp->outputs[k - grp->n_inputs];
+        const af_tensor_meta *m = &af_graph_value(g, v)->meta;
+        ops[k].value = v;
+        ops[k].dtype = m->dtype;
+        if (k >= grp->n_inputs && af_cg_is_reduction_value(g, v)) reduction_strides(m, iter, grp->reduce_mask, ops[k].strides);
+        else operand_strides(m, iter, ops[k].strides);
+    }
+    return ops;
+}
+
+/* Splits the flat index `var` over dims hi..lo (innermost first) and adds each coordinate times the
+ * af_cg_operand's stride to the offsets <prefix><k>. */
+void af_cg_emit_unflatten(af_strbuf *sb, const char *indent, const char *var, const char *prefix, int32_t lo, int32_t hi,
+                           const int64_t *sizes, int64_t (*strides)[AF_MAX_DIMS], int32_t nops) {
+    for (int32_t d = hi; d >= lo; d--) {
+        af_strbuf_printf(sb, "%s{ int64_t x = %s %% %" PRId64 "; %s /= %" PRId64 ";", indent, var, sizes[d], var, sizes[d]);
+        for (int32_t k = 0; k < nops; k++)
+            if (strides[k][d]) af_strbuf_printf(sb, " %s%d += x * %" PRId64 ";", prefix, (int)k, strides[k][d]);
+        af_strbuf_printf(sb, " }\n");
+    }
+}
+
+/* Stores each finished reduction: row mode at the kept-dims base offset b<k>; column mode (strides
+ * given) at column c of the block, accumulator acc<v>[c - c0]. */
+void af_cg_emit_reduction_stores(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
+                                  int64_t count, int64_t (*column_strides)[AF_MAX_DIMS], const char *indent) {
+    for (int32_t k = grp->n_inputs; k < grp->n_inputs + grp->n_outputs; k++) {
+        if (!af_cg_is_reduction_value(g, ops[k].value)) continue;
+        int32_t v = ops[k].value;
+        const af_node *n = af_graph_node(g, af_graph_value(g, v)->producer);
+        const char *at = column_strides ? "[c - c0]" : "";
+        char val[96], off[64];
+        if (n->op_id == AF_OP_MEAN) snprintf(val, sizeof val, "(float)(acc%d%s / %" PRId64 ".0)", (int)v, at, count);
+        else snprintf(val, sizeof val, "(float)acc%d%s", (int)v, at);
+        if (column_strides) snprintf(off, sizeof off, "c * %" PRId64, column_strides[k][0]);
+        else snprintf(off, sizeof off, "b%d", (int)k);
+        af_strbuf_printf(sb, "%sq%d[%s] = ", indent, (int)k, off);
+        af_cg_emit_store_value(sb, ops[k].dtype, val);
+        af_strbuf_printf(sb, ";\n");
+    }
+}
+
+
+const char *af_cg_acc_init(const af_node *n) {
+    return n->op_id == AF_OP_AMAX ? "-INFINITY" : n->op_id == AF_OP_AMIN ? "INFINITY" : "0.0";
+}
+
+void af_cg_space_free(af_cg_space *sp) {
+    free(sp->ops);
+    free(sp->strides);
+    sp->ops = NULL;
+    sp->strides = NULL;
+}
+
+int af_cg_space_new(const af_graph *g, const af_fusion_group *grp, af_cg_space *sp) {
+    memset(sp, 0, sizeof *sp);
+    const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
+    sp->nops = grp->n_inputs + grp->n_outputs;
+    sp->ops = make_operands(g, grp, iter);
+    sp->strides = calloc((size_t)sp->nops + 1, sizeof *sp->strides);
+    if (!sp->ops || !sp->strides) {
+        af_cg_space_free(sp);
+        return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
+    }
+    int32_t nops = sp->nops, nd = 0;
+    int reducing = grp->n_reductions > 0;
+    for (int pass = 0; pass < (reducing ? 2 : 1); pass++)
+        for (int32_t d = 0; d < iter->ndim; d++) {
+            int reduced = reducing ? (int)((grp->reduce_mask >> d) & 1u) : 0;
+            if (reduced != pass || iter->sizes[d] == 1) continue;
+            int merge = nd > 0 && sp->cls[nd - 1] == reduced;
+            for (int32_t k = 0; k < nops && merge; k++)
+                merge = sp->strides[k][nd - 1] == sp->ops[k].strides[d] * iter->sizes[d];
+            if (merge) {
+                sp->sizes[nd - 1] *= iter->sizes[d];
+                for (int32_t k = 0; k < nops; k++) sp->strides[k][nd - 1] = sp->ops[k].strides[d];
+            } else {
+                sp->sizes[nd] = iter->sizes[d];
+                sp->cls[nd] = reduced;
+                for (int32_t k = 0; k < nops; k++) sp->strides[k][nd] = sp->ops[k].strides[d];
+                sp->n_kept += !reduced;
+                nd++;
+            }
+        }
+    sp->numel = 1;
+    for (int32_t d = 0; d < iter->ndim; d++) sp->numel *= iter->sizes[d];
+    sp->outer = sp->inner = 1;
+    for (int32_t d = 0; d < nd; d++) {
+        if (sp->cls[d]) sp->inner *= sp->sizes[d];
+        else sp->outer *= sp->sizes[d];
+    }
+    if (nd == 0 && !reducing) { /* one element */
+        sp->sizes[0] = 1;
+        for (int32_t k = 0; k < nops; k++) sp->strides[k][0] = 0;
+        nd = 1;
+    }
+    sp->nd = nd;
+    sp->column = reducing && sp->n_kept == 1 && nd > 1 && !((grp->reduce_mask >> (iter->ndim - 1)) & 1u);
+    return AF_OK;
+}

@@ -1,0 +1,60 @@
+/* What the C and CUDA code generators share (internal to csrc/): a kernel's operands and their
+ * strides over the iteration dims, dim coalescing, and the text of one element's computation.
+ * Both targets define the same helper names in their preludes (af_bf16_load, af_exp, af_max,
+ * ...), so the members' expressions are emitted once, here. */
+#ifndef AOTFUSE_CODEGEN_COMMON_H
+#define AOTFUSE_CODEGEN_COMMON_H
+
+#include <stdint.h>
+
+#include "aotfuse/fuse.h"
+#include "aotfuse/ir.h"
+#include "aotfuse/strbuf.h"
+
+/* An operand of a kernel (inputs in plan order, then outputs): its strides over the iteration
+ * dims, 0 where broadcast (inputs) or reduced (reduction outputs). */
+typedef struct {
+    int32_t value;
+    af_dtype dtype;
+    int64_t strides[AF_MAX_DIMS];
+} af_cg_operand;
+
+/* A group's iteration space after coalescing: size-1 dims dropped, neighbours merged where every
+ * operand is contiguous across them. Reduction groups put kept dims first (cls 0), reduced dims
+ * after (cls 1), and never merge across the two. */
+typedef struct {
+    int32_t nops;
+    af_cg_operand *ops;               /* nops entries */
+    int32_t nd;                       /* >= 1 */
+    int64_t sizes[AF_MAX_DIMS];
+    int64_t (*strides)[AF_MAX_DIMS];  /* [operand][dim] */
+    int cls[AF_MAX_DIMS];
+    int32_t n_kept;                   /* reduction groups: kept dims (the first n_kept) */
+    int64_t numel, outer, inner;      /* reductions: outer = kept elements, inner = reduced */
+    int column;                       /* a column reduction: one kept dim, the innermost (bias gradients) */
+} af_cg_space;
+
+/* Fills *sp for group grp (its operands, coalesced dims); frees with af_cg_space_free. */
+int af_cg_space_new(const af_graph *g, const af_fusion_group *grp, af_cg_space *sp);
+void af_cg_space_free(af_cg_space *sp);
+
+const char *af_cg_ctype(af_dtype d);
+void af_cg_emit_load(af_strbuf *sb, af_dtype d, const char *ptr, const char *off);
+void af_cg_emit_store_value(af_strbuf *sb, af_dtype d, const char *v);
+void af_cg_emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent, const char *acc_at);
+int af_cg_is_reduction_value(const af_graph *g, int32_t v);
+void af_cg_emit_pointers(af_strbuf *sb, const af_fusion_group *grp, const af_cg_operand *ops);
+/* Loads inputs at o<k>, computes the members, stores elementwise outputs at o<k>. */
+void af_cg_emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops, const char *acc_at);
+/* Splits the flat index `var` over dims hi..lo (innermost first) and adds each coordinate times
+ * each operand's stride to the offsets <prefix><k>. */
+void af_cg_emit_unflatten(af_strbuf *sb, const char *indent, const char *var, const char *prefix, int32_t lo, int32_t hi,
+                          const int64_t *sizes, int64_t (*strides)[AF_MAX_DIMS], int32_t nops);
+/* Stores each finished reduction: row mode at base offsets b<k>; column mode (strides given) at
+ * column c, accumulator acc<v>[c - c0]. */
+void af_cg_emit_reduction_stores(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
+                                 int64_t count, int64_t (*column_strides)[AF_MAX_DIMS], const char *indent);
+/* Accumulator initial value for reduction node n ("0.0", "-INFINITY", "INFINITY"). */
+const char *af_cg_acc_init(const af_node *n);
+
+#endif
