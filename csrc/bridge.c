@@ -86,6 +86,7 @@ static struct {
     PyObject *device_ctor;          /* torch.device */
     PyObject *handles_from_tensors; /* torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors */
     PyObject *empty_strided;        /* torch.empty_strided */
+    PyObject *raw_stream;           /* torch._C._cuda_getCurrentRawStream, looked up at first use */
 } py;
 
 static int bridge_fail(const char *what) {
@@ -635,6 +636,33 @@ fail:
     Py_XDECREF(args);
     Py_XDECREF(kw);
     return af_error_set(AF_ERR_RUNTIME, "allocating a kernel output failed");
+}
+
+int af_bridge_cuda_stream(int32_t device, void **stream) {
+    int st = af_bridge_init();
+    if (st) return st;
+    PyObject *r = NULL;
+    if (!py.raw_stream) {
+        PyObject *c = PyObject_GetAttrString(py.torch, "_C");
+        py.raw_stream = c ? PyObject_GetAttrString(c, "_cuda_getCurrentRawStream") : NULL;
+        Py_XDECREF(c);
+        PyErr_Clear();
+    }
+    if (py.raw_stream) {
+        r = PyObject_CallFunction(py.raw_stream, "i", (int)device);
+    } else { /* torch.cuda.current_stream(device).cuda_stream */
+        PyObject *cuda = PyObject_GetAttrString(py.torch, "cuda");
+        PyObject *s = cuda ? PyObject_CallMethod(cuda, "current_stream", "i", (int)device) : NULL;
+        r = s ? PyObject_GetAttrString(s, "cuda_stream") : NULL;
+        Py_XDECREF(s);
+        Py_XDECREF(cuda);
+    }
+    if (!r) return bridge_fail("reading torch's current CUDA stream failed");
+    void *p = PyLong_AsVoidPtr(r);
+    Py_DECREF(r);
+    if (PyErr_Occurred()) return bridge_fail("torch's current CUDA stream is not an address");
+    *stream = p;
+    return AF_OK;
 }
 
 void af_bridge_run_kernel(void (*fn)(char *const *), char *const *ptrs) {

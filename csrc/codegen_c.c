@@ -118,7 +118,7 @@ static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fus
     }
     af_strbuf_printf(sb, "    for (int64_t i = 0; i < %" PRId64 "; i++) {\n      int64_t s = i;\n", rows);
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      int64_t r%d = 0;\n", (int)k);
-    af_cg_emit_unflatten(sb, "      ", "s", "r", 1, nd - 1, sizes, strides, nops);
+    af_cg_emit_unflatten(sb, "      ", "int64_t", "s", "r", 1, nd - 1, sizes, strides, nops);
     af_strbuf_printf(sb, "      (void)s;\n      for (int64_t c = c0; c < c1; c++) {\n");
     for (int32_t k = 0; k < nops; k++)
         af_strbuf_printf(sb, "      int64_t o%d = r%d + c * %" PRId64 ";\n", (int)k, (int)k, strides[k][0]);
@@ -154,7 +154,7 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
                      parallel ? "#pragma omp parallel for schedule(static)" : "", outer);
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    int64_t b%d = 0;\n", (int)k);
     af_strbuf_printf(sb, "    int64_t r = c;\n");
-    af_cg_emit_unflatten(sb, "    ", "r", "b", 0, n_kept - 1, sizes, strides, nops);
+    af_cg_emit_unflatten(sb, "    ", "int64_t", "r", "b", 0, n_kept - 1, sizes, strides, nops);
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
         if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION) continue;
@@ -175,7 +175,7 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
     af_strbuf_printf(sb, "    for (int64_t i = 0; i < %" PRId64 "; i++) {\n", inner);
     af_strbuf_printf(sb, "      int64_t s = i;\n");
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      int64_t o%d = b%d;\n", (int)k, (int)k);
-    af_cg_emit_unflatten(sb, "      ", "s", "o", n_kept, nd - 1, sizes, strides, nops);
+    af_cg_emit_unflatten(sb, "      ", "int64_t", "s", "o", n_kept, nd - 1, sizes, strides, nops);
     af_strbuf_printf(sb, "      (void)s;\n");
     af_cg_emit_body(sb, g, grp, ops, "");
     af_strbuf_printf(sb, "    }\n");
@@ -219,7 +219,7 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
                          parallel ? "#pragma omp parallel for schedule(static)" : "", outer);
         for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    int64_t b%d = 0;\n", (int)k);
         af_strbuf_printf(sb, "    int64_t r = c;\n");
-        af_cg_emit_unflatten(sb, "    ", "r", "b", 0, nd - 2, sizes, strides, nops);
+        af_cg_emit_unflatten(sb, "    ", "int64_t", "r", "b", 0, nd - 2, sizes, strides, nops);
         af_strbuf_printf(sb, "    for (int64_t i = 0; i < %" PRId64 "; i++) {\n", inner);
         for (int32_t k = 0; k < nops; k++)
             af_strbuf_printf(sb, "      int64_t o%d = b%d + i * %" PRId64 ";\n", (int)k, (int)k, strides[k][nd - 1]);

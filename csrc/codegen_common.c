@@ -167,10 +167,10 @@ static af_cg_operand *make_operands(const af_graph *g, const af_fusion_group *gr
 
 /* Splits the flat index `var` over dims hi..lo (innermost first) and adds each coordinate times the
  * af_cg_operand's stride to the offsets <prefix><k>. */
-void af_cg_emit_unflatten(af_strbuf *sb, const char *indent, const char *var, const char *prefix, int32_t lo, int32_t hi,
-                           const int64_t *sizes, int64_t (*strides)[AF_MAX_DIMS], int32_t nops) {
+void af_cg_emit_unflatten(af_strbuf *sb, const char *indent, const char *itype, const char *var, const char *prefix, int32_t lo,
+                          int32_t hi, const int64_t *sizes, int64_t (*strides)[AF_MAX_DIMS], int32_t nops) {
     for (int32_t d = hi; d >= lo; d--) {
-        af_strbuf_printf(sb, "%s{ int64_t x = %s %% %" PRId64 "; %s /= %" PRId64 ";", indent, var, sizes[d], var, sizes[d]);
+        af_strbuf_printf(sb, "%s{ %s x = %s %% %" PRId64 "; %s /= %" PRId64 ";", indent, itype, var, sizes[d], var, sizes[d]);
         for (int32_t k = 0; k < nops; k++)
             if (strides[k][d]) af_strbuf_printf(sb, " %s%d += x * %" PRId64 ";", prefix, (int)k, strides[k][d]);
         af_strbuf_printf(sb, " }\n");

@@ -48,8 +48,8 @@ void af_cg_emit_pointers(af_strbuf *sb, const af_fusion_group *grp, const af_cg_
 void af_cg_emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops, const char *acc_at);
 /* Splits the flat index `var` over dims hi..lo (innermost first) and adds each coordinate times
  * each operand's stride to the offsets <prefix><k>. */
-void af_cg_emit_unflatten(af_strbuf *sb, const char *indent, const char *var, const char *prefix, int32_t lo, int32_t hi,
-                          const int64_t *sizes, int64_t (*strides)[AF_MAX_DIMS], int32_t nops);
+void af_cg_emit_unflatten(af_strbuf *sb, const char *indent, const char *itype, const char *var, const char *prefix, int32_t lo,
+                          int32_t hi, const int64_t *sizes, int64_t (*strides)[AF_MAX_DIMS], int32_t nops);
 /* Stores each finished reduction: row mode at base offsets b<k>; column mode (strides given) at
  * column c, accumulator acc<v>[c - c0]. */
 void af_cg_emit_reduction_stores(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,

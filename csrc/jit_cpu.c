@@ -27,7 +27,7 @@ struct af_jit_module {
     char path[4096];
 };
 
-static uint64_t fnv1a(uint64_t h, const char *s) {
+uint64_t af_jit_hash(uint64_t h, const char *s) {
     for (; *s; s++) {
         h ^= (unsigned char)*s;
         h *= 1099511628211ull;
@@ -48,7 +48,7 @@ static int mkdir_p(const char *dir) {
     return AF_OK;
 }
 
-static int cache_dir(char *out, size_t n) {
+int af_jit_cache_dir(char *out, size_t n) {
     const char *d = getenv("AOTFUSE_CACHE_DIR"), *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
     int w;
     if (d && *d) w = snprintf(out, n, "%s", d);
@@ -157,13 +157,13 @@ static int compile_to(const char *dir, const char *key, const char *source, cons
 int af_jit_cpu_load(const char *source, af_jit_module **out, int *cache_hit) {
     if (!source || !out) return af_error_set(AF_ERR_INVALID, "af_jit_cpu_load: NULL argument");
     char dir[4000], ccbuf[1024], *words[16];
-    int st = cache_dir(dir, sizeof dir);
+    int st = af_jit_cache_dir(dir, sizeof dir);
     if (st) return st;
     int n = compiler_words(ccbuf, sizeof ccbuf, words, 16);
-    uint64_t h = fnv1a(14695981039346656037ull, JIT_VERSION);
-    h = fnv1a(h, source);
-    for (int i = 0; i < n; i++) h = fnv1a(h, words[i]);
-    for (int i = 0; i < N_BASE_FLAGS; i++) h = fnv1a(h, base_flags[i]);
+    uint64_t h = af_jit_hash(14695981039346656037ull, JIT_VERSION);
+    h = af_jit_hash(h, source);
+    for (int i = 0; i < n; i++) h = af_jit_hash(h, words[i]);
+    for (int i = 0; i < N_BASE_FLAGS; i++) h = af_jit_hash(h, base_flags[i]);
     char key[32];
     snprintf(key, sizeof key, "%016" PRIx64, h);
     af_jit_module *m = calloc(1, sizeof *m);

@@ -19,6 +19,9 @@
 #include <string.h>
 
 #include "aotfuse/bridge.h"
+#include "aotfuse/codegen.h"
+#include "aotfuse/fuse.h"
+#include "aotfuse/jit_cuda.h"
 #include "aotfuse/ir.h"
 #include "aotfuse/ops.h"
 #include "aotfuse/partition.h"
@@ -419,12 +422,17 @@ typedef struct {
 } ProgramObject;
 
 static PyObject *Program_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"graph", "fuse", "min_group", NULL};
+    static char *kwlist[] = {"graph", "fuse", "min_group", "devices", NULL};
     GraphObject *graph;
     af_program_options opts = {.fuse = 0, .min_group = 2};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|pi", kwlist, &GraphType, &graph, &opts.fuse, &opts.min_group) ||
+    const char *devices = "all";
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|pis", kwlist, &GraphType, &graph, &opts.fuse, &opts.min_group, &devices) ||
         !graph_alive(graph))
         return NULL;
+    if (strcmp(devices, "cpu") == 0) opts.device_types = 1u << AF_DEVICE_CPU;
+    else if (strcmp(devices, "cuda") == 0) opts.device_types = 1u << AF_DEVICE_CUDA;
+    else if (strcmp(devices, "all") == 0) opts.device_types = 0;
+    else return PyErr_Format(PyExc_ValueError, "devices must be 'all', 'cpu' or 'cuda', not '%s'", devices);
     ProgramObject *self = (ProgramObject *)type->tp_alloc(type, 0);
     if (!self) return NULL;
     int st = af_program_new(graph->g, &opts, &self->p);
@@ -505,6 +513,11 @@ static PyObject *Program_get_num(ProgramObject *self, void *which) {
     case 4: return PyLong_FromLongLong(af_program_kernel_fallbacks(self->p));
     case 5: return PyBool_FromLong(af_program_cache_hit(self->p));
     case 6: return PyLong_FromLong(af_program_num_steps(self->p));
+    case 8: {
+        const char *src = af_program_cuda_source(self->p);
+        if (!src) Py_RETURN_NONE;
+        return PyUnicode_FromString(src);
+    }
     default: {
         const char *src = af_program_source(self->p);
         if (!src) Py_RETURN_NONE;
@@ -544,6 +557,7 @@ static PyGetSetDef Program_getset[] = {
     {"kernel_fallbacks", (getter)Program_get_num, NULL, "kernel calls that ran as extern calls", (void *)4},
     {"cache_hit", (getter)Program_get_num, NULL, "the kernels came from the disk cache", (void *)5},
     {"source", (getter)Program_get_num, NULL, "the generated C source, or None", (void *)7},
+    {"cuda_source", (getter)Program_get_num, NULL, "the generated CUDA source, or None", (void *)8},
     {"num_outputs", (getter)Program_get_num, NULL, "number of outputs", (void *)2},
     {"check_inputs", NULL, (setter)Program_set_check_inputs, "check inputs against the graph on each run", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
@@ -642,6 +656,83 @@ done:
     return result;
 }
 
+/* ---- CUDA without a GPU: code generation and NVRTC, for checks and reports ---- */
+
+static const char *const cuda_kind_names[] = {"none", "pointwise", "rows", "columns"};
+
+/* cuda_codegen(graph, sm_count=132, min_group=2) -> (source, [launch dict per group]): the CUDA a
+ * program would compile for the graph's CUDA groups; the graph is not consumed. */
+static PyObject *cuda_codegen(PyObject *m, PyObject *args, PyObject *kwds) {
+    (void)m;
+    static char *kwlist[] = {"graph", "sm_count", "min_group", NULL};
+    GraphObject *graph;
+    int sm_count = 132, min_group = 2;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|ii", kwlist, &GraphType, &graph, &sm_count, &min_group) || !graph_alive(graph))
+        return NULL;
+    int st = af_graph_verify(graph->g);
+    if (st) return raise_status(st);
+    af_fuse_options fo = {.min_nodes = min_group, .device_types = 1u << AF_DEVICE_CUDA};
+    af_fusion_plan *plan = NULL;
+    if ((st = af_fuse_plan_new(graph->g, &fo, &plan))) return raise_status(st);
+    af_cuda_launch *launch = calloc((size_t)plan->n_groups + 1, sizeof *launch);
+    char *source = NULL;
+    if (!launch) st = af_error_set(AF_ERR_NOMEM, "out of memory");
+    else st = af_codegen_cuda(graph->g, plan, sm_count, &source, launch);
+    PyObject *result = NULL, *list = st ? NULL : PyList_New(0);
+    for (int32_t i = 0; list && i < plan->n_groups; i++) {
+        const af_cuda_launch *l = &launch[i];
+        PyObject *d = Py_BuildValue("{s:s,s:i,s:L,s:L,s:i,s:L,s:i}", "kind", cuda_kind_names[l->kind], "threads", (int)l->threads,
+                                    "blocks", (long long)l->blocks, "vec_blocks", (long long)l->vec_blocks, "split", (int)l->split,
+                                    "workspace", (long long)l->workspace, "nodes", (int)plan->groups[i].n_nodes);
+        if (!d || PyList_Append(list, d) < 0) Py_CLEAR(list);
+        Py_XDECREF(d);
+    }
+    if (list) result = Py_BuildValue("(sN)", source, list);
+    free(source);
+    free(launch);
+    af_fuse_plan_free(plan);
+    return st ? raise_status(st) : result;
+}
+
+/* nvrtc_compile(source, arch=90, ptx=False, verbose=False) -> (image bytes, log str) */
+static PyObject *nvrtc_compile(PyObject *m, PyObject *args, PyObject *kwds) {
+    (void)m;
+    static char *kwlist[] = {"source", "arch", "ptx", "verbose", NULL};
+    const char *source;
+    int arch = 90, ptx = 0, verbose = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "s|ipp", kwlist, &source, &arch, &ptx, &verbose)) return NULL;
+    char *image = NULL, *log = NULL;
+    size_t size = 0;
+    int st;
+    Py_BEGIN_ALLOW_THREADS
+    st = af_nvrtc_compile(source, arch, ptx, verbose, &image, &size, &log);
+    Py_END_ALLOW_THREADS
+    if (st) return raise_status(st);
+    PyObject *r = Py_BuildValue("(y#s)", image, (Py_ssize_t)size, log ? log : "");
+    free(image);
+    free(log);
+    return r;
+}
+
+/* cuda_info(need_driver=False) -> {"nvrtc": path, "nvrtc_version": int} or {"error": why} */
+static PyObject *cuda_info(PyObject *m, PyObject *args) {
+    (void)m;
+    int need_driver = 0;
+    if (!PyArg_ParseTuple(args, "|p", &need_driver)) return NULL;
+    int st = af_cuda_load(need_driver);
+    if (st) return Py_BuildValue("{s:s}", "error", af_error_message());
+    return Py_BuildValue("{s:s,s:i}", "nvrtc", af_nvrtc_path(), "nvrtc_version", af_nvrtc_version());
+}
+
+static PyObject *cuda_add_search_dir(PyObject *m, PyObject *arg) {
+    (void)m;
+    const char *dir = PyUnicode_AsUTF8(arg);
+    if (!dir) return NULL;
+    int st = af_cuda_add_search_dir(dir);
+    if (st) return raise_status(st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *op_table(PyObject *m, PyObject *unused) {
     (void)m;
     (void)unused;
@@ -661,6 +752,12 @@ static PyMethodDef module_methods[] = {
      "partition(graph, roles: bytes, num_fwd_outputs, min_cut=True, ...) -> dict"},
     {"bridge_info", bridge_info, METH_NOARGS, "{shim function: found in this torch}"},
     {"op_kind", op_kind, METH_O, "op_kind('aten::add.Tensor') -> 'pointwise'"},
+    {"cuda_codegen", (PyCFunction)(void (*)(void))cuda_codegen, METH_VARARGS | METH_KEYWORDS,
+     "cuda_codegen(graph, sm_count=132, min_group=2) -> (CUDA source, [launch per group])"},
+    {"nvrtc_compile", (PyCFunction)(void (*)(void))nvrtc_compile, METH_VARARGS | METH_KEYWORDS,
+     "nvrtc_compile(source, arch=90, ptx=False, verbose=False) -> (image, log)"},
+    {"cuda_info", cuda_info, METH_VARARGS, "cuda_info(need_driver=False) -> NVRTC's path and version, or the error"},
+    {"cuda_add_search_dir", cuda_add_search_dir, METH_O, "a folder to look for libnvrtc in"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "aotfuse._C", "aotfuse's C core.", -1, module_methods,

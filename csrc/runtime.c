@@ -9,6 +9,7 @@
 #include "aotfuse/codegen.h"
 #include "aotfuse/fuse.h"
 #include "aotfuse/jit.h"
+#include "aotfuse/jit_cuda.h"
 
 typedef struct {
     int32_t node;  /* extern step: the node; kernel step: -1 */
@@ -33,6 +34,15 @@ struct af_program {
     af_obj **kernel_objs;   /* scratch */
     void **kernel_ptrs;     /* scratch */
     char *source;
+    /* CUDA kernels (groups on a CUDA device) */
+    af_cuda_module *cuda_module;
+    af_cuda_launch *launch;  /* per group */
+    void **cuda_fns;         /* per group: main kernel, _v variant, _f finishing pass (3 slots each) */
+    char *cuda_source;
+    int32_t cuda_device;
+    int cuda_sm_count;
+    void *stream;            /* torch's current stream, read once per run */
+    int have_stream;
     int64_t fallbacks;
     int cache_hit;
     int check_inputs;
@@ -114,30 +124,92 @@ void af_program_free(af_program *p) {
     free(p->kernel_objs);
     free(p->kernel_ptrs);
     free(p->source);
+    free(p->cuda_source);
+    free(p->launch);
+    free(p->cuda_fns);
+    af_cuda_module_free(p->cuda_module);
     af_fuse_plan_free(p->plan);
     af_jit_module_free(p->module);
     af_graph_free(p->graph);
     free(p);
 }
 
-/* Plans fusion groups, generates and compiles their kernels. */
+/* The single CUDA device of g's tensors (-1: none; -2: more than one, no CUDA kernels then). */
+static int32_t cuda_device_of(const af_graph *g) {
+    int32_t found = -1;
+    for (int32_t v = 0; v < af_graph_num_values(g); v++) {
+        const af_tensor_meta *m = &af_graph_value(g, v)->meta;
+        if (m->type != AF_VALUE_TENSOR || m->device.type != AF_DEVICE_CUDA) continue;
+        int32_t d = m->device.index < 0 ? 0 : m->device.index;
+        if (found >= 0 && d != found) return -2;
+        found = d;
+    }
+    return found;
+}
+
+/* Generates, compiles and loads the CUDA groups' kernels on p->cuda_device. */
+static int build_cuda_kernels(af_program *p) {
+    int32_t ng = p->plan->n_groups;
+    int st = af_cuda_load(1);
+    if (st)
+        return af_error_set(AF_ERR_UNSUPPORTED, "fused CUDA kernels cannot be built here: %s (AOTFUSE_BACKEND=aten runs "
+                            "without them)", af_error_message());
+    if ((st = af_cuda_device_info(p->cuda_device, NULL, &p->cuda_sm_count))) return st;
+    p->launch = calloc((size_t)ng + 1, sizeof *p->launch);
+    p->cuda_fns = calloc(3 * (size_t)ng + 1, sizeof *p->cuda_fns);
+    if (!p->launch || !p->cuda_fns) return af_error_set(AF_ERR_NOMEM, "out of memory loading kernels");
+    if ((st = af_codegen_cuda(p->graph, p->plan, p->cuda_sm_count, &p->cuda_source, p->launch))) return st;
+    int hit = 0;
+    if ((st = af_cuda_module_load(p->cuda_source, p->cuda_device, &p->cuda_module, &hit))) return st;
+    p->cache_hit = p->module ? (p->cache_hit && hit) : hit;
+    for (int32_t i = 0; i < ng; i++) {
+        const af_cuda_launch *l = &p->launch[i];
+        if (l->kind == AF_CUDA_NONE) continue;
+        char name[48];
+        snprintf(name, sizeof name, "af_kernel_%d", (int)i);
+        if ((st = af_cuda_function(p->cuda_module, name, &p->cuda_fns[3 * i]))) return st;
+        snprintf(name, sizeof name, "af_kernel_%d_v", (int)i);
+        if (l->vec_blocks > 0 && (st = af_cuda_function(p->cuda_module, name, &p->cuda_fns[3 * i + 1]))) return st;
+        snprintf(name, sizeof name, "af_kernel_%d_f", (int)i);
+        if (l->kind == AF_CUDA_COLUMNS && (st = af_cuda_function(p->cuda_module, name, &p->cuda_fns[3 * i + 2]))) return st;
+    }
+    return AF_OK;
+}
+
+/* Plans fusion groups, generates and compiles their kernels (C for CPU groups, CUDA for CUDA
+ * groups). */
 static int build_kernels(af_program *p, const af_program_options *opts) {
-    af_fuse_options fo = {.min_nodes = opts->min_group > 0 ? opts->min_group : 2};
+    uint32_t devices = opts->device_types ? opts->device_types : AF_FUSE_ALL_DEVICES;
+    p->cuda_device = cuda_device_of(p->graph);
+    if (p->cuda_device < 0) devices &= ~(1u << AF_DEVICE_CUDA);
+    af_fuse_options fo = {.min_nodes = opts->min_group > 0 ? opts->min_group : 2, .device_types = devices};
     int st = af_fuse_plan_new(p->graph, &fo, &p->plan);
     if (st || p->plan->n_groups == 0) return st;
-    if ((st = af_codegen_c(p->graph, p->plan, &p->source))) return st;
-    if ((st = af_jit_cpu_load(p->source, &p->module, &p->cache_hit))) return st;
+    int32_t n_cpu = 0, n_cuda = 0;
+    for (int32_t i = 0; i < p->plan->n_groups; i++) {
+        n_cpu += p->plan->groups[i].device.type == AF_DEVICE_CPU;
+        n_cuda += p->plan->groups[i].device.type == AF_DEVICE_CUDA;
+    }
     int32_t widest = 0;
     p->kernels = calloc((size_t)p->plan->n_groups, sizeof *p->kernels);
     if (!p->kernels) return af_error_set(AF_ERR_NOMEM, "out of memory loading kernels");
+    if (n_cpu) {
+        if ((st = af_codegen_c(p->graph, p->plan, &p->source))) return st;
+        if ((st = af_jit_cpu_load(p->source, &p->module, &p->cache_hit))) return st;
+        for (int32_t i = 0; i < p->plan->n_groups; i++) {
+            if (p->plan->groups[i].device.type != AF_DEVICE_CPU) continue;
+            char name[32];
+            snprintf(name, sizeof name, "af_kernel_%d", (int)i);
+            *(void **)&p->kernels[i] = af_jit_symbol(p->module, name);
+            if (!p->kernels[i]) return af_error_set(AF_ERR_RUNTIME, "kernel %s missing from %s", name, af_jit_path(p->module));
+        }
+    }
+    if (n_cuda && (st = build_cuda_kernels(p))) return st;
     for (int32_t i = 0; i < p->plan->n_groups; i++) {
-        char name[32];
-        snprintf(name, sizeof name, "af_kernel_%d", (int)i);
-        *(void **)&p->kernels[i] = af_jit_symbol(p->module, name);
-        if (!p->kernels[i]) return af_error_set(AF_ERR_RUNTIME, "kernel %s missing from %s", name, af_jit_path(p->module));
         int32_t w = p->plan->groups[i].n_inputs + p->plan->groups[i].n_outputs;
         if (w > widest) widest = w;
     }
+    widest += 1; /* a column reduction's workspace */
     p->kernel_metas = malloc(((size_t)widest + 1) * sizeof *p->kernel_metas);
     p->kernel_objs = malloc(((size_t)widest + 1) * sizeof *p->kernel_objs);
     p->kernel_ptrs = malloc(((size_t)widest + 1) * sizeof *p->kernel_ptrs);
@@ -206,7 +278,8 @@ error:
 }
 
 const af_graph *af_program_graph(const af_program *p) { return p ? p->graph : NULL; }
-int32_t af_program_num_kernels(const af_program *p) { return p && p->plan && p->module ? p->plan->n_groups : 0; }
+int32_t af_program_num_kernels(const af_program *p) { return p && p->plan && (p->module || p->cuda_module) ? p->plan->n_groups : 0; }
+const char *af_program_cuda_source(const af_program *p) { return p ? p->cuda_source : NULL; }
 int64_t af_program_kernel_fallbacks(const af_program *p) { return p ? p->fallbacks : 0; }
 int af_program_cache_hit(const af_program *p) { return p ? p->cache_hit : 0; }
 const char *af_program_source(const af_program *p) { return p ? p->source : NULL; }
@@ -226,6 +299,61 @@ static void release_all(af_program *p) {
         af_obj_release(p->values[v]);
         p->values[v] = NULL;
     }
+}
+
+static unsigned grid_for(const af_program *p, int64_t blocks, int32_t threads) {
+    int64_t cap = (int64_t)(p->cuda_sm_count > 0 ? p->cuda_sm_count : 1) * (2048 / threads); /* one full wave */
+    if (blocks > cap) blocks = cap;
+    return (unsigned)(blocks < 1 ? 1 : blocks);
+}
+
+/* Launches a CUDA group's kernel(s) on torch's current stream; p->kernel_ptrs holds its operands. */
+static int launch_cuda(af_program *p, int32_t gi) {
+    const af_fusion_group *grp = &p->plan->groups[gi];
+    const af_cuda_launch *l = &p->launch[gi];
+    if (l->kind == AF_CUDA_NONE) return AF_OK; /* no elements */
+    int32_t nops = grp->n_inputs + grp->n_outputs;
+    int st;
+    if (!p->have_stream) {
+        if ((st = af_bridge_cuda_stream(p->cuda_device, &p->stream))) return st;
+        p->have_stream = 1;
+    }
+    void *params[2 * AF_MAX_DIMS + 1], **par = params;
+    void **heap = NULL;
+    if (nops + 1 > (int32_t)(sizeof params / sizeof params[0])) {
+        if (!(heap = malloc(((size_t)nops + 1) * sizeof *heap))) return af_error_set(AF_ERR_NOMEM, "out of memory launching a kernel");
+        par = heap;
+    }
+    if (l->kind != AF_CUDA_COLUMNS) {
+        int aligned = l->vec_blocks > 0;
+        for (int32_t k = 0; k < nops && aligned; k++) aligned = ((uintptr_t)p->kernel_ptrs[k] & 15u) == 0;
+        for (int32_t k = 0; k < nops; k++) par[k] = &p->kernel_ptrs[k];
+        void *fn = p->cuda_fns[3 * gi + (aligned ? 1 : 0)];
+        int64_t blocks = aligned ? l->vec_blocks : l->blocks;
+        st = af_cuda_launch_kernel(p->cuda_module, fn, grid_for(p, blocks, l->threads), 1, (unsigned)l->threads, p->stream, par);
+        free(heap);
+        return st;
+    }
+    /* column reduction: partials into a workspace from torch's allocator, then the finishing pass */
+    int64_t n = l->workspace / (int64_t)sizeof(double), one = 1;
+    af_tensor_meta wm = {.type = AF_VALUE_TENSOR, .dtype = AF_DTYPE_FLOAT64, .device = grp->device, .ndim = 1, .sizes = &n,
+                         .strides = &one};
+    const af_tensor_meta *wmp = &wm;
+    af_obj *ws = NULL;
+    void *ws_ptr = NULL;
+    if ((st = af_bridge_empty(&wm, &ws)) == AF_OK) st = af_bridge_tensor_data(&ws, &wmp, 1, &ws_ptr);
+    if (st == AF_OK) {
+        par[0] = &ws_ptr;
+        for (int32_t k = 0; k < nops; k++) par[k + 1] = &p->kernel_ptrs[k];
+        st = af_cuda_launch_kernel(p->cuda_module, p->cuda_fns[3 * gi], grid_for(p, l->blocks, l->threads), (unsigned)l->split,
+                            (unsigned)l->threads, p->stream, par);
+        if (st == AF_OK)
+            st = af_cuda_launch_kernel(p->cuda_module, p->cuda_fns[3 * gi + 2], grid_for(p, l->finish_blocks, 256), 1, 256, p->stream, par);
+    }
+    af_obj_release(ws); /* torch's allocator orders the reuse after the kernels on this stream */
+    free(heap);
+    if (st == AF_BRIDGE_LAYOUT_MISMATCH) st = af_error_set(AF_ERR_RUNTIME, "a kernel workspace was allocated with another layout");
+    return st;
 }
 
 /* A kernel step; on a layout mismatch its nodes run as extern calls instead. */
@@ -265,6 +393,7 @@ static int run_kernel(af_program *p, int32_t gi) {
     }
     st = af_bridge_tensor_data(p->kernel_objs + ni, p->kernel_metas + ni, no, p->kernel_ptrs + ni);
     if (st) return st == AF_BRIDGE_LAYOUT_MISMATCH ? af_error_set(AF_ERR_RUNTIME, "a kernel output was allocated with another layout") : st;
+    if (grp->device.type == AF_DEVICE_CUDA) return launch_cuda(p, gi);
     af_bridge_run_kernel(p->kernels[gi], (char *const *)p->kernel_ptrs);
     return AF_OK;
 }
@@ -282,6 +411,7 @@ int af_program_run(af_program *p, af_obj *const *inputs, int32_t n_inputs, af_ob
         (st = af_bridge_check_tensors(inputs, p->input_metas, p->input_names, ni)))
         return st;
     p->running = 1;
+    p->have_stream = 0;
     for (int32_t i = 0; i < ni; i++) {
         af_obj_retain(inputs[i]);
         p->values[p->input_ids[i]] = inputs[i];

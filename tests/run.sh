@@ -17,6 +17,8 @@ fi
 python3 -c "import torch" 2>/dev/null || python3 -m pip install -q torch==2.13.0
 python3 -c "import transformers, pytest, tqdm, accelerate" 2>/dev/null || \
   python3 -m pip install -q transformers==5.17.0 pytest tqdm accelerate
+# NVRTC, so that the generated CUDA compiles here too (tests/test_cuda_codegen.py; no GPU needed)
+python3 -m pip show -q nvidia-cuda-nvrtc >/dev/null 2>&1 || python3 -m pip install -q nvidia-cuda-nvrtc==13.0.88
 python3 -m pip install -q --no-build-isolation --no-deps -e .
 
 echo "== C core: CMocka under ASan+UBSan"

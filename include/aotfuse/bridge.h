@@ -55,6 +55,9 @@ int af_bridge_tensor_data(af_obj *const *objs, const af_tensor_meta *const *meta
  * allocator (so torch's memory statistics see it). */
 int af_bridge_empty(const af_tensor_meta *meta, af_obj **out);
 
+/* torch's current CUDA stream on `device` (the raw cudaStream_t; NULL is the default stream). */
+int af_bridge_cuda_stream(int32_t device, void **stream);
+
 /* Calls a compiled kernel with the GIL released. */
 void af_bridge_run_kernel(void (*fn)(char *const *), char *const *ptrs);
 

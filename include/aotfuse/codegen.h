@@ -19,4 +19,32 @@ typedef void (*af_kernel_fn)(char *const *ptrs);
 /* Writes the C source for every group of plan into *source (malloc'd; the caller frees it). */
 int af_codegen_c(const af_graph *g, const af_fusion_plan *plan, char **source);
 
+/* CUDA C for the plan's CUDA groups: one NVRTC translation unit, extern "C" __global__ kernels.
+ *
+ *   af_kernel_<i>(const T0 *q0, ..., T *qn)   inputs then outputs, as for C
+ *   af_kernel_<i>_v                           pointwise, VEC elements per thread with 16-byte
+ *                                             (or narrower) vector loads; launched when every
+ *                                             pointer is 16-byte aligned
+ *   af_kernel_<i>_f(ws, q...)                 column reductions: the second, finishing pass
+ *
+ * Pointwise kernels are grid-stride loops; row reductions give each row (kept index) one warp, or
+ * one block for long rows, with warp-shuffle and shared-memory combining in double; column
+ * reductions (innermost dim kept: bias gradients) write per-chunk partials to a workspace that a
+ * second kernel sums in a fixed order, so results never depend on scheduling (no atomics). */
+typedef enum { AF_CUDA_NONE = 0, AF_CUDA_POINTWISE, AF_CUDA_ROWS, AF_CUDA_COLUMNS } af_cuda_kind;
+
+typedef struct {
+    af_cuda_kind kind;     /* AF_CUDA_NONE: not a CUDA group, or nothing to do (0 elements) */
+    int32_t threads;       /* per block */
+    int64_t blocks;        /* enough to cover the work once; the runtime may cap it (grid-stride loops) */
+    int64_t vec_blocks;    /* > 0: af_kernel_<i>_v exists and needs this many blocks */
+    int32_t split;         /* columns: row chunks (grid.y of the first pass) */
+    int64_t finish_blocks; /* columns: blocks of the finishing pass (256 threads) */
+    int64_t workspace;     /* columns: bytes of double partials the two passes share */
+} af_cuda_launch;
+
+/* Writes CUDA C for the plan's CUDA groups (others are skipped) into *source and fills launch[i]
+ * for every group (caller-allocated, plan->n_groups entries). sm_count sizes the column split. */
+int af_codegen_cuda(const af_graph *g, const af_fusion_plan *plan, int sm_count, char **source, af_cuda_launch *launch);
+
 #endif

@@ -10,6 +10,9 @@
 #ifndef AOTFUSE_JIT_H
 #define AOTFUSE_JIT_H
 
+#include <stddef.h>
+#include <stdint.h>
+
 #include "aotfuse/status.h"
 
 typedef struct af_jit_module af_jit_module;
@@ -24,5 +27,10 @@ void *af_jit_symbol(af_jit_module *m, const char *name);
 const char *af_jit_path(const af_jit_module *m);
 
 void af_jit_module_free(af_jit_module *m); /* NULL allowed; unloads */
+
+/* Shared with the CUDA JIT: the cache folder (created if missing) and the key hash (64-bit
+ * FNV-1a, chained: h = af_jit_hash(h, part), starting from 14695981039346656037). */
+int af_jit_cache_dir(char *out, size_t n);
+uint64_t af_jit_hash(uint64_t h, const char *s);
 
 #endif

@@ -6,6 +6,8 @@
  * the program needs, not what the graph holds; values inside a kernel never exist.
  * Before a kernel runs, its inputs' layouts are checked against what it was compiled for; on a
  * mismatch that call runs the group's nodes as extern calls instead (counted, never wrong).
+ * CUDA kernels launch on torch's current stream of their device, read once per run; their outputs
+ * and workspaces come from torch's allocator like every other tensor.
  * Needs the GIL (the bridge does).
  */
 #ifndef AOTFUSE_RUNTIME_H
@@ -17,8 +19,10 @@
 typedef struct af_program af_program;
 
 typedef struct {
-    int fuse;               /* plan fused kernels and compile them (CPU backend) */
+    int fuse;               /* plan fused kernels and compile them */
     int32_t min_group;      /* smallest group worth a kernel (default 2) */
+    uint32_t device_types;  /* bit per af_device_type whose tensors get kernels (C for CPU, CUDA
+                               through NVRTC); 0: both. A graph on two CUDA devices gets no CUDA kernels. */
 } af_program_options;
 
 /* Verifies g, plans it and resolves its steps. opts may be NULL (no fusion). On success the
@@ -31,6 +35,7 @@ int32_t af_program_num_kernels(const af_program *p);
 int64_t af_program_kernel_fallbacks(const af_program *p);
 int af_program_cache_hit(const af_program *p);
 const char *af_program_source(const af_program *p);
+const char *af_program_cuda_source(const af_program *p); /* NULL without CUDA kernels */
 int32_t af_program_num_steps(const af_program *p);
 int32_t af_program_node_group(const af_program *p, int32_t node); /* its fusion group, or -1 */
 

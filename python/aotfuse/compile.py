@@ -18,7 +18,7 @@ from torch._functorch.aot_autograd import aot_function as _torch_aot_function
 from . import config
 from ._pytree import tree_flatten, tree_unflatten
 from .decompositions import default_decompositions
-from .lower import Lowered, UnsupportedError, lower
+from .lower import BackendUnavailable, Lowered, UnsupportedError, lower
 from .partition import default_partition, min_cut_rematerialization_partition
 
 __all__ = ["aot_function", "aot_module", "memory_efficient_fusion", "CaptureError", "AOTModule"]
@@ -235,8 +235,9 @@ class CompiledFunction:
                 entry.fallback = self.fn if self.fallback == "eager" else self._dynamo()
                 args, kwargs = tree
                 return entry.fallback(*args, **kwargs)
-            hint = ("an op or argument the C core cannot take" if isinstance(e, UnsupportedError)
-                    else "data-dependent control flow or an op AOTAutograd cannot trace")
+            hint = ("its kernels cannot be built on this machine; AOTFUSE_BACKEND=aten runs without them"
+                    if isinstance(e, BackendUnavailable) else "an op or argument the C core cannot take"
+                    if isinstance(e, UnsupportedError) else "data-dependent control flow or an op AOTAutograd cannot trace")
             raise CaptureError(
                 f"aotfuse could not capture {self.name} ({hint}).\nCause: {reason}\nWays out: "
                 f"torch.compile(model, backend='aotfuse') splits the graph around what cannot be captured; "

@@ -5,6 +5,10 @@ AOTFUSE_LOG=a,b        log stages: partition, lowering, fusion, codegen, cache (
 AOTFUSE_CACHE_SIZE=N   compiled signatures kept per function (default 8)
 AOTFUSE_CHECK_INPUTS=0 skip the C runtime's check of each input against the program
 AOTFUSE_FUSION=0       no fused kernels: every node runs as an extern ATen call
+AOTFUSE_BACKEND=name   which tensors get generated kernels: auto (default; C for CPU tensors,
+                       CUDA through NVRTC for CUDA tensors), c, cuda, or aten (none)
+AOTFUSE_NVRTC=path     the libnvrtc to use (else found beside torch, CUDA or the nvidia wheels)
+AOTFUSE_CACHE_DIR=dir  where compiled kernels are kept (default ~/.cache/aotfuse)
 """
 from __future__ import annotations
 
@@ -35,7 +39,47 @@ def check_inputs() -> bool:
 
 
 def fusion() -> bool:
-    return os.environ.get("AOTFUSE_FUSION", "1") not in ("", "0")
+    return os.environ.get("AOTFUSE_FUSION", "1") not in ("", "0") and backend() != "aten"
+
+
+_BACKENDS = {"auto": "all", "c": "cpu", "cpu": "cpu", "cuda": "cuda", "aten": "all"}
+
+
+def backend() -> str:
+    """AOTFUSE_BACKEND, checked: auto, c, cuda or aten."""
+    name = os.environ.get("AOTFUSE_BACKEND", "auto").strip().lower() or "auto"
+    if name not in _BACKENDS:
+        raise ValueError(f"AOTFUSE_BACKEND={name!r}: expected one of auto, c, cuda, aten")
+    return "c" if name == "cpu" else name
+
+
+def kernel_devices() -> str:
+    """The devices whose tensors get generated kernels, as the C core names them."""
+    return _BACKENDS[backend()]
+
+
+def nvrtc_dirs() -> list[str]:
+    """Folders where a libnvrtc may lie: the nvidia-cuda-nvrtc wheels (CUDA 13 and 12 layouts),
+    torch's own library folder, CUDA_HOME and the usual toolkit place."""
+    import sys
+
+    dirs = []
+    for base in sys.path:
+        for sub in ("nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib", "nvidia/cu12/lib"):
+            d = os.path.join(base, sub)
+            if os.path.isdir(d):
+                dirs.append(d)
+    try:
+        import torch
+
+        dirs.append(os.path.join(os.path.dirname(torch.__file__), "lib"))
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            dirs.append(os.path.join(os.environ[env], "lib64"))
+    dirs.append("/usr/local/cuda/lib64")
+    return [d for d in dirs if os.path.isdir(d)]
 
 
 def emit(stage: str, message: str) -> None:

@@ -13,11 +13,27 @@ import torch.fx as fx
 
 from . import _C, config
 
-__all__ = ["lower", "build_graph", "GraphBuild", "Lowered", "UnsupportedError"]
+__all__ = ["lower", "build_graph", "GraphBuild", "Lowered", "UnsupportedError", "BackendUnavailable"]
 
 
 class UnsupportedError(RuntimeError):
     """A graph node the C core cannot take (not an ATen op, or an argument it cannot encode)."""
+
+
+class BackendUnavailable(UnsupportedError):
+    """The kernels' backend cannot work here (no NVRTC or CUDA driver for CUDA tensors, no C
+    compiler for CPU tensors). AOTFUSE_BACKEND=aten runs without generated kernels."""
+
+
+_search_dirs_added = False
+
+
+def _add_nvrtc_search_dirs() -> None:
+    global _search_dirs_added
+    if not _search_dirs_added:
+        for d in config.nvrtc_dirs():
+            _C.cuda_add_search_dir(d)
+        _search_dirs_added = True
 
 
 _DTYPE_NAMES = {getattr(torch, n): n for n in (
@@ -25,7 +41,7 @@ _DTYPE_NAMES = {getattr(torch, n): n for n in (
     "complex64", "complex128")}
 
 
-def _meta(val: Any) -> tuple:
+def _meta(val: Any, device: tuple | None = None) -> tuple:
     if isinstance(val, torch.Tensor):
         dtype = _DTYPE_NAMES.get(val.dtype)
         if dtype is None:
@@ -36,12 +52,12 @@ def _meta(val: Any) -> tuple:
         if torch.SymInt in map(type, shape) or torch.SymInt in map(type, stride):
             raise UnsupportedError("symbolic shapes are not supported: aotfuse compiles each shape on its own")
         dev = val.device
-        return ("tensor", dtype, dev.type, -1 if dev.index is None else dev.index, shape, stride,
-                int(val.storage_offset()))
+        where = device or (dev.type, -1 if dev.index is None else dev.index)
+        return ("tensor", dtype, where[0], where[1], shape, stride, int(val.storage_offset()))
     return ("other",)
 
 
-def _encode(a: Any, env: dict, where: str) -> tuple:
+def _encode(a: Any, env: dict, where: str, device: tuple | None = None) -> tuple:
     if isinstance(a, fx.Node):
         vid = env.get(a)
         if not isinstance(vid, int):
@@ -63,13 +79,13 @@ def _encode(a: Any, env: dict, where: str) -> tuple:
             raise UnsupportedError(f"{where}: dtype {a} is not supported")
         return ("dtype", name)
     if isinstance(a, torch.device):
-        return ("device", a.type, -1 if a.index is None else a.index)
+        return ("device",) + (device or (a.type, -1 if a.index is None else a.index))
     if isinstance(a, torch.layout):
         return ("layout", str(a).split(".")[-1])
     if isinstance(a, torch.memory_format):
         return ("memory_format", str(a).split(".")[-1])
     if isinstance(a, (list, tuple)):
-        return ("list", [_encode(x, env, where) for x in a])
+        return ("list", [_encode(x, env, where, device) for x in a])
     raise UnsupportedError(f"{where}: cannot pass argument {a!r} of type {type(a).__name__} to the C core")
 
 
@@ -131,8 +147,16 @@ class GraphBuild:
             self.value_nodes[vid] = node
 
 
-def build_graph(gm: fx.GraphModule) -> GraphBuild:
-    """One walk over an ATen-level FX graph (as AOTAutograd produces): every node goes to the C IR."""
+def build_graph(gm: fx.GraphModule, device: str | None = None) -> GraphBuild:
+    """One walk over an ATen-level FX graph (as AOTAutograd produces): every node goes to the C IR.
+
+    `device` ("cuda:0", say) relabels every tensor and device argument, which lets a graph traced
+    on the CPU be planned and code-generated for CUDA on a machine without a GPU (for checks; such
+    a graph is never run)."""
+    dev = None
+    if device is not None:
+        d = torch.device(device)
+        dev = (d.type, 0 if d.index is None and d.type == "cuda" else (-1 if d.index is None else d.index))
     b = GraphBuild()
     g = b.graph
     env: dict[fx.Node, Any] = {}
@@ -142,7 +166,7 @@ def build_graph(gm: fx.GraphModule) -> GraphBuild:
         if node.op == "placeholder":
             if b.constants:
                 raise UnsupportedError(f"{where}: a placeholder after a constant")
-            env[node] = g.add_input(node.name, _meta(node.meta.get("val")))
+            env[node] = g.add_input(node.name, _meta(node.meta.get("val"), dev))
             b._values([env[node]], node)
             b.input_nodes.append(node)
         elif node.op == "get_attr":
@@ -150,7 +174,7 @@ def build_graph(gm: fx.GraphModule) -> GraphBuild:
             value = getattr(gm, node.target)
             if not isinstance(value, torch.Tensor):
                 raise UnsupportedError(f"get_attr {node.target} is a {type(value).__name__}, not a tensor")
-            env[node] = g.add_input(node.name, _meta(value))
+            env[node] = g.add_input(node.name, _meta(value, dev))
             b._values([env[node]], node)
             b.input_nodes.append(node)
             b.constants.append(value)
@@ -166,9 +190,9 @@ def build_graph(gm: fx.GraphModule) -> GraphBuild:
             op = _op_name(node.target)
             val = node.meta.get("val")
             multi = isinstance(val, (list, tuple))
-            metas = [_meta(v) for v in val] if multi else [_meta(val)]
-            args = [_encode(a, env, where) for a in node.args]
-            kwargs = [(k, _encode(v, env, where)) for k, v in node.kwargs.items()]
+            metas = [_meta(v, dev) for v in val] if multi else [_meta(val, dev)]
+            args = [_encode(a, env, where, dev) for a in node.args]
+            kwargs = [(k, _encode(v, env, where, dev)) for k, v in node.kwargs.items()]
             ids = g.add_node(op, args, kwargs, metas)
             env[node] = ids if multi else ids[0]
             b._values(ids, None if multi else node)
@@ -193,7 +217,15 @@ def build_graph(gm: fx.GraphModule) -> GraphBuild:
 def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None) -> Lowered:
     """Lowers an ATen-level FX graph (as AOTAutograd produces) into a C program."""
     b = build_graph(gm)
-    program = _C.Program(b.graph, fuse=config.fusion())
+    fuse = config.fusion()
+    if fuse:
+        _add_nvrtc_search_dirs()
+    try:
+        program = _C.Program(b.graph, fuse=fuse, devices=config.kernel_devices())
+    except _C.Error as e:
+        if "cannot be built here" in str(e) or "C compiler" in str(e):
+            raise BackendUnavailable(str(e)) from e
+        raise
     program.check_inputs = config.check_inputs()
     lowered = Lowered(program, tuple(b.constants), b.out_template, len(b.input_nodes) - len(b.constants))
     config.emit("lowering", f"{gm.__class__.__name__}: {program.num_nodes} nodes\n{program}")
@@ -204,5 +236,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None) -> Lo
                 groups.setdefault(group, []).append(op)
         config.emit("fusion", f"{program.num_kernels} kernels, {program.num_steps} steps for {program.num_nodes} nodes"
                     + "".join(f"\n  kernel {k}: {', '.join(v)}" for k, v in sorted(groups.items())))
-        config.emit("codegen", f"(cache {'hit' if program.cache_hit else 'miss'})\n{program.source}")
+        for src in (program.source, program.cuda_source):
+            if src:
+                config.emit("codegen", f"(cache {'hit' if program.cache_hit else 'miss'})\n{src}")
     return lowered

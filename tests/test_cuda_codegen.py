@@ -1,0 +1,106 @@
+"""The CUDA backend without a GPU: the generated CUDA C for every op-table expression (fp32, fp16,
+bf16; contiguous, broadcast and strided operands), for reductions of each kind, and for the four
+seed models' programs compiles with NVRTC for sm_80 and sm_90, and ptxas's registers/spills report
+for the biggest kernels is printed. Graphs are traced on the CPU and relabelled to cuda:0
+(build_graph(device=...)); the plan and the source are exactly what a CUDA program would compile.
+Skipped, with the reason, only where no NVRTC library can be found."""
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from aotfuse import _C
+from aotfuse.lower import build_graph
+from aotfuse.nvrtc_check import captured_graphs, compile_report, cuda_sources, nvrtc_available
+from test_fusion import OP_CASES, _inputs
+
+aten = torch.ops.aten
+ARCHS = [80, 90]
+
+_why = nvrtc_available()
+needs_nvrtc = pytest.mark.skipif(_why is not None, reason=f"no NVRTC library here: {_why}")
+
+
+def _cuda_plan(fn, *args):
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    return _C.cuda_codegen(build_graph(gm, device="cuda:0").graph)
+
+
+def _all_ops(a, b, c):
+    return tuple(case(aten.mul.Tensor(a, 1.0), b, c) * 1.0 for case in OP_CASES.values())
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("layout", ["contiguous", "broadcast", "strided"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_every_op_table_expression_compiles(dtype, layout):
+    source, launches = _cuda_plan(_all_ops, *_inputs(dtype, layout))
+    assert launches and all(l["kind"] == "pointwise" for l in launches), launches
+    for op in OP_CASES:  # every op ran inside a kernel: its member line is in the source
+        assert f"/* {op}." in source, f"{op} is not in a CUDA kernel ({dtype}, {layout})"
+    if layout == "contiguous":
+        assert any(l["vec_blocks"] > 0 for l in launches), "no vectorized variant for contiguous operands"
+    for arch in ARCHS:
+        kernels = compile_report(source, arch)
+        assert len(kernels) >= len(launches), (arch, kernels)
+        assert all(k["registers"] for k in kernels), kernels
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_reductions_of_each_kind_compile(dtype):
+    def f(x, b, y, big):
+        h = x * b + 1.0
+        rows = h.sum(-1, keepdim=True), h.amax(-1), h.mean(-1), h.amin(-1, keepdim=True)  # warp per row
+        cols = (y * 0.5 + 1.0).sum(0)  # bias-gradient shape: two-pass column reduction
+        long_rows = (big * 2.0).exp().sum(-1)  # a block per row (rows over 2048)
+        total = (x * y).sum()  # everything into one value
+        return rows + (cols, long_rows, total)
+
+    x, y = torch.randn(64, 96, dtype=dtype), torch.randn(64, 96, dtype=dtype)
+    b, big = torch.randn(96, dtype=dtype), torch.randn(3, 5000, dtype=dtype)
+    source, launches = _cuda_plan(f, x, b, y, big)
+    kinds = sorted(l["kind"] for l in launches)
+    assert "rows" in kinds and "columns" in kinds, kinds
+    col = next(l for l in launches if l["kind"] == "columns")
+    assert col["workspace"] > 0 and col["split"] >= 1
+    assert "__shfl_xor_sync" in source and "_f(double" in source
+    for arch in ARCHS:
+        kernels = compile_report(source, arch)
+        assert {k["name"] for k in kernels} >= {"af_kernel_0"}, kernels
+
+
+def test_cuda_codegen_leaves_cpu_graphs_alone():
+    gm = make_fx(lambda x: (x * 2).exp())(torch.randn(4, 4))
+    source, launches = _C.cuda_codegen(build_graph(gm).graph)
+    assert "__global__" not in source and all(l["kind"] == "none" for l in launches)
+
+
+@needs_nvrtc
+def test_compile_error_names_the_architecture_and_log():
+    with pytest.raises(_C.Error, match=r"sm_90.*(?s:.*)error"):
+        _C.nvrtc_compile('extern "C" __global__ void k() { this is not cuda; }', 90)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("model", ["AlbertForMaskedLM", "GPT2LMHeadModel", "BertForMaskedLM", "LongformerForMaskedLM"])
+def test_seed_model_programs_compile(model, dtype, capsys):
+    from aotfuse import memory_efficient_fusion
+    from aotfuse.bench import DTYPES, build_model
+
+    m, inputs, _ = build_model(model, "tiny", DTYPES[dtype], "cpu")
+    compiled = memory_efficient_fusion(m, fallback="dynamo" if model.startswith("Longformer") else "error")
+    programs = cuda_sources(captured_graphs(compiled, **inputs))
+    assert len(programs) >= 2  # a forward and a backward at least
+    assert sum(len(l) for _n, _s, l in programs) >= 8, "too few fused groups for a transformer"
+    report = []
+    for name, source, _launches in programs:
+        for arch in ARCHS:
+            for k in compile_report(source, arch):
+                report.append((k["registers"], k["spill_stores"] + k["spill_loads"], k["smem"], arch, name, k["name"]))
+    assert report
+    with capsys.disabled():  # the registers/spills report, in the test log
+        print(f"\n[nvrtc] {model} {dtype}: {len(report)} kernels compiled; biggest (registers, spill bytes, smem):")
+        for regs, spill, smem, arch, name, kname in sorted(report, reverse=True)[:3]:
+            print(f"[nvrtc]   sm_{arch} {name} {kname}: {regs} registers, {spill} spill bytes, {smem} bytes smem")
+    assert all(spill == 0 for _r, spill, *_ in report), "a kernel spills registers"
