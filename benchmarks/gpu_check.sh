@@ -20,15 +20,22 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/build.log"
   export PYTHONPATH="$PWD/python:${PYTHONPATH:-}"; }
 python3 -c "import aotfuse, aotfuse._C as C; print('aotfuse', aotfuse.__version__, 'shim', sum(C.bridge_info().values()), 'of', len(C.bridge_info()))" | tee -a "$OUT/versions.txt"
 
+python3 -c "import aotfuse._C as C, aotfuse.lower as L; L._add_nvrtc_search_dirs(); print('nvrtc', C.cuda_info(True))" \
+  | tee -a "$OUT/versions.txt"
+
 echo "== pytest -m cuda"
-timeout 150 python3 -m pytest tests/test_cuda.py -m cuda -q -p no:cacheprovider > "$OUT/pytest-cuda.log" 2>&1
+PER_TEST=""
+python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST="--timeout 90"
+timeout 190 python3 -m pytest tests/test_cuda.py -m cuda -q -rfE -p no:cacheprovider $PER_TEST > "$OUT/pytest-cuda.log" 2>&1
 echo "pytest rc=$? ($(tail -n 1 "$OUT/pytest-cuda.log"))"
 
-echo "== seed benchmark (cuda: seed shapes; fp32 and bf16; eager, aotfuse, torch.compile)"
-timeout 300 python3 -m aotfuse.bench --device cuda --dtypes fp32,bf16 --repeats 10 --out-dir "$OUT" \
-  > "$OUT/bench.log" 2>&1
+echo "== seed benchmark (cuda: seed shapes; fp32 then bf16; eager, aotfuse, torch.compile)"
+# groups run dtype by dtype and results are written after each one; no new group after 170 s
+timeout 250 python3 -m aotfuse.bench --device cuda --dtypes fp32,bf16 --backends eager,aotfuse,torch.compile \
+  --repeats 10 --time-budget 170 --no-progress --out-dir "$OUT" > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"
 
 echo "== summary ($(( $(date +%s) - start )) s)"
 for f in "$OUT"/hf-cuda-*.md; do [ -f "$f" ] && grep -E '^\| (model|[A-Za-z]+For|GPT2)' "$f" | cut -c1-160; done
+grep -E "^(FAILED|ERROR)" "$OUT/pytest-cuda.log" | cut -c1-200 | head -n 20
 tail -n 3 "$OUT/pytest-cuda.log"

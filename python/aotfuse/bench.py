@@ -326,8 +326,12 @@ class Settings:
 
 
 def run(models: list[str], dtypes: list[str], backends: list[str], settings: Settings,
-        progress: bool = True) -> tuple[list[Result], list[str]]:
+        progress: bool = True, on_group: Callable | None = None,
+        time_budget: float | None = None) -> tuple[list[Result], list[str]]:
     """Runs every (model, dtype) group with every backend; returns the rows and the model descriptions.
+    Groups run dtype by dtype (every model in the first dtype, then the next). `on_group(rows,
+    descriptions)` is called after each group (to write partial results); past `time_budget`
+    seconds no new group starts (the skipped ones are printed).
 
     Example:
         >>> rows, _ = run(["BertForMaskedLM"], ["fp32"], ["eager", "aotfuse"], Settings(size="tiny", repeats=2))
@@ -338,8 +342,13 @@ def run(models: list[str], dtypes: list[str], backends: list[str], settings: Set
     bar = _progress(len(models) * len(dtypes) * len(backends) * (warmup + repeats + 1), progress)
     results: list[Result] = []
     descriptions: list[str] = []
-    for model_name in models:
-        for dtype_name in dtypes:
+    start = time.perf_counter()
+    for dtype_name in dtypes:
+        for model_name in models:
+            if time_budget is not None and time.perf_counter() - start > time_budget:
+                print(f"aotfuse.bench: time budget ({time_budget:.0f} s) spent; skipped {model_name} {dtype_name}",
+                      file=sys.stderr)
+                continue
             dtype = DTYPES[dtype_name]
             bar.set_description(f"{model_name} {dtype_name}")
             torch._dynamo.reset()
@@ -361,6 +370,8 @@ def run(models: list[str], dtypes: list[str], backends: list[str], settings: Set
             gc.collect()
             if device == "cuda":
                 torch.cuda.empty_cache()
+            if on_group is not None:
+                on_group(results, descriptions)
     bar.close()
     return results, descriptions
 
@@ -675,6 +686,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
     ap.add_argument("--name", default=None, help="file stem (default hf-<device>-<date>)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds after which no new (model, dtype) group starts; results are written after "
+                         "every group either way")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device is available")
@@ -704,7 +718,11 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
                         attn=args.attn, dropout=args.dropout, attention_mask=args.attention_mask,
                         aotfuse_fallback=args.aotfuse_fallback)
     load_start = _load()
-    results, descriptions = run(args.models, args.dtypes, backends, settings, progress=not args.no_progress)
+    def partial(rows: list, descs: list) -> None:
+        write_results(rows, descs, args.out_dir, settings, stem=args.name)
+
+    results, descriptions = run(args.models, args.dtypes, backends, settings, progress=not args.no_progress,
+                                on_group=partial, time_budget=args.time_budget)
     load_end = _load()
     if load_start is not None and load_end is not None:
         settings.load = (load_start, load_end)
