@@ -500,7 +500,14 @@ static int check_one(aten_handle h, const af_tensor_meta *m, const char *name) {
     if (dtype != torch_dtype_code[m->dtype])
         return af_error_set(AF_ERR_INVALID, "input %s: dtype code %d, the program was compiled for %s", name,
                             (int)dtype, af_dtype_name(m->dtype));
-    if (dev != torch_device_code[m->device.type] || (m->device.index >= 0 && dev_index != m->device.index))
+    /* A 0-dim tensor may sit on the CPU beside CUDA tensors (ATen takes it as a scalar), and some
+     * ops return one where their fake-tensor meta says the GPU (the philox seed and offset of
+     * fp32 memory-efficient attention); such an input never reaches a kernel unchecked (kernel
+     * operands are checked again, and fall back). */
+    int scalar_elsewhere = dim == 0 && m->ndim == 0 && (dev == torch_device_code[AF_DEVICE_CPU] ||
+                                                        m->device.type == AF_DEVICE_CPU);
+    if (!scalar_elsewhere &&
+        (dev != torch_device_code[m->device.type] || (m->device.index >= 0 && dev_index != m->device.index)))
         return af_error_set(AF_ERR_INVALID, "input %s: on another device than the program's %s:%d", name,
                             af_device_type_name(m->device.type), (int)m->device.index);
     if (dim != m->ndim)

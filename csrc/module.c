@@ -449,19 +449,43 @@ static void Program_dealloc(ProgramObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
+/* run(inputs): a list is emptied (its references handed to the program, which drops each input
+ * after its last use: AOTAutograd's boxed convention); any other sequence is only read. */
 static PyObject *Program_run(ProgramObject *self, PyObject *inputs) {
-    PyObject *f = PySequence_Fast(inputs, "run() takes a sequence of inputs");
-    if (!f) return NULL;
     const af_graph *g = af_program_graph(self->p);
     int32_t no = af_graph_num_outputs(g);
     af_obj **outs = PyMem_Calloc((size_t)no + 1, sizeof *outs);
-    if (!outs) {
+    if (!outs) return PyErr_NoMemory();
+    int st;
+    if (PyList_CheckExact(inputs)) {
+        Py_ssize_t n = PyList_GET_SIZE(inputs);
+        af_obj **owned = PyMem_Calloc((size_t)n + 1, sizeof *owned);
+        if (!owned) {
+            PyMem_Free(outs);
+            return PyErr_NoMemory();
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *item = PyList_GET_ITEM(inputs, i);
+            Py_INCREF(item);
+            owned[i] = (af_obj *)item;
+        }
+        if (PyList_SetSlice(inputs, 0, n, NULL) < 0) {
+            for (Py_ssize_t i = 0; i < n; i++) Py_DECREF((PyObject *)owned[i]);
+            PyMem_Free(owned);
+            PyMem_Free(outs);
+            return NULL;
+        }
+        st = af_program_run_owned(self->p, owned, (int32_t)n, outs);
+        PyMem_Free(owned);
+    } else {
+        PyObject *f = PySequence_Fast(inputs, "run() takes a sequence of inputs");
+        if (!f) {
+            PyMem_Free(outs);
+            return NULL;
+        }
+        st = af_program_run(self->p, (af_obj *const *)PySequence_Fast_ITEMS(f), (int32_t)PySequence_Fast_GET_SIZE(f), outs);
         Py_DECREF(f);
-        return PyErr_NoMemory();
     }
-    int st = af_program_run(self->p, (af_obj *const *)PySequence_Fast_ITEMS(f),
-                            (int32_t)PySequence_Fast_GET_SIZE(f), outs);
-    Py_DECREF(f);
     if (st) {
         PyMem_Free(outs);
         return raise_status(st);
@@ -543,7 +567,7 @@ static PyObject *Program_node_groups(ProgramObject *self, PyObject *unused) {
 }
 
 static PyMethodDef Program_methods[] = {
-    {"run", (PyCFunction)Program_run, METH_O, "run(inputs) -> tuple of outputs"},
+    {"run", (PyCFunction)Program_run, METH_O, "run(inputs) -> tuple of outputs (a list of inputs is emptied)"},
     {"nodes", (PyCFunction)Program_nodes, METH_NOARGS, "[(op, kind), ...]"},
     {"node_groups", (PyCFunction)Program_node_groups, METH_NOARGS, "[(op, kind, fusion group or -1), ...]"},
     {"value_nbytes", (PyCFunction)Program_value_nbytes, METH_O, "bytes of a tensor value"},

@@ -398,22 +398,32 @@ static int run_kernel(af_program *p, int32_t gi) {
     return AF_OK;
 }
 
-int af_program_run(af_program *p, af_obj *const *inputs, int32_t n_inputs, af_obj **outputs) {
-    if (!p || (n_inputs > 0 && !inputs) || !outputs) return af_error_set(AF_ERR_INVALID, "af_program_run: NULL argument");
+static void release_owned(af_obj *const *inputs, int32_t n, int owned) {
+    for (int32_t i = 0; owned && inputs && i < n; i++) af_obj_release(inputs[i]);
+}
+
+static int run_program(af_program *p, af_obj *const *inputs, int32_t n_inputs, af_obj **outputs, int owned) {
+    if (!p || (n_inputs > 0 && !inputs) || !outputs) {
+        release_owned(inputs, n_inputs, owned);
+        return af_error_set(AF_ERR_INVALID, "af_program_run: NULL argument");
+    }
     const af_graph *g = p->graph;
     int32_t ni = af_graph_num_inputs(g), no = af_graph_num_outputs(g);
+    int st = AF_OK;
     if (n_inputs != ni)
-        return af_error_set(AF_ERR_INVALID, "program takes %d inputs, got %d", (int)ni, (int)n_inputs);
-    if (p->running)
-        return af_error_set(AF_ERR_RUNTIME, "program is already running (re-entered from an extern call)");
-    int st;
-    if (p->check_inputs &&
-        (st = af_bridge_check_tensors(inputs, p->input_metas, p->input_names, ni)))
+        st = af_error_set(AF_ERR_INVALID, "program takes %d inputs, got %d", (int)ni, (int)n_inputs);
+    else if (p->running)
+        st = af_error_set(AF_ERR_RUNTIME, "program is already running (re-entered from an extern call)");
+    else if (p->check_inputs)
+        st = af_bridge_check_tensors(inputs, p->input_metas, p->input_names, ni);
+    if (st) {
+        release_owned(inputs, n_inputs, owned);
         return st;
+    }
     p->running = 1;
     p->have_stream = 0;
     for (int32_t i = 0; i < ni; i++) {
-        af_obj_retain(inputs[i]);
+        if (!owned) af_obj_retain(inputs[i]); /* owned: the program holds the caller's reference */
         p->values[p->input_ids[i]] = inputs[i];
     }
     for (int32_t s = 0; s < p->n_steps; s++) {
@@ -440,4 +450,12 @@ int af_program_run(af_program *p, af_obj *const *inputs, int32_t n_inputs, af_ob
     release_all(p);
     p->running = 0;
     return AF_OK;
+}
+
+int af_program_run(af_program *p, af_obj *const *inputs, int32_t n_inputs, af_obj **outputs) {
+    return run_program(p, inputs, n_inputs, outputs, 0);
+}
+
+int af_program_run_owned(af_program *p, af_obj *const *inputs, int32_t n_inputs, af_obj **outputs) {
+    return run_program(p, inputs, n_inputs, outputs, 1);
 }

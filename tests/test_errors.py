@@ -127,3 +127,27 @@ def test_bridge_reports_the_shim_functions_it_found():
     for name in ("aoti_torch_get_sizes", "aoti_torch_get_strides", "aoti_torch_get_dtype",
                  "aoti_torch_delete_tensor_object"):
         assert info[name] is True
+
+
+def test_a_list_of_inputs_is_handed_over_and_released():
+    import weakref
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from aotfuse.lower import lower
+
+    gm = make_fx(lambda a, b: (a * 2.0).exp() + b.sum())(torch.randn(64, 64), torch.randn(64))
+    lowered = lower(gm)
+    a, b = torch.randn(64, 64), torch.randn(64)
+    expected = (a * 2.0).exp() + b.sum()
+    ref_a = weakref.ref(a)
+    args = [a, b]
+    del a
+    (out,) = lowered(args)
+    assert args == []  # AOTAutograd's boxed convention: the callee empties the list
+    assert ref_a() is None  # the program dropped its reference (no leak)
+    torch.testing.assert_close(out, expected)
+    # a tuple is only read, never emptied
+    t = (torch.ones(64, 64), torch.ones(64))
+    (out2,) = lowered.program.run(t)
+    assert len(t) == 2 and torch.isfinite(out2).all()

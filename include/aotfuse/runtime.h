@@ -50,4 +50,9 @@ void af_program_set_check_inputs(af_program *p, int enabled);
  * references, one per graph output). On error every reference taken is released. */
 int af_program_run(af_program *p, af_obj *const *inputs, int32_t n_inputs, af_obj **outputs);
 
+/* The same, but the program takes over the n_inputs references (released in every case, each
+ * right after its last use), so an input the caller no longer holds (an activation saved for
+ * backward) is freed mid-run instead of at the end. */
+int af_program_run_owned(af_program *p, af_obj *const *inputs, int32_t n_inputs, af_obj **outputs);
+
 #endif

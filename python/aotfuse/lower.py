@@ -108,10 +108,15 @@ class Lowered:
         self.n_user_inputs = n_user_inputs
 
     def __call__(self, args: list) -> list:
-        inputs = list(args) + list(self._constants) if self._constants else args
+        # boxed convention: the program empties the list and drops each input after its last
+        # use, so activations saved for backward die mid-run, not when the backward returns
+        if self._constants:
+            inputs = list(args) + list(self._constants)
+            if isinstance(args, list):
+                args.clear()
+        else:
+            inputs = args if isinstance(args, list) else list(args)
         outs = self.program.run(inputs)
-        if isinstance(args, list):
-            args.clear()  # boxed convention: let the caller's inputs die early
         if self._plain:
             return list(outs)
         it = iter(outs)
