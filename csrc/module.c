@@ -527,6 +527,38 @@ static int Program_set_check_inputs(ProgramObject *self, PyObject *value, void *
     return 0;
 }
 
+static int Program_set_profiling(ProgramObject *self, PyObject *value, void *closure) {
+    (void)closure;
+    int b = value ? PyObject_IsTrue(value) : -1;
+    if (b < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "cannot delete profiling");
+        return -1;
+    }
+    int st = af_program_set_profiling(self->p, b);
+    if (st) {
+        raise_status(st);
+        return -1;
+    }
+    return 0;
+}
+
+/* profile() -> (runs, [(kind "extern"/"kernel", op name or "", node index or kernel index, seconds), ...]) */
+static PyObject *Program_profile(ProgramObject *self, PyObject *unused) {
+    (void)unused;
+    const af_graph *g = af_program_graph(self->p);
+    PyObject *list = PyList_New(0);
+    for (int32_t s = 0; list && s < af_program_num_steps(self->p); s++) {
+        int32_t node = -1, group = -1;
+        int64_t ns = af_program_profile(self->p, s, &node, &group);
+        PyObject *t = node >= 0 ? Py_BuildValue("(ssid)", "extern", af_graph_node(g, node)->op, (int)node, ns < 0 ? 0.0 : ns * 1e-9)
+                                : Py_BuildValue("(ssid)", "kernel", "", (int)group, ns < 0 ? 0.0 : ns * 1e-9);
+        if (!t || PyList_Append(list, t) < 0) Py_CLEAR(list);
+        Py_XDECREF(t);
+    }
+    if (!list) return NULL;
+    return Py_BuildValue("(LN)", (long long)af_program_profiled_runs(self->p), list);
+}
+
 static PyObject *Program_get_num(ProgramObject *self, void *which) {
     const af_graph *g = af_program_graph(self->p);
     switch ((intptr_t)which) {
@@ -567,6 +599,8 @@ static PyObject *Program_node_groups(ProgramObject *self, PyObject *unused) {
 }
 
 static PyMethodDef Program_methods[] = {
+    {"profile", (PyCFunction)Program_profile, METH_NOARGS,
+     "profile() -> (runs, [(kind, op, node or kernel index, seconds) per step]): host time per step while profiling is on"},
     {"run", (PyCFunction)Program_run, METH_O, "run(inputs) -> tuple of outputs (a list of inputs is emptied)"},
     {"nodes", (PyCFunction)Program_nodes, METH_NOARGS, "[(op, kind), ...]"},
     {"node_groups", (PyCFunction)Program_node_groups, METH_NOARGS, "[(op, kind, fusion group or -1), ...]"},
@@ -584,6 +618,7 @@ static PyGetSetDef Program_getset[] = {
     {"cuda_source", (getter)Program_get_num, NULL, "the generated CUDA source, or None", (void *)8},
     {"num_outputs", (getter)Program_get_num, NULL, "number of outputs", (void *)2},
     {"check_inputs", NULL, (setter)Program_set_check_inputs, "check inputs against the graph on each run", NULL},
+    {"profiling", NULL, (setter)Program_set_profiling, "accumulate each step's host time (see profile())", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
 
 static PyTypeObject ProgramType = {

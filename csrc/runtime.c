@@ -1,10 +1,12 @@
 /* The runtime: a flat list of steps (extern calls and fused kernels), intermediates released
  * after the last step that reads them. */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime under -std=c11 */
 #include "aotfuse/runtime.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "aotfuse/codegen.h"
 #include "aotfuse/fuse.h"
@@ -43,6 +45,8 @@ struct af_program {
     int cuda_sm_count;
     void *stream;            /* torch's current stream, read once per run */
     int have_stream;
+    int64_t *step_ns;        /* per step: host time (profiling on), NULL when off */
+    int64_t profiled_runs;
     int64_t fallbacks;
     int cache_hit;
     int check_inputs;
@@ -127,6 +131,7 @@ void af_program_free(af_program *p) {
     free(p->cuda_source);
     free(p->launch);
     free(p->cuda_fns);
+    free(p->step_ns);
     af_cuda_module_free(p->cuda_module);
     af_fuse_plan_free(p->plan);
     af_jit_module_free(p->module);
@@ -289,6 +294,28 @@ int32_t af_program_node_group(const af_program *p, int32_t node) {
     return p->plan->group_of_node[node];
 }
 
+int af_program_set_profiling(af_program *p, int enabled) {
+    if (!p) return af_error_set(AF_ERR_INVALID, "af_program_set_profiling: NULL program");
+    if (!enabled) {
+        free(p->step_ns);
+        p->step_ns = NULL;
+        p->profiled_runs = 0;
+        return AF_OK;
+    }
+    if (!p->step_ns && !(p->step_ns = calloc((size_t)p->n_steps + 1, sizeof *p->step_ns)))
+        return af_error_set(AF_ERR_NOMEM, "out of memory for profiling");
+    return AF_OK;
+}
+
+int64_t af_program_profile(const af_program *p, int32_t step, int32_t *node, int32_t *group) {
+    if (!p || step < 0 || step >= p->n_steps) return -1;
+    if (node) *node = p->steps[step].node;
+    if (group) *group = p->steps[step].group;
+    return p->step_ns ? p->step_ns[step] : -1;
+}
+
+int64_t af_program_profiled_runs(const af_program *p) { return p ? p->profiled_runs : 0; }
+
 void af_program_set_check_inputs(af_program *p, int enabled) {
     if (p) p->check_inputs = enabled != 0;
 }
@@ -426,12 +453,22 @@ static int run_program(af_program *p, af_obj *const *inputs, int32_t n_inputs, a
         if (!owned) af_obj_retain(inputs[i]); /* owned: the program holds the caller's reference */
         p->values[p->input_ids[i]] = inputs[i];
     }
+    struct timespec t0, t1;
+    if (p->step_ns) {
+        p->profiled_runs++;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+    }
     for (int32_t s = 0; s < p->n_steps; s++) {
         if (p->steps[s].node >= 0) {
             const af_node *n = af_graph_node(g, p->steps[s].node);
             st = af_extern_call(p->externs[p->steps[s].node], p->values, &p->values[n->first_output]);
         } else {
             st = run_kernel(p, p->steps[s].group);
+        }
+        if (p->step_ns) { /* host time: a CUDA step's is its launch, not its kernel */
+            clock_gettime(CLOCK_MONOTONIC, &t1);
+            p->step_ns[s] += (int64_t)(t1.tv_sec - t0.tv_sec) * 1000000000 + (t1.tv_nsec - t0.tv_nsec);
+            t0 = t1;
         }
         if (st) {
             release_all(p);

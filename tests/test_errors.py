@@ -151,3 +151,24 @@ def test_a_list_of_inputs_is_handed_over_and_released():
     t = (torch.ones(64, 64), torch.ones(64))
     (out2,) = lowered.program.run(t)
     assert len(t) == 2 and torch.isfinite(out2).all()
+
+
+def test_program_profiling_times_every_step():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from aotfuse.lower import lower
+
+    gm = make_fx(lambda a, w: torch.mm((a * 2.0).exp(), w).tanh() * 3.0)(torch.randn(32, 32), torch.randn(32, 32))
+    lowered = lower(gm)
+    p = lowered.program
+    assert p.profile()[0] == 0  # off by default
+    p.profiling = True
+    for _ in range(2):
+        lowered([torch.randn(32, 32), torch.randn(32, 32)])
+    runs, steps = p.profile()
+    assert runs == 2 and len(steps) == p.num_steps
+    assert {k for k, *_ in steps} == {"extern", "kernel"}
+    assert any(op.startswith("aten::mm") for k, op, _i, _s in steps if k == "extern")
+    assert all(sec >= 0 for *_, sec in steps) and sum(sec for *_, sec in steps) > 0
+    p.profiling = False
+    assert p.profile()[0] == 0

@@ -43,6 +43,13 @@ void af_program_free(af_program *p); /* NULL allowed */
 
 const af_graph *af_program_graph(const af_program *p);
 
+/* Profiling: when on, each step's host time is accumulated over runs (CUDA steps: launch time
+ * only). af_program_profile gives step `step`'s node (extern) or group (kernel) and its total
+ * nanoseconds (-1 when off or out of range). Turning it off clears the totals. */
+int af_program_set_profiling(af_program *p, int enabled);
+int64_t af_program_profile(const af_program *p, int32_t step, int32_t *node, int32_t *group);
+int64_t af_program_profiled_runs(const af_program *p);
+
 /* Whether af_program_run checks each input against the graph's input metadata (default on). */
 void af_program_set_check_inputs(af_program *p, int enabled);
 

@@ -30,8 +30,6 @@ _DECOMPOSED = [
     aten.softplus_backward,
     aten.mse_loss_backward,
     aten.l1_loss,
-    aten.nll_loss_forward,
-    aten.nll_loss_backward,
     aten.native_dropout_backward,
     aten.masked_fill,
     aten.addcmul,
@@ -49,7 +47,14 @@ _DECOMPOSED = [
 # do each in one pass, and measured faster (benchmarks/blocks.py, 1 thread: Bert layer 73 ms whole
 # vs 98 ms decomposed, GPT2 block 68 vs 85 ms) for the same saved bytes within 1%. They stay whole
 # until the fuser handles them; AOTFUSE_DECOMPOSE_NORMS=1 decomposes them anyway.
+#
+# nll_loss (the second half of cross entropy) goes with them: decomposed, its backward is a zero
+# fill, a scatter and masking multiplies over the whole [tokens x vocab] gradient (Bert, reduced CPU
+# config: 27 ms of a 228 ms step against ATen's one zero fill and one write per row); it only pays
+# off when the log_softmax backward beside it is decomposed and fuses with it.
 _NORMS = [
+    aten.nll_loss_forward,
+    aten.nll_loss_backward,
     aten.native_layer_norm,
     aten.native_layer_norm_backward,
     aten._softmax,

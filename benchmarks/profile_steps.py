@@ -1,0 +1,88 @@
+"""Where a compiled training step spends its host time, step by step (the C runtime's profiler).
+
+    python benchmarks/profile_steps.py [--model BertForMaskedLM] [--size reduced] [--dtype fp32] [--steps 5]
+
+Runs one warm-up step, turns on `Program.profiling` for the forward and backward programs, runs
+--steps training steps and prints the time per op (extern ATen calls by op name, fused kernels
+together) against the whole step and against an eager step. On a GPU the times are launch (host)
+times, not kernel times. Nothing is written; copy what matters into benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, "python")
+
+import aotfuse  # noqa: E402
+from aotfuse.bench import DTYPES, MODELS, build_model  # noqa: E402
+
+
+def _step(call, opt, inputs):
+    opt.zero_grad(set_to_none=True)
+    call(**inputs).loss.backward()
+    opt.step()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="BertForMaskedLM", choices=MODELS[:3])
+    ap.add_argument("--size", default="reduced", choices=("seed", "reduced", "tiny"))
+    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--top", type=int, default=15)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    model, inputs, desc = build_model(a.model, a.size, DTYPES[a.dtype], "cpu")
+    eager = copy.deepcopy(model)
+    compiled = aotfuse.memory_efficient_fusion(model)
+    opt_c = torch.optim.SGD(model.parameters(), lr=1e-4)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=1e-4)
+    _step(compiled, opt_c, inputs)
+    _step(eager, opt_e, inputs)
+    programs = {stage: low.program for rec in compiled._aotfuse_compiled.records for stage, low in rec.programs.items()}
+    for p in programs.values():
+        p.profiling = True
+    t_comp, t_eager = [], []
+    for _ in range(a.steps):
+        t0 = time.perf_counter()
+        _step(compiled, opt_c, inputs)
+        t_comp.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        _step(eager, opt_e, inputs)
+        t_eager.append(time.perf_counter() - t0)
+    by_op: dict[str, list] = {}
+    slowest: list[tuple[float, str]] = []
+    in_programs = 0.0
+    for stage, p in programs.items():
+        runs, steps = p.profile()
+        listing = str(p).splitlines()[1:]  # one line per node after the signature
+        for kind, op, index, sec in steps:
+            if kind == "extern" and 0 <= index < len(listing):
+                slowest.append((sec / max(runs, 1), f"{stage}: {listing[index].strip()[:110]}"))
+            key = "fused kernels" if kind == "kernel" else op
+            entry = by_op.setdefault(key, [0, 0.0])
+            entry[0] += 1
+            entry[1] += sec / max(runs, 1)
+            in_programs += sec / max(runs, 1)
+    step_c, step_e = statistics.median(t_comp), statistics.median(t_eager)
+    print(f"{desc} | {a.dtype} | torch {torch.__version__} | {a.threads} thread(s)")
+    print(f"step: aotfuse {step_c * 1e3:.1f} ms, eager {step_e * 1e3:.1f} ms ({step_c / step_e * 100:.0f}%); "
+          f"inside the C programs {in_programs * 1e3:.1f} ms, outside (AOTAutograd, optimizer, Python) "
+          f"{(step_c - in_programs) * 1e3:.1f} ms")
+    print(f"{'op':48s} {'steps':>6s} {'ms/step':>9s} {'share':>6s}")
+    for op, (n, sec) in sorted(by_op.items(), key=lambda kv: -kv[1][1])[:a.top]:
+        print(f"{op:48s} {n:6d} {sec * 1e3:9.2f} {sec / step_c * 100:5.1f}%")
+    print("slowest extern steps:")
+    for sec, line in sorted(slowest, reverse=True)[:a.top]:
+        print(f"  {sec * 1e3:7.2f} ms  {line}")
+
+
+if __name__ == "__main__":
+    main()
