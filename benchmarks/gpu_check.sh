@@ -35,6 +35,11 @@ timeout 250 python3 -m aotfuse.bench --device cuda --dtypes fp32,bf16 --backends
   --repeats 10 --time-budget 170 --no-progress --out-dir "$OUT" > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"
 
+echo "== host-time profile (Bert, seed shapes, fp32): is the step bound by the host?"
+timeout 60 python3 benchmarks/profile_steps.py --device cuda --size seed --model BertForMaskedLM --steps 5 --threads 16 \
+  > "$OUT/profile-bert-cuda.txt" 2>&1
+echo "profile rc=$?"; sed -n 1,4p "$OUT/profile-bert-cuda.txt"
+
 echo "== summary ($(( $(date +%s) - start )) s)"
 for f in "$OUT"/hf-cuda-*.md; do [ -f "$f" ] && grep -E '^\| (model|[A-Za-z]+For|GPT2)' "$f" | cut -c1-160; done
 grep -E "^(FAILED|ERROR)" "$OUT/pytest-cuda.log" | cut -c1-200 | head -n 20

@@ -23,10 +23,12 @@ import aotfuse  # noqa: E402
 from aotfuse.bench import DTYPES, MODELS, build_model  # noqa: E402
 
 
-def _step(call, opt, inputs):
+def _step(call, opt, inputs, device="cpu"):
     opt.zero_grad(set_to_none=True)
     call(**inputs).loss.backward()
     opt.step()
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def main(argv=None) -> None:
@@ -37,25 +39,26 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    model, inputs, desc = build_model(a.model, a.size, DTYPES[a.dtype], "cpu")
+    model, inputs, desc = build_model(a.model, a.size, DTYPES[a.dtype], a.device)
     eager = copy.deepcopy(model)
     compiled = aotfuse.memory_efficient_fusion(model)
     opt_c = torch.optim.SGD(model.parameters(), lr=1e-4)
     opt_e = torch.optim.SGD(eager.parameters(), lr=1e-4)
-    _step(compiled, opt_c, inputs)
-    _step(eager, opt_e, inputs)
+    _step(compiled, opt_c, inputs, a.device)
+    _step(eager, opt_e, inputs, a.device)
     programs = {stage: low.program for rec in compiled._aotfuse_compiled.records for stage, low in rec.programs.items()}
     for p in programs.values():
         p.profiling = True
     t_comp, t_eager = [], []
     for _ in range(a.steps):
         t0 = time.perf_counter()
-        _step(compiled, opt_c, inputs)
+        _step(compiled, opt_c, inputs, a.device)
         t_comp.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
-        _step(eager, opt_e, inputs)
+        _step(eager, opt_e, inputs, a.device)
         t_eager.append(time.perf_counter() - t0)
     by_op: dict[str, list] = {}
     slowest: list[tuple[float, str]] = []
@@ -72,7 +75,10 @@ def main(argv=None) -> None:
             entry[1] += sec / max(runs, 1)
             in_programs += sec / max(runs, 1)
     step_c, step_e = statistics.median(t_comp), statistics.median(t_eager)
-    print(f"{desc} | {a.dtype} | torch {torch.__version__} | {a.threads} thread(s)")
+    print(f"{desc} | {a.dtype} | {a.device} | torch {torch.__version__} | {a.threads} thread(s)")
+    if a.device == "cuda":
+        print("(cuda: the per-op times are host times, launches included; when 'inside the C programs' is close "
+              "to the whole step, the step is bound by the host, not the GPU)")
     print(f"step: aotfuse {step_c * 1e3:.1f} ms, eager {step_e * 1e3:.1f} ms ({step_c / step_e * 100:.0f}%); "
           f"inside the C programs {in_programs * 1e3:.1f} ms, outside (AOTAutograd, optimizer, Python) "
           f"{(step_c - in_programs) * 1e3:.1f} ms")
