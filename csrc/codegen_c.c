@@ -128,11 +128,132 @@ static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fus
     af_strbuf_printf(sb, "    }\n  }\n}\n");
 }
 
+/* Row members of phase ph (pointwise over finished reductions, per row): computed as floats
+ * v<id> at row level (rounded as if stored) and stored at the row's base offset when outputs. */
+static void emit_row_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
+                             int32_t nops, const int32_t *phases, int32_t ph) {
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        if (phases[m] != (ph | AF_CG_ROW)) continue;
+        af_fusion_group one = *grp; /* emit this member alone */
+        one.nodes = &one.nodes[m];
+        one.n_nodes = 1;
+        af_cg_emit_members(sb, g, &one, "    ", "", NULL, 0);
+        int32_t v = af_graph_node(g, grp->nodes[m])->first_output;
+        for (int32_t k = grp->n_inputs; k < nops; k++)
+            if (ops[k].value == v) {
+                char val[16];
+                snprintf(val, sizeof val, "v%d", (int)v);
+                af_strbuf_printf(sb, "    q%d[b%d] = ", (int)k, (int)k);
+                af_cg_emit_store_value(sb, ops[k].dtype, val);
+                af_strbuf_printf(sb, ";\n");
+            }
+    }
+}
+
+/* A group with epilogues (members reading the group's own reductions): per row, one pass over the
+ * reduced elements per phase; phase p accumulates its reductions, recomputes the pointwise members
+ * it needs from the inputs and stores its elementwise outputs; after its pass each reduction of
+ * phase p becomes a float v<id> (rounded as if stored) that later phases read. Softmax is three
+ * passes (max; exp and sum; divide), layer norm three (mean; variance; normalize). */
+static void emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp,
+                               const int32_t *phases, int32_t last_phase, int32_t index) {
+    const af_cg_operand *ops = sp->ops;
+    int32_t nops = sp->nops, nd = sp->nd, n_kept = sp->n_kept;
+    int parallel = sp->outer > 1 && sp->outer * sp->inner >= 32768;
+    af_strbuf_printf(sb, "\n/* group %d: %d nodes (%d reductions, %d phases), %d inputs, %d outputs, %" PRId64 " x %" PRId64 " */\n",
+                     (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)last_phase + 1, (int)grp->n_inputs,
+                     (int)grp->n_outputs, sp->outer, sp->inner);
+    af_strbuf_printf(sb, "void af_kernel_%d(char *const *p) {\n", (int)index);
+    af_cg_emit_pointers(sb, grp, ops);
+    af_strbuf_printf(sb, "  %s\n  for (int64_t c = 0; c < %" PRId64 "; c++) {\n",
+                     parallel ? "#pragma omp parallel for schedule(static)" : "", sp->outer);
+    for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    int64_t b%d = 0;\n", (int)k);
+    af_strbuf_printf(sb, "    int64_t r = c;\n");
+    af_cg_emit_unflatten(sb, "    ", "int64_t", "r", "b", 0, n_kept - 1, sp->sizes, sp->strides, nops);
+    for (int32_t ph = 0; ph <= last_phase; ph++) {
+        int only_sums = 1, any = 0;
+        af_strbuf sums = {0};
+        for (int32_t m = 0; m < grp->n_nodes; m++) {
+            const af_node *n = af_graph_node(g, grp->nodes[m]);
+            if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION || phases[m] != ph) continue;
+            af_strbuf_printf(sb, "    double acc%d = %s;\n", (int)n->first_output, af_cg_acc_init(n));
+            if (n->op_id == AF_OP_AMAX || n->op_id == AF_OP_AMIN) only_sums = 0;
+            af_strbuf_printf(&sums, "%sacc%d", sums.len ? "," : "", (int)n->first_output);
+            any = 1;
+        }
+        if (any && only_sums && sums.buf && !sums.failed) af_strbuf_printf(sb, "    #pragma omp simd reduction(+:%s)\n", sums.buf);
+        free(sums.buf);
+        af_strbuf_printf(sb, "    for (int64_t i = 0; i < %" PRId64 "; i++) { /* phase %d */\n", sp->inner, (int)ph);
+        af_strbuf_printf(sb, "      int64_t s = i;\n");
+        for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      int64_t o%d = b%d;\n", (int)k, (int)k);
+        af_cg_emit_unflatten(sb, "      ", "int64_t", "s", "o", n_kept, nd - 1, sp->sizes, sp->strides, nops);
+        af_strbuf_printf(sb, "      (void)s;\n");
+        for (int32_t k = 0; k < grp->n_inputs; k++) {
+            char ptr[16], off[16];
+            snprintf(ptr, sizeof ptr, "q%d", (int)k);
+            snprintf(off, sizeof off, "o%d", (int)k);
+            af_strbuf_printf(sb, "      const float v%d = ", (int)ops[k].value);
+            af_cg_emit_load(sb, ops[k].dtype, ptr, off);
+            af_strbuf_printf(sb, "; (void)v%d;\n", (int)ops[k].value);
+        }
+        af_cg_emit_members(sb, g, grp, "      ", "", phases, ph);
+        for (int32_t k = grp->n_inputs; k < nops; k++) {
+            int32_t v = ops[k].value, m = 0;
+            while (m < grp->n_nodes && af_graph_node(g, grp->nodes[m])->first_output != v) m++;
+            if (af_cg_is_reduction_value(g, v) || m == grp->n_nodes || phases[m] != ph) continue; /* rows flagged: != ph */
+            char val[16];
+            snprintf(val, sizeof val, "v%d", (int)v);
+            af_strbuf_printf(sb, "      q%d[o%d] = ", (int)k, (int)k);
+            af_cg_emit_store_value(sb, ops[k].dtype, val);
+            af_strbuf_printf(sb, ";\n");
+        }
+        af_strbuf_printf(sb, "    }\n");
+        /* this phase's reductions, finished: the value later phases read, and the stored output */
+        for (int32_t m = 0; m < grp->n_nodes; m++) {
+            const af_node *n = af_graph_node(g, grp->nodes[m]);
+            if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION || phases[m] != ph) continue;
+            int32_t v = n->first_output;
+            af_dtype dt = af_graph_value(g, v)->meta.dtype;
+            if (n->op_id == AF_OP_MEAN)
+                af_strbuf_printf(sb, "    float v%d = (float)(acc%d / %" PRId64 ".0);\n", (int)v, (int)v, sp->inner);
+            else af_strbuf_printf(sb, "    float v%d = (float)acc%d;\n", (int)v, (int)v);
+            if (dt == AF_DTYPE_BFLOAT16) af_strbuf_printf(sb, "    v%d = af_bf16_load(af_bf16_store(v%d));\n", (int)v, (int)v);
+            else if (dt == AF_DTYPE_FLOAT16) af_strbuf_printf(sb, "    v%d = af_f16_load(af_f16_store(v%d));\n", (int)v, (int)v);
+            for (int32_t k = grp->n_inputs; k < nops; k++)
+                if (ops[k].value == v) {
+                    char val[16];
+                    snprintf(val, sizeof val, "v%d", (int)v);
+                    af_strbuf_printf(sb, "    q%d[b%d] = ", (int)k, (int)k);
+                    af_cg_emit_store_value(sb, ops[k].dtype, val);
+                    af_strbuf_printf(sb, ";\n");
+                }
+        }
+        /* this phase's row members, once per row, in member order */
+        emit_row_members(sb, g, grp, ops, nops, phases, ph);
+    }
+    af_strbuf_printf(sb, "  }\n}\n");
+}
+
 /* Kernels with reductions: kept dims outside (threads), reduced dims inside, accumulators in double. */
 static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, int32_t index) {
     af_cg_space sp;
     int st = af_cg_space_new(g, grp, &sp);
     if (st) return st;
+    int32_t last_phase = 0;
+    int32_t *phases = af_cg_phases(g, grp, &last_phase);
+    if (!phases) {
+        af_cg_space_free(&sp);
+        return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
+    }
+    int rows = 0;
+    for (int32_t m = 0; m < grp->n_nodes; m++) rows |= (phases[m] & AF_CG_ROW) != 0;
+    if (last_phase > 0 || rows) {
+        emit_phased_kernel(sb, g, grp, &sp, phases, last_phase, index);
+        free(phases);
+        af_cg_space_free(&sp);
+        return AF_OK;
+    }
+    free(phases);
     const af_cg_operand *ops = sp.ops;
     int32_t nops = sp.nops, nd = sp.nd, n_kept = sp.n_kept;
     int64_t outer = sp.outer, inner = sp.inner, *sizes = sp.sizes;

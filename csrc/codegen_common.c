@@ -55,11 +55,13 @@ static void operand_strides(const af_tensor_meta *m, const af_tensor_meta *iter,
 /* Emits the members' element computation (pointwise values as floats; reductions combined into
  * their accumulators acc<value>). */
 void af_cg_emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent,
-                         const char *acc_at) {
+                         const char *acc_at, const int32_t *phases, int32_t phase) {
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
         const af_value *out = af_graph_value(g, n->first_output);
         const af_op_info *info = af_op_get(n->op_id);
+        if (phases && ((phases[m] & AF_CG_ROW) || (info->kind == AF_KIND_REDUCTION ? phases[m] != phase : phases[m] > phase)))
+            continue;
         if (info->kind == AF_KIND_REDUCTION) {
             int32_t x = n->args[0].u.value, v = n->first_output;
             if (n->op_id == AF_OP_AMAX)
@@ -121,7 +123,7 @@ void af_cg_emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *gr
         af_cg_emit_load(sb, ops[k].dtype, ptr, off);
         af_strbuf_printf(sb, ";\n");
     }
-    af_cg_emit_members(sb, g, grp, "      ", acc_at);
+    af_cg_emit_members(sb, g, grp, "      ", acc_at, NULL, 0);
     for (int32_t k = grp->n_inputs; k < grp->n_inputs + grp->n_outputs; k++) {
         if (af_cg_is_reduction_value(g, ops[k].value)) continue;
         char v[16];
@@ -197,6 +199,37 @@ void af_cg_emit_reduction_stores(af_strbuf *sb, const af_graph *g, const af_fusi
     }
 }
 
+
+int32_t *af_cg_phases(const af_graph *g, const af_fusion_group *grp, int32_t *max_phase) {
+    int32_t *phase = calloc((size_t)grp->n_nodes + 1, sizeof *phase);
+    if (!phase) return NULL;
+    const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
+    *max_phase = 0;
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        const af_node *n = af_graph_node(g, grp->nodes[m]);
+        int reduction = af_op_get(n->op_id)->kind == AF_KIND_REDUCTION;
+        const af_tensor_meta *om = &af_graph_value(g, n->first_output)->meta;
+        int row = 0;
+        if (!reduction) { /* a row member: its shape is not the iteration shape */
+            row = om->ndim != iter->ndim;
+            for (int32_t d = 0; !row && d < om->ndim; d++) row = om->sizes[d] != iter->sizes[d];
+        }
+        int32_t ph = 0;
+        for (int32_t a = 0; a < n->n_args; a++) {
+            if (n->args[a].kind != AF_ARG_VALUE) continue;
+            int32_t producer = af_graph_value(g, n->args[a].u.value)->producer;
+            for (int32_t k = 0; k < m; k++) { /* members come in graph order: producers first */
+                if (grp->nodes[k] != producer) continue;
+                int from_row = (phase[k] & AF_CG_ROW) || af_op_get(af_graph_node(g, producer)->op_id)->kind == AF_KIND_REDUCTION;
+                int32_t p = (phase[k] & ~AF_CG_ROW) + (from_row && !reduction && !row ? 1 : 0);
+                if (p > ph) ph = p;
+            }
+        }
+        phase[m] = ph | (row ? AF_CG_ROW : 0);
+        if (ph > *max_phase) *max_phase = ph;
+    }
+    return phase;
+}
 
 const char *af_cg_acc_init(const af_node *n) {
     return n->op_id == AF_OP_AMAX ? "-INFINITY" : n->op_id == AF_OP_AMIN ? "INFINITY" : "0.0";

@@ -41,7 +41,17 @@ void af_cg_space_free(af_cg_space *sp);
 const char *af_cg_ctype(af_dtype d);
 void af_cg_emit_load(af_strbuf *sb, af_dtype d, const char *ptr, const char *off);
 void af_cg_emit_store_value(af_strbuf *sb, af_dtype d, const char *v);
-void af_cg_emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent, const char *acc_at);
+/* The members' element computation; with phases (from af_cg_phases), only phase `phase`'s
+ * reductions and the pointwise members of phases up to it (earlier ones are recomputed). */
+void af_cg_emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent, const char *acc_at,
+                        const int32_t *phases, int32_t phase);
+/* Per member: its phase. A reduction is in its input's phase; a pointwise member one after the
+ * row values of its group it reads (an epilogue, fuse.c) and in its members' phases otherwise. A
+ * row member (pointwise over the group's reductions only, of their shape) is flagged AF_CG_ROW and
+ * computed once per row after its phase's pass. malloc'd (NULL when out of memory); *max_phase is
+ * the last phase. */
+#define AF_CG_ROW (1 << 24)
+int32_t *af_cg_phases(const af_graph *g, const af_fusion_group *grp, int32_t *max_phase);
 int af_cg_is_reduction_value(const af_graph *g, int32_t v);
 void af_cg_emit_pointers(af_strbuf *sb, const af_fusion_group *grp, const af_cg_operand *ops);
 /* Loads inputs at o<k>, computes the members, stores elementwise outputs at o<k>. */

@@ -171,14 +171,41 @@ static int32_t find_root(int32_t *parent, int32_t x) {
     return x;
 }
 
-/* Does node n read a reduction result of group `root`? (It would need the finished reduction
- * inside the loop that computes it.) */
-static int reads_reduction_of(const af_node *n, const int32_t *value_group, const uint8_t *is_reduced, int32_t *parent,
-                              int32_t root) {
+/* May a pointwise member iterating over `iter` read reduction result r (of its own group, reducing
+ * `mask` of iter) in the same kernel, as an epilogue? The C backend runs such a group in phases (a
+ * pass over each row per phase, later phases reading the finished reductions of earlier ones); r
+ * must broadcast back over iter as the row's value: right-aligned, kept dims equal, reduced dims 1
+ * or absent in front. CUDA groups keep one phase (their kernels have no epilogues yet). */
+static int epilogue_ok(const af_tensor_meta *r, const af_tensor_meta *iter, uint32_t mask) {
+    if (iter->device.type != AF_DEVICE_CPU || !mask || r->ndim > iter->ndim) return 0;
+    /* rows only: the innermost dim reduced (softmax, norms); a kept innermost dim (bias gradients)
+     * runs column-wise, which has no phases */
+    int32_t inner = iter->ndim - 1;
+    while (inner > 0 && iter->sizes[inner] == 1) inner--;
+    if (inner < 0 || !((mask >> inner) & 1u)) return 0;
+    int32_t shift = iter->ndim - r->ndim;
+    for (int32_t d = 0; d < iter->ndim; d++) {
+        int reduced = (mask >> d) & 1u, rd = d - shift;
+        if (rd < 0) {
+            if (!reduced && iter->sizes[d] != 1) return 0;
+        } else if (r->sizes[rd] != (reduced ? 1 : iter->sizes[d])) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* Does node n (of `kind`, iterating over `shape`) read a reduction result of group `root` that it
+ * cannot read as an epilogue? (It would need the finished reduction inside the loop computing it.) */
+static int reads_reduction_of(const af_graph *g, const af_node *n, int kind, const af_tensor_meta *shape,
+                              const int32_t *value_group, const uint8_t *is_reduced, int32_t *parent, int32_t root,
+                              uint32_t mask) {
     for (int32_t a = 0; a < n->n_args; a++) {
         if (n->args[a].kind != AF_ARG_VALUE) continue;
         int32_t v = n->args[a].u.value;
-        if (is_reduced[v] && value_group[v] >= 0 && find_root(parent, value_group[v]) == root) return 1;
+        if (is_reduced[v] && value_group[v] >= 0 && find_root(parent, value_group[v]) == root &&
+            !(kind == 1 && epilogue_ok(&af_graph_value(g, v)->meta, shape, mask)))
+            return 1;
     }
     return 0;
 }
@@ -249,7 +276,23 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
             const af_tensor_meta *shape = kind == 1 ? &af_graph_value(g, n->first_output)->meta
                                                     : &af_graph_value(g, n->args[0].u.value)->meta;
             int32_t join = -1;
-            for (int pass = 0; pass < 2; pass++) {
+            /* a row member: pointwise over finished reductions of one group only (log(sum),
+             * rsqrt(var + eps)), computed once per row after them */
+            if (kind == 1) {
+                int32_t cand = -1, ok = 0;
+                for (int32_t a = 0; a < n->n_args; a++) {
+                    if (n->args[a].kind != AF_ARG_VALUE) continue;
+                    int32_t v = n->args[a].u.value, gv = value_group[v] >= 0 ? find_root(parent, value_group[v]) : -1;
+                    ok = is_reduced[v] && gv >= 0 && !closed[gv] && (cand < 0 || cand == gv);
+                    cand = gv;
+                    if (!ok) break;
+                }
+                if (ok && epilogue_ok(shape, gshape[cand], gmask[cand])) {
+                    join = cand;
+                    is_reduced[n->first_output] = 1;
+                }
+            }
+            for (int pass = 0; pass < 2 && join < 0; pass++) {
                 for (int32_t a = 0; a < n->n_args; a++) {
                     if (n->args[a].kind != AF_ARG_VALUE) continue;
                     int32_t v = n->args[a].u.value;
@@ -257,10 +300,15 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
                     if (cand < 0) continue;
                     cand = find_root(parent, cand);
                     if (closed[cand] || !same_shape(gshape[cand], shape)) continue;
-                    if (pass == 0 && (is_reduced[v] || !same_shape(&af_graph_value(g, v)->meta, shape))) continue;
+                    const af_tensor_meta *vm = &af_graph_value(g, v)->meta;
+                    if (pass == 0 && (is_reduced[v] ? !(kind == 1 && epilogue_ok(vm, shape, gmask[cand]))
+                                                    : !same_shape(vm, shape)))
+                        continue;
                     if (pass == 1 && join >= 0) continue;
                     if (kind == 2 && gmask[cand] && gmask[cand] != mask) continue;
-                    if (reads_reduction_of(n, value_group, is_reduced, parent, cand)) continue;
+                    if (reads_reduction_of(g, n, kind, shape, value_group, is_reduced, parent, cand, gmask[cand])) continue;
+                    /* a merge must not bring an epilogue's reduction under another mask */
+                    if (join >= 0 && cand != join && gmask[cand] && gmask[join] && gmask[cand] != gmask[join]) continue;
                     if (join < 0) join = cand;
                     else if (cand != join) { /* merge: both open, so no outsider read either yet */
                         if (gmask[cand] && gmask[join] && gmask[cand] != gmask[join]) continue;
@@ -324,7 +372,7 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
         const af_node *n = af_graph_node(g, i);
         uint32_t mask = 0;
         if (af_fuse_node_ok(g, i)) {
-            if (grp->iter_value < 0) grp->iter_value = n->first_output;
+            if (grp->iter_value < 0 && !is_reduced[n->first_output]) grp->iter_value = n->first_output;
         } else if (af_fuse_reduction_ok(g, i, &mask)) {
             grp->reduce_mask = mask;
             grp->n_reductions++;

@@ -277,3 +277,61 @@ def test_reductions_fused_with_their_prologue(case, dtype, layout):
     assert any(op.split(".")[0] in ("aten::sum", "aten::mean", "aten::amax", "aten::amin") for op in fused), fused
     if case == "bias_grad_sum":  # reduces the leading dims: the column kernel (rows outside, columns inside)
         assert "column reductions" in lowered.program.source
+
+
+# Epilogues: members reading their own group's reductions run as later phases of one kernel (a pass
+# over each row per phase), and row members (log(sum), rsqrt(var + eps)) once per row between them.
+EPILOGUE_CASES = {
+    "softmax": (lambda x, w, b, g: torch.softmax(x * 1.0, -1), 3),
+    "log_softmax": (lambda x, w, b, g: torch.log_softmax(x * 1.0, -1), 3),
+    "layer_norm": (lambda x, w, b, g: F.layer_norm(x * 1.0, (x.shape[-1],), w, b), 3),
+    "softmax_backward": (lambda x, w, b, g: aten._softmax_backward_data(g * 1.0, torch.softmax(x, -1), -1, x.dtype), 4),  # with the softmax
+    "center_and_scale": (lambda x, w, b, g: (x - x.mean(-1, keepdim=True)) / (x.amax(-1, keepdim=True) + 3.0), 2),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", sorted(EPILOGUE_CASES))
+def test_reduction_epilogues_run_in_one_phased_kernel(case, dtype):
+    from aotfuse.decompositions import default_decompositions
+
+    fn, phases = EPILOGUE_CASES[case]
+    g = torch.Generator().manual_seed(3)
+    x, gr = (torch.randn(37, 200, generator=g).to(dtype) for _ in range(2))
+    w, b = (torch.randn(200, generator=g).to(dtype) for _ in range(2))
+    gm = make_fx(fn, decomposition_table=default_decompositions(norms=True))(x, w, b, gr)
+    lowered = lower(gm)
+    got = lowered([x, w, b, gr])[0]
+    ref = fn(x, w, b, gr)
+    atol, rtol = (2e-6, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
+    assert_close(got, ref, f"{case} ({dtype})", atol=atol, rtol=rtol)
+    src = lowered.program.source
+    assert f"{phases} phases)" in src, src[-3000:]
+    assert "/* phase 1 */" in src
+
+
+@pytest.mark.parametrize("correction", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_var_mean_decomposition_is_two_pass_and_matches_aten(dtype, correction):
+    from aotfuse.decompositions import _var_mean
+
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(16, 300, generator=g) * 3 + 1000.0).to(dtype)  # a large mean: one-pass E[x^2]-E[x]^2 fails
+    for dims, keep in (([-1], True), ([0, 1], False), ([0], False)):
+        var, mean = _var_mean(x, dims, correction=correction, keepdim=keep)
+        rvar, rmean = torch.var_mean(x, dims, correction=correction, keepdim=keep)
+        assert var.dtype == rvar.dtype and var.shape == rvar.shape
+        tol = (1e-4, 1e-4) if dtype == torch.float32 else (2e-2, 2e-2)
+        assert_close(mean, rmean, f"mean over {dims}", atol=tol[0] * 1000, rtol=tol[1])
+        assert_close(var, rvar, f"var over {dims}", atol=tol[0] * 10, rtol=tol[1])
+
+
+def test_bias_gradient_sums_keep_their_column_kernel():
+    # a row member over a column reduction is not fused in: the column kernel has no phases
+    def f(a):
+        return aten.sum.dim_IntList(a * 2.0, [0], False) * 0.5
+
+    x = torch.randn(64, 48)
+    lowered = lower(make_fx(f)(x))
+    assert "column reductions" in lowered.program.source
+    assert_close(lowered([x])[0], f(x), "bias-gradient sum", atol=1e-5, rtol=1e-5)

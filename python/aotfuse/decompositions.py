@@ -48,13 +48,10 @@ _DECOMPOSED = [
 # vs 98 ms decomposed, GPT2 block 68 vs 85 ms) for the same saved bytes within 1%. They stay whole
 # until the fuser handles them; AOTFUSE_DECOMPOSE_NORMS=1 decomposes them anyway.
 #
-# nll_loss (the second half of cross entropy) goes with them: decomposed, its backward is a zero
+# nll_loss (the second half of cross entropy) is never decomposed: its backward would be a zero
 # fill, a scatter and masking multiplies over the whole [tokens x vocab] gradient (Bert, reduced CPU
-# config: 27 ms of a 228 ms step against ATen's one zero fill and one write per row); it only pays
-# off when the log_softmax backward beside it is decomposed and fuses with it.
+# config: 27 ms of a 228 ms step, against ATen's one zero fill and one write per row).
 _NORMS = [
-    aten.nll_loss_forward,
-    aten.nll_loss_backward,
     aten.native_layer_norm,
     aten.native_layer_norm_backward,
     aten._softmax,
@@ -64,9 +61,35 @@ _NORMS = [
 ]
 
 
+def _var_mean(x, dim=None, *, correction=None, keepdim=False):
+    """var_mean as two reductions (mean, then the mean square deviation): the C backend runs both,
+    and whatever normalizes with them, as phases of one kernel; two passes are numerically sound
+    where E[x^2] - E[x]^2 is not. Low-precision inputs are computed in float32, as ATen does."""
+    dims = list(range(x.dim())) if dim is None else ([dim] if isinstance(dim, int) else list(dim))
+    dims = [d % max(x.dim(), 1) for d in dims] or list(range(x.dim()))
+    n = 1
+    for d in dims:
+        n *= x.shape[d]
+    low = x.dtype in (torch.float16, torch.bfloat16)
+    xf = torch.ops.prims.convert_element_type(x, torch.float32) if low else x
+    mean = aten.mean.dim(xf, dims, True)
+    diff = aten.sub.Tensor(xf, mean)
+    c = 1 if correction is None else correction
+    var = aten.div.Scalar(aten.sum.dim_IntList(aten.mul.Tensor(diff, diff), dims, True), max(n - c, 0))
+    if not keepdim:
+        var, mean = aten.squeeze.dims(var, dims), aten.squeeze.dims(mean, dims)
+    if low:
+        var = torch.ops.prims.convert_element_type(var, x.dtype)
+        mean = torch.ops.prims.convert_element_type(mean, x.dtype)
+    return var, mean
+
+
 def default_decompositions(norms: bool | None = None) -> dict:
     """The table memory_efficient_fusion and aot_function use when given none (a fresh dict).
     norms: also decompose layer norm and softmax (default: AOTFUSE_DECOMPOSE_NORMS, off)."""
     if norms is None:
         norms = os.environ.get("AOTFUSE_DECOMPOSE_NORMS", "0") not in ("", "0")
-    return get_decompositions(_DECOMPOSED + (_NORMS if norms else []))
+    table = get_decompositions(_DECOMPOSED + (_NORMS if norms else []))
+    if norms:
+        table[aten.var_mean.correction] = _var_mean
+    return table
