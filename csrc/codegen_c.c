@@ -137,7 +137,7 @@ static void emit_row_members(af_strbuf *sb, const af_graph *g, const af_fusion_g
         af_fusion_group one = *grp; /* emit this member alone */
         one.nodes = &one.nodes[m];
         one.n_nodes = 1;
-        af_cg_emit_members(sb, g, &one, "    ", "", NULL, 0);
+        af_cg_emit_members(sb, g, &one, "    ", "", NULL, 0, 0);
         int32_t v = af_graph_node(g, grp->nodes[m])->first_output;
         for (int32_t k = grp->n_inputs; k < nops; k++)
             if (ops[k].value == v) {
@@ -171,18 +171,22 @@ static void emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion
     af_strbuf_printf(sb, "    int64_t r = c;\n");
     af_cg_emit_unflatten(sb, "    ", "int64_t", "r", "b", 0, n_kept - 1, sp->sizes, sp->strides, nops);
     for (int32_t ph = 0; ph <= last_phase; ph++) {
-        int only_sums = 1, any = 0;
-        af_strbuf sums = {0};
+        /* every reduction of the phase is an OpenMP reduction: sums (+), max/min with a NaN flag (|) */
+        af_strbuf clauses = {0};
         for (int32_t m = 0; m < grp->n_nodes; m++) {
             const af_node *n = af_graph_node(g, grp->nodes[m]);
             if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION || phases[m] != ph) continue;
-            af_strbuf_printf(sb, "    double acc%d = %s;\n", (int)n->first_output, af_cg_acc_init(n));
-            if (n->op_id == AF_OP_AMAX || n->op_id == AF_OP_AMIN) only_sums = 0;
-            af_strbuf_printf(&sums, "%sacc%d", sums.len ? "," : "", (int)n->first_output);
-            any = 1;
+            int v = (int)n->first_output;
+            af_strbuf_printf(sb, "    double acc%d = %s;\n", v, af_cg_acc_init(n));
+            if (n->op_id == AF_OP_AMAX || n->op_id == AF_OP_AMIN) {
+                af_strbuf_printf(sb, "    int nan%d = 0;\n", v);
+                af_strbuf_printf(&clauses, " reduction(%s:acc%d) reduction(|:nan%d)", n->op_id == AF_OP_AMAX ? "max" : "min", v, v);
+            } else {
+                af_strbuf_printf(&clauses, " reduction(+:acc%d)", v);
+            }
         }
-        if (any && only_sums && sums.buf && !sums.failed) af_strbuf_printf(sb, "    #pragma omp simd reduction(+:%s)\n", sums.buf);
-        free(sums.buf);
+        if (clauses.buf && !clauses.failed) af_strbuf_printf(sb, "    #pragma omp simd%s\n", clauses.buf);
+        free(clauses.buf);
         af_strbuf_printf(sb, "    for (int64_t i = 0; i < %" PRId64 "; i++) { /* phase %d */\n", sp->inner, (int)ph);
         af_strbuf_printf(sb, "      int64_t s = i;\n");
         for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      int64_t o%d = b%d;\n", (int)k, (int)k);
@@ -196,7 +200,7 @@ static void emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion
             af_cg_emit_load(sb, ops[k].dtype, ptr, off);
             af_strbuf_printf(sb, "; (void)v%d;\n", (int)ops[k].value);
         }
-        af_cg_emit_members(sb, g, grp, "      ", "", phases, ph);
+        af_cg_emit_members(sb, g, grp, "      ", "", phases, ph, 1);
         for (int32_t k = grp->n_inputs; k < nops; k++) {
             int32_t v = ops[k].value, m = 0;
             while (m < grp->n_nodes && af_graph_node(g, grp->nodes[m])->first_output != v) m++;
@@ -214,7 +218,9 @@ static void emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion
             if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION || phases[m] != ph) continue;
             int32_t v = n->first_output;
             af_dtype dt = af_graph_value(g, v)->meta.dtype;
-            if (n->op_id == AF_OP_MEAN)
+            if (n->op_id == AF_OP_AMAX || n->op_id == AF_OP_AMIN)
+                af_strbuf_printf(sb, "    float v%d = nan%d ? (float)NAN : (float)acc%d;\n", (int)v, (int)v, (int)v);
+            else if (n->op_id == AF_OP_MEAN)
                 af_strbuf_printf(sb, "    float v%d = (float)(acc%d / %" PRId64 ".0);\n", (int)v, (int)v, sp->inner);
             else af_strbuf_printf(sb, "    float v%d = (float)acc%d;\n", (int)v, (int)v);
             if (dt == AF_DTYPE_BFLOAT16) af_strbuf_printf(sb, "    v%d = af_bf16_load(af_bf16_store(v%d));\n", (int)v, (int)v);

@@ -55,7 +55,7 @@ static void operand_strides(const af_tensor_meta *m, const af_tensor_meta *iter,
 /* Emits the members' element computation (pointwise values as floats; reductions combined into
  * their accumulators acc<value>). */
 void af_cg_emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent,
-                         const char *acc_at, const int32_t *phases, int32_t phase) {
+                         const char *acc_at, const int32_t *phases, int32_t phase, int nan_flags) {
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
         const af_value *out = af_graph_value(g, n->first_output);
@@ -64,6 +64,12 @@ void af_cg_emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group 
             continue;
         if (info->kind == AF_KIND_REDUCTION) {
             int32_t x = n->args[0].u.value, v = n->first_output;
+            if (nan_flags && (n->op_id == AF_OP_AMAX || n->op_id == AF_OP_AMIN)) {
+                /* a plain max/min (an OpenMP max/min reduction, vectorized) and a NaN flag (an or-reduction) */
+                af_strbuf_printf(sb, "%sacc%d = (double)v%d %s acc%d ? (double)v%d : acc%d; nan%d |= v%d != v%d;\n", indent, (int)v,
+                                 (int)x, n->op_id == AF_OP_AMAX ? ">" : "<", (int)v, (int)x, (int)v, (int)v, (int)x, (int)x);
+                continue;
+            }
             if (n->op_id == AF_OP_AMAX)
                 af_strbuf_printf(sb, "%sacc%d%s = af_maxd(acc%d%s, (double)v%d);\n", indent, (int)v, acc_at, (int)v, acc_at, (int)x);
             else if (n->op_id == AF_OP_AMIN)
@@ -123,7 +129,7 @@ void af_cg_emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *gr
         af_cg_emit_load(sb, ops[k].dtype, ptr, off);
         af_strbuf_printf(sb, ";\n");
     }
-    af_cg_emit_members(sb, g, grp, "      ", acc_at, NULL, 0);
+    af_cg_emit_members(sb, g, grp, "      ", acc_at, NULL, 0, 0);
     for (int32_t k = grp->n_inputs; k < grp->n_inputs + grp->n_outputs; k++) {
         if (af_cg_is_reduction_value(g, ops[k].value)) continue;
         char v[16];

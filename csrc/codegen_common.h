@@ -42,9 +42,11 @@ const char *af_cg_ctype(af_dtype d);
 void af_cg_emit_load(af_strbuf *sb, af_dtype d, const char *ptr, const char *off);
 void af_cg_emit_store_value(af_strbuf *sb, af_dtype d, const char *v);
 /* The members' element computation; with phases (from af_cg_phases), only phase `phase`'s
- * reductions and the pointwise members of phases up to it (earlier ones are recomputed). */
+ * reductions and the pointwise members of phases up to it (earlier ones are recomputed). With
+ * nan_flags, amax/amin are a plain comparison plus an int nan<id> flag the caller declares and
+ * folds in (so the loop can be an OpenMP max/min reduction). */
 void af_cg_emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent, const char *acc_at,
-                        const int32_t *phases, int32_t phase);
+                        const int32_t *phases, int32_t phase, int nan_flags);
 /* Per member: its phase. A reduction is in its input's phase; a pointwise member one after the
  * row values of its group it reads (an epilogue, fuse.c) and in its members' phases otherwise. A
  * row member (pointwise over the group's reductions only, of their shape) is flagged AF_CG_ROW and

@@ -162,7 +162,7 @@ static void emit_pointwise(af_strbuf *sb, const af_graph *g, const af_fusion_gro
         af_cg_emit_load(sb, sp->ops[k].dtype, ptr, off);
         af_strbuf_printf(sb, ";\n");
     }
-    af_cg_emit_members(sb, g, grp, "      ", "", NULL, 0);
+    af_cg_emit_members(sb, g, grp, "      ", "", NULL, 0, 0);
     for (int32_t k = grp->n_inputs; k < nops; k++) {
         char v[16];
         snprintf(v, sizeof v, "v%d", (int)sp->ops[k].value);

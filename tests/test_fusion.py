@@ -335,3 +335,20 @@ def test_bias_gradient_sums_keep_their_column_kernel():
     lowered = lower(make_fx(f)(x))
     assert "column reductions" in lowered.program.source
     assert_close(lowered([x])[0], f(x), "bias-gradient sum", atol=1e-5, rtol=1e-5)
+
+
+def test_phased_max_propagates_nan_like_aten():
+    from aotfuse.decompositions import default_decompositions
+
+    def f(x):
+        return torch.softmax(x * 1.0, -1), (x - x.amax(-1, keepdim=True)) * 2.0, x.amin(-1) + x.sum(-1)
+
+    x = torch.randn(6, 40)
+    x[2, 7] = float("nan")
+    x[4, 0] = float("inf")
+    lowered = lower(make_fx(f, decomposition_table=default_decompositions(norms=True))(x))
+    assert "phases)" in lowered.program.source
+    for i, (got, ref) in enumerate(zip(lowered([x]), f(x))):
+        assert torch.equal(got.isnan(), ref.isnan()), f"output {i}: NaN positions differ"
+        keep = ~ref.isnan()
+        assert_close(got[keep], ref[keep], f"output {i}", atol=1e-6, rtol=1e-5)
