@@ -140,13 +140,7 @@ static void emit_row_members(af_strbuf *sb, const af_graph *g, const af_fusion_g
         af_cg_emit_members(sb, g, &one, "    ", "", NULL, 0, 0);
         int32_t v = af_graph_node(g, grp->nodes[m])->first_output;
         for (int32_t k = grp->n_inputs; k < nops; k++)
-            if (ops[k].value == v) {
-                char val[16];
-                snprintf(val, sizeof val, "v%d", (int)v);
-                af_strbuf_printf(sb, "    q%d[b%d] = ", (int)k, (int)k);
-                af_cg_emit_store_value(sb, ops[k].dtype, val);
-                af_strbuf_printf(sb, ";\n");
-            }
+            if (ops[k].value == v) af_cg_emit_store_at(sb, "    ", k, ops[k].dtype, "b", v);
     }
 }
 
@@ -192,24 +186,13 @@ static void emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion
         for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      int64_t o%d = b%d;\n", (int)k, (int)k);
         af_cg_emit_unflatten(sb, "      ", "int64_t", "s", "o", n_kept, nd - 1, sp->sizes, sp->strides, nops);
         af_strbuf_printf(sb, "      (void)s;\n");
-        for (int32_t k = 0; k < grp->n_inputs; k++) {
-            char ptr[16], off[16];
-            snprintf(ptr, sizeof ptr, "q%d", (int)k);
-            snprintf(off, sizeof off, "o%d", (int)k);
-            af_strbuf_printf(sb, "      const float v%d = ", (int)ops[k].value);
-            af_cg_emit_load(sb, ops[k].dtype, ptr, off);
-            af_strbuf_printf(sb, "; (void)v%d;\n", (int)ops[k].value);
-        }
+        af_cg_emit_loads(sb, grp, ops);
         af_cg_emit_members(sb, g, grp, "      ", "", phases, ph, 1);
         for (int32_t k = grp->n_inputs; k < nops; k++) {
             int32_t v = ops[k].value, m = 0;
             while (m < grp->n_nodes && af_graph_node(g, grp->nodes[m])->first_output != v) m++;
             if (af_cg_is_reduction_value(g, v) || m == grp->n_nodes || phases[m] != ph) continue; /* rows flagged: != ph */
-            char val[16];
-            snprintf(val, sizeof val, "v%d", (int)v);
-            af_strbuf_printf(sb, "      q%d[o%d] = ", (int)k, (int)k);
-            af_cg_emit_store_value(sb, ops[k].dtype, val);
-            af_strbuf_printf(sb, ";\n");
+            af_cg_emit_store_at(sb, "      ", k, ops[k].dtype, "o", v);
         }
         af_strbuf_printf(sb, "    }\n");
         /* this phase's reductions, finished: the value later phases read, and the stored output */
@@ -226,13 +209,7 @@ static void emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion
             if (dt == AF_DTYPE_BFLOAT16) af_strbuf_printf(sb, "    v%d = af_bf16_load(af_bf16_store(v%d));\n", (int)v, (int)v);
             else if (dt == AF_DTYPE_FLOAT16) af_strbuf_printf(sb, "    v%d = af_f16_load(af_f16_store(v%d));\n", (int)v, (int)v);
             for (int32_t k = grp->n_inputs; k < nops; k++)
-                if (ops[k].value == v) {
-                    char val[16];
-                    snprintf(val, sizeof val, "v%d", (int)v);
-                    af_strbuf_printf(sb, "    q%d[b%d] = ", (int)k, (int)k);
-                    af_cg_emit_store_value(sb, ops[k].dtype, val);
-                    af_strbuf_printf(sb, ";\n");
-                }
+                if (ops[k].value == v) af_cg_emit_store_at(sb, "    ", k, ops[k].dtype, "b", v);
         }
         /* this phase's row members, once per row, in member order */
         emit_row_members(sb, g, grp, ops, nops, phases, ph);

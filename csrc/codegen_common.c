@@ -117,26 +117,33 @@ void af_cg_emit_pointers(af_strbuf *sb, const af_fusion_group *grp, const af_cg_
                          af_cg_ctype(ops[k].dtype), (int)k, k < grp->n_inputs ? "const " : "", af_cg_ctype(ops[k].dtype), (int)k);
 }
 
-/* One element, at offsets o<k>: load the inputs, compute the members, store the elementwise
- * outputs (reductions are stored after their loop). */
-void af_cg_emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
-                      const char *acc_at) {
+void af_cg_emit_loads(af_strbuf *sb, const af_fusion_group *grp, const af_cg_operand *ops) {
     for (int32_t k = 0; k < grp->n_inputs; k++) {
         char ptr[16], off[16];
         snprintf(ptr, sizeof ptr, "q%d", (int)k);
         snprintf(off, sizeof off, "o%d", (int)k);
         af_strbuf_printf(sb, "      const float v%d = ", (int)ops[k].value);
         af_cg_emit_load(sb, ops[k].dtype, ptr, off);
-        af_strbuf_printf(sb, ";\n");
+        af_strbuf_printf(sb, "; (void)v%d;\n", (int)ops[k].value);
     }
+}
+
+void af_cg_emit_store_at(af_strbuf *sb, const char *indent, int32_t k, af_dtype dtype, const char *off_prefix, int32_t v) {
+    char val[16];
+    snprintf(val, sizeof val, "v%d", (int)v);
+    af_strbuf_printf(sb, "%sq%d[%s%d] = ", indent, (int)k, off_prefix, (int)k);
+    af_cg_emit_store_value(sb, dtype, val);
+    af_strbuf_printf(sb, ";\n");
+}
+
+/* One element, at offsets o<k>: load the inputs, compute the members, store the elementwise
+ * outputs (reductions are stored after their loop). */
+void af_cg_emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
+                      const char *acc_at) {
+    af_cg_emit_loads(sb, grp, ops);
     af_cg_emit_members(sb, g, grp, "      ", acc_at, NULL, 0, 0);
     for (int32_t k = grp->n_inputs; k < grp->n_inputs + grp->n_outputs; k++) {
-        if (af_cg_is_reduction_value(g, ops[k].value)) continue;
-        char v[16];
-        snprintf(v, sizeof v, "v%d", (int)ops[k].value);
-        af_strbuf_printf(sb, "      q%d[o%d] = ", (int)k, (int)k);
-        af_cg_emit_store_value(sb, ops[k].dtype, v);
-        af_strbuf_printf(sb, ";\n");
+        if (!af_cg_is_reduction_value(g, ops[k].value)) af_cg_emit_store_at(sb, "      ", k, ops[k].dtype, "o", ops[k].value);
     }
 }
 

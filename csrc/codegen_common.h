@@ -56,6 +56,10 @@ void af_cg_emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group 
 int32_t *af_cg_phases(const af_graph *g, const af_fusion_group *grp, int32_t *max_phase);
 int af_cg_is_reduction_value(const af_graph *g, int32_t v);
 void af_cg_emit_pointers(af_strbuf *sb, const af_fusion_group *grp, const af_cg_operand *ops);
+/* `const float v<value> = q<k>[o<k>]` for every input k. */
+void af_cg_emit_loads(af_strbuf *sb, const af_fusion_group *grp, const af_cg_operand *ops);
+/* `q<k>[<off_prefix><k>] = v<v>` converted to the operand's dtype. */
+void af_cg_emit_store_at(af_strbuf *sb, const char *indent, int32_t k, af_dtype dtype, const char *off_prefix, int32_t v);
 /* Loads inputs at o<k>, computes the members, stores elementwise outputs at o<k>. */
 void af_cg_emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops, const char *acc_at);
 /* Splits the flat index `var` over dims hi..lo (innermost first) and adds each coordinate times
