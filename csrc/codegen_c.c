@@ -259,12 +259,7 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    int64_t b%d = 0;\n", (int)k);
     af_strbuf_printf(sb, "    int64_t r = c;\n");
     af_cg_emit_unflatten(sb, "    ", "int64_t", "r", "b", 0, n_kept - 1, sizes, strides, nops);
-    for (int32_t m = 0; m < grp->n_nodes; m++) {
-        const af_node *n = af_graph_node(g, grp->nodes[m]);
-        if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION) continue;
-        const char *init = af_cg_acc_init(n);
-        af_strbuf_printf(sb, "    double acc%d = %s;\n", (int)n->first_output, init);
-    }
+    af_cg_emit_acc_decls(sb, g, grp, "    ");
     /* sums may be reassociated within the row (double accumulators): the loop vectorizes */
     int only_sums = 1;
     af_strbuf sums = {0};

@@ -248,6 +248,14 @@ const char *af_cg_acc_init(const af_node *n) {
     return n->op_id == AF_OP_AMAX ? "-INFINITY" : n->op_id == AF_OP_AMIN ? "INFINITY" : "0.0";
 }
 
+void af_cg_emit_acc_decls(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent) {
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        const af_node *n = af_graph_node(g, grp->nodes[m]);
+        if (af_op_get(n->op_id)->kind == AF_KIND_REDUCTION)
+            af_strbuf_printf(sb, "%sdouble acc%d = %s;\n", indent, (int)n->first_output, af_cg_acc_init(n));
+    }
+}
+
 void af_cg_space_free(af_cg_space *sp) {
     free(sp->ops);
     free(sp->strides);

@@ -72,5 +72,7 @@ void af_cg_emit_reduction_stores(af_strbuf *sb, const af_graph *g, const af_fusi
                                  int64_t count, int64_t (*column_strides)[AF_MAX_DIMS], const char *indent);
 /* Accumulator initial value for reduction node n ("0.0", "-INFINITY", "INFINITY"). */
 const char *af_cg_acc_init(const af_node *n);
+/* `double acc<v> = <init>;` for every reduction of the group. */
+void af_cg_emit_acc_decls(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent);
 
 #endif

@@ -195,14 +195,6 @@ static void emit_combine(af_strbuf *sb, const af_graph *g, const af_fusion_group
     }
 }
 
-static void emit_acc_decls(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent) {
-    for (int32_t m = 0; m < grp->n_nodes; m++) {
-        const af_node *n = af_graph_node(g, grp->nodes[m]);
-        if (af_op_get(n->op_id)->kind == AF_KIND_REDUCTION)
-            af_strbuf_printf(sb, "%sdouble acc%d = %s;\n", indent, (int)n->first_output, af_cg_acc_init(n));
-    }
-}
-
 /* Row reductions: a warp per row (8 rows a block) up to 2048 reduced elements, else a block of
  * 512 per row with a shared-memory step between the warps. */
 static void emit_rows(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp, int32_t index,
@@ -227,7 +219,7 @@ static void emit_rows(af_strbuf *sb, const af_graph *g, const af_fusion_group *g
     emit_zero_offsets(sb, "    ", it, "b", nops, NULL);
     af_cg_emit_unflatten(sb, "    ", it, "r", "b", 0, kept - 1, sp->sizes, sp->strides, nops);
     af_strbuf_printf(sb, "    (void)r;\n");
-    emit_acc_decls(sb, g, grp, "    ");
+    af_cg_emit_acc_decls(sb, g, grp, "    ");
     af_strbuf_printf(sb, "    for (%s i = lane; i < %" PRId64 "; i += %d) {\n", it, sp->inner, tpr);
     af_strbuf_printf(sb, "      %s s = i;\n", it);
     emit_zero_offsets(sb, "      ", it, "o", nops, "b");
@@ -296,7 +288,7 @@ static void emit_columns(af_strbuf *sb, const af_graph *g, const af_fusion_group
                      " : %" PRId64 ";\n", it, it, chunk, chunk, rows, chunk, rows);
     af_strbuf_printf(sb, "  for (%s t = blockIdx.x; t < %" PRId64 "; t += gridDim.x) {\n", it, tiles);
     af_strbuf_printf(sb, "    const %s c = t * %d + tx;\n", it, AF_COLUMN_TILE);
-    emit_acc_decls(sb, g, grp, "    ");
+    af_cg_emit_acc_decls(sb, g, grp, "    ");
     af_strbuf_printf(sb, "    if (c < %" PRId64 ") {\n", columns);
     af_strbuf_printf(sb, "      for (%s i = row0 + ty; i < row1; i += %d) {\n", it, AF_COLUMN_LANES);
     af_strbuf_printf(sb, "        %s s = i;\n", it);
@@ -331,7 +323,7 @@ static void emit_columns(af_strbuf *sb, const af_graph *g, const af_fusion_group
     emit_signature(sb, grp, sp->ops, "af_kernel", index, "_f", AF_THREADS, 1);
     af_strbuf_printf(sb, "  for (%s c = (%s)blockIdx.x * %d + threadIdx.x; c < %" PRId64 "; c += (%s)gridDim.x * %d) {\n", it, it,
                      AF_THREADS, columns, it, AF_THREADS);
-    emit_acc_decls(sb, g, grp, "    ");
+    af_cg_emit_acc_decls(sb, g, grp, "    ");
     af_strbuf_printf(sb, "    for (%s l = 0; l < %" PRId64 "; l++) {\n", it, split);
     r = 0;
     for (int32_t m = 0; m < grp->n_nodes; m++) {

@@ -35,6 +35,7 @@ struct af_program {
     const af_tensor_meta **kernel_metas; /* scratch: operand metas of the widest group */
     af_obj **kernel_objs;   /* scratch */
     void **kernel_ptrs;     /* scratch */
+    void **kernel_params;   /* scratch: CUDA launch arguments (pointers into kernel_ptrs) */
     char *source;
     /* CUDA kernels (groups on a CUDA device) */
     af_cuda_module *cuda_module;
@@ -127,6 +128,7 @@ void af_program_free(af_program *p) {
     free(p->kernel_metas);
     free(p->kernel_objs);
     free(p->kernel_ptrs);
+    free(p->kernel_params);
     free(p->source);
     free(p->cuda_source);
     free(p->launch);
@@ -218,7 +220,9 @@ static int build_kernels(af_program *p, const af_program_options *opts) {
     p->kernel_metas = malloc(((size_t)widest + 1) * sizeof *p->kernel_metas);
     p->kernel_objs = malloc(((size_t)widest + 1) * sizeof *p->kernel_objs);
     p->kernel_ptrs = malloc(((size_t)widest + 1) * sizeof *p->kernel_ptrs);
-    if (!p->kernel_metas || !p->kernel_objs || !p->kernel_ptrs) return af_error_set(AF_ERR_NOMEM, "out of memory loading kernels");
+    p->kernel_params = malloc(((size_t)widest + 2) * sizeof *p->kernel_params);
+    if (!p->kernel_metas || !p->kernel_objs || !p->kernel_ptrs || !p->kernel_params)
+        return af_error_set(AF_ERR_NOMEM, "out of memory loading kernels");
     return AF_OK;
 }
 
@@ -345,21 +349,14 @@ static int launch_cuda(af_program *p, int32_t gi) {
         if ((st = af_bridge_cuda_stream(p->cuda_device, &p->stream))) return st;
         p->have_stream = 1;
     }
-    void *params[2 * AF_MAX_DIMS + 1], **par = params;
-    void **heap = NULL;
-    if (nops + 1 > (int32_t)(sizeof params / sizeof params[0])) {
-        if (!(heap = malloc(((size_t)nops + 1) * sizeof *heap))) return af_error_set(AF_ERR_NOMEM, "out of memory launching a kernel");
-        par = heap;
-    }
+    void **par = p->kernel_params;
     if (l->kind != AF_CUDA_COLUMNS) {
         int aligned = l->vec_blocks > 0;
         for (int32_t k = 0; k < nops && aligned; k++) aligned = ((uintptr_t)p->kernel_ptrs[k] & 15u) == 0;
         for (int32_t k = 0; k < nops; k++) par[k] = &p->kernel_ptrs[k];
         void *fn = p->cuda_fns[3 * gi + (aligned ? 1 : 0)];
         int64_t blocks = aligned ? l->vec_blocks : l->blocks;
-        st = af_cuda_launch_kernel(p->cuda_module, fn, grid_for(p, blocks, l->threads), 1, (unsigned)l->threads, p->stream, par);
-        free(heap);
-        return st;
+        return af_cuda_launch_kernel(p->cuda_module, fn, grid_for(p, blocks, l->threads), 1, (unsigned)l->threads, p->stream, par);
     }
     /* column reduction: partials into a workspace from torch's allocator, then the finishing pass */
     int64_t n = l->workspace / (int64_t)sizeof(double), one = 1;
@@ -378,7 +375,6 @@ static int launch_cuda(af_program *p, int32_t gi) {
             st = af_cuda_launch_kernel(p->cuda_module, p->cuda_fns[3 * gi + 2], grid_for(p, l->finish_blocks, 256), 1, 256, p->stream, par);
     }
     af_obj_release(ws); /* torch's allocator orders the reuse after the kernels on this stream */
-    free(heap);
     if (st == AF_BRIDGE_LAYOUT_MISMATCH) st = af_error_set(AF_ERR_RUNTIME, "a kernel workspace was allocated with another layout");
     return st;
 }

@@ -10,7 +10,6 @@
 
 Skipped, with that reason, on a machine without a GPU (tests/conftest.py)."""
 import os
-import random
 import subprocess
 import sys
 import textwrap
@@ -23,7 +22,7 @@ import aotfuse
 from aotfuse.lower import lower
 from aotfuse.testing import compare_models
 from helpers import assert_close
-from test_fusion import BINARY, OP_CASES, REDUCTION_CASES, UNARY, _inputs
+from test_fusion import OP_CASES, REDUCTION_CASES, _inputs, random_graph
 
 pytestmark = pytest.mark.cuda
 aten = torch.ops.aten
@@ -109,24 +108,7 @@ def test_vectorized_and_misaligned_variants_agree():
 
 @pytest.mark.parametrize("seed", range(8))
 def test_random_graphs_forward_and_backward_on_cuda(seed):
-    rng = random.Random(seed)
-    shape = (rng.randint(1, 6), rng.randint(1, 7), rng.randint(2, 300))
-    bshapes = [shape, shape[1:], (shape[0], 1, shape[2]), (shape[2],), (1, 1, 1)]
-    in_shapes = [rng.choice(bshapes) for _ in range(rng.randint(2, 4))]
-    steps = [(rng.random(), rng.randrange(1000), rng.randrange(1000), rng.randrange(3)) for _ in range(rng.randint(3, 12))]
-
-    def f(*xs):
-        vals = list(xs)
-        for kind, i, j, r in steps:
-            v = vals[i % len(vals)]
-            if kind < 0.45:
-                vals.append(UNARY[j % len(UNARY)](v))
-            elif kind < 0.85:
-                vals.append(BINARY[r % len(BINARY)](v, vals[j % len(vals)]))
-            else:
-                vals.append(v.sum(-1, keepdim=True) if r == 0 else v.mean() if r == 1 else v.amax(-1, keepdim=True))
-        return sum(v.sum() for v in vals[len(xs):]) + vals[-1].sum() * 0.5, vals[-1]
-
+    in_shapes, f = random_graph(seed, max_inner=300)
     xs = [torch.randn(s, device="cuda", requires_grad=True) for s in in_shapes]
     refs = [x.detach().clone().requires_grad_() for x in xs]
     cf = aotfuse.memory_efficient_fusion(f)

@@ -139,10 +139,11 @@ UNARY = [torch.sin, torch.exp, torch.tanh, torch.sigmoid, F.gelu, lambda t: t * 
 BINARY = [torch.add, torch.sub, torch.mul, lambda a, b: a / (b.abs() + 1.0), torch.maximum]
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_random_pointwise_broadcast_reduction_graphs(seed):
+def random_graph(seed, max_inner=9):
+    """A seeded random program of unary, binary (broadcasting) and reduction steps: its input shapes
+    and the function (returns a scalar to differentiate and the last value)."""
     rng = random.Random(seed)
-    shape = (rng.randint(1, 6), rng.randint(1, 7), rng.randint(2, 9))
+    shape = (rng.randint(1, 6), rng.randint(1, 7), rng.randint(2, max_inner))
     bshapes = [shape, shape[1:], (shape[0], 1, shape[2]), (shape[2],), (1, 1, 1)]
     n_inputs = rng.randint(2, 4)
     in_shapes = [rng.choice(bshapes) for _ in range(n_inputs)]
@@ -168,6 +169,12 @@ def test_random_pointwise_broadcast_reduction_graphs(seed):
                 vals.append(v.sum(dim=-1, keepdim=True) if step[1] == 0 else v.mean() if step[1] == 1 else v.amax(-1, keepdim=True))
         return sum(v.sum() for v in vals[n_inputs:]) + vals[-1].sum() * 0.5, vals[-1]
 
+    return in_shapes, f
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_pointwise_broadcast_reduction_graphs(seed):
+    in_shapes, f = random_graph(seed)
     xs = [torch.randn(s, requires_grad=True) for s in in_shapes]
     refs = [x.detach().clone().requires_grad_() for x in xs]
     cf = aotfuse.memory_efficient_fusion(f)
