@@ -87,6 +87,7 @@ static struct {
     PyObject *handles_from_tensors; /* torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors */
     PyObject *empty_strided;        /* torch.empty_strided */
     PyObject *raw_stream;           /* torch._C._cuda_getCurrentRawStream, looked up at first use */
+    PyObject *get_num_threads;      /* torch.get_num_threads, looked up at first use */
 } py;
 
 static int bridge_fail(const char *what) {
@@ -669,6 +670,18 @@ int af_bridge_cuda_stream(int32_t device, void **stream) {
     Py_DECREF(r);
     if (PyErr_Occurred()) return bridge_fail("torch's current CUDA stream is not an address");
     *stream = p;
+    return AF_OK;
+}
+
+int af_bridge_num_threads(int *n) {
+    int st = af_bridge_init();
+    if (st) return st;
+    if (!py.get_num_threads) py.get_num_threads = PyObject_GetAttrString(py.torch, "get_num_threads");
+    PyObject *r = py.get_num_threads ? PyObject_CallNoArgs(py.get_num_threads) : NULL;
+    long v = r ? PyLong_AsLong(r) : -1;
+    Py_XDECREF(r);
+    if (v < 1 || PyErr_Occurred()) return bridge_fail("torch.get_num_threads() failed");
+    *n = (int)(v > 4096 ? 4096 : v);
     return AF_OK;
 }
 

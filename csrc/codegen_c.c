@@ -16,6 +16,7 @@ static const char *const prelude =
     "#include <math.h>\n"
     "#include <stdint.h>\n"
     "#include <string.h>\n"
+    "int af_num_threads = 1; /* set by the runtime before each run: torch.get_num_threads() */\n"
     "static inline float af_bf16_load(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }\n"
     "static inline uint16_t af_bf16_store(float f) {\n"
     "  uint32_t u; memcpy(&u, &f, 4);\n"
@@ -106,7 +107,7 @@ static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fus
     af_strbuf_printf(sb, "void af_kernel_%d(char *const *p) {\n", (int)index);
     af_cg_emit_pointers(sb, grp, ops);
     af_strbuf_printf(sb, "  %s\n  for (int64_t cb = 0; cb < %" PRId64 "; cb++) {\n",
-                     parallel ? "#pragma omp parallel for schedule(static)" : "", blocks);
+                     parallel ? "#pragma omp parallel for schedule(static) num_threads(af_num_threads)" : "", blocks);
     af_strbuf_printf(sb, "    const int64_t c0 = cb * %d, c1 = c0 + %d < %" PRId64 " ? c0 + %d : %" PRId64 ";\n",
                      AF_COLUMN_BLOCK, AF_COLUMN_BLOCK, columns, AF_COLUMN_BLOCK, columns);
     for (int32_t m = 0; m < grp->n_nodes; m++) {
@@ -160,7 +161,7 @@ static void emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion
     af_strbuf_printf(sb, "void af_kernel_%d(char *const *p) {\n", (int)index);
     af_cg_emit_pointers(sb, grp, ops);
     af_strbuf_printf(sb, "  %s\n  for (int64_t c = 0; c < %" PRId64 "; c++) {\n",
-                     parallel ? "#pragma omp parallel for schedule(static)" : "", sp->outer);
+                     parallel ? "#pragma omp parallel for schedule(static) num_threads(af_num_threads)" : "", sp->outer);
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    int64_t b%d = 0;\n", (int)k);
     af_strbuf_printf(sb, "    int64_t r = c;\n");
     af_cg_emit_unflatten(sb, "    ", "int64_t", "r", "b", 0, n_kept - 1, sp->sizes, sp->strides, nops);
@@ -255,7 +256,7 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
     af_strbuf_printf(sb, "void af_kernel_%d(char *const *p) {\n", (int)index);
     af_cg_emit_pointers(sb, grp, ops);
     af_strbuf_printf(sb, "  %s\n  for (int64_t c = 0; c < %" PRId64 "; c++) {\n",
-                     parallel ? "#pragma omp parallel for schedule(static)" : "", outer);
+                     parallel ? "#pragma omp parallel for schedule(static) num_threads(af_num_threads)" : "", outer);
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    int64_t b%d = 0;\n", (int)k);
     af_strbuf_printf(sb, "    int64_t r = c;\n");
     af_cg_emit_unflatten(sb, "    ", "int64_t", "r", "b", 0, n_kept - 1, sizes, strides, nops);
@@ -308,14 +309,14 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
     if (nd == 1) {
         /* one flat loop: split into chunks for threads, the chunk body vectorizes */
         af_strbuf_printf(sb, "  %s\n  for (int64_t c = 0; c < %" PRId64 "; c++) {\n",
-                         parallel ? "#pragma omp parallel for schedule(static)" : "", (numel + 4095) / 4096);
+                         parallel ? "#pragma omp parallel for schedule(static) num_threads(af_num_threads)" : "", (numel + 4095) / 4096);
         af_strbuf_printf(sb, "    int64_t lo = c * 4096, hi = lo + 4096 < %" PRId64 " ? lo + 4096 : %" PRId64 ";\n",
                          numel, numel);
         af_strbuf_printf(sb, "    for (int64_t i = lo; i < hi; i++) {\n");
         for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      int64_t o%d = i * %" PRId64 ";\n", (int)k, strides[k][0]);
     } else {
         af_strbuf_printf(sb, "  %s\n  for (int64_t c = 0; c < %" PRId64 "; c++) {\n",
-                         parallel ? "#pragma omp parallel for schedule(static)" : "", outer);
+                         parallel ? "#pragma omp parallel for schedule(static) num_threads(af_num_threads)" : "", outer);
         for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    int64_t b%d = 0;\n", (int)k);
         af_strbuf_printf(sb, "    int64_t r = c;\n");
         af_cg_emit_unflatten(sb, "    ", "int64_t", "r", "b", 0, nd - 2, sizes, strides, nops);
@@ -332,7 +333,7 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
 int af_codegen_c(const af_graph *g, const af_fusion_plan *plan, char **source) {
     if (!g || !plan || !source) return af_error_set(AF_ERR_INVALID, "af_codegen_c: NULL argument");
     af_strbuf sb = {0};
-    af_strbuf_printf(&sb, "%s", prelude);
+    af_strbuf_printf(&sb, "%s#define AF_RAND_FN static inline\n%s", prelude, af_cg_rand_text);
     for (int32_t i = 0; i < plan->n_groups; i++) {
         if (plan->groups[i].device.type != AF_DEVICE_CPU) continue; /* another backend's */
         int st = emit_kernel(&sb, g, &plan->groups[i], i);

@@ -10,8 +10,31 @@
 /* An af_cg_operand of a kernel: its strides over the iteration dims (0 where broadcast). */
 
 const char *af_cg_ctype(af_dtype d) {
-    return d == AF_DTYPE_FLOAT32 ? "float" : d == AF_DTYPE_BOOL ? "uint8_t" : "uint16_t";
+    return d == AF_DTYPE_FLOAT32 ? "float" : d == AF_DTYPE_BOOL ? "uint8_t" : d == AF_DTYPE_INT64 ? "int64_t" : "uint16_t";
 }
+
+/* Threefry-2x32-20 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11; the
+ * generator JAX uses): the counter is the element's row-major index in the random tensor, the
+ * key the 64-bit seed. Only 32-bit adds, rotates and xors, so the loops calling it vectorize (16
+ * lanes with AVX-512) where Philox's 32x32->64 multiplies do not. The first output word times
+ * 2^-32, rounded to float, is the value: uniform on [0, 1], with full 2^-32 resolution near 0 (so
+ * dropout with p = 1e-8 drops about 1e-8 of the elements). Both preludes include this text after
+ * defining AF_RAND_FN; the numbers are the same bits on both. */
+const char af_cg_rand_text[] =
+    "#define AF_ROTL32(x, r) (((x) << (r)) | ((x) >> (32 - (r))))\n"
+    "#define AF_TF_ROUND(r) x0 += x1; x1 = AF_ROTL32(x1, r); x1 ^= x0;\n"
+    "#define AF_TF_INJECT(a, b, s) x0 += a; x1 += b + (s);\n"
+    "AF_RAND_FN float af_rand(uint64_t seed, uint64_t idx) {\n"
+    "  const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32), k2 = 0x1BD11BDAu ^ k0 ^ k1;\n"
+    "  uint32_t x0 = (uint32_t)idx + k0, x1 = (uint32_t)(idx >> 32) + k1;\n"
+    "  AF_TF_ROUND(13) AF_TF_ROUND(15) AF_TF_ROUND(26) AF_TF_ROUND(6) AF_TF_INJECT(k1, k2, 1u)\n"
+    "  AF_TF_ROUND(17) AF_TF_ROUND(29) AF_TF_ROUND(16) AF_TF_ROUND(24) AF_TF_INJECT(k2, k0, 2u)\n"
+    "  AF_TF_ROUND(13) AF_TF_ROUND(15) AF_TF_ROUND(26) AF_TF_ROUND(6) AF_TF_INJECT(k0, k1, 3u)\n"
+    "  AF_TF_ROUND(17) AF_TF_ROUND(29) AF_TF_ROUND(16) AF_TF_ROUND(24) AF_TF_INJECT(k1, k2, 4u)\n"
+    "  AF_TF_ROUND(13) AF_TF_ROUND(15) AF_TF_ROUND(26) AF_TF_ROUND(6) AF_TF_INJECT(k2, k0, 5u)\n"
+    "  (void)x1;\n"
+    "  return (float)x0 * 2.3283064365386963e-10f;\n"
+    "}\n";
 
 void af_cg_emit_load(af_strbuf *sb, af_dtype d, const char *ptr, const char *off) {
     switch (d) {
@@ -119,6 +142,11 @@ void af_cg_emit_pointers(af_strbuf *sb, const af_fusion_group *grp, const af_cg_
 
 void af_cg_emit_loads(af_strbuf *sb, const af_fusion_group *grp, const af_cg_operand *ops) {
     for (int32_t k = 0; k < grp->n_inputs; k++) {
+        if (ops[k].dtype == AF_DTYPE_INT64) { /* a random node's seed and the element's counter */
+            af_strbuf_printf(sb, "      const uint64_t sv%d = (uint64_t)q%d[0], iv%d = (uint64_t)o%d;\n", (int)ops[k].value, (int)k,
+                             (int)ops[k].value, (int)k);
+            continue;
+        }
         char ptr[16], off[16];
         snprintf(ptr, sizeof ptr, "q%d", (int)k);
         snprintf(off, sizeof off, "o%d", (int)k);
@@ -164,6 +192,26 @@ static void reduction_strides(const af_tensor_meta *out, const af_tensor_meta *i
     }
 }
 
+/* A random node's seed (the only int64 operand the fuser admits): its "offset" o<k> is the
+ * element's row-major index in the random node's output (the generator's counter), so its strides
+ * are that output's contiguous strides; the seed itself is always read at q<k>[0]. */
+static void random_index_strides(const af_graph *g, const af_fusion_group *grp, int32_t seed, const af_tensor_meta *iter,
+                                 int64_t *strides) {
+    memset(strides, 0, sizeof(int64_t) * AF_MAX_DIMS);
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        const af_node *n = af_graph_node(g, grp->nodes[m]);
+        if (n->op_id != AF_OP_RNG_UNIFORM || n->args[0].kind != AF_ARG_VALUE || n->args[0].u.value != seed) continue;
+        const af_tensor_meta *out = &af_graph_value(g, n->first_output)->meta;
+        int64_t s = 1;
+        int32_t shift = iter->ndim - out->ndim;
+        for (int32_t d = out->ndim - 1; d >= 0; d--) {
+            if (d + shift >= 0 && out->sizes[d] != 1) strides[d + shift] = s;
+            s *= out->sizes[d];
+        }
+        return;
+    }
+}
+
 /* The kernel's operands (inputs, then outputs) with their strides over the iteration dims;
  * NULL when out of memory. */
 static af_cg_operand *make_operands(const af_graph *g, const af_fusion_group *grp, const af_tensor_meta *iter) {
@@ -175,6 +223,7 @@ static af_cg_operand *make_operands(const af_graph *g, const af_fusion_group *gr
         ops[k].value = v;
         ops[k].dtype = m->dtype;
         if (k >= grp->n_inputs && af_cg_is_reduction_value(g, v)) reduction_strides(m, iter, grp->reduce_mask, ops[k].strides);
+        else if (m->dtype == AF_DTYPE_INT64) random_index_strides(g, grp, v, iter, ops[k].strides);
         else operand_strides(m, iter, ops[k].strides);
     }
     return ops;

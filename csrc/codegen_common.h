@@ -39,6 +39,9 @@ int af_cg_space_new(const af_graph *g, const af_fusion_group *grp, af_cg_space *
 void af_cg_space_free(af_cg_space *sp);
 
 const char *af_cg_ctype(af_dtype d);
+/* af_rand(seed, index): the counter-based generator (Threefry-2x32-20) both preludes include, after
+ * defining AF_RAND_FN (how a helper function is declared on the target). */
+extern const char af_cg_rand_text[];
 void af_cg_emit_load(af_strbuf *sb, af_dtype d, const char *ptr, const char *off);
 void af_cg_emit_store_value(af_strbuf *sb, af_dtype d, const char *v);
 /* The members' element computation; with phases (from af_cg_phases), only phase `phase`'s

@@ -23,6 +23,7 @@ static const char *const prelude =
     "typedef unsigned short uint16_t;\n"
     "typedef unsigned int uint32_t;\n"
     "typedef long long int64_t;\n"
+    "typedef unsigned long long uint64_t;\n"
     "#define INFINITY __int_as_float(0x7f800000)\n"
     "#define NAN __int_as_float(0x7fffffff)\n"
     "template <typename T, int N> struct alignas(sizeof(T) * N) af_vec { T x[N]; };\n"
@@ -96,6 +97,7 @@ static void emit_zero_offsets(af_strbuf *sb, const char *indent, const char *it,
 static int vector_width(const af_fusion_group *grp, const af_cg_space *sp) {
     int widest = 1;
     for (int32_t k = 0; k < sp->nops; k++) {
+        if (sp->ops[k].dtype == AF_DTYPE_INT64) return 0; /* a random node's seed: read at [0], not by vector */
         int s = af_dtype_itemsize(sp->ops[k].dtype);
         if (s > widest) widest = s;
     }
@@ -371,7 +373,7 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
 int af_codegen_cuda(const af_graph *g, const af_fusion_plan *plan, int sm_count, char **source, af_cuda_launch *launch) {
     if (!g || !plan || !source || (!launch && plan->n_groups)) return af_error_set(AF_ERR_INVALID, "af_codegen_cuda: NULL argument");
     af_strbuf sb = {0};
-    af_strbuf_printf(&sb, "%s", prelude);
+    af_strbuf_printf(&sb, "%s#define AF_RAND_FN static __device__ __forceinline__\n%s", prelude, af_cg_rand_text);
     for (int32_t i = 0; i < plan->n_groups; i++) {
         memset(&launch[i], 0, sizeof launch[i]);
         if (plan->groups[i].device.type != AF_DEVICE_CUDA) continue;

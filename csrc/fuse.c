@@ -46,10 +46,16 @@ int af_fuse_node_ok(const af_graph *g, int32_t index) {
             continue;
         }
         if (a >= arity) { /* a positional argument the expression ignores: only a target dtype may be */
-            if (arg->kind != AF_ARG_DTYPE) return 0;
+            if (arg->kind != AF_ARG_DTYPE && !(n->op_id == AF_OP_RNG_UNIFORM && arg->kind == AF_ARG_LIST)) return 0;
             continue;
         }
-        if (arg->kind == AF_ARG_VALUE) {
+        if (arg->kind == AF_ARG_VALUE && n->op_id == AF_OP_RNG_UNIFORM) { /* the seed: an int64 scalar tensor */
+            const af_value *v = af_graph_value(g, arg->u.value);
+            if (v->meta.type != AF_VALUE_TENSOR || v->meta.dtype != AF_DTYPE_INT64 || v->meta.ndim != 0 ||
+                !same_device(v->meta.device, out->meta.device) || out->meta.dtype != AF_DTYPE_FLOAT32)
+                return 0;
+            tensors++;
+        } else if (arg->kind == AF_ARG_VALUE) {
             const af_value *v = af_graph_value(g, arg->u.value);
             /* one device per node (a CPU scalar tensor beside CUDA tensors stays an extern) */
             if (v->meta.type != AF_VALUE_TENSOR || !float_like(v->meta.dtype) || !same_device(v->meta.device, out->meta.device))
@@ -300,6 +306,8 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
                     if (cand < 0) continue;
                     cand = find_root(parent, cand);
                     if (closed[cand] || !same_shape(gshape[cand], shape)) continue;
+                    /* a random node starts its own group: its seed's index space is its own shape */
+                    if (pass == 1 && n->op_id == AF_OP_RNG_UNIFORM) continue;
                     const af_tensor_meta *vm = &af_graph_value(g, v)->meta;
                     if (pass == 0 && (is_reduced[v] ? !(kind == 1 && epilogue_ok(vm, shape, gmask[cand]))
                                                     : !same_shape(vm, shape)))
@@ -351,7 +359,18 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
         st = af_error_set(AF_ERR_NOMEM, "out of memory planning fusion");
         goto done;
     }
-    for (int32_t p = 0; p < n_prov; p++) dense[p] = (parent[p] == p && prov_size[p] >= min_nodes) ? plan->n_groups++ : -1;
+    /* random nodes always get a kernel (alone too): their numbers are defined by the generated code */
+    uint8_t *has_random = calloc((size_t)n_prov + 1, 1);
+    if (!has_random) {
+        free(dense);
+        st = af_error_set(AF_ERR_NOMEM, "out of memory planning fusion");
+        goto done;
+    }
+    for (int32_t i = 0; i < nn; i++)
+        if (prov_of_node[i] >= 0 && af_graph_node(g, i)->op_id == AF_OP_RNG_UNIFORM) has_random[prov_of_node[i]] = 1;
+    for (int32_t p = 0; p < n_prov; p++)
+        dense[p] = (parent[p] == p && (prov_size[p] >= min_nodes || has_random[p])) ? plan->n_groups++ : -1;
+    free(has_random);
     plan->groups = calloc((size_t)plan->n_groups + 1, sizeof(af_fusion_group));
     if (!plan->groups) {
         free(dense);

@@ -46,6 +46,8 @@ struct af_program {
     int cuda_sm_count;
     void *stream;            /* torch's current stream, read once per run */
     int have_stream;
+    int *num_threads;        /* the C module's af_num_threads: torch.get_num_threads(), set once per run */
+    int have_threads;
     int64_t *step_ns;        /* per step: host time (profiling on), NULL when off */
     int64_t profiled_runs;
     int64_t fallbacks;
@@ -203,6 +205,7 @@ static int build_kernels(af_program *p, const af_program_options *opts) {
     if (n_cpu) {
         if ((st = af_codegen_c(p->graph, p->plan, &p->source))) return st;
         if ((st = af_jit_cpu_load(p->source, &p->module, &p->cache_hit))) return st;
+        p->num_threads = (int *)af_jit_symbol(p->module, "af_num_threads");
         for (int32_t i = 0; i < p->plan->n_groups; i++) {
             if (p->plan->groups[i].device.type != AF_DEVICE_CPU) continue;
             char name[32];
@@ -417,6 +420,10 @@ static int run_kernel(af_program *p, int32_t gi) {
     st = af_bridge_tensor_data(p->kernel_objs + ni, p->kernel_metas + ni, no, p->kernel_ptrs + ni);
     if (st) return st == AF_BRIDGE_LAYOUT_MISMATCH ? af_error_set(AF_ERR_RUNTIME, "a kernel output was allocated with another layout") : st;
     if (grp->device.type == AF_DEVICE_CUDA) return launch_cuda(p, gi);
+    if (!p->have_threads && p->num_threads) { /* the kernels use as many threads as torch's own ops */
+        if ((st = af_bridge_num_threads(p->num_threads))) return st;
+        p->have_threads = 1;
+    }
     af_bridge_run_kernel(p->kernels[gi], (char *const *)p->kernel_ptrs);
     return AF_OK;
 }
@@ -445,6 +452,7 @@ static int run_program(af_program *p, af_obj *const *inputs, int32_t n_inputs, a
     }
     p->running = 1;
     p->have_stream = 0;
+    p->have_threads = 0;
     for (int32_t i = 0; i < ni; i++) {
         if (!owned) af_obj_retain(inputs[i]); /* owned: the program holds the caller's reference */
         p->values[p->input_ids[i]] = inputs[i];

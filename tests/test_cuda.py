@@ -6,7 +6,8 @@
 - seeded random pointwise/broadcast/reduction graphs, forward and backward;
 - the HF seed models in fp32/fp16/bf16 through aotfuse.testing (eager and a float64 reference);
 - kernels run on torch's current stream, their outputs come from torch's allocator, and a machine
-  without NVRTC gets a clear error, or eager with one warning under fallback="eager".
+  without NVRTC gets a clear error, or eager with one warning under fallback="eager";
+- the dropout generator gives the same bits on the GPU as on the CPU, forward and backward.
 
 Skipped, with that reason, on a machine without a GPU (tests/conftest.py)."""
 import os
@@ -212,3 +213,24 @@ def test_without_nvrtc_a_clear_error_or_eager_with_one_warning(tmp_path):
     off = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT).replace("FALLBACK", "'error'")],
                          capture_output=True, text=True, env={**env, "AOTFUSE_BACKEND": "aten"}, timeout=300)
     assert off.returncode == 0 and "WARNINGS 0" in off.stdout, off.stderr[-2000:]
+
+
+def test_dropout_generator_is_the_same_bits_on_cuda_and_cpu():
+    import aotfuse.rng  # noqa: F401
+
+    for seed in (0, 123456789123456789):
+        gpu = torch.ops.aotfuse.rng_uniform(torch.tensor(seed, device="cuda"), [257, 1031])
+        cpu = torch.ops.aotfuse.rng_uniform(torch.tensor(seed), [257, 1031])
+        assert gpu.device.type == "cuda" and torch.equal(gpu.cpu(), cpu), f"seed {seed}: CUDA and CPU numbers differ"
+    p = 0.2
+    f = aotfuse.memory_efficient_fusion(lambda x: torch.nn.functional.dropout(x, p, training=True) * 3.0)
+    x = torch.randn(96, 2050, device="cuda", requires_grad=True)
+    f(x)
+    torch.cuda.manual_seed(5)
+    out = f(x)
+    torch.cuda.manual_seed(5)
+    seed = int(torch.randint(0, 2**63 - 1, (), device="cuda"))
+    keep = torch.ops.aotfuse.rng_uniform(torch.tensor(seed), [96, 2050]).cuda() > p
+    assert_close(out, x.detach() * keep / (1 - p) * 3.0, "fused CUDA dropout against the generator's mask")
+    (g,) = torch.autograd.grad(out.sum(), x)
+    assert torch.equal(g != 0, keep), "the CUDA backward's mask is not the forward's"

@@ -69,7 +69,8 @@ OP_CASES = {
 
 def test_every_expression_has_a_case():
     with_expr = {name for name, _kind, expr in _C.op_table() if expr}
-    assert with_expr == set(OP_CASES), with_expr ^ set(OP_CASES)
+    # the generator reads a seed, not float operands: its bit-exact tests are in test_rng.py
+    assert with_expr - {"aotfuse::rng_uniform"} == set(OP_CASES), with_expr ^ set(OP_CASES)
 
 
 def _inputs(dtype, layout):

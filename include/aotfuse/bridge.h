@@ -58,6 +58,9 @@ int af_bridge_empty(const af_tensor_meta *meta, af_obj **out);
 /* torch's current CUDA stream on `device` (the raw cudaStream_t; NULL is the default stream). */
 int af_bridge_cuda_stream(int32_t device, void **stream);
 
+/* torch.get_num_threads(): how many threads generated CPU kernels use (as torch's own ops do). */
+int af_bridge_num_threads(int *n);
+
 /* Calls a compiled kernel with the GIL released. */
 void af_bridge_run_kernel(void (*fn)(char *const *), char *const *ptrs);
 

@@ -9,6 +9,8 @@ AOTFUSE_BACKEND=name   which tensors get generated kernels: auto (default; C for
                        CUDA through NVRTC for CUDA tensors), c, cuda, or aten (none)
 AOTFUSE_NVRTC=path     the libnvrtc to use (else found beside torch, CUDA or the nvidia wheels)
 AOTFUSE_CACHE_DIR=dir  where compiled kernels are kept (default ~/.cache/aotfuse)
+AOTFUSE_FALLBACK_RANDOM=1  dropout with ATen's generator (eager's exact masks, a stored mask)
+                       instead of aotfuse's fused counter-based one
 """
 from __future__ import annotations
 
@@ -40,6 +42,15 @@ def check_inputs() -> bool:
 
 def fusion() -> bool:
     return os.environ.get("AOTFUSE_FUSION", "1") not in ("", "0") and backend() != "aten"
+
+
+def fallback_random() -> bool:
+    return os.environ.get("AOTFUSE_FALLBACK_RANDOM", "0") not in ("", "0")
+
+
+def kernels_for(device) -> bool:
+    """Whether tensors on `device` (a torch.device) get generated kernels."""
+    return fusion() and kernel_devices() in ("all", device.type)
 
 
 _BACKENDS = {"auto": "all", "c": "cpu", "cpu": "cpu", "cuda": "cuda", "aten": "all"}

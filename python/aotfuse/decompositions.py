@@ -7,6 +7,8 @@ import os
 import torch
 from torch._decomp import get_decompositions
 
+from . import config
+
 __all__ = ["default_decompositions"]
 
 aten = torch.ops.aten
@@ -84,12 +86,37 @@ def _var_mean(x, dim=None, *, correction=None, keepdim=False):
     return var, mean
 
 
-def default_decompositions(norms: bool | None = None) -> dict:
+_SEED_HIGH = 2**63 - 1
+
+
+def _native_dropout(input, p, train):
+    """Dropout with aotfuse's counter-based generator (rng.py): the forward draws one 8-byte seed
+    from torch's generator, the mask is `philox_rand(seed) > p`, a pointwise function of the seed
+    that the kernel applying it computes and the backward recomputes (never stored). Tensors whose
+    device gets no generated kernels keep ATen's dropout."""
+    if not (train and p != 0) or p == 1 or not input.dtype.is_floating_point:
+        return NotImplemented  # ATen's own (identity, all-zero, or its error)
+    if not config.kernels_for(input.device):
+        return NotImplemented
+    from . import rng  # noqa: F401  (registers aotfuse::rng_uniform)
+
+    seed = aten.randint.low(0, _SEED_HIGH, [], dtype=torch.int64, device=input.device)
+    keep = aten.gt.Scalar(torch.ops.aotfuse.rng_uniform(seed, list(input.shape)), p)
+    return aten.mul.Tensor(aten.mul.Tensor(keep, input), float(1.0 / (1.0 - p))), keep
+
+
+def default_decompositions(norms: bool | None = None, random: bool | None = None) -> dict:
     """The table memory_efficient_fusion and aot_function use when given none (a fresh dict).
-    norms: also decompose layer norm and softmax (default: AOTFUSE_DECOMPOSE_NORMS, off)."""
+    norms: also decompose layer norm and softmax (default: AOTFUSE_DECOMPOSE_NORMS, off).
+    random: dropout with aotfuse's own generator, fused and recomputed (default: on unless
+    AOTFUSE_FALLBACK_RANDOM=1 or no kernels are generated)."""
     if norms is None:
         norms = os.environ.get("AOTFUSE_DECOMPOSE_NORMS", "0") not in ("", "0")
+    if random is None:
+        random = not config.fallback_random() and config.fusion()
     table = get_decompositions(_DECOMPOSED + (_NORMS if norms else []))
     if norms:
         table[aten.var_mean.correction] = _var_mean
+    if random:
+        table[aten.native_dropout.default] = _native_dropout
     return table

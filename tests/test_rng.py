@@ -1,0 +1,222 @@
+"""aotfuse's dropout: a counter-based generator (Threefry-2x32-20) evaluated inside fused kernels,
+an 8-byte seed saved instead of a mask, and the mask recomputed in the backward.
+
+The generator is checked bit for bit against a pure-Python Threefry (and Random123's known
+answer); the fused kernels against the op's stand-alone program; the statistics of the numbers;
+the backward's use of the forward's mask; torch.manual_seed repeatability; AOTFUSE_FALLBACK_RANDOM."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import aotfuse
+import aotfuse.rng  # noqa: F401  (registers aotfuse::rng_uniform)
+from aotfuse import _C
+from aotfuse.lower import build_graph
+from aotfuse.nvrtc_check import compile_report, nvrtc_available
+from helpers import assert_close
+
+_M = 0xFFFFFFFF
+_SEED_HIGH = 2**63 - 1
+
+
+def _rotl(x, r):
+    return ((x << r) | (x >> (32 - r))) & _M
+
+
+def threefry2x32_20(key, counter):
+    """The reference: Random123's Threefry-2x32 with 20 rounds, first output word."""
+    k0, k1 = key & _M, (key >> 32) & _M
+    ks = [k0, k1, 0x1BD11BDA ^ k0 ^ k1]
+    x0, x1 = (counter + k0) & _M, ((counter >> 32) + k1) & _M
+    rot = [13, 15, 26, 6, 17, 29, 16, 24]
+    for r in range(20):
+        x0 = (x0 + x1) & _M
+        x1 = _rotl(x1, rot[r % 8]) ^ x0
+        if r % 4 == 3:
+            s = (r + 1) // 4
+            x0 = (x0 + ks[s % 3]) & _M
+            x1 = (x1 + ks[(s + 1) % 3] + s) & _M
+    return x0
+
+
+def reference_uniform(seed: int, n: int, start: int = 0) -> torch.Tensor:
+    words = [threefry2x32_20(seed, i) for i in range(start, start + n)]
+    return (torch.tensor(words, dtype=torch.float64) * 2.0**-32).float()
+
+
+def test_reference_matches_random123_known_answer():
+    assert threefry2x32_20(0, 0) == 0x6B200159  # Random123's kat_vectors: threefry2x32_20, zero key and counter
+
+
+@pytest.mark.parametrize("seed", [0, 1, 123456789123456789, _SEED_HIGH - 1])
+def test_uniform_is_threefry_bit_for_bit(seed):
+    u = torch.ops.aotfuse.rng_uniform(torch.tensor(seed), [7, 9])
+    assert u.dtype == torch.float32 and u.shape == (7, 9)
+    assert torch.equal(u.flatten(), reference_uniform(seed, 63))
+    # the counter is the row-major index: a later block of a big tensor matches too
+    big = torch.ops.aotfuse.rng_uniform(torch.tensor(seed), [300, 1000])
+    assert torch.equal(big.flatten()[123_000:123_040], reference_uniform(seed, 40, start=123_000))
+
+
+def test_uniform_statistics():
+    u = torch.ops.aotfuse.rng_uniform(torch.tensor(42), [1 << 21]).double()
+    n = u.numel()
+    assert 0.0 <= u.min() and u.max() <= 1.0
+    assert abs(u.mean().item() - 0.5) < 5 * (1 / 12 / n) ** 0.5
+    assert abs(u.var().item() - 1 / 12) < 1e-3
+    counts = torch.histc(u, bins=64, min=0.0, max=1.0)  # chi-square over 64 bins, 63 dof
+    expected = n / 64
+    chi2 = (((counts - expected) ** 2) / expected).sum().item()
+    assert chi2 < 130, chi2  # p < 1e-6 for 63 dof
+    # neighbouring elements and neighbouring seeds are uncorrelated
+    assert abs(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1].item()) < 0.01
+    v = torch.ops.aotfuse.rng_uniform(torch.tensor(43), [1 << 21]).double()
+    assert abs(torch.corrcoef(torch.stack([u, v]))[0, 1].item()) < 0.01
+
+
+def test_bad_seed_is_a_clear_error():
+    with pytest.raises(ValueError, match="int64 0-dim"):
+        torch.ops.aotfuse.rng_uniform(torch.tensor([1, 2]), [3])
+
+
+class _DropMLP(nn.Module):
+    def __init__(self, p=0.3, d=64):
+        super().__init__()
+        self.fc1, self.fc2, self.drop = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.Dropout(p)
+
+    def forward(self, x):
+        return self.fc2(self.drop(nn.functional.gelu(self.fc1(x))))
+
+
+def _seeds_drawn(n):
+    """The seeds the next n dropouts of a compiled function draw from torch's generator."""
+    return [int(torch.randint(0, _SEED_HIGH, ())) for _ in range(n)]
+
+
+def test_fused_dropout_mask_is_the_generator_and_backward_reuses_it():
+    torch.manual_seed(0)
+    p = 0.3
+    drop = aotfuse.memory_efficient_fusion(lambda x: nn.functional.dropout(x, p, training=True) * 2.0)
+    x = torch.randn(64, 300, requires_grad=True)
+    drop(x)  # compile
+    torch.manual_seed(7)
+    out = drop(x)
+    torch.manual_seed(7)
+    (seed,) = _seeds_drawn(1)
+    keep = torch.ops.aotfuse.rng_uniform(torch.tensor(seed), [64, 300]) > p
+    assert_close(out, x.detach() * keep / (1 - p) * 2.0, "fused dropout against the generator's mask")
+    (g,) = torch.autograd.grad(out.sum(), x)
+    assert torch.equal(g != 0, keep), "the backward's mask is not the forward's"
+    assert_close(g, keep.float() * (2.0 / (1 - p)), "dropout gradient")
+    kept = keep.float().mean().item()
+    assert abs(kept - (1 - p)) < 5 * (p * (1 - p) / keep.numel()) ** 0.5
+
+
+def test_dropout_saves_a_seed_not_a_mask_and_recomputes_it():
+    torch.manual_seed(0)
+    model = _DropMLP()
+    report = aotfuse.explain(aotfuse.memory_efficient_fusion(model), torch.randn(32, 64, requires_grad=True))
+    saved_dtypes = [s[2] for s in report.saved]
+    assert "torch.bool" not in saved_dtypes and not any("b8" in str(d) or "bool" in str(d) for d in saved_dtypes), report
+    assert any(s[1] == () and "int64" in str(s[2]) for s in report.saved), report  # the seed
+    assert any("rng_uniform" in line for line in report.backward_program.splitlines()), report.backward_program
+    assert "native_dropout" not in report.forward_program
+    # the generator runs inside kernels, forward and backward
+    for prog in (report.forward_program, report.backward_program):
+        assert "rng_uniform" in prog
+
+
+def test_dropout_training_matches_eager_statistically_and_repeats_under_manual_seed():
+    torch.manual_seed(0)
+    model = _DropMLP(p=0.5)
+    compiled = aotfuse.memory_efficient_fusion(copy.deepcopy(model))
+    x = torch.randn(16, 64)
+    compiled(x)
+    torch.manual_seed(3)
+    a = compiled(x)
+    torch.manual_seed(3)
+    b = compiled(x)
+    c = compiled(x)
+    assert torch.equal(a, b), "same torch seed, different dropout masks"
+    assert not torch.equal(b, c), "two calls drew the same mask"
+    # the expectation over masks is the eval output (dropout is unbiased): average many calls
+    with torch.no_grad():
+        mean = torch.stack([compiled(x) for _ in range(400)]).mean(0)
+        ref = model.eval()(x)
+    assert (mean - ref).abs().mean() < 0.05 * ref.abs().mean() + 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_dropout_dtypes_and_reductions_in_one_kernel(dtype):
+    """Dropout inside a kernel that also reduces (the row sums see the same mask)."""
+    p = 0.25
+
+    def f(x):
+        y = nn.functional.dropout(x, p, training=True)
+        return y, y.sum(-1)
+
+    compiled = aotfuse.aot_function(f)
+    x = torch.randn(48, 130, dtype=dtype)
+    compiled(x)
+    torch.manual_seed(11)
+    y, s = compiled(x)
+    torch.manual_seed(11)
+    (seed,) = _seeds_drawn(1)
+    keep = torch.ops.aotfuse.rng_uniform(torch.tensor(seed), [48, 130]) > p
+    ref = (keep.to(dtype) * x) * (1 / (1 - p))
+    assert y.dtype == dtype and torch.equal(y, ref)
+    prog = compiled.records[-1].programs["inference"].program
+    groups = {op.split(".")[0]: group for op, _kind, group in prog.node_groups()}
+    assert groups["aotfuse::rng_uniform"] >= 0 and groups["aotfuse::rng_uniform"] == groups["aten::sum"], groups
+    assert_close(s.float(), ref.float().sum(-1), "row sums of the dropout", atol=5e-2 if dtype != torch.float32 else 1e-4)
+
+
+def test_fallback_random_keeps_eager_masks(monkeypatch):
+    monkeypatch.setenv("AOTFUSE_FALLBACK_RANDOM", "1")
+    model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), nn.GELU(), nn.Linear(64, 16))
+    compiled = aotfuse.memory_efficient_fusion(copy.deepcopy(model))
+    x = torch.randn(8, 16)
+    compiled(x)
+    torch.manual_seed(1)
+    out = compiled(x)
+    torch.manual_seed(1)
+    ref = model(x)
+    assert_close(out, ref, "output with ATen's dropout (same seed, same mask)")
+    out.sum().backward()
+    ref.sum().backward()
+    for (name, p), q in zip(compiled.named_parameters(), model.parameters()):
+        assert_close(p.grad, q.grad, f"grad of {name} with ATen's dropout")
+    bw = compiled._aotfuse_compiled.records[-1].graphs["backward"]
+    assert not any("rng_uniform" in str(n.target) for n in bw.graph.nodes)
+
+
+def test_eval_and_p0_have_no_generator():
+    model = _DropMLP(p=0.0)
+    report = aotfuse.explain(aotfuse.memory_efficient_fusion(model), torch.randn(4, 64, requires_grad=True))
+    assert "rng_uniform" not in report.forward_program and "randint" not in report.forward_program
+    model = _DropMLP(p=0.5).eval()
+    report = aotfuse.explain(aotfuse.memory_efficient_fusion(model), torch.randn(4, 64, requires_grad=True))
+    assert "rng_uniform" not in report.forward_program
+
+
+_why = nvrtc_available()
+
+
+@pytest.mark.skipif(_why is not None, reason=f"no NVRTC library here: {_why}")
+def test_dropout_cuda_source_compiles():
+    def f(x, g):
+        y = nn.functional.dropout(x, 0.1, training=True)
+        return y * g
+
+    from aotfuse.decompositions import default_decompositions
+
+    x, g = torch.randn(64, 256), torch.randn(64, 256)
+    gm = make_fx(f, decomposition_table=default_decompositions(random=True), tracing_mode="fake")(x, g)
+    source, launches = _C.cuda_codegen(build_graph(gm, device="cuda:0").graph)
+    assert "af_rand(" in source and launches
+    for arch in (80, 90):
+        kernels = compile_report(source, arch)
+        assert kernels and all(k["registers"] for k in kernels)
