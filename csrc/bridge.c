@@ -88,6 +88,8 @@ static struct {
     PyObject *empty_strided;        /* torch.empty_strided */
     PyObject *raw_stream;           /* torch._C._cuda_getCurrentRawStream, looked up at first use */
     PyObject *get_num_threads;      /* torch.get_num_threads, looked up at first use */
+    PyObject *reinterpret;          /* torch._C._dynamo.guards._reinterpret_tensor, looked up at first use */
+    int reinterpret_looked_up;
 } py;
 
 static int bridge_fail(const char *what) {
@@ -671,6 +673,55 @@ int af_bridge_cuda_stream(int32_t device, void **stream) {
     if (PyErr_Occurred()) return bridge_fail("torch's current CUDA stream is not an address");
     *stream = p;
     return AF_OK;
+}
+
+int af_bridge_can_reinterpret(void) {
+    if (af_bridge_init()) {
+        af_error_clear();
+        return 0;
+    }
+    if (!py.reinterpret_looked_up) { /* what inductor's generated code uses to make views */
+        py.reinterpret_looked_up = 1;
+        PyObject *c = PyObject_GetAttrString(py.torch, "_C");
+        PyObject *d = c ? PyObject_GetAttrString(c, "_dynamo") : NULL;
+        PyObject *guards = d ? PyObject_GetAttrString(d, "guards") : NULL;
+        py.reinterpret = guards ? PyObject_GetAttrString(guards, "_reinterpret_tensor") : NULL;
+        Py_XDECREF(guards);
+        Py_XDECREF(d);
+        Py_XDECREF(c);
+        PyErr_Clear();
+    }
+    return py.reinterpret != NULL;
+}
+
+int af_bridge_reinterpret(af_obj *base, const af_tensor_meta *m, int64_t offset_delta, af_obj **out) {
+    if (!af_bridge_can_reinterpret()) return af_error_set(AF_ERR_BRIDGE, "torch has no _reinterpret_tensor");
+    PyObject *sizes = PyTuple_New(m->ndim), *strides = PyTuple_New(m->ndim), *r = NULL;
+    for (int32_t d = 0; sizes && strides && d < m->ndim; d++) {
+        PyObject *a = PyLong_FromLongLong(m->sizes[d]), *b = PyLong_FromLongLong(m->strides[d]);
+        if (!a || !b) {
+            Py_XDECREF(a);
+            Py_XDECREF(b);
+            Py_CLEAR(sizes);
+            break;
+        }
+        PyTuple_SET_ITEM(sizes, d, a);
+        PyTuple_SET_ITEM(strides, d, b);
+    }
+    if (sizes && strides) r = PyObject_CallFunction(py.reinterpret, "OOOL", (PyObject *)base, sizes, strides, (long long)offset_delta);
+    Py_XDECREF(sizes);
+    Py_XDECREF(strides);
+    if (!r) return bridge_fail("making a view (torch._C._dynamo.guards._reinterpret_tensor)");
+    *out = (af_obj *)r;
+    return AF_OK;
+}
+
+int af_bridge_same_view(af_obj *const *objs, const af_tensor_meta *const *metas) {
+    void *ptrs[2] = {NULL, NULL};
+    int st = af_bridge_tensor_data(objs, metas, 2, ptrs);
+    if (st) return st;
+    int64_t want = (metas[1]->storage_offset - metas[0]->storage_offset) * af_dtype_itemsize(metas[1]->dtype);
+    return (char *)ptrs[1] - (char *)ptrs[0] == want ? AF_OK : AF_BRIDGE_LAYOUT_MISMATCH;
 }
 
 int af_bridge_num_threads(int *n) {

@@ -598,7 +598,32 @@ static PyObject *Program_node_groups(ProgramObject *self, PyObject *unused) {
     return list;
 }
 
+static PyObject *Program_set_plain_outputs(ProgramObject *self, PyObject *arg) {
+    long first = PyLong_AsLong(arg);
+    if (first == -1 && PyErr_Occurred()) return NULL;
+    af_program_set_plain_outputs(self->p, (int32_t)first);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Program_node_steps(ProgramObject *self, PyObject *unused) {
+    (void)unused;
+    int32_t n = af_graph_num_nodes(af_program_graph(self->p));
+    PyObject *list = PyList_New(n);
+    for (int32_t i = 0; list && i < n; i++) {
+        PyObject *t = PyUnicode_FromString(af_program_node_how(self->p, i));
+        if (!t) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, i, t);
+    }
+    return list;
+}
+
 static PyMethodDef Program_methods[] = {
+    {"set_plain_outputs", (PyCFunction)Program_set_plain_outputs, METH_O,
+     "set_plain_outputs(first): outputs from index first on (saved activations, gradients) may be views "
+     "made without ATen's dispatcher; earlier ones (by default all) stay ATen's views"},
+    {"node_steps", (PyCFunction)Program_node_steps, METH_NOARGS,
+     "per node, how it runs: 'kernel', 'aten' (an ATen call), 'folded' (a view kernels read through), "
+     "'view' (a view made without ATen's dispatcher)"},
     {"profile", (PyCFunction)Program_profile, METH_NOARGS,
      "profile() -> (runs, [(kind, op, node or kernel index, seconds) per step]): host time per step while profiling is on"},
     {"run", (PyCFunction)Program_run, METH_O, "run(inputs) -> tuple of outputs (a list of inputs is emptied)"},

@@ -48,6 +48,14 @@ struct af_program {
     int have_stream;
     int *num_threads;        /* the C module's af_num_threads: torch.get_num_threads(), set once per run */
     int have_threads;
+    /* Views (op-table kind view) cost no ATen dispatch: a view read only by kernels (or by such
+     * views) is folded, never made: the kernel reads its root value at a byte offset with the
+     * view's strides. Other views are made by torch's _reinterpret_tensor (no dispatcher) once the
+     * first run has checked ATen's view against the graph's layout for it. */
+    int32_t *fold_root;      /* per value: the non-folded value a folded view reads, or -1 */
+    int64_t *fold_delta;     /* per value: its data's byte offset from the root's */
+    int8_t *view_state;      /* per node: 0 a view step not yet checked, 1 checked (no dispatch), -1 ATen */
+    int8_t *fold_state;      /* per group with folded inputs: 0 not yet checked, 1 checked, -1 falls back */
     int64_t *step_ns;        /* per step: host time (profiling on), NULL when off */
     int64_t profiled_runs;
     int64_t fallbacks;
@@ -91,8 +99,10 @@ static int plan_releases(af_program *p, const int32_t *step_of_node) {
             for (int32_t a = 0; a < n->n_args; a++) mark_uses(&n->args[a], s, last_use);
         } else {
             const af_fusion_group *grp = &p->plan->groups[p->steps[s].group];
-            for (int32_t k = 0; k < grp->n_inputs; k++)
-                if (last_use[grp->inputs[k]] < s) last_use[grp->inputs[k]] = s;
+            for (int32_t k = 0; k < grp->n_inputs; k++) {
+                int32_t v = p->fold_root[grp->inputs[k]] >= 0 ? p->fold_root[grp->inputs[k]] : grp->inputs[k];
+                if (last_use[v] < s) last_use[v] = s;
+            }
         }
     }
     for (int32_t o = 0; o < af_graph_num_outputs(g); o++) last_use[af_graph_output(g, o)] = ns;
@@ -120,6 +130,10 @@ void af_program_free(af_program *p) {
         for (int32_t i = 0; i < af_graph_num_nodes(p->graph); i++) af_extern_free(p->externs[i]);
     free(p->externs);
     free(p->steps);
+    free(p->fold_root);
+    free(p->fold_delta);
+    free(p->view_state);
+    free(p->fold_state);
     free(p->release);
     free(p->release_start);
     free(p->input_ids);
@@ -229,6 +243,81 @@ static int build_kernels(af_program *p, const af_program_options *opts) {
     return AF_OK;
 }
 
+/* A view node the runtime may make without ATen: one tensor output (not a graph output, whose
+ * aliasing AOTAutograd tracks) of a tensor it views, same dtype and device. */
+static int plain_view(const af_graph *g, int32_t i, const uint8_t *is_output) {
+    const af_node *n = af_graph_node(g, i);
+    if (af_op_get(n->op_id)->kind != AF_KIND_VIEW || n->n_outputs != 1 || n->n_args < 1) return 0;
+    if (n->args[0].kind != AF_ARG_VALUE || n->args[0].name || (is_output && is_output[n->first_output])) return 0;
+    const af_tensor_meta *out = &af_graph_value(g, n->first_output)->meta, *in = &af_graph_value(g, n->args[0].u.value)->meta;
+    return out->type == AF_VALUE_TENSOR && in->type == AF_VALUE_TENSOR && out->dtype == in->dtype &&
+           out->device.type == in->device.type && out->device.index == in->device.index;
+}
+
+/* Which views fold into the kernels reading them (fold_root, fold_delta) and which run as checked
+ * reinterpretations (view_state 0); in reverse order, since a view folds when every reader is a
+ * kernel or a view that folds. */
+static int plan_views(af_program *p) {
+    const af_graph *g = p->graph;
+    int32_t nn = af_graph_num_nodes(g), nv = af_graph_num_values(g);
+    p->fold_root = malloc(((size_t)nv + 1) * sizeof(int32_t));
+    p->fold_delta = calloc((size_t)nv + 1, sizeof(int64_t));
+    p->view_state = malloc((size_t)nn + 1);
+    uint8_t *is_output = calloc((size_t)nv + 1, 1), *foldable = calloc((size_t)nn + 1, 1);
+    int32_t *readers_ok = calloc((size_t)nv + 1, sizeof(int32_t)), *readers = calloc((size_t)nv + 1, sizeof(int32_t));
+    if (!p->fold_root || !p->fold_delta || !p->view_state || !is_output || !foldable || !readers_ok || !readers) {
+        free(is_output);
+        free(foldable);
+        free(readers_ok);
+        free(readers);
+        return af_error_set(AF_ERR_NOMEM, "out of memory planning a program");
+    }
+    for (int32_t v = 0; v < nv; v++) p->fold_root[v] = -1;
+    for (int32_t o = 0; o < af_graph_num_outputs(g); o++) is_output[af_graph_output(g, o)] = 1;
+    int reinterpret = af_bridge_can_reinterpret();
+    for (int32_t i = nn - 1; i >= 0; i--) {
+        const af_node *n = af_graph_node(g, i);
+        int view = plain_view(g, i, is_output);
+        int32_t v = n->first_output;
+        foldable[i] = view && p->plan && readers[v] > 0 && readers_ok[v] == readers[v];
+        p->view_state[i] = view && reinterpret && !foldable[i] ? 0 : -1;
+        /* count this node's reads: ok when it is a kernel member or a view that folds */
+        int ok = (p->plan && p->plan->group_of_node[i] >= 0) || foldable[i];
+        for (int32_t a = 0; a < n->n_args; a++) {
+            const af_arg *arg = &n->args[a];
+            if (arg->kind == AF_ARG_VALUE) {
+                readers[arg->u.value]++;
+                readers_ok[arg->u.value] += ok;
+            } else if (arg->kind == AF_ARG_LIST) {
+                for (int32_t j = 0; j < arg->u.list.n; j++)
+                    if (arg->u.list.items[j].kind == AF_ARG_VALUE) readers[arg->u.list.items[j].u.value]++; /* never ok */
+            }
+        }
+    }
+    p->fold_state = calloc((size_t)(p->plan ? p->plan->n_groups : 0) + 1, 1);
+    if (!p->fold_state) {
+        free(is_output);
+        free(foldable);
+        free(readers_ok);
+        free(readers);
+        return af_error_set(AF_ERR_NOMEM, "out of memory planning a program");
+    }
+    for (int32_t i = 0; i < nn; i++) {
+        if (!foldable[i]) continue;
+        const af_node *n = af_graph_node(g, i);
+        int32_t v = n->first_output, b = n->args[0].u.value;
+        int32_t root = p->fold_root[b] >= 0 ? p->fold_root[b] : b;
+        p->fold_root[v] = root;
+        p->fold_delta[v] = (af_graph_value(g, v)->meta.storage_offset - af_graph_value(g, root)->meta.storage_offset) *
+                           af_dtype_itemsize(af_graph_value(g, v)->meta.dtype);
+    }
+    free(is_output);
+    free(foldable);
+    free(readers_ok);
+    free(readers);
+    return AF_OK;
+}
+
 int af_program_new(af_graph *g, const af_program_options *opts, af_program **out) {
     if (!g || !out) return af_error_set(AF_ERR_INVALID, "af_program_new: NULL argument");
     af_program_options o = {0};
@@ -259,9 +348,12 @@ int af_program_new(af_graph *g, const af_program_options *opts, af_program **out
         p->input_names[i] = v->name;
     }
     if (o.fuse && (st = build_kernels(p, &o))) goto error;
+    if ((st = plan_views(p))) goto error;
     for (int32_t i = 0; i < nn; i++) {
         int32_t gi = p->plan ? p->plan->group_of_node[i] : -1;
         step_of_node[i] = -1;
+        const af_node *n = af_graph_node(g, i);
+        if (n->n_outputs == 1 && p->fold_root[n->first_output] >= 0) continue; /* folded into its kernels */
         if (gi < 0) {
             step_of_node[i] = p->n_steps;
             p->steps[p->n_steps++] = (af_step){.node = i, .group = -1};
@@ -296,6 +388,26 @@ int64_t af_program_kernel_fallbacks(const af_program *p) { return p ? p->fallbac
 int af_program_cache_hit(const af_program *p) { return p ? p->cache_hit : 0; }
 const char *af_program_source(const af_program *p) { return p ? p->source : NULL; }
 int32_t af_program_num_steps(const af_program *p) { return p ? p->n_steps : 0; }
+void af_program_set_plain_outputs(af_program *p, int32_t first) {
+    if (!p || !af_bridge_can_reinterpret()) return;
+    const af_graph *g = p->graph;
+    int32_t no = af_graph_num_outputs(g);
+    for (int32_t o = first < 0 ? 0 : first; o < no; o++) {
+        int32_t v = af_graph_output(g, o), node = af_graph_value(g, v)->producer, aliased = 0;
+        for (int32_t e = 0; e < first && e < no; e++) aliased |= af_graph_output(g, e) == v;
+        if (node >= 0 && !aliased && p->view_state[node] < 0 && p->fold_root[v] < 0 && plain_view(g, node, NULL))
+            p->view_state[node] = 0;
+    }
+}
+
+const char *af_program_node_how(const af_program *p, int32_t node) {
+    if (!p || node < 0 || node >= af_graph_num_nodes(p->graph)) return NULL;
+    if (af_program_node_group(p, node) >= 0) return "kernel";
+    const af_node *n = af_graph_node(p->graph, node);
+    if (n->n_outputs == 1 && p->fold_root[n->first_output] >= 0) return "folded";
+    return p->view_state[node] >= 0 ? "view" : "aten";
+}
+
 int32_t af_program_node_group(const af_program *p, int32_t node) {
     if (!p || !p->plan || node < 0 || node >= af_graph_num_nodes(p->graph)) return -1;
     return p->plan->group_of_node[node];
@@ -382,22 +494,79 @@ static int launch_cuda(af_program *p, int32_t gi) {
     return st;
 }
 
+/* Makes folded view v (and the folded views it reads) with ATen, for a kernel's fallback. */
+static int materialize_view(af_program *p, int32_t v) {
+    if (p->values[v]) return AF_OK;
+    const af_node *n = af_graph_node(p->graph, af_graph_value(p->graph, v)->producer);
+    int32_t b = n->args[0].u.value;
+    int st = p->fold_root[b] >= 0 ? materialize_view(p, b) : AF_OK;
+    return st ? st : af_extern_call(p->externs[af_graph_value(p->graph, v)->producer], p->values, &p->values[v]);
+}
+
+static void drop_folded_views(af_program *p, const af_fusion_group *grp) {
+    for (int32_t k = 0; k < grp->n_inputs; k++) {
+        int32_t v = grp->inputs[k];
+        while (v >= 0 && p->fold_root[v] >= 0) { /* the chain back to the root */
+            af_obj_release(p->values[v]);
+            p->values[v] = NULL;
+            v = af_graph_node(p->graph, af_graph_value(p->graph, v)->producer)->args[0].u.value;
+        }
+    }
+}
+
+/* The first run of a kernel reading folded views makes them with ATen once: do they have the
+ * layouts (and offsets from their roots) the graph says, which the kernel will assume? If not,
+ * the kernel always falls back (never a wrong answer). */
+static int check_folded_views(af_program *p, int32_t gi) {
+    const af_fusion_group *grp = &p->plan->groups[gi];
+    int st = AF_OK, ok = 1;
+    for (int32_t k = 0; k < grp->n_inputs && !st && ok; k++) {
+        int32_t v = grp->inputs[k], root = p->fold_root[v];
+        if (root < 0) continue;
+        if ((st = materialize_view(p, v))) break;
+        af_obj *objs[2] = {p->values[root], p->values[v]};
+        const af_tensor_meta *metas[2] = {&af_graph_value(p->graph, root)->meta, &af_graph_value(p->graph, v)->meta};
+        st = af_bridge_same_view(objs, metas);
+        if (st == AF_BRIDGE_LAYOUT_MISMATCH) ok = 0, st = AF_OK;
+    }
+    drop_folded_views(p, grp);
+    if (!st) p->fold_state[gi] = ok ? 1 : -1;
+    return st;
+}
+
 /* A kernel step; on a layout mismatch its nodes run as extern calls instead. */
 static int run_kernel(af_program *p, int32_t gi) {
     const af_fusion_group *grp = &p->plan->groups[gi];
     int32_t ni = grp->n_inputs, no = grp->n_outputs;
-    for (int32_t k = 0; k < ni; k++) {
-        p->kernel_objs[k] = p->values[grp->inputs[k]];
-        p->kernel_metas[k] = &af_graph_value(p->graph, grp->inputs[k])->meta;
+    int st = AF_OK, folded = 0;
+    for (int32_t k = 0; k < ni; k++) folded |= p->fold_root[grp->inputs[k]] >= 0;
+    if (folded && p->fold_state[gi] == 0 && (st = check_folded_views(p, gi))) return st;
+    for (int32_t k = 0; k < ni; k++) { /* a folded view: its root, checked against the root's layout */
+        int32_t v = p->fold_root[grp->inputs[k]] >= 0 ? p->fold_root[grp->inputs[k]] : grp->inputs[k];
+        p->kernel_objs[k] = p->values[v];
+        p->kernel_metas[k] = &af_graph_value(p->graph, v)->meta;
     }
-    int st = af_bridge_tensor_data(p->kernel_objs, p->kernel_metas, ni, p->kernel_ptrs);
+    st = folded && p->fold_state[gi] < 0 ? AF_BRIDGE_LAYOUT_MISMATCH
+                                         : af_bridge_tensor_data(p->kernel_objs, p->kernel_metas, ni, p->kernel_ptrs);
+    if (!st)
+        for (int32_t k = 0; k < ni; k++)
+            if (p->fold_root[grp->inputs[k]] >= 0) p->kernel_ptrs[k] = (char *)p->kernel_ptrs[k] + p->fold_delta[grp->inputs[k]];
     if (st == AF_BRIDGE_LAYOUT_MISMATCH) {
         /* run the members one by one; values only the kernel would have held are dropped after */
         p->fallbacks++;
+        for (int32_t k = 0; k < ni; k++)
+            if (p->fold_root[grp->inputs[k]] >= 0 && (st = materialize_view(p, grp->inputs[k]))) {
+                drop_folded_views(p, grp);
+                return st;
+            }
         for (int32_t m = 0; m < grp->n_nodes; m++) {
             const af_node *n = af_graph_node(p->graph, grp->nodes[m]);
-            if ((st = af_extern_call(p->externs[grp->nodes[m]], p->values, &p->values[n->first_output]))) return st;
+            if ((st = af_extern_call(p->externs[grp->nodes[m]], p->values, &p->values[n->first_output]))) {
+                drop_folded_views(p, grp);
+                return st;
+            }
         }
+        drop_folded_views(p, grp);
         for (int32_t m = 0; m < grp->n_nodes; m++) {
             int32_t v = af_graph_node(p->graph, grp->nodes[m])->first_output;
             int keep = 0;
@@ -425,6 +594,33 @@ static int run_kernel(af_program *p, int32_t gi) {
         p->have_threads = 1;
     }
     af_bridge_run_kernel(p->kernels[gi], (char *const *)p->kernel_ptrs);
+    return AF_OK;
+}
+
+/* A checked view step: torch's reinterpretation of its input with the graph's layout, no dispatch. */
+static int run_view(af_program *p, int32_t i) {
+    const af_node *n = af_graph_node(p->graph, i);
+    int32_t b = n->args[0].u.value, v = n->first_output;
+    const af_tensor_meta *m = &af_graph_value(p->graph, v)->meta;
+    return af_bridge_reinterpret(p->values[b], m, m->storage_offset - af_graph_value(p->graph, b)->meta.storage_offset,
+                                 &p->values[v]);
+}
+
+/* After a view step's first ATen run: does ATen's view (and its input) have the graph's layout?
+ * Then later runs reinterpret (layouts depend only on the checked inputs' layouts); else they
+ * keep ATen's view. */
+static int check_view(af_program *p, int32_t i) {
+    const af_node *n = af_graph_node(p->graph, i);
+    int32_t b = n->args[0].u.value, v = n->first_output;
+    af_obj *objs[2] = {p->values[b], p->values[v]};
+    const af_tensor_meta *metas[2] = {&af_graph_value(p->graph, b)->meta, &af_graph_value(p->graph, v)->meta};
+    int st = af_bridge_same_view(objs, metas);
+    if (st == AF_BRIDGE_LAYOUT_MISMATCH) {
+        p->view_state[i] = -1;
+        return AF_OK;
+    }
+    if (st) return st;
+    p->view_state[i] = 1;
     return AF_OK;
 }
 
@@ -464,8 +660,10 @@ static int run_program(af_program *p, af_obj *const *inputs, int32_t n_inputs, a
     }
     for (int32_t s = 0; s < p->n_steps; s++) {
         if (p->steps[s].node >= 0) {
-            const af_node *n = af_graph_node(g, p->steps[s].node);
-            st = af_extern_call(p->externs[p->steps[s].node], p->values, &p->values[n->first_output]);
+            int32_t i = p->steps[s].node;
+            const af_node *n = af_graph_node(g, i);
+            st = p->view_state[i] > 0 && p->check_inputs ? run_view(p, i) : af_extern_call(p->externs[i], p->values, &p->values[n->first_output]);
+            if (!st && p->view_state[i] == 0) st = check_view(p, i);
         } else {
             st = run_kernel(p, p->steps[s].group);
         }

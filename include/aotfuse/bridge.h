@@ -58,6 +58,16 @@ int af_bridge_empty(const af_tensor_meta *meta, af_obj **out);
 /* torch's current CUDA stream on `device` (the raw cudaStream_t; NULL is the default stream). */
 int af_bridge_cuda_stream(int32_t device, void **stream);
 
+/* Views without the dispatcher (torch._C._dynamo.guards._reinterpret_tensor, as inductor's
+ * generated code makes them): whether this torch has it; a new tensor on base's storage with m's
+ * sizes and strides, its storage offset base's plus offset_delta elements. */
+int af_bridge_can_reinterpret(void);
+int af_bridge_reinterpret(af_obj *base, const af_tensor_meta *m, int64_t offset_delta, af_obj **out);
+/* Whether objs[1] is the view of objs[0] that metas describe (both layouts as given, and their
+ * data pointers apart by the difference of the metas' storage offsets): AF_OK, or
+ * AF_BRIDGE_LAYOUT_MISMATCH. */
+int af_bridge_same_view(af_obj *const *objs, const af_tensor_meta *const *metas);
+
 /* torch.get_num_threads(): how many threads generated CPU kernels use (as torch's own ops do). */
 int af_bridge_num_threads(int *n);
 

@@ -2,6 +2,9 @@
  *
  * A program owns its graph, its fusion plan and compiled module, and a list of steps: an extern
  * call through the bridge per unfused node, a fused kernel per group (at its last member's place).
+ * Views make no ATen call: one read only by kernels is folded into them (they read its root at an
+ * offset, with its strides); others are torch reinterpretations, checked against ATen's view on
+ * the first run.
  * Each intermediate is released right after the last step that reads it, so peak memory is what
  * the program needs, not what the graph holds; values inside a kernel never exist.
  * Before a kernel runs, its inputs' layouts are checked against what it was compiled for; on a
@@ -38,6 +41,11 @@ const char *af_program_source(const af_program *p);
 const char *af_program_cuda_source(const af_program *p); /* NULL without CUDA kernels */
 int32_t af_program_num_steps(const af_program *p);
 int32_t af_program_node_group(const af_program *p, int32_t node); /* its fusion group, or -1 */
+/* How a node runs: "kernel" (a fused kernel's member), "aten" (an ATen call), "folded" (a view
+ * only kernels read: nothing runs, they read its root with its strides) or "view" (a view made
+ * without ATen's dispatcher, once its first run matched the graph's layout; one that did not
+ * becomes "aten"). NULL out of range. */
+const char *af_program_node_how(const af_program *p, int32_t node);
 
 void af_program_free(af_program *p); /* NULL allowed */
 
@@ -49,6 +57,11 @@ const af_graph *af_program_graph(const af_program *p);
 int af_program_set_profiling(af_program *p, int enabled);
 int64_t af_program_profile(const af_program *p, int32_t step, int32_t *node, int32_t *group);
 int64_t af_program_profiled_runs(const af_program *p);
+
+/* Graph outputs from index `first` on are plain values (activations saved for backward,
+ * gradients) whose aliasing nobody tracks: views among them may be made without ATen too.
+ * Earlier outputs (by default all) are the caller's, whose views stay ATen's. */
+void af_program_set_plain_outputs(af_program *p, int32_t first);
 
 /* Whether af_program_run checks each input against the graph's input metadata (default on). */
 void af_program_set_check_inputs(af_program *p, int enabled);

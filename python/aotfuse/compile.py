@@ -48,6 +48,13 @@ class _Record:
 
 def _compile_with_core(record: _Record, stage: str, gm: torch.fx.GraphModule, example_inputs: Any) -> Lowered:
     lowered = lower(gm, example_inputs)
+    # the backward's outputs (gradients) and the forward's after the user-visible ones (saved for
+    # backward) are plain values: views among them need not be ATen's (AOTAutograd tracks the
+    # aliasing of user outputs only)
+    if stage == "backward":
+        lowered.program.set_plain_outputs(0)
+    elif stage == "forward":
+        lowered.program.set_plain_outputs(lowered.program_outputs_before(record.num_fwd_outputs))
     record.programs[stage] = lowered
     record.graphs[stage] = gm
     return lowered

@@ -15,7 +15,8 @@ class Explanation:
 
     forward_nodes: int
     backward_nodes: int
-    extern_ops: dict[str, int]  # op name -> extern calls, forward and backward together
+    extern_ops: dict[str, int]  # op name -> ATen calls, forward and backward together
+    views: dict[str, int]       # op name -> views that make no ATen call (folded into kernels, or reinterpreted)
     fused_kernels: int          # kernels launched per forward+backward
     saved_bytes: int            # bytes the forward saves for the backward
     saved: list[tuple[str, tuple, str, int]]  # (name, shape, dtype, bytes) of each saved value
@@ -30,6 +31,7 @@ class Explanation:
             f"  backward program: {self.backward_nodes} nodes",
             f"  fused kernels:    {self.fused_kernels}",
             f"  extern calls:     {sum(self.extern_ops.values())} ({len(self.extern_ops)} distinct ops)",
+            f"  views without an ATen call: {sum(self.views.values())} (folded into kernels or reinterpreted)",
             f"  saved for backward: {len(self.saved)} tensors, {self.saved_bytes} bytes",
         ]
         for name, shape, dtype, nbytes in self.saved:
@@ -64,13 +66,17 @@ def explain(fn_or_module: Callable | nn.Module, *args: Any, **kwargs: Any) -> Ex
     fw = record.programs.get("forward") or record.programs.get("inference")
     bw = record.programs.get("backward")
     counts: dict[str, int] = {}
+    views: dict[str, int] = {}
     for prog in (fw, bw):
         for op, n in (prog.extern_counts() if prog else {}).items():
             counts[op] = counts.get(op, 0) + n
+        for op, n in (prog.view_counts() if prog else {}).items():
+            views[op] = views.get(op, 0) + n
     return Explanation(
         forward_nodes=fw.program.num_nodes if fw else 0,
         backward_nodes=bw.program.num_nodes if bw else 0,
         extern_ops=counts,
+        views=views,
         fused_kernels=sum(p.program.num_kernels for p in (fw, bw) if p),
         saved_bytes=record.saved_bytes if bw else 0,
         saved=list(record.saved) if bw else [],

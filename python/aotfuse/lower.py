@@ -125,11 +125,25 @@ class Lowered:
     def __str__(self) -> str:
         return str(self.program)
 
+    def program_outputs_before(self, k: int) -> int:
+        """How many of the FX graph's first k outputs are program outputs (not constants)."""
+        return sum(1 for t in self._template[:k] if t is None)
+
     def extern_counts(self) -> dict[str, int]:
-        """Extern ATen calls per op name (nodes that run outside fused kernels)."""
+        """ATen calls per op name (nodes that run outside fused kernels and are not views made
+        without the dispatcher; see view_counts)."""
+        return self._counts("aten")
+
+    def view_counts(self) -> dict[str, int]:
+        """Views per op name that make no ATen call: folded into the kernels reading them, or made
+        by torch's _reinterpret_tensor (checked against ATen's view on their first run)."""
+        folded, made = self._counts("folded"), self._counts("view")
+        return {op: folded.get(op, 0) + made.get(op, 0) for op in set(folded) | set(made)}
+
+    def _counts(self, how: str) -> dict[str, int]:
         counts: dict[str, int] = {}
-        for op, _kind, group in self.program.node_groups():
-            if group < 0:
+        for (op, _kind, _group), step in zip(self.program.node_groups(), self.program.node_steps()):
+            if step == how:
                 counts[op] = counts.get(op, 0) + 1
         return counts
 

@@ -1,0 +1,130 @@
+"""Views make no ATen call: a view read only by kernels is folded into them (they read its root at
+an offset, with its strides), other views are made by torch's _reinterpret_tensor after their
+first run matched the graph's layout. A view whose graph layout is wrong is caught on its first
+run and stays ATen's (never a wrong answer)."""
+import sys
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import aotfuse
+from aotfuse import _C
+from aotfuse.lower import build_graph
+from helpers import assert_close
+
+aten = torch.ops.aten
+sys.path.insert(0, __file__.rsplit("/tests/", 1)[0] + "/benchmarks")
+
+
+def _program(fn, *args, plain_outputs=None):
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    prog = _C.Program(build_graph(gm).graph, fuse=True)
+    if plain_outputs is not None:
+        prog.set_plain_outputs(plain_outputs)
+    return prog
+
+
+def _steps(prog):
+    return {op.split(".")[0] + f"#{i}": how for i, ((op, _k, _g), how) in enumerate(zip(prog.node_groups(), prog.node_steps()))}
+
+
+def test_views_read_by_kernels_are_folded_with_offsets_and_strides():
+    def f(a, b):
+        y = aten.mm.default(a, b)  # an extern's output, viewed several ways by kernels
+        p = aten.permute.default(aten.view.default(y, [4, 6, 10]), [2, 0, 1])
+        s = aten.slice.Tensor(y, 1, 3, 9)           # offset 3
+        r = aten.select.int(y, 0, 5)                # offset 50
+        e = aten.expand.default(aten.unsqueeze.default(r, 0), [24, 10])
+        return aten.mul.Tensor(aten.exp.default(p), 2.0), aten.add.Tensor(aten.mul.Tensor(s, 3.0), 1.0), \
+            aten.sub.Tensor(aten.mul.Tensor(e, y), 1.0)
+
+    a, b = torch.randn(24, 7), torch.randn(7, 10)
+    prog = _program(f, a, b)
+    for _ in range(2):
+        out = prog.run([a, b])
+        ref = f(a, b)
+        for o, r, name in zip(out, ref, ("permuted", "sliced", "selected+expanded")):
+            assert_close(o, r, f"{name} view read by a kernel")
+    how = [h for (op, _k, _g), h in zip(prog.node_groups(), prog.node_steps())
+           if op.split(".")[0] in ("aten::view", "aten::permute", "aten::slice", "aten::select", "aten::unsqueeze",
+                                   "aten::expand")]
+    assert how and all(h == "folded" for h in how), _steps(prog)
+    assert prog.kernel_fallbacks == 0
+
+
+def test_views_feeding_aten_are_reinterpreted_after_a_checked_first_run():
+    def f(x, w):
+        return (aten.mm.default(aten.view.default(x, [12, 8]), aten.t.default(w)) * 1.0,)
+
+    x, w = torch.randn(3, 4, 8), torch.randn(5, 8)
+    prog = _program(f, x, w)
+    for _ in range(3):
+        (out,) = prog.run([x, w])
+        assert_close(out, x.reshape(12, 8) @ w.t(), "matmul of reinterpreted views")
+    steps = _steps(prog)
+    assert steps["aten::view#0"] == "view" and steps["aten::t#1"] == "view", steps
+
+
+def _wrong_view_graph():
+    """mm(t(w), x) where the graph claims t(w) is contiguous (ATen gives strides (1, 6))."""
+    g = _C.Graph()
+    w = g.add_input("w", ("tensor", "float32", "cpu", -1, (4, 6), (6, 1), 0))
+    x = g.add_input("x", ("tensor", "float32", "cpu", -1, (4, 3), (3, 1), 0))
+    (t,) = g.add_node("aten::t.default", [("v", w)], [], [("tensor", "float32", "cpu", -1, (6, 4), (4, 1), 0)])
+    (m,) = g.add_node("aten::mm.default", [("v", t), ("v", x)], [], [("tensor", "float32", "cpu", -1, (6, 3), (3, 1), 0)])
+    g.set_outputs([m])
+    return g
+
+
+def test_a_view_with_a_wrong_graph_layout_stays_aten():
+    prog = _C.Program(_wrong_view_graph(), fuse=True)
+    w, x = torch.randn(4, 6), torch.randn(4, 3)
+    for _ in range(3):
+        (out,) = prog.run([w, x])
+        assert_close(out, w.t() @ x, "matmul through a view whose graph layout is wrong")
+    assert prog.node_steps()[0] == "aten"
+
+
+def test_output_views_stay_aten_unless_plain():
+    def f(x):
+        return aten.t.default(aten.mul.Tensor(x, 2.0)), aten.view.default(x, [6, 2])
+
+    x = torch.randn(3, 4)
+    prog = _program(f, x)
+    assert [h for h in prog.node_steps() if h in ("view", "folded")] == []
+    out = prog.run([x])
+    assert_close(out[0], (x * 2).t(), "view output")
+    plain = _program(f, x, plain_outputs=0)
+    assert plain.node_steps().count("view") == 2
+    for _ in range(2):
+        out = plain.run([x])
+        assert_close(out[0], (x * 2).t(), "plain view output")
+        assert out[1].data_ptr() == x.data_ptr() and out[1].shape == (6, 2)
+
+
+def test_bert_layer_has_2x_fewer_kernels_and_aten_calls_than_eager_ops():
+    """Issue 5's count: launched kernels + ATen calls of a Bert layer's forward+backward against
+    the top-level ATen ops torch's profiler sees in eager (views without an ATen call are
+    reported apart)."""
+    pytest.importorskip("transformers")
+    from blocks import bert_layer, step_fn
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = bert_layer(64)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    step = step_fn(model, x)
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    eager_ops = 0
+    for e in prof.events():
+        parent = e.cpu_parent
+        eager_ops += e.name.startswith("aten::") and not (parent is not None and parent.name.startswith("aten::"))
+    report = aotfuse.explain(aotfuse.memory_efficient_fusion(model), x)
+    ours = report.fused_kernels + sum(report.extern_ops.values())
+    print(f"bert layer: eager {eager_ops} ATen ops; aotfuse {report.fused_kernels} kernels + "
+          f"{sum(report.extern_ops.values())} ATen calls = {ours} ({eager_ops / ours:.2f}x fewer); "
+          f"{sum(report.views.values())} views without an ATen call")
+    assert ours * 2 <= eager_ops, (ours, eager_ops, report)
