@@ -1,5 +1,7 @@
 """Training step (forward + backward) of common blocks on the CPU: eager vs aotfuse vs
-torch.compile (inductor), interleaved in one process, medians and ratios, plus compile times.
+torch.compile (inductor), interleaved in one process, medians and ratios, plus compile times and
+op counts (eager's top-level ATen ops in torch's profiler against aotfuse's kernels + ATen calls;
+views that make no ATen call apart).
 
     python benchmarks/blocks.py [--repeats 30] [--threads N] [--out benchmarks/results/blocks-cpu.md]
 
@@ -75,6 +77,20 @@ def step_fn(model, x):
     return step
 
 
+def eager_aten_ops(step) -> int:
+    """ATen ops one call of `step` dispatches at the top level (ops called by other ATen ops, such
+    as addmm inside linear, not counted), as torch's profiler records them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    count = 0
+    for e in prof.events():
+        parent = e.cpu_parent
+        count += e.name.startswith("aten::") and not (parent is not None and parent.name.startswith("aten::"))
+    return count
+
+
 def timed_first_call(make, x):
     t0 = time.perf_counter()
     m = make()
@@ -135,6 +151,7 @@ def main() -> None:
                     os.environ["AOTFUSE_CACHE_DIR"] = old
         med = {n: statistics.median(t) for n, t in times.items()}
         report = aotfuse.explain(aot, x)
+        report.eager_ops = eager_aten_ops(steps["eager"])
         rows.append((name, med, compile_times, report))
         print(f"{name}: " + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in med.items()), flush=True)
     names = list(rows[0][1])
@@ -146,15 +163,19 @@ def main() -> None:
         f"{args.repeats} interleaved steps",
         "",
         "| block | " + " | ".join(f"{n} (ms)" for n in names) + " | eager / aotfuse | "
-        + ("torch.compile / aotfuse | " if "torch.compile" in names else "") + "kernels | extern calls |",
-        "|---|" + "---|" * (len(names) + 3 + ("torch.compile" in names)),
+        + ("torch.compile / aotfuse | " if "torch.compile" in names else "")
+        + "eager ATen ops | aotfuse kernels + ATen calls | views without an ATen call |",
+        "|---|" + "---|" * (len(names) + 4 + ("torch.compile" in names)),
     ]
     for name, med, _ct, rep in rows:
         cells = [f"{med[n] * 1e3:.2f}" for n in names]
         ratio = f"{med['eager'] / med['aotfuse']:.2f}x"
         ind = f" {med['torch.compile'] / med['aotfuse']:.2f}x |" if "torch.compile" in med else ""
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {ratio} |{ind} {rep.fused_kernels} | "
-                     f"{sum(rep.extern_ops.values())} |")
+        calls = sum(rep.extern_ops.values())
+        ours = rep.fused_kernels + calls
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {ratio} |{ind} {rep.eager_ops} | "
+                     f"{rep.fused_kernels} + {calls} = {ours} ({rep.eager_ops / max(ours, 1):.1f}x fewer) | "
+                     f"{sum(rep.views.values())} |")
     lines += ["", "| block | " + " | ".join(f"{k} (s)" for k in rows[0][2]) + " |",
               "|---|" + "---|" * len(rows[0][2])]
     for name, _m, ct, _r in rows:

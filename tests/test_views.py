@@ -108,20 +108,14 @@ def test_bert_layer_has_2x_fewer_kernels_and_aten_calls_than_eager_ops():
     the top-level ATen ops torch's profiler sees in eager (views without an ATen call are
     reported apart)."""
     pytest.importorskip("transformers")
-    from blocks import bert_layer, step_fn
-    from torch.profiler import ProfilerActivity, profile
+    from blocks import bert_layer, eager_aten_ops, step_fn
 
     torch.manual_seed(0)
     model = bert_layer(64)
     x = torch.randn(2, 16, 64, requires_grad=True)
     step = step_fn(model, x)
     step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
-    eager_ops = 0
-    for e in prof.events():
-        parent = e.cpu_parent
-        eager_ops += e.name.startswith("aten::") and not (parent is not None and parent.name.startswith("aten::"))
+    eager_ops = eager_aten_ops(step)
     report = aotfuse.explain(aotfuse.memory_efficient_fusion(model), x)
     ours = report.fused_kernels + sum(report.extern_ops.values())
     print(f"bert layer: eager {eager_ops} ATen ops; aotfuse {report.fused_kernels} kernels + "
