@@ -104,6 +104,43 @@ static void test_lone_nodes_and_min_group(void **state) {
     af_graph_free(g);
 }
 
+/* The generator: rng_uniform(seed) alone gets a kernel; two random nodes reading one seed never
+ * join as siblings (the seed's counter strides are its reader's shape); the source reads the seed
+ * at [0] and passes the counter. */
+static void test_random_nodes(void **state) {
+    (void)state;
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    af_tensor_meta seed_m = {.type = AF_VALUE_TENSOR, .dtype = AF_DTYPE_INT64, .device = {.index = -1}, .ndim = 0};
+    af_tensor_meta m2 = f32(2);
+    int32_t seed, x, u, u2, out;
+    assert_int_equal(af_graph_add_input(g, "seed", &seed_m, &seed), AF_OK);
+    assert_int_equal(af_graph_add_input(g, "x", &m2, &x), AF_OK);
+    af_arg items[2] = {{.kind = AF_ARG_INT, .u.i = 4}, {.kind = AF_ARG_INT, .u.i = 8}};
+    af_arg args[2] = {{.kind = AF_ARG_VALUE, .u.value = seed}, {.kind = AF_ARG_LIST, .u.list = {.n = 2, .items = items}}};
+    assert_int_equal(af_graph_add_node(g, "aotfuse::rng_uniform.default", args, 2, &m2, 1, &u), AF_OK); /* n0 */
+    assert_int_equal(af_graph_add_node(g, "aotfuse::rng_uniform.default", args, 2, &m2, 1, &u2), AF_OK); /* n1 */
+    int32_t e = node(g, "aten::mm.default", x, -1, 2); /* n2: an extern between */
+    out = node(g, "aten::mul.Tensor", u2, e, 2);       /* n3: joins n1's group */
+    int32_t outs[2] = {u, out};
+    assert_int_equal(af_graph_set_outputs(g, outs, 2), AF_OK);
+    assert_int_equal(af_fuse_node_ok(g, 0), 1);
+    af_fusion_plan *plan;
+    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+    assert_int_equal(plan->n_groups, 2); /* n0 alone still gets a kernel */
+    assert_true(plan->group_of_node[0] >= 0 && plan->group_of_node[1] >= 0);
+    assert_true(plan->group_of_node[0] != plan->group_of_node[1]);
+    assert_int_equal(plan->group_of_node[3], plan->group_of_node[1]);
+    char *src = NULL;
+    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
+    assert_non_null(strstr(src, "AF_RAND_FN float af_rand(uint64_t seed, uint64_t idx)"));
+    assert_non_null(strstr(src, "(uint64_t)q0[0], iv"));
+    assert_non_null(strstr(src, "= af_rand(sv"));
+    free(src);
+    af_fuse_plan_free(plan);
+    af_graph_free(g);
+}
+
 /* A group wider than AF_MAX_DIMS operands (the code generator once kept per-operand strides in a
  * fixed array of AF_MAX_DIMS + 1). */
 static void test_wide_group(void **state) {
@@ -132,6 +169,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chain_siblings_and_closing),
         cmocka_unit_test(test_lone_nodes_and_min_group),
+        cmocka_unit_test(test_random_nodes),
         cmocka_unit_test(test_wide_group),
     };
     return cmocka_run_group_tests_name("fuse", tests, NULL, NULL);
