@@ -143,8 +143,10 @@ void af_cg_emit_pointers(af_strbuf *sb, const af_fusion_group *grp, const af_cg_
 void af_cg_emit_loads(af_strbuf *sb, const af_fusion_group *grp, const af_cg_operand *ops) {
     for (int32_t k = 0; k < grp->n_inputs; k++) {
         if (ops[k].dtype == AF_DTYPE_INT64) { /* a random node's seed and the element's counter */
-            af_strbuf_printf(sb, "      const uint64_t sv%d = (uint64_t)q%d[0], iv%d = (uint64_t)o%d;\n", (int)ops[k].value, (int)k,
-                             (int)ops[k].value, (int)k);
+            /* counters below 2^32 as 32-bit values (af_rand's high word is then 0): loops stay 32-bit wide */
+            const char *it = ops[k].narrow_counter ? "uint32_t" : "uint64_t";
+            af_strbuf_printf(sb, "      const uint64_t sv%d = (uint64_t)q%d[0]; const %s iv%d = (%s)o%d;\n", (int)ops[k].value, (int)k,
+                             it, (int)ops[k].value, it, (int)k);
             continue;
         }
         char ptr[16], off[16];
@@ -195,8 +197,8 @@ static void reduction_strides(const af_tensor_meta *out, const af_tensor_meta *i
 /* A random node's seed (the only int64 operand the fuser admits): its "offset" o<k> is the
  * element's row-major index in the random node's output (the generator's counter), so its strides
  * are that output's contiguous strides; the seed itself is always read at q<k>[0]. */
-static void random_index_strides(const af_graph *g, const af_fusion_group *grp, int32_t seed, const af_tensor_meta *iter,
-                                 int64_t *strides) {
+static int random_index_strides(const af_graph *g, const af_fusion_group *grp, int32_t seed, const af_tensor_meta *iter,
+                                int64_t *strides) {
     memset(strides, 0, sizeof(int64_t) * AF_MAX_DIMS);
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
@@ -208,8 +210,9 @@ static void random_index_strides(const af_graph *g, const af_fusion_group *grp, 
             if (d + shift >= 0 && out->sizes[d] != 1) strides[d + shift] = s;
             s *= out->sizes[d];
         }
-        return;
+        return s <= (INT64_C(1) << 32); /* every counter fits in 32 bits: the same numbers, cheaper */
     }
+    return 0;
 }
 
 /* The kernel's operands (inputs, then outputs) with their strides over the iteration dims;
@@ -223,7 +226,7 @@ static af_cg_operand *make_operands(const af_graph *g, const af_fusion_group *gr
         ops[k].value = v;
         ops[k].dtype = m->dtype;
         if (k >= grp->n_inputs && af_cg_is_reduction_value(g, v)) reduction_strides(m, iter, grp->reduce_mask, ops[k].strides);
-        else if (m->dtype == AF_DTYPE_INT64) random_index_strides(g, grp, v, iter, ops[k].strides);
+        else if (m->dtype == AF_DTYPE_INT64) ops[k].narrow_counter = random_index_strides(g, grp, v, iter, ops[k].strides);
         else operand_strides(m, iter, ops[k].strides);
     }
     return ops;

@@ -17,6 +17,7 @@ typedef struct {
     int32_t value;
     af_dtype dtype;
     int64_t strides[AF_MAX_DIMS];
+    int narrow_counter; /* a random node's seed whose counters all fit in 32 bits */
 } af_cg_operand;
 
 /* A group's iteration space after coalescing: size-1 dims dropped, neighbours merged where every
