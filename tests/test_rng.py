@@ -223,3 +223,21 @@ def test_dropout_cuda_source_compiles(kind):
     for arch in (80, 90):
         kernels = compile_report(source, arch)
         assert kernels and all(k["registers"] for k in kernels)
+
+
+@pytest.mark.parametrize("env", [{"AOTFUSE_FUSION": "0"}, {"AOTFUSE_BACKEND": "aten"}, {"AOTFUSE_BACKEND": "cuda"}],
+                         ids=["no-fusion", "aten-backend", "cpu-tensors-without-kernels"])
+def test_without_kernels_dropout_stays_aten(monkeypatch, env):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    torch.manual_seed(0)
+    model = _DropMLP(p=0.5)
+    compiled = aotfuse.memory_efficient_fusion(copy.deepcopy(model))
+    x = torch.randn(8, 64)
+    compiled(x)
+    torch.manual_seed(2)
+    out = compiled(x)
+    torch.manual_seed(2)
+    assert_close(out, model(x), "ATen's dropout where no kernels are generated (eager's masks)")
+    fw = compiled._aotfuse_compiled.records[-1].graphs["forward"]
+    assert not any("rng_uniform" in str(n.target) for n in fw.graph.nodes)
