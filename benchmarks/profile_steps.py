@@ -50,6 +50,9 @@ def main(argv=None) -> None:
     _step(compiled, opt_c, inputs, a.device)
     _step(eager, opt_e, inputs, a.device)
     programs = {stage: low.program for rec in compiled._aotfuse_compiled.records for stage, low in rec.programs.items()}
+    for rec in compiled._aotfuse_compiled.records:  # backward variants run without some output gradients
+        for missing, low in rec.programs["backward"].variants.items() if "backward" in rec.programs else ():
+            programs[f"backward (no gradient for inputs {list(missing)})"] = low.program
     for p in programs.values():
         p.profiling = True
     t_comp, t_eager = [], []

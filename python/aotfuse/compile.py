@@ -53,6 +53,7 @@ def _compile_with_core(record: _Record, stage: str, gm: torch.fx.GraphModule, ex
     # aliasing of user outputs only)
     if stage == "backward":
         lowered.program.set_plain_outputs(0)
+        lowered.graph_module = gm  # for variants without some output gradients (_no_zero_gradients)
     elif stage == "forward":
         lowered.program.set_plain_outputs(lowered.program_outputs_before(record.num_fwd_outputs))
     record.programs[stage] = lowered
@@ -81,6 +82,17 @@ def _recording_partition(record: _Record, partition_fn: Callable, lower_backward
             record.saved.append((node.name, tuple(val.shape), str(val.dtype).replace("torch.", ""), nbytes))
             record.saved_bytes += nbytes
     return fw, bw
+
+
+def _no_zero_gradients(outs: Any) -> None:
+    """Outputs nobody differentiates (the logits beside the loss) get no gradient from autograd
+    instead of a dense zeros tensor (memory the size of the logits, and an add in the backward): the
+    backward then runs a variant program with those gradients folded away (Lowered._without)."""
+    for o in outs:
+        fn = getattr(o, "grad_fn", None)
+        if fn is not None and type(fn).__name__ == "CompiledFunctionBackward":
+            fn.materialize_grads = False
+            return
 
 
 @contextlib.contextmanager
@@ -174,6 +186,8 @@ class CompiledFunction:
             args, kwargs = tree
             return entry.fallback(*args, **kwargs)
         outs = entry.compiled(*[leaves[i] for i in entry.tensor_idx])
+        if self.bw_compiler is None:
+            _no_zero_gradients(outs)
         return self._rebuild(entry.record, outs)
 
     @staticmethod
@@ -251,6 +265,8 @@ class CompiledFunction:
                 f"memory_efficient_fusion(model, fallback='dynamo') does that automatically for such functions; "
                 f"fallback='eager' runs them eagerly (each with one warning); AOTFUSE_DISABLE=1 turns aotfuse "
                 f"off.") from e
+        if self.bw_compiler is None:
+            _no_zero_gradients(outs)
         return self._rebuild(entry.record, outs)
 
     def _dynamo(self) -> Callable:

@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from . import _C, config
 
-__all__ = ["lower", "build_graph", "GraphBuild", "Lowered", "UnsupportedError", "BackendUnavailable"]
+__all__ = ["lower", "missing_gradients", "build_graph", "GraphBuild", "Lowered", "UnsupportedError", "BackendUnavailable"]
 
 
 class UnsupportedError(RuntimeError):
@@ -106,8 +106,12 @@ class Lowered:
         self._template = out_template  # per graph output: None (from the program) or a constant
         self._plain = all(t is None for t in out_template)
         self.n_user_inputs = n_user_inputs
+        self.graph_module: fx.GraphModule | None = None  # kept by a backward: see missing_gradients
+        self.variants: dict[tuple, "Lowered"] = {}
 
     def __call__(self, args: list) -> list:
+        if self.graph_module is not None and any(a is None for a in args):
+            return self._without(args)
         # boxed convention: the program empties the list and drops each input after its last
         # use, so activations saved for backward die mid-run, not when the backward returns
         if self._constants:
@@ -121,6 +125,21 @@ class Lowered:
             return list(outs)
         it = iter(outs)
         return [next(it) if t is None else t[0] for t in self._template]
+
+    def _without(self, args: list) -> list:
+        """A backward called without some output gradients (autograd did not make zeros for the
+        outputs nobody differentiated, e.g. the logits beside the loss): runs a variant program
+        in which they are zeros, folded away where they are only added."""
+        missing = tuple(i for i, a in enumerate(args) if a is None)
+        variant = self.variants.get(missing)
+        if variant is None:
+            variant = lower(missing_gradients(self.graph_module, missing))
+            variant.program.set_plain_outputs(0)
+            self.variants[missing] = variant
+        rest = [a for a in args if a is not None]
+        if isinstance(args, list):
+            args.clear()
+        return variant(rest)
 
     def __str__(self) -> str:
         return str(self.program)
@@ -231,6 +250,47 @@ def build_graph(gm: fx.GraphModule, device: str | None = None) -> GraphBuild:
             raise UnsupportedError(f"{where}: FX op kind {node.op!r} is not supported")
     g.set_outputs(out_ids)
     return b
+
+
+def missing_gradients(gm: fx.GraphModule, missing: tuple) -> fx.GraphModule:
+    """A copy of a backward graph without the placeholders at positions `missing` (gradients that
+    are zero): `add(g, x)` with such a g becomes x where x has the sum's shape and dtype; any other
+    use reads one zeros tensor of g's shape."""
+    aten = torch.ops.aten
+    graph = fx.Graph()
+    env: dict[fx.Node, Any] = {}
+    zero: dict[fx.Node, fx.Node] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    gone = {placeholders[i] for i in missing}
+
+    def zeros_for(p: fx.Node) -> fx.Node:
+        if p not in zero:
+            val = p.meta["val"]
+            z = graph.call_function(aten.zeros.default, (list(val.shape),),
+                                    {"dtype": val.dtype, "device": val.device, "pin_memory": False})
+            z.meta["val"] = val.new_zeros(val.shape)
+            zero[p] = z
+        return zero[p]
+
+    def same_kind(a: Any, b: Any) -> bool:
+        va, vb = getattr(a, "meta", {}).get("val"), getattr(b, "meta", {}).get("val")
+        return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape and va.dtype == vb.dtype
+
+    for node in gm.graph.nodes:
+        if node in gone:
+            continue
+        if node.op == "call_function" and node.target is aten.add.Tensor and not node.kwargs and len(node.args) == 2:
+            a, b = node.args
+            other = b if a in gone else a if b in gone else None
+            if other is not None and isinstance(other, fx.Node) and same_kind(other, node):
+                env[node] = env[other]
+                continue
+        if any(isinstance(x, fx.Node) and x in gone for x in node.all_input_nodes):
+            for p in node.all_input_nodes:
+                if p in gone:
+                    env[p] = zeros_for(p)
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    return fx.GraphModule(gm, graph)
 
 
 def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None) -> Lowered:

@@ -1,0 +1,70 @@
+"""Outputs nobody differentiates (the logits beside the loss) get no dense zero gradient: autograd
+passes None, and the backward runs a variant program in which that gradient is zero, its adds
+folded away. Gradients must equal eager's whichever outputs are differentiated."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import aotfuse
+from aotfuse.lower import missing_gradients
+from helpers import assert_close
+
+
+class TwoHeads(nn.Module):
+    """loss and logits, as Hugging Face models return them; the logits' gradient meets the loss's
+    in an add, and a second output uses its gradient in a product."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(8, 16), nn.Linear(16, 5)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        logits = self.head(h)
+        loss = torch.nn.functional.cross_entropy(logits, torch.arange(x.shape[0]) % 5)
+        return loss, logits, h * 3.0
+
+
+@pytest.mark.parametrize("which", ["loss", "loss+logits", "logits", "all"])
+def test_gradients_match_eager_whichever_outputs_are_differentiated(which):
+    torch.manual_seed(0)
+    model = TwoHeads()
+    eager = copy.deepcopy(model)
+    compiled = aotfuse.memory_efficient_fusion(model)
+    x = torch.randn(6, 8)
+    for _ in range(2):  # the second call reuses the variant
+        for m in (model, eager):
+            m.zero_grad()
+        outs = [compiled(x), eager(x)]
+        for loss, logits, h in outs:
+            total = {"loss": loss, "loss+logits": loss + logits.square().sum(), "logits": logits.sum(),
+                     "all": loss + logits.sum() + h.sum()}[which]
+            total.backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            assert_close(p.grad, q.grad, f"grad of {name} ({which})")
+    bw = compiled._aotfuse_compiled.records[-1].programs["backward"]
+    if which == "all":
+        assert not bw.variants
+    else:
+        assert bw.variants, "the backward ran with dense zero gradients"
+        for missing, variant in bw.variants.items():
+            assert variant.program.num_inputs == bw.program.num_inputs - len(missing)
+
+
+def test_the_zero_gradient_add_is_folded_away():
+    torch.manual_seed(0)
+    compiled = aotfuse.memory_efficient_fusion(TwoHeads())
+    loss, _logits, _h = compiled(torch.randn(6, 8))
+    loss.backward()
+    record = compiled._aotfuse_compiled.records[-1]
+    (missing, variant), = record.programs["backward"].variants.items()
+    gm = missing_gradients(record.graphs["backward"], missing)
+    before = [n for n in record.graphs["backward"].graph.nodes if n.op == "placeholder"]
+    after = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    assert len(after) == len(before) - len(missing) and all(before[i].name not in after for i in missing)
+    # the logits' gradient was only added to the loss's: no zeros tensor is made for it
+    zeros = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.zeros.default]
+    shapes = [tuple(n.meta["val"].shape) for n in zeros]
+    assert (6, 5) not in shapes, shapes
