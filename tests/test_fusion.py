@@ -295,6 +295,7 @@ EPILOGUE_CASES = {
     "layer_norm": (lambda x, w, b, g: F.layer_norm(x * 1.0, (x.shape[-1],), w, b), 3),
     "softmax_backward": (lambda x, w, b, g: aten._softmax_backward_data(g * 1.0, torch.softmax(x, -1), -1, x.dtype), 4),  # with the softmax
     "center_and_scale": (lambda x, w, b, g: (x - x.mean(-1, keepdim=True)) / (x.amax(-1, keepdim=True) + 3.0), 2),
+    "rms_norm": (lambda x, w, b, g: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w, 2),
 }
 
 
