@@ -107,7 +107,7 @@ static const char *const prelude =
 
 static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
                                   int32_t index, const int64_t *sizes, int64_t (*strides)[AF_MAX_DIMS], int32_t nd,
-                                  int64_t columns, int64_t rows) {
+                                  int64_t columns, int64_t rows, int narrow) {
     int32_t nops = grp->n_inputs + grp->n_outputs;
     int64_t blocks = (columns + AF_COLUMN_BLOCK - 1) / AF_COLUMN_BLOCK;
     int parallel = blocks > 1 && columns * rows >= 32768;
@@ -115,26 +115,27 @@ static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fus
                      " rows */\n", (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)grp->n_inputs,
                      (int)grp->n_outputs, columns, rows);
     af_strbuf_printf(sb, "void af_kernel_%d(char *const *p) {\n", (int)index);
+    af_strbuf_printf(sb, "  typedef %s af_idx; /* index math: 32-bit where every offset fits */\n", narrow ? "int32_t" : "int64_t");
     af_cg_emit_pointers(sb, grp, ops);
-    af_strbuf_printf(sb, "  %s\n  for (int64_t cb = 0; cb < %" PRId64 "; cb++) {\n",
+    af_strbuf_printf(sb, "  %s\n  for (af_idx cb = 0; cb < %" PRId64 "; cb++) {\n",
                      parallel ? "#pragma omp parallel for schedule(static) num_threads(af_num_threads)" : "", blocks);
-    af_strbuf_printf(sb, "    const int64_t c0 = cb * %d, c1 = c0 + %d < %" PRId64 " ? c0 + %d : %" PRId64 ";\n",
+    af_strbuf_printf(sb, "    const af_idx c0 = cb * %d, c1 = c0 + %d < %" PRId64 " ? c0 + %d : %" PRId64 ";\n",
                      AF_COLUMN_BLOCK, AF_COLUMN_BLOCK, columns, AF_COLUMN_BLOCK, columns);
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
         if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION) continue;
         const char *init = af_cg_acc_init(n);
-        af_strbuf_printf(sb, "    double acc%d[%d];\n    for (int64_t c = 0; c < c1 - c0; c++) acc%d[c] = %s;\n",
+        af_strbuf_printf(sb, "    double acc%d[%d];\n    for (af_idx c = 0; c < c1 - c0; c++) acc%d[c] = %s;\n",
                          (int)n->first_output, AF_COLUMN_BLOCK, (int)n->first_output, init);
     }
-    af_strbuf_printf(sb, "    for (int64_t i = 0; i < %" PRId64 "; i++) {\n      int64_t s = i;\n", rows);
-    for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      int64_t r%d = 0;\n", (int)k);
-    af_cg_emit_unflatten(sb, "      ", "int64_t", "s", "r", 1, nd - 1, sizes, strides, nops);
-    af_strbuf_printf(sb, "      (void)s;\n      for (int64_t c = c0; c < c1; c++) {\n");
+    af_strbuf_printf(sb, "    for (af_idx i = 0; i < %" PRId64 "; i++) {\n      af_idx s = i;\n", rows);
+    for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      af_idx r%d = 0;\n", (int)k);
+    af_cg_emit_unflatten(sb, "      ", "af_idx", "s", "r", 1, nd - 1, sizes, strides, nops);
+    af_strbuf_printf(sb, "      (void)s;\n      for (af_idx c = c0; c < c1; c++) {\n");
     for (int32_t k = 0; k < nops; k++)
-        af_strbuf_printf(sb, "      int64_t o%d = r%d + c * %" PRId64 ";\n", (int)k, (int)k, strides[k][0]);
+        af_strbuf_printf(sb, "      af_idx o%d = r%d + c * %" PRId64 ";\n", (int)k, (int)k, strides[k][0]);
     af_cg_emit_body(sb, g, grp, ops, "[c - c0]");
-    af_strbuf_printf(sb, "      }\n    }\n    for (int64_t c = c0; c < c1; c++) {\n");
+    af_strbuf_printf(sb, "      }\n    }\n    for (af_idx c = c0; c < c1; c++) {\n");
     af_cg_emit_reduction_stores(sb, g, grp, ops, rows, strides, "      ");
     af_strbuf_printf(sb, "    }\n  }\n}\n");
 }
@@ -169,12 +170,13 @@ static void emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion
                      (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)last_phase + 1, (int)grp->n_inputs,
                      (int)grp->n_outputs, sp->outer, sp->inner);
     af_strbuf_printf(sb, "void af_kernel_%d(char *const *p) {\n", (int)index);
+    af_strbuf_printf(sb, "  typedef %s af_idx; /* index math: 32-bit where every offset fits */\n", af_cg_narrow_index(sp) ? "int32_t" : "int64_t");
     af_cg_emit_pointers(sb, grp, ops);
-    af_strbuf_printf(sb, "  %s\n  for (int64_t c = 0; c < %" PRId64 "; c++) {\n",
+    af_strbuf_printf(sb, "  %s\n  for (af_idx c = 0; c < %" PRId64 "; c++) {\n",
                      parallel ? "#pragma omp parallel for schedule(static) num_threads(af_num_threads)" : "", sp->outer);
-    for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    int64_t b%d = 0;\n", (int)k);
-    af_strbuf_printf(sb, "    int64_t r = c;\n");
-    af_cg_emit_unflatten(sb, "    ", "int64_t", "r", "b", 0, n_kept - 1, sp->sizes, sp->strides, nops);
+    for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    af_idx b%d = 0;\n", (int)k);
+    af_strbuf_printf(sb, "    af_idx r = c;\n");
+    af_cg_emit_unflatten(sb, "    ", "af_idx", "r", "b", 0, n_kept - 1, sp->sizes, sp->strides, nops);
     for (int32_t ph = 0; ph <= last_phase; ph++) {
         /* every reduction of the phase is an OpenMP reduction: sums (+), max/min with a NaN flag (|) */
         af_strbuf clauses = {0};
@@ -192,10 +194,10 @@ static void emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion
         }
         if (clauses.buf && !clauses.failed) af_strbuf_printf(sb, "    #pragma omp simd%s\n", clauses.buf);
         free(clauses.buf);
-        af_strbuf_printf(sb, "    for (int64_t i = 0; i < %" PRId64 "; i++) { /* phase %d */\n", sp->inner, (int)ph);
-        af_strbuf_printf(sb, "      int64_t s = i;\n");
-        for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      int64_t o%d = b%d;\n", (int)k, (int)k);
-        af_cg_emit_unflatten(sb, "      ", "int64_t", "s", "o", n_kept, nd - 1, sp->sizes, sp->strides, nops);
+        af_strbuf_printf(sb, "    for (af_idx i = 0; i < %" PRId64 "; i++) { /* phase %d */\n", sp->inner, (int)ph);
+        af_strbuf_printf(sb, "      af_idx s = i;\n");
+        for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      af_idx o%d = b%d;\n", (int)k, (int)k);
+        af_cg_emit_unflatten(sb, "      ", "af_idx", "s", "o", n_kept, nd - 1, sp->sizes, sp->strides, nops);
         af_strbuf_printf(sb, "      (void)s;\n");
         af_cg_emit_loads(sb, grp, ops);
         af_cg_emit_members(sb, g, grp, "      ", "", phases, ph, 1);
@@ -257,19 +259,20 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
      * time strides through memory, so rows go outside and a block of columns inside, each with its
      * own accumulator; the inner loop is contiguous and vectorizes. */
     if (sp.column) {
-        emit_column_reduction(sb, g, grp, ops, index, sizes, strides, nd, outer, inner);
+        emit_column_reduction(sb, g, grp, ops, index, sizes, strides, nd, outer, inner, af_cg_narrow_index(&sp));
         af_cg_space_free(&sp);
         return AF_OK;
     }
     af_strbuf_printf(sb, "\n/* group %d: %d nodes (%d reductions), %d inputs, %d outputs, %" PRId64 " x %" PRId64 " */\n",
                      (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)grp->n_inputs, (int)grp->n_outputs, outer, inner);
     af_strbuf_printf(sb, "void af_kernel_%d(char *const *p) {\n", (int)index);
+    af_strbuf_printf(sb, "  typedef %s af_idx; /* index math: 32-bit where every offset fits */\n", af_cg_narrow_index(&sp) ? "int32_t" : "int64_t");
     af_cg_emit_pointers(sb, grp, ops);
-    af_strbuf_printf(sb, "  %s\n  for (int64_t c = 0; c < %" PRId64 "; c++) {\n",
+    af_strbuf_printf(sb, "  %s\n  for (af_idx c = 0; c < %" PRId64 "; c++) {\n",
                      parallel ? "#pragma omp parallel for schedule(static) num_threads(af_num_threads)" : "", outer);
-    for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    int64_t b%d = 0;\n", (int)k);
-    af_strbuf_printf(sb, "    int64_t r = c;\n");
-    af_cg_emit_unflatten(sb, "    ", "int64_t", "r", "b", 0, n_kept - 1, sizes, strides, nops);
+    for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    af_idx b%d = 0;\n", (int)k);
+    af_strbuf_printf(sb, "    af_idx r = c;\n");
+    af_cg_emit_unflatten(sb, "    ", "af_idx", "r", "b", 0, n_kept - 1, sizes, strides, nops);
     af_cg_emit_acc_decls(sb, g, grp, "    ");
     /* sums may be reassociated within the row (double accumulators): the loop vectorizes */
     int only_sums = 1;
@@ -282,10 +285,10 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
     }
     if (only_sums && sums.buf && !sums.failed) af_strbuf_printf(sb, "    #pragma omp simd reduction(+:%s)\n", sums.buf);
     free(sums.buf);
-    af_strbuf_printf(sb, "    for (int64_t i = 0; i < %" PRId64 "; i++) {\n", inner);
-    af_strbuf_printf(sb, "      int64_t s = i;\n");
-    for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      int64_t o%d = b%d;\n", (int)k, (int)k);
-    af_cg_emit_unflatten(sb, "      ", "int64_t", "s", "o", n_kept, nd - 1, sizes, strides, nops);
+    af_strbuf_printf(sb, "    for (af_idx i = 0; i < %" PRId64 "; i++) {\n", inner);
+    af_strbuf_printf(sb, "      af_idx s = i;\n");
+    for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      af_idx o%d = b%d;\n", (int)k, (int)k);
+    af_cg_emit_unflatten(sb, "      ", "af_idx", "s", "o", n_kept, nd - 1, sizes, strides, nops);
     af_strbuf_printf(sb, "      (void)s;\n");
     af_cg_emit_body(sb, g, grp, ops, "");
     af_strbuf_printf(sb, "    }\n");
@@ -309,6 +312,7 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
     af_strbuf_printf(sb, "\n/* group %d: %d nodes, %d inputs, %d outputs, %" PRId64 " elements */\n", (int)index,
                      (int)grp->n_nodes, (int)grp->n_inputs, (int)grp->n_outputs, numel);
     af_strbuf_printf(sb, "void af_kernel_%d(char *const *p) {\n", (int)index);
+    af_strbuf_printf(sb, "  typedef %s af_idx; /* index math: 32-bit where every offset fits */\n", af_cg_narrow_index(&sp) ? "int32_t" : "int64_t");
     af_cg_emit_pointers(sb, grp, ops);
     if (numel == 0) {
         af_strbuf_printf(sb, "  (void)p;\n}\n");
@@ -318,21 +322,21 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
     int parallel = numel >= 32768;
     if (nd == 1) {
         /* one flat loop: split into chunks for threads, the chunk body vectorizes */
-        af_strbuf_printf(sb, "  %s\n  for (int64_t c = 0; c < %" PRId64 "; c++) {\n",
+        af_strbuf_printf(sb, "  %s\n  for (af_idx c = 0; c < %" PRId64 "; c++) {\n",
                          parallel ? "#pragma omp parallel for schedule(static) num_threads(af_num_threads)" : "", (numel + 4095) / 4096);
-        af_strbuf_printf(sb, "    int64_t lo = c * 4096, hi = lo + 4096 < %" PRId64 " ? lo + 4096 : %" PRId64 ";\n",
+        af_strbuf_printf(sb, "    af_idx lo = c * 4096, hi = lo + 4096 < %" PRId64 " ? lo + 4096 : %" PRId64 ";\n",
                          numel, numel);
-        af_strbuf_printf(sb, "    for (int64_t i = lo; i < hi; i++) {\n");
-        for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      int64_t o%d = i * %" PRId64 ";\n", (int)k, strides[k][0]);
+        af_strbuf_printf(sb, "    for (af_idx i = lo; i < hi; i++) {\n");
+        for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      af_idx o%d = i * %" PRId64 ";\n", (int)k, strides[k][0]);
     } else {
-        af_strbuf_printf(sb, "  %s\n  for (int64_t c = 0; c < %" PRId64 "; c++) {\n",
+        af_strbuf_printf(sb, "  %s\n  for (af_idx c = 0; c < %" PRId64 "; c++) {\n",
                          parallel ? "#pragma omp parallel for schedule(static) num_threads(af_num_threads)" : "", outer);
-        for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    int64_t b%d = 0;\n", (int)k);
-        af_strbuf_printf(sb, "    int64_t r = c;\n");
-        af_cg_emit_unflatten(sb, "    ", "int64_t", "r", "b", 0, nd - 2, sizes, strides, nops);
-        af_strbuf_printf(sb, "    for (int64_t i = 0; i < %" PRId64 "; i++) {\n", inner);
+        for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    af_idx b%d = 0;\n", (int)k);
+        af_strbuf_printf(sb, "    af_idx r = c;\n");
+        af_cg_emit_unflatten(sb, "    ", "af_idx", "r", "b", 0, nd - 2, sizes, strides, nops);
+        af_strbuf_printf(sb, "    for (af_idx i = 0; i < %" PRId64 "; i++) {\n", inner);
         for (int32_t k = 0; k < nops; k++)
-            af_strbuf_printf(sb, "      int64_t o%d = b%d + i * %" PRId64 ";\n", (int)k, (int)k, strides[k][nd - 1]);
+            af_strbuf_printf(sb, "      af_idx o%d = b%d + i * %" PRId64 ";\n", (int)k, (int)k, strides[k][nd - 1]);
     }
     af_cg_emit_body(sb, g, grp, ops, "");
     af_strbuf_printf(sb, "    }\n  }\n}\n");

@@ -308,6 +308,16 @@ void af_cg_emit_acc_decls(af_strbuf *sb, const af_graph *g, const af_fusion_grou
     }
 }
 
+int af_cg_narrow_index(const af_cg_space *sp) {
+    int64_t hi = sp->numel;
+    for (int32_t k = 0; k < sp->nops; k++) {
+        int64_t reach = 0;
+        for (int32_t d = 0; d < sp->nd; d++) reach += (sp->sizes[d] - 1) * (sp->strides[k][d] < 0 ? -sp->strides[k][d] : sp->strides[k][d]);
+        if (reach > hi) hi = reach;
+    }
+    return hi < (INT64_C(1) << 30);
+}
+
 void af_cg_space_free(af_cg_space *sp) {
     free(sp->ops);
     free(sp->strides);

@@ -37,6 +37,9 @@ typedef struct {
 
 /* Fills *sp for group grp (its operands, coalesced dims); frees with af_cg_space_free. */
 int af_cg_space_new(const af_graph *g, const af_fusion_group *grp, af_cg_space *sp);
+/* Whether every index the kernel forms (flat element indices, each operand's offsets) fits in 31
+ * bits with room for a step: then the kernel's index math is 32-bit. */
+int af_cg_narrow_index(const af_cg_space *sp);
 void af_cg_space_free(af_cg_space *sp);
 
 const char *af_cg_ctype(af_dtype d);

@@ -60,15 +60,7 @@ static const char *const prelude =
 #define AF_COLUMN_LANES 8 /* rows walked side by side per block */
 
 /* "int" when every index the kernel forms fits in 31 bits with room for a grid stride. */
-static const char *index_type(const af_cg_space *sp) {
-    int64_t hi = sp->numel;
-    for (int32_t k = 0; k < sp->nops; k++) {
-        int64_t reach = 0;
-        for (int32_t d = 0; d < sp->nd; d++) reach += (sp->sizes[d] - 1) * (sp->strides[k][d] < 0 ? -sp->strides[k][d] : sp->strides[k][d]);
-        if (reach > hi) hi = reach;
-    }
-    return hi < (INT64_C(1) << 30) ? "int" : "int64_t";
-}
+static const char *index_type(const af_cg_space *sp) { return af_cg_narrow_index(sp) ? "int" : "int64_t"; }
 
 static void emit_signature(af_strbuf *sb, const af_fusion_group *grp, const af_cg_operand *ops, const char *name,
                            int32_t index, const char *suffix, int threads, int workspace) {
