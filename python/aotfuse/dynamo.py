@@ -8,10 +8,9 @@ from typing import Any, Sequence
 
 import torch
 from torch._functorch.aot_autograd import aot_module_simplified
-from torch._functorch.partitioners import default_partition
-
 from .decompositions import default_decompositions
-from .lower import UnsupportedError, lower
+from .lower import Lowered, UnsupportedError, lower
+from .partition import min_cut_rematerialization_partition
 
 __all__ = ["aotfuse_backend"]
 
@@ -29,13 +28,33 @@ def _compile_or_fallback(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
 
 
 def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any):
-    """The Dynamo backend. Example: torch.compile(model, backend="aotfuse", dynamic=False)."""
+    """The Dynamo backend. Example: torch.compile(model, backend="aotfuse", dynamic=False).
+    Each graph is partitioned by the C core's min-cut (as memory_efficient_fusion does)."""
+    state: dict[str, int] = {}
+
+    def partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kw: Any):
+        state["num_fwd_outputs"] = kw.get("num_fwd_outputs", 0)
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kw)
+
+    def forward(fw: torch.fx.GraphModule, inputs: Sequence[Any]):
+        low = _compile_or_fallback(fw, inputs)
+        if isinstance(low, Lowered) and "num_fwd_outputs" in state:  # saved activations may be plain views
+            low.program.set_plain_outputs(low.program_outputs_before(state["num_fwd_outputs"]))
+        return low
+
+    def backward(bw: torch.fx.GraphModule, inputs: Sequence[Any]):
+        low = _compile_or_fallback(bw, inputs)
+        if isinstance(low, Lowered):  # gradients may be plain views
+            low.program.set_plain_outputs(0)
+        return low
+
     return aot_module_simplified(
         gm,
         example_inputs,
-        fw_compiler=_compile_or_fallback,
-        bw_compiler=_compile_or_fallback,
-        partition_fn=default_partition,
+        fw_compiler=forward,
+        bw_compiler=backward,
+        inference_compiler=_compile_or_fallback,
+        partition_fn=partition,
         decompositions=default_decompositions(),
     )
 
