@@ -55,7 +55,7 @@ struct af_program {
     int32_t *fold_root;      /* per value: the non-folded value a folded view reads, or -1 */
     int64_t *fold_delta;     /* per value: its data's byte offset from the root's */
     int8_t *view_state;      /* per node: 0 a view step not yet checked, 1 checked (no dispatch), -1 ATen */
-    int8_t *fold_state;      /* per group with folded inputs: 0 not yet checked, 1 checked, -1 falls back */
+    int8_t *fold_state;      /* per group: 2 no folded inputs; else 0 not yet checked, 1 checked, -1 falls back */
     int64_t *step_ns;        /* per step: host time (profiling on), NULL when off */
     int64_t profiled_runs;
     int64_t fallbacks;
@@ -311,6 +311,12 @@ static int plan_views(af_program *p) {
         p->fold_delta[v] = (af_graph_value(g, v)->meta.storage_offset - af_graph_value(g, root)->meta.storage_offset) *
                            af_dtype_itemsize(af_graph_value(g, v)->meta.dtype);
     }
+    for (int32_t gi = 0; p->plan && gi < p->plan->n_groups; gi++) {
+        const af_fusion_group *grp = &p->plan->groups[gi];
+        p->fold_state[gi] = 2;
+        for (int32_t k = 0; k < grp->n_inputs; k++)
+            if (p->fold_root[grp->inputs[k]] >= 0) p->fold_state[gi] = 0;
+    }
     free(is_output);
     free(foldable);
     free(readers_ok);
@@ -538,17 +544,15 @@ static int check_folded_views(af_program *p, int32_t gi) {
 static int run_kernel(af_program *p, int32_t gi) {
     const af_fusion_group *grp = &p->plan->groups[gi];
     int32_t ni = grp->n_inputs, no = grp->n_outputs;
-    int st = AF_OK, folded = 0;
-    for (int32_t k = 0; k < ni; k++) folded |= p->fold_root[grp->inputs[k]] >= 0;
-    if (folded && p->fold_state[gi] == 0 && (st = check_folded_views(p, gi))) return st;
+    int st = AF_OK, folded = p->fold_state[gi] != 2;
+    if (p->fold_state[gi] == 0 && (st = check_folded_views(p, gi))) return st;
     for (int32_t k = 0; k < ni; k++) { /* a folded view: its root, checked against the root's layout */
         int32_t v = p->fold_root[grp->inputs[k]] >= 0 ? p->fold_root[grp->inputs[k]] : grp->inputs[k];
         p->kernel_objs[k] = p->values[v];
         p->kernel_metas[k] = &af_graph_value(p->graph, v)->meta;
     }
-    st = folded && p->fold_state[gi] < 0 ? AF_BRIDGE_LAYOUT_MISMATCH
-                                         : af_bridge_tensor_data(p->kernel_objs, p->kernel_metas, ni, p->kernel_ptrs);
-    if (!st)
+    st = p->fold_state[gi] < 0 ? AF_BRIDGE_LAYOUT_MISMATCH : af_bridge_tensor_data(p->kernel_objs, p->kernel_metas, ni, p->kernel_ptrs);
+    if (!st && folded)
         for (int32_t k = 0; k < ni; k++)
             if (p->fold_root[grp->inputs[k]] >= 0) p->kernel_ptrs[k] = (char *)p->kernel_ptrs[k] + p->fold_delta[grp->inputs[k]];
     if (st == AF_BRIDGE_LAYOUT_MISMATCH) {

@@ -53,7 +53,7 @@ def _compile_with_core(record: _Record, stage: str, gm: torch.fx.GraphModule, ex
     # aliasing of user outputs only)
     if stage == "backward":
         lowered.program.set_plain_outputs(0)
-        lowered.graph_module = gm  # for variants without some output gradients (_no_zero_gradients)
+        lowered.keep_graph_for_missing(gm)  # variants without some output gradients (_no_zero_gradients)
     elif stage == "forward":
         lowered.program.set_plain_outputs(lowered.program_outputs_before(record.num_fwd_outputs))
     record.programs[stage] = lowered
@@ -89,7 +89,7 @@ def _no_zero_gradients(outs: Any) -> None:
     instead of a dense zeros tensor (memory the size of the logits, and an add in the backward): the
     backward then runs a variant program with those gradients folded away (Lowered._without)."""
     for o in outs:
-        fn = getattr(o, "grad_fn", None)
+        fn = o.grad_fn if isinstance(o, torch.Tensor) else None
         if fn is not None and type(fn).__name__ == "CompiledFunctionBackward":
             fn.materialize_grads = False
             return

@@ -106,11 +106,20 @@ class Lowered:
         self._template = out_template  # per graph output: None (from the program) or a constant
         self._plain = all(t is None for t in out_template)
         self.n_user_inputs = n_user_inputs
-        self.graph_module: fx.GraphModule | None = None  # kept by a backward: see missing_gradients
+        self.graph_module: fx.GraphModule | None = None  # kept by a backward: see keep_graph_for_missing
         self.variants: dict[tuple, "Lowered"] = {}
+        self._tangents_from = -1  # a backward: where its output-gradient inputs start (-1: none)
+
+    def keep_graph_for_missing(self, gm: fx.GraphModule) -> None:
+        """A backward: keep its graph, so that a call without some output gradients (None, the
+        tangents AOTAutograd puts last) runs a variant program (missing_gradients)."""
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        tangents = [i for i, name in enumerate(names) if name.startswith("tangents")]
+        self.graph_module = gm
+        self._tangents_from = tangents[0] if tangents else -1
 
     def __call__(self, args: list) -> list:
-        if self.graph_module is not None and any(a is None for a in args):
+        if self._tangents_from >= 0 and any(args[i] is None for i in range(self._tangents_from, len(args))):
             return self._without(args)
         # boxed convention: the program empties the list and drops each input after its last
         # use, so activations saved for backward die mid-run, not when the backward returns
