@@ -89,18 +89,6 @@ static const char *const prelude =
     "  big = ax >= 9.0f ? 1.0f : big;\n"
     "  big = x < 0.0f ? -big : big;\n"
     "  return x != x ? x : (ax < 0.3f ? small : big);\n"
-    "}\n"
-    "static inline double af_maxd(double a, double b) { return a != a ? a : (b != b ? b : (a > b ? a : b)); }\n"
-    "static inline double af_mind(double a, double b) { return a != a ? a : (b != b ? b : (a < b ? a : b)); }\n"
-    "static inline float af_max(float a, float b) { return a != a ? a : (b != b ? b : (a > b ? a : b)); }\n"
-    "static inline float af_min(float a, float b) { return a != a ? a : (b != b ? b : (a < b ? a : b)); }\n"
-    "static inline float af_pow(float a, float b) {\n"
-    "  if (b == 2.0f) return a * a;\n"
-    "  if (b == 1.0f) return a;\n"
-    "  if (b == 0.5f) return sqrtf(a);\n"
-    "  if (b == 3.0f) return a * a * a;\n"
-    "  if (b == -1.0f) return 1.0f / a;\n"
-    "  return powf(a, b);\n"
     "}\n";
 
 #define AF_COLUMN_BLOCK 256
@@ -347,7 +335,7 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
 int af_codegen_c(const af_graph *g, const af_fusion_plan *plan, char **source) {
     if (!g || !plan || !source) return af_error_set(AF_ERR_INVALID, "af_codegen_c: NULL argument");
     af_strbuf sb = {0};
-    af_strbuf_printf(&sb, "%s#define AF_RAND_FN static inline\n%s", prelude, af_cg_rand_text);
+    af_strbuf_printf(&sb, "%s#define AF_FN static inline\n%s", prelude, af_cg_helpers_text);
     for (int32_t i = 0; i < plan->n_groups; i++) {
         if (plan->groups[i].device.type != AF_DEVICE_CPU) continue; /* another backend's */
         int st = emit_kernel(&sb, g, &plan->groups[i], i);

@@ -13,18 +13,34 @@ const char *af_cg_ctype(af_dtype d) {
     return d == AF_DTYPE_FLOAT32 ? "float" : d == AF_DTYPE_BOOL ? "uint8_t" : d == AF_DTYPE_INT64 ? "int64_t" : "uint16_t";
 }
 
-/* Threefry-2x32-20 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11; the
+/* The helpers both preludes include after defining AF_FN (how a helper is declared on the target),
+ * so that the member expressions mean the same on both: NaN-propagating max/min (as ATen's), pow
+ * with ATen's special exponents, and the generator.
+ *
+ * af_rand is Threefry-2x32-20 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11; the
  * generator JAX uses): the counter is the element's row-major index in the random tensor, the
  * key the 64-bit seed. Only 32-bit adds, rotates and xors, so the loops calling it vectorize (16
  * lanes with AVX-512) where Philox's 32x32->64 multiplies do not. The first output word times
  * 2^-32, rounded to float, is the value: uniform on [0, 1], with full 2^-32 resolution near 0 (so
- * dropout with p = 1e-8 drops about 1e-8 of the elements). Both preludes include this text after
- * defining AF_RAND_FN; the numbers are the same bits on both. */
-const char af_cg_rand_text[] =
+ * dropout with p = 1e-8 drops about 1e-8 of the elements). The numbers are the same bits on both
+ * targets. */
+const char af_cg_helpers_text[] =
+    "AF_FN double af_maxd(double a, double b) { return a != a ? a : (b != b ? b : (a > b ? a : b)); }\n"
+    "AF_FN double af_mind(double a, double b) { return a != a ? a : (b != b ? b : (a < b ? a : b)); }\n"
+    "AF_FN float af_max(float a, float b) { return a != a ? a : (b != b ? b : (a > b ? a : b)); }\n"
+    "AF_FN float af_min(float a, float b) { return a != a ? a : (b != b ? b : (a < b ? a : b)); }\n"
+    "AF_FN float af_pow(float a, float b) {\n"
+    "  if (b == 2.0f) return a * a;\n"
+    "  if (b == 1.0f) return a;\n"
+    "  if (b == 0.5f) return sqrtf(a);\n"
+    "  if (b == 3.0f) return a * a * a;\n"
+    "  if (b == -1.0f) return 1.0f / a;\n"
+    "  return powf(a, b);\n"
+    "}\n"
     "#define AF_ROTL32(x, r) (((x) << (r)) | ((x) >> (32 - (r))))\n"
     "#define AF_TF_ROUND(r) x0 += x1; x1 = AF_ROTL32(x1, r); x1 ^= x0;\n"
     "#define AF_TF_INJECT(a, b, s) x0 += a; x1 += b + (s);\n"
-    "AF_RAND_FN float af_rand(uint64_t seed, uint64_t idx) {\n"
+    "AF_FN float af_rand(uint64_t seed, uint64_t idx) {\n"
     "  const uint32_t k0 = (uint32_t)seed, k1 = (uint32_t)(seed >> 32), k2 = 0x1BD11BDAu ^ k0 ^ k1;\n"
     "  uint32_t x0 = (uint32_t)idx + k0, x1 = (uint32_t)(idx >> 32) + k1;\n"
     "  AF_TF_ROUND(13) AF_TF_ROUND(15) AF_TF_ROUND(26) AF_TF_ROUND(6) AF_TF_INJECT(k1, k2, 1u)\n"

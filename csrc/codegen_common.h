@@ -43,9 +43,10 @@ int af_cg_narrow_index(const af_cg_space *sp);
 void af_cg_space_free(af_cg_space *sp);
 
 const char *af_cg_ctype(af_dtype d);
-/* af_rand(seed, index): the counter-based generator (Threefry-2x32-20) both preludes include, after
- * defining AF_RAND_FN (how a helper function is declared on the target). */
-extern const char af_cg_rand_text[];
+/* Helpers both preludes include after defining AF_FN (a helper's declaration on the target):
+ * af_max/af_min/af_maxd/af_mind (NaN-propagating), af_pow, and af_rand(seed, index), the
+ * counter-based generator (Threefry-2x32-20). */
+extern const char af_cg_helpers_text[];
 void af_cg_emit_load(af_strbuf *sb, af_dtype d, const char *ptr, const char *off);
 void af_cg_emit_store_value(af_strbuf *sb, af_dtype d, const char *v);
 /* The members' element computation; with phases (from af_cg_phases), only phase `phase`'s

@@ -41,19 +41,7 @@ static const char *const prelude =
     "static __device__ __forceinline__ uint16_t af_f16_store(float f) { uint16_t h; asm(\"cvt.rn.f16.f32 %0, %1;\" : \"=h\"(h) : \"f\"(f)); return h; }\n"
     "static __device__ __forceinline__ float af_exp(float x) { return expf(x); }\n"
     "static __device__ __forceinline__ float af_erf(float x) { return erff(x); }\n"
-    "static __device__ __forceinline__ float af_tanh(float x) { return tanhf(x); }\n"
-    "static __device__ __forceinline__ double af_maxd(double a, double b) { return a != a ? a : (b != b ? b : (a > b ? a : b)); }\n"
-    "static __device__ __forceinline__ double af_mind(double a, double b) { return a != a ? a : (b != b ? b : (a < b ? a : b)); }\n"
-    "static __device__ __forceinline__ float af_max(float a, float b) { return a != a ? a : (b != b ? b : (a > b ? a : b)); }\n"
-    "static __device__ __forceinline__ float af_min(float a, float b) { return a != a ? a : (b != b ? b : (a < b ? a : b)); }\n"
-    "static __device__ __forceinline__ float af_pow(float a, float b) {\n"
-    "  if (b == 2.0f) return a * a;\n"
-    "  if (b == 1.0f) return a;\n"
-    "  if (b == 0.5f) return sqrtf(a);\n"
-    "  if (b == 3.0f) return a * a * a;\n"
-    "  if (b == -1.0f) return 1.0f / a;\n"
-    "  return powf(a, b);\n"
-    "}\n";
+    "static __device__ __forceinline__ float af_tanh(float x) { return tanhf(x); }\n";
 
 #define AF_THREADS 256
 #define AF_COLUMN_TILE 32 /* columns per block (one warp wide) */
@@ -365,7 +353,7 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
 int af_codegen_cuda(const af_graph *g, const af_fusion_plan *plan, int sm_count, char **source, af_cuda_launch *launch) {
     if (!g || !plan || !source || (!launch && plan->n_groups)) return af_error_set(AF_ERR_INVALID, "af_codegen_cuda: NULL argument");
     af_strbuf sb = {0};
-    af_strbuf_printf(&sb, "%s#define AF_RAND_FN static __device__ __forceinline__\n%s", prelude, af_cg_rand_text);
+    af_strbuf_printf(&sb, "%s#define AF_FN static __device__ __forceinline__\n%s", prelude, af_cg_helpers_text);
     for (int32_t i = 0; i < plan->n_groups; i++) {
         memset(&launch[i], 0, sizeof launch[i]);
         if (plan->groups[i].device.type != AF_DEVICE_CUDA) continue;

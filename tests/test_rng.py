@@ -3,7 +3,8 @@ an 8-byte seed saved instead of a mask, and the mask recomputed in the backward.
 
 The generator is checked bit for bit against a pure-Python Threefry (and Random123's known
 answer); the fused kernels against the op's stand-alone program; the statistics of the numbers;
-the backward's use of the forward's mask; torch.manual_seed repeatability; AOTFUSE_FALLBACK_RANDOM."""
+the backward's use of the forward's mask; torch.manual_seed repeatability; ATen's dropout under
+AOTFUSE_FALLBACK_RANDOM=1 and where no kernels are generated."""
 import copy
 
 import pytest
@@ -175,25 +176,6 @@ def test_dropout_dtypes_and_reductions_in_one_kernel(dtype, dim):
     assert_close(s.float(), ref.float().sum(dim), f"sums of the dropout over dim {dim}", atol=tol, rtol=tol)
 
 
-def test_fallback_random_keeps_eager_masks(monkeypatch):
-    monkeypatch.setenv("AOTFUSE_FALLBACK_RANDOM", "1")
-    model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), nn.GELU(), nn.Linear(64, 16))
-    compiled = aotfuse.memory_efficient_fusion(copy.deepcopy(model))
-    x = torch.randn(8, 16)
-    compiled(x)
-    torch.manual_seed(1)
-    out = compiled(x)
-    torch.manual_seed(1)
-    ref = model(x)
-    assert_close(out, ref, "output with ATen's dropout (same seed, same mask)")
-    out.sum().backward()
-    ref.sum().backward()
-    for (name, p), q in zip(compiled.named_parameters(), model.parameters()):
-        assert_close(p.grad, q.grad, f"grad of {name} with ATen's dropout")
-    bw = compiled._aotfuse_compiled.records[-1].graphs["backward"]
-    assert not any("rng_uniform" in str(n.target) for n in bw.graph.nodes)
-
-
 def test_eval_and_p0_have_no_generator():
     model = _DropMLP(p=0.0)
     report = aotfuse.explain(aotfuse.memory_efficient_fusion(model), torch.randn(4, 64, requires_grad=True))
@@ -225,9 +207,11 @@ def test_dropout_cuda_source_compiles(kind):
         assert kernels and all(k["registers"] for k in kernels)
 
 
-@pytest.mark.parametrize("env", [{"AOTFUSE_FUSION": "0"}, {"AOTFUSE_BACKEND": "aten"}, {"AOTFUSE_BACKEND": "cuda"}],
-                         ids=["no-fusion", "aten-backend", "cpu-tensors-without-kernels"])
-def test_without_kernels_dropout_stays_aten(monkeypatch, env):
+@pytest.mark.parametrize("env", [{"AOTFUSE_FALLBACK_RANDOM": "1"}, {"AOTFUSE_FUSION": "0"}, {"AOTFUSE_BACKEND": "aten"},
+                                 {"AOTFUSE_BACKEND": "cuda"}],
+                         ids=["fallback-random", "no-fusion", "aten-backend", "cpu-tensors-without-kernels"])
+def test_aten_dropout_where_asked_or_without_kernels(monkeypatch, env):
+    """Eager's masks for the same seed (the backward with ATen's mask: test_partition.py)."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     torch.manual_seed(0)
@@ -238,6 +222,6 @@ def test_without_kernels_dropout_stays_aten(monkeypatch, env):
     torch.manual_seed(2)
     out = compiled(x)
     torch.manual_seed(2)
-    assert_close(out, model(x), "ATen's dropout where no kernels are generated (eager's masks)")
+    assert_close(out, model(x), f"ATen's dropout ({env}): eager's masks")
     fw = compiled._aotfuse_compiled.records[-1].graphs["forward"]
     assert not any("rng_uniform" in str(n.target) for n in fw.graph.nodes)

@@ -133,7 +133,7 @@ static void test_random_nodes(void **state) {
     assert_int_equal(plan->group_of_node[3], plan->group_of_node[1]);
     char *src = NULL;
     assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
-    assert_non_null(strstr(src, "AF_RAND_FN float af_rand(uint64_t seed, uint64_t idx)"));
+    assert_non_null(strstr(src, "AF_FN float af_rand(uint64_t seed, uint64_t idx)"));
     assert_non_null(strstr(src, "(uint64_t)q0[0]; const uint32_t iv")); /* 32 elements: 32-bit counters */
     assert_non_null(strstr(src, "= af_rand(sv"));
     free(src);
