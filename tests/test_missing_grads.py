@@ -68,3 +68,26 @@ def test_the_zero_gradient_add_is_folded_away():
     zeros = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.zeros.default]
     shapes = [tuple(n.meta["val"].shape) for n in zeros]
     assert (6, 5) not in shapes, shapes
+
+
+def test_two_missing_gradients_added_together():
+    """h's gradient is the sum of two outputs' gradients, both missing: a zeros tensor, not an error."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = torch.tanh(self.fc(x))
+            return h.square().sum(), h, h + 0.0
+
+    torch.manual_seed(0)
+    model = M()
+    eager = copy.deepcopy(model)
+    compiled = aotfuse.memory_efficient_fusion(model)
+    x = torch.randn(3, 4)
+    compiled(x)[0].backward()
+    eager(x)[0].backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert_close(p.grad, q.grad, f"grad of {name}")
+    assert compiled._aotfuse_compiled.records[-1].programs["backward"].variants

@@ -291,7 +291,7 @@ def missing_gradients(gm: fx.GraphModule, missing: tuple) -> fx.GraphModule:
         if node.op == "call_function" and node.target is aten.add.Tensor and not node.kwargs and len(node.args) == 2:
             a, b = node.args
             other = b if a in gone else a if b in gone else None
-            if other is not None and isinstance(other, fx.Node) and same_kind(other, node):
+            if isinstance(other, fx.Node) and other not in gone and same_kind(other, node):
                 env[node] = env[other]
                 continue
         if any(isinstance(x, fx.Node) and x in gone for x in node.all_input_nodes):
