@@ -92,6 +92,16 @@ class _DropMLP(nn.Module):
         return self.fc2(self.drop(nn.functional.gelu(self.fc1(x))))
 
 
+def _compiled_mlp(rows, p=0.5):
+    """A dropout MLP, its compiled copy (already compiled) and an input of `rows` rows."""
+    torch.manual_seed(0)
+    model = _DropMLP(p=p)
+    compiled = aotfuse.memory_efficient_fusion(copy.deepcopy(model))
+    x = torch.randn(rows, 64)
+    compiled(x)
+    return model, compiled, x
+
+
 def _seeds_drawn(n):
     """The seeds the next n dropouts of a compiled function draw from torch's generator."""
     return [int(torch.randint(0, _SEED_HIGH, ())) for _ in range(n)]
@@ -131,11 +141,7 @@ def test_dropout_saves_a_seed_not_a_mask_and_recomputes_it():
 
 
 def test_dropout_training_matches_eager_statistically_and_repeats_under_manual_seed():
-    torch.manual_seed(0)
-    model = _DropMLP(p=0.5)
-    compiled = aotfuse.memory_efficient_fusion(copy.deepcopy(model))
-    x = torch.randn(16, 64)
-    compiled(x)
+    model, compiled, x = _compiled_mlp(rows=16)
     torch.manual_seed(3)
     a = compiled(x)
     torch.manual_seed(3)
@@ -214,11 +220,7 @@ def test_aten_dropout_where_asked_or_without_kernels(monkeypatch, env):
     """Eager's masks for the same seed (the backward with ATen's mask: test_partition.py)."""
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    torch.manual_seed(0)
-    model = _DropMLP(p=0.5)
-    compiled = aotfuse.memory_efficient_fusion(copy.deepcopy(model))
-    x = torch.randn(8, 64)
-    compiled(x)
+    model, compiled, x = _compiled_mlp(rows=8)
     torch.manual_seed(2)
     out = compiled(x)
     torch.manual_seed(2)
