@@ -742,10 +742,22 @@ done:
 
 /* ---- CUDA without a GPU: code generation and NVRTC, for checks and reports ---- */
 
+/* A new list of ints (NULL with an exception set when out of memory). */
+static PyObject *id_list(const int32_t *ids, int32_t n) {
+    PyObject *list = PyList_New(n);
+    for (int32_t k = 0; list && k < n; k++) {
+        PyObject *item = PyLong_FromLong(ids[k]);
+        if (!item) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, k, item);
+    }
+    return list;
+}
+
 static const char *const cuda_kind_names[] = {"none", "pointwise", "rows", "columns"};
 
 /* cuda_codegen(graph, sm_count=132, min_group=2) -> (source, [launch dict per group]): the CUDA a
- * program would compile for the graph's CUDA groups; the graph is not consumed. */
+ * program would compile for the graph's CUDA groups, and per group its launch facts and operands
+ * (value ids: inputs, then outputs, the kernel's parameter order); the graph is not consumed. */
 static PyObject *cuda_codegen(PyObject *m, PyObject *args, PyObject *kwds) {
     (void)m;
     static char *kwlist[] = {"graph", "sm_count", "min_group", NULL};
@@ -765,9 +777,16 @@ static PyObject *cuda_codegen(PyObject *m, PyObject *args, PyObject *kwds) {
     PyObject *result = NULL, *list = st ? NULL : PyList_New(0);
     for (int32_t i = 0; list && i < plan->n_groups; i++) {
         const af_cuda_launch *l = &launch[i];
-        PyObject *d = Py_BuildValue("{s:s,s:i,s:L,s:L,s:i,s:L,s:i}", "kind", cuda_kind_names[l->kind], "threads", (int)l->threads,
-                                    "blocks", (long long)l->blocks, "vec_blocks", (long long)l->vec_blocks, "split", (int)l->split,
-                                    "workspace", (long long)l->workspace, "nodes", (int)plan->groups[i].n_nodes);
+        const af_fusion_group *grp = &plan->groups[i];
+        PyObject *ins = id_list(grp->inputs, grp->n_inputs), *outs = id_list(grp->outputs, grp->n_outputs);
+        PyObject *d = ins && outs ? Py_BuildValue("{s:s,s:i,s:L,s:L,s:i,s:L,s:L,s:i,s:O,s:O}", "kind", cuda_kind_names[l->kind],
+                                                  "threads", (int)l->threads, "blocks", (long long)l->blocks, "vec_blocks",
+                                                  (long long)l->vec_blocks, "split", (int)l->split, "finish_blocks",
+                                                  (long long)l->finish_blocks, "workspace", (long long)l->workspace, "nodes",
+                                                  (int)grp->n_nodes, "inputs", ins, "outputs", outs)
+                                  : NULL;
+        Py_XDECREF(ins);
+        Py_XDECREF(outs);
         if (!d || PyList_Append(list, d) < 0) Py_CLEAR(list);
         Py_XDECREF(d);
     }

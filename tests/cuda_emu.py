@@ -1,0 +1,160 @@
+"""Runs the CUDA kernels aotfuse generates on the CPU, for numeric tests without a GPU.
+
+A graph traced on the CPU is planned and code-generated for cuda:0 exactly as a CUDA program would
+be (`_C.cuda_codegen`); its source, with the prelude swapped for tests/cuda_emu.h, is compiled as
+C++ by the host compiler, and each group's kernels are launched the way the runtime launches them
+(runtime.c, launch_cuda): the vectorized variant when there is one and every pointer is 16-byte
+aligned, column reductions as two passes through a float64 workspace. The grid is capped as on a
+device with `sm_count` multiprocessors (small by default, so grid-stride loops take several turns).
+Each group reads eager's values of its inputs and its outputs are compared with eager's.
+
+What it cannot show: timing, memory coalescing, NVRTC's own code generation (tests/test_cuda_codegen.py
+compiles the same sources with NVRTC), and the hardware's 16-bit conversion instructions.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+import torch
+from torch import fx
+
+from aotfuse import _C
+from aotfuse.lower import build_graph
+
+HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emu.h")
+_SIG = re.compile(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(([^)]*)\) \{')
+_built: dict[str, ctypes.CDLL] = {}
+_dir = None
+
+TOLERANCES = {torch.float32: (1e-5, 1e-4), torch.float16: (1e-3, 2e-3), torch.bfloat16: (1e-2, 1.6e-2),
+              torch.float64: (1e-12, 1e-12), torch.bool: (0, 0), torch.int64: (0, 0)}
+
+
+def unavailable() -> str | None:
+    """None when a C++ compiler that can build the emulation is here, else why not."""
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if not cxx:
+        return "no C++ compiler (g++) for the CUDA emulation"
+    try:
+        _library('extern "C" __global__ void __launch_bounds__(32) af_kernel_0(float *__restrict__ q0) { q0[threadIdx.x] = 1.0f; }\n')
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def _trampolines(source: str) -> str:
+    out = []
+    for name, params in _SIG.findall(source):
+        casts = []
+        for i, p in enumerate(x.strip() for x in params.split(",") if x.strip()):
+            ptype = re.match(r"(.*?)\s*\w+$", p).group(1).replace("__restrict__", "").strip()
+            casts.append(f"({ptype})a[{i}]")
+        out.append(f'extern "C" void emu_{name}(void **a) {{ {name}({", ".join(casts)}); }}\n')
+    return "".join(out)
+
+
+def _library(source: str) -> ctypes.CDLL:
+    """Compiles generated CUDA source (prelude replaced) into a shared library, once per source."""
+    global _dir
+    key = hashlib.sha256(source.encode()).hexdigest()[:20]
+    if key in _built:
+        return _built[key]
+    body = source[source.index("#define AF_FN"):] if "#define AF_FN" in source else source
+    text = f'#include "{HEADER}"\n{body}\n{_trampolines(body)}'
+    if _dir is None:
+        _dir = tempfile.mkdtemp(prefix="aotfuse-cuda-emu-")
+    src, lib = os.path.join(_dir, f"{key}.cpp"), os.path.join(_dir, f"{key}.so")
+    with open(src, "w") as f:
+        f.write(text)
+    cmd = [os.environ.get("CXX", "g++"), "-std=c++17", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-w",
+           src, "-o", lib]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"the CUDA emulation does not compile ({' '.join(cmd)}):\n{r.stderr[:4000]}")
+    dll = ctypes.CDLL(lib)
+    dll.emu_launch.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint, ctypes.c_uint, ctypes.c_uint]
+    dll.emu_launch.restype = ctypes.c_int
+    _built[key] = dll
+    return dll
+
+
+def _launch(dll, name: str, tensors: list, grid_x: int, grid_y: int, threads: int) -> None:
+    args = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+    fn = ctypes.cast(getattr(dll, f"emu_{name}"), ctypes.c_void_p)
+    rc = dll.emu_launch(fn, args, grid_x, grid_y, threads)
+    assert rc == 0, f"emu_launch({name}) returned {rc}"
+
+
+def _grid(blocks: int, threads: int, sm_count: int) -> int:
+    return max(1, min(blocks, sm_count * (2048 // threads)))  # runtime.c grid_for
+
+
+def eager_values(gm: fx.GraphModule, args) -> dict:
+    """Every FX node's eager value (node -> tensor or tuple)."""
+    interp = fx.Interpreter(gm, garbage_collect_values=False)
+    interp.run(*args)
+    return interp.env
+
+
+def run_groups(gm: fx.GraphModule, args, sm_count: int = 1, vectorized: bool | None = None):
+    """Plans gm for cuda:0, runs every CUDA group in the emulation on eager's input values and
+    yields (group index, launch facts, [(FX node, emulated, eager)] per output). vectorized:
+    None launches as the runtime would, True/False forces the variant (where it exists)."""
+    b = build_graph(gm, device="cuda:0")
+    source, launches = _C.cuda_codegen(b.graph, sm_count=sm_count)
+    dll = _library(source)
+    env = eager_values(gm, args)
+
+    def node_of(vid):
+        node = b.value_nodes[vid]
+        assert node is not None, f"value {vid} has no single FX node"
+        return node
+
+    for gi, l in enumerate(launches):
+        if l["kind"] == "none":
+            continue
+        ins = []
+        for vid in l["inputs"]:
+            t = env[node_of(vid)]
+            meta = node_of(vid).meta.get("val")
+            if meta is not None and isinstance(t, torch.Tensor):
+                assert t.stride() == meta.stride() or t.numel() <= 1, f"input {vid}: eager strides {t.stride()}, graph {meta.stride()}"
+            ins.append(t)
+        out_nodes = [node_of(vid) for vid in l["outputs"]]
+        outs = [torch.empty_strided(n.meta["val"].shape, n.meta["val"].stride(), dtype=n.meta["val"].dtype) for n in out_nodes]
+        for o in outs:  # poison: an element the kernel forgets to write cannot pass
+            if o.dtype.is_floating_point:
+                o.fill_(float("nan"))
+        ops = ins + outs
+        name = f"af_kernel_{gi}"
+        if l["kind"] == "columns":
+            ws = torch.full((l["workspace"] // 8,), float("nan"), dtype=torch.float64)
+            _launch(dll, name, [ws] + ops, _grid(l["blocks"], l["threads"], sm_count), l["split"], l["threads"])
+            _launch(dll, name + "_f", [ws] + ops, _grid(l["finish_blocks"], 256, sm_count), 1, 256)
+        else:
+            aligned = l["vec_blocks"] > 0 and all(t.data_ptr() % 16 == 0 for t in ops)
+            use_v = aligned if vectorized is None else (vectorized and l["vec_blocks"] > 0)
+            if use_v:
+                assert aligned, f"group {gi}: the vectorized variant asked for unaligned operands"
+            blocks = l["vec_blocks"] if use_v else l["blocks"]
+            _launch(dll, name + ("_v" if use_v else ""), ops, _grid(blocks, l["threads"], sm_count), 1, l["threads"])
+        yield gi, l, [(n, o, env[n]) for n, o in zip(out_nodes, outs)]
+
+
+def check(gm: fx.GraphModule, args, what: str = "", **kw) -> list:
+    """Asserts every emulated group output equals eager's within the dtype's tolerance (NaN where
+    eager has NaN); returns the launches that ran."""
+    ran = []
+    for gi, l, results in run_groups(gm, args, **kw):
+        ran.append(l)
+        for node, got, want in results:
+            atol, rtol = TOLERANCES.get(want.dtype, (1e-5, 1e-4))
+            torch.testing.assert_close(got, want, atol=atol, rtol=rtol, equal_nan=True,
+                                       msg=lambda m, n=node, g=gi, k=l["kind"]: f"{what} group {g} ({k}) output {n.name}: {m}")
+    return ran

@@ -1,0 +1,96 @@
+"""The generated CUDA kernels' numbers, without a GPU: each CUDA group runs in the host emulation of
+tests/cuda_emu.py (the generated source with its prelude swapped, threads as real threads,
+barriers and warp shuffles emulated) on eager's input values, and its outputs must equal eager's.
+This checks the kernels' index math, loop skeletons, reductions and vectorized variants in CI;
+the GPU itself is checked by `pytest -m cuda` (tests/test_cuda.py)."""
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import aotfuse.rng  # noqa: F401  (registers aotfuse::rng_uniform)
+import cuda_emu
+from test_fusion import OP_CASES, _inputs
+
+aten = torch.ops.aten
+_why = cuda_emu.unavailable()
+pytestmark = pytest.mark.skipif(_why is not None, reason=f"no CUDA emulation here: {_why}")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPE_IDS = ["fp32", "fp16", "bf16"]
+
+
+def _all_ops(a, b, c):
+    return tuple(case(aten.mul.Tensor(a, 1.0), b, c) * 1.0 for case in OP_CASES.values())
+
+
+@pytest.mark.parametrize("vectorized", [False, True], ids=["scalar", "vector"])
+@pytest.mark.parametrize("layout", ["contiguous", "broadcast", "strided"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_every_op_table_expression_matches_eager(dtype, layout, vectorized):
+    args = _inputs(dtype, layout)
+    ran = cuda_emu.check(make_fx(_all_ops)(*args), args, f"{dtype} {layout}", vectorized=vectorized)
+    assert ran and all(l["kind"] == "pointwise" for l in ran), ran
+    if vectorized and layout == "contiguous":
+        assert any(l["vec_blocks"] > 0 for l in ran), "no vectorized variant ran"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_reductions_of_each_kind_match_eager(dtype):
+    def f(x, b, y, big):
+        h = x * b + 1.0
+        rows = h.sum(-1, keepdim=True), h.amax(-1), h.mean(-1), h.amin(-1, keepdim=True)  # a warp per row
+        cols = (y * 0.5 + 1.0).sum(0)  # bias-gradient shape: two-pass column reduction
+        long_rows = (big * 2.0).exp().sum(-1)  # a block per row (rows over 2048)
+        total = (x * y).sum()  # everything into one value
+        return rows + (cols, long_rows, total)
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(64, 96, generator=g).to(dtype), torch.randn(64, 96, generator=g).to(dtype)
+    b, big = torch.randn(96, generator=g).to(dtype), torch.randn(3, 5000, generator=g).to(dtype)
+    ran = cuda_emu.check(make_fx(f)(x, b, y, big), (x, b, y, big), str(dtype))
+    kinds = sorted(l["kind"] for l in ran)
+    assert "rows" in kinds and "columns" in kinds, kinds
+    assert any(l["kind"] == "rows" and l["threads"] == 512 for l in ran), "no block-per-row kernel ran"
+
+
+def test_reductions_propagate_nan_and_inf():
+    x = torch.randn(40, 300)
+    x[3, 7] = float("nan")
+    x[5, :] = float("-inf")
+    x[9, 2] = float("inf")
+
+    y = x.t().contiguous()
+
+    def f(x, y):
+        h = x * 1.0
+        return h.amax(-1), h.amin(-1), h.sum(-1), (y + 1.0).amax(0), (y * 2.0).amin(0)
+
+    ran = cuda_emu.check(make_fx(f)(x, y), (x, y), "nan/inf")
+    assert {l["kind"] for l in ran} == {"rows", "columns"}, ran
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (3, 33), (5, 2049), (257, 31), (2, 3, 70)])
+def test_odd_shapes(shape):
+    """Shapes that leave lanes, warps and vector tails idle, and rows longer than a warp's limit."""
+    x = torch.randn(*shape)
+    w = torch.randn(shape[-1])
+
+    def f(x, w):
+        h = (x * w).tanh()
+        return h, h.sum(-1), (x - w).sum(0)
+
+    cuda_emu.check(make_fx(f)(x, w), (x, w), f"shape {shape}")
+
+
+@pytest.mark.parametrize("kind", ["pointwise", "rows", "columns"])
+def test_dropout_generator_matches_the_cpu_generator(kind):
+    """The counter-based dropout in CUDA kernels gives the bits of the op's CPU program."""
+    from aotfuse.decompositions import default_decompositions
+
+    def f(x, g):
+        y = torch.ops.aten.native_dropout(x * 2.0, 0.1, True)[0] * g
+        return y if kind == "pointwise" else y.sum(-1) if kind == "rows" else y.sum(0)
+
+    x, g = torch.randn(64, 256), torch.randn(64, 256)
+    gm = make_fx(f, decomposition_table=default_decompositions(random=True))(x, g)
+    ran = cuda_emu.check(gm, (x, g), f"dropout {kind}")
+    assert [l["kind"] for l in ran] == [kind], ran
