@@ -128,22 +128,6 @@ static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fus
     af_strbuf_printf(sb, "    }\n  }\n}\n");
 }
 
-/* Row members of phase ph (pointwise over finished reductions, per row): computed as floats
- * v<id> at row level (rounded as if stored) and stored at the row's base offset when outputs. */
-static void emit_row_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
-                             int32_t nops, const int32_t *phases, int32_t ph) {
-    for (int32_t m = 0; m < grp->n_nodes; m++) {
-        if (phases[m] != (ph | AF_CG_ROW)) continue;
-        af_fusion_group one = *grp; /* emit this member alone */
-        one.nodes = &one.nodes[m];
-        one.n_nodes = 1;
-        af_cg_emit_members(sb, g, &one, "    ", "", NULL, 0, 0);
-        int32_t v = af_graph_node(g, grp->nodes[m])->first_output;
-        for (int32_t k = grp->n_inputs; k < nops; k++)
-            if (ops[k].value == v) af_cg_emit_store_at(sb, "    ", k, ops[k].dtype, "b", v);
-    }
-}
-
 /* A group with epilogues (members reading the group's own reductions): per row, one pass over the
  * reduced elements per phase; phase p accumulates its reductions, recomputes the pointwise members
  * it needs from the inputs and stores its elementwise outputs; after its pass each reduction of
@@ -189,31 +173,9 @@ static void emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion
         af_strbuf_printf(sb, "      (void)s;\n");
         af_cg_emit_loads(sb, grp, ops);
         af_cg_emit_members(sb, g, grp, "      ", "", phases, ph, 1);
-        for (int32_t k = grp->n_inputs; k < nops; k++) {
-            int32_t v = ops[k].value, m = 0;
-            while (m < grp->n_nodes && af_graph_node(g, grp->nodes[m])->first_output != v) m++;
-            if (af_cg_is_reduction_value(g, v) || m == grp->n_nodes || phases[m] != ph) continue; /* rows flagged: != ph */
-            af_cg_emit_store_at(sb, "      ", k, ops[k].dtype, "o", v);
-        }
+        af_cg_emit_phase_stores(sb, g, grp, ops, phases, ph, "      ");
         af_strbuf_printf(sb, "    }\n");
-        /* this phase's reductions, finished: the value later phases read, and the stored output */
-        for (int32_t m = 0; m < grp->n_nodes; m++) {
-            const af_node *n = af_graph_node(g, grp->nodes[m]);
-            if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION || phases[m] != ph) continue;
-            int32_t v = n->first_output;
-            af_dtype dt = af_graph_value(g, v)->meta.dtype;
-            if (n->op_id == AF_OP_AMAX || n->op_id == AF_OP_AMIN)
-                af_strbuf_printf(sb, "    float v%d = nan%d ? (float)NAN : (float)acc%d;\n", (int)v, (int)v, (int)v);
-            else if (n->op_id == AF_OP_MEAN)
-                af_strbuf_printf(sb, "    float v%d = (float)(acc%d / %" PRId64 ".0);\n", (int)v, (int)v, sp->inner);
-            else af_strbuf_printf(sb, "    float v%d = (float)acc%d;\n", (int)v, (int)v);
-            if (dt == AF_DTYPE_BFLOAT16) af_strbuf_printf(sb, "    v%d = af_bf16_load(af_bf16_store(v%d));\n", (int)v, (int)v);
-            else if (dt == AF_DTYPE_FLOAT16) af_strbuf_printf(sb, "    v%d = af_f16_load(af_f16_store(v%d));\n", (int)v, (int)v);
-            for (int32_t k = grp->n_inputs; k < nops; k++)
-                if (ops[k].value == v) af_cg_emit_store_at(sb, "    ", k, ops[k].dtype, "b", v);
-        }
-        /* this phase's row members, once per row, in member order */
-        emit_row_members(sb, g, grp, ops, nops, phases, ph);
+        af_cg_emit_phase_end(sb, g, grp, ops, phases, ph, sp->inner, 1, "    ", NULL);
     }
     af_strbuf_printf(sb, "  }\n}\n");
 }
@@ -229,9 +191,7 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
         af_cg_space_free(&sp);
         return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
     }
-    int rows = 0;
-    for (int32_t m = 0; m < grp->n_nodes; m++) rows |= (phases[m] & AF_CG_ROW) != 0;
-    if (last_phase > 0 || rows) {
+    if (af_cg_is_phased(phases, grp->n_nodes, last_phase)) {
         emit_phased_kernel(sb, g, grp, &sp, phases, last_phase, index);
         free(phases);
         af_cg_space_free(&sp);

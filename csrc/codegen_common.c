@@ -387,3 +387,66 @@ int af_cg_space_new(const af_graph *g, const af_fusion_group *grp, af_cg_space *
     sp->column = reducing && sp->n_kept == 1 && nd > 1 && !((grp->reduce_mask >> (iter->ndim - 1)) & 1u);
     return AF_OK;
 }
+
+void af_cg_emit_phase_stores(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
+                             const int32_t *phases, int32_t ph, const char *indent) {
+    for (int32_t k = grp->n_inputs; k < grp->n_inputs + grp->n_outputs; k++) {
+        int32_t v = ops[k].value, m = 0;
+        while (m < grp->n_nodes && af_graph_node(g, grp->nodes[m])->first_output != v) m++;
+        if (af_cg_is_reduction_value(g, v) || m == grp->n_nodes || phases[m] != ph) continue; /* rows flagged: != ph */
+        af_cg_emit_store_at(sb, indent, k, ops[k].dtype, "o", v);
+    }
+}
+
+/* `if (<guard>) ` before a store, or nothing. */
+static void emit_guard(af_strbuf *sb, const char *indent, const char *guard) {
+    if (guard) af_strbuf_printf(sb, "%sif (%s)\n  ", indent, guard);
+}
+
+void af_cg_emit_phase_end(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
+                          const int32_t *phases, int32_t ph, int64_t inner, int nan_flags, const char *indent, const char *guard) {
+    int32_t nops = grp->n_inputs + grp->n_outputs;
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        const af_node *n = af_graph_node(g, grp->nodes[m]);
+        if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION || phases[m] != ph) continue;
+        int v = (int)n->first_output;
+        af_dtype dt = af_graph_value(g, v)->meta.dtype;
+        if (nan_flags && (n->op_id == AF_OP_AMAX || n->op_id == AF_OP_AMIN))
+            af_strbuf_printf(sb, "%sfloat v%d = nan%d ? (float)NAN : (float)acc%d;\n", indent, v, v, v);
+        else if (n->op_id == AF_OP_MEAN)
+            af_strbuf_printf(sb, "%sfloat v%d = (float)(acc%d / %" PRId64 ".0);\n", indent, v, v, inner);
+        else af_strbuf_printf(sb, "%sfloat v%d = (float)acc%d;\n", indent, v, v);
+        if (dt == AF_DTYPE_BFLOAT16) af_strbuf_printf(sb, "%sv%d = af_bf16_load(af_bf16_store(v%d));\n", indent, v, v);
+        else if (dt == AF_DTYPE_FLOAT16) af_strbuf_printf(sb, "%sv%d = af_f16_load(af_f16_store(v%d));\n", indent, v, v);
+        for (int32_t k = grp->n_inputs; k < nops; k++)
+            if (ops[k].value == v) {
+                emit_guard(sb, indent, guard);
+                af_cg_emit_store_at(sb, indent, k, ops[k].dtype, "b", v);
+            }
+    }
+    for (int32_t m = 0; m < grp->n_nodes; m++) { /* the phase's row members, once per row, in member order */
+        if (phases[m] != (ph | AF_CG_ROW)) continue;
+        af_fusion_group one = *grp; /* emit this member alone */
+        one.nodes = &one.nodes[m];
+        one.n_nodes = 1;
+        af_cg_emit_members(sb, g, &one, indent, "", NULL, 0, 0);
+        int32_t v = af_graph_node(g, grp->nodes[m])->first_output;
+        for (int32_t k = grp->n_inputs; k < nops; k++)
+            if (ops[k].value == v) {
+                emit_guard(sb, indent, guard);
+                af_cg_emit_store_at(sb, indent, k, ops[k].dtype, "b", v);
+            }
+    }
+}
+
+int af_cg_phase_has_reductions(const af_graph *g, const af_fusion_group *grp, const int32_t *phases, int32_t ph) {
+    for (int32_t m = 0; m < grp->n_nodes; m++)
+        if (phases[m] == ph && af_op_get(af_graph_node(g, grp->nodes[m])->op_id)->kind == AF_KIND_REDUCTION) return 1;
+    return 0;
+}
+
+int af_cg_is_phased(const int32_t *phases, int32_t n_nodes, int32_t last_phase) {
+    int rows = 0;
+    for (int32_t m = 0; m < n_nodes; m++) rows |= (phases[m] & AF_CG_ROW) != 0;
+    return last_phase > 0 || rows;
+}

@@ -63,6 +63,19 @@ void af_cg_emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group 
 #define AF_CG_ROW (1 << 24)
 int32_t *af_cg_phases(const af_graph *g, const af_fusion_group *grp, int32_t *max_phase);
 int af_cg_is_reduction_value(const af_graph *g, int32_t v);
+/* Whether a group needs phases (a later phase, or a row member): a kernel with epilogues. */
+int af_cg_is_phased(const int32_t *phases, int32_t n_nodes, int32_t last_phase);
+int af_cg_phase_has_reductions(const af_graph *g, const af_fusion_group *grp, const int32_t *phases, int32_t ph);
+/* Inside phase ph's pass, at offsets o<k>: stores the elementwise outputs computed in phase ph. */
+void af_cg_emit_phase_stores(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
+                             const int32_t *phases, int32_t ph, const char *indent);
+/* After phase ph's pass, accumulators combined: each of its reductions becomes a float v<id> (a
+ * mean divided by `inner`; rounded as if stored; with nan_flags, NaN when its flag nan<id> is set)
+ * that later phases read, stored at b<k> when an output; then the phase's row members, computed
+ * once per row and stored at b<k> when outputs. With a guard, the stores run only `if (guard)`
+ * (one thread of a row's several). */
+void af_cg_emit_phase_end(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
+                          const int32_t *phases, int32_t ph, int64_t inner, int nan_flags, const char *indent, const char *guard);
 void af_cg_emit_pointers(af_strbuf *sb, const af_fusion_group *grp, const af_cg_operand *ops);
 /* `const float v<value> = q<k>[o<k>]` for every input k. */
 void af_cg_emit_loads(af_strbuf *sb, const af_fusion_group *grp, const af_cg_operand *ops);

@@ -52,7 +52,10 @@ static const char *index_type(const af_cg_space *sp) { return af_cg_narrow_index
 
 static void emit_signature(af_strbuf *sb, const af_fusion_group *grp, const af_cg_operand *ops, const char *name,
                            int32_t index, const char *suffix, int threads, int workspace) {
-    af_strbuf_printf(sb, "extern \"C\" __global__ void __launch_bounds__(%d) %s_%d%s(", threads, name, (int)index, suffix);
+    /* two blocks per multiprocessor at least: without it ptxas squeezes 512-thread kernels into 32
+     * registers (four blocks) and spills the phased ones */
+    af_strbuf_printf(sb, "extern \"C\" __global__ void __launch_bounds__(%d, %d) %s_%d%s(", threads, threads > 256 ? 2 : 2048 / threads / 2,
+                     name, (int)index, suffix);
     if (workspace) af_strbuf_printf(sb, "double *__restrict__ ws, ");
     for (int32_t k = 0; k < grp->n_inputs + grp->n_outputs; k++)
         af_strbuf_printf(sb, "%s%s%s *__restrict__ q%d", k ? ", " : "", k < grp->n_inputs ? "const " : "",
@@ -163,11 +166,12 @@ static void emit_pointwise(af_strbuf *sb, const af_graph *g, const af_fusion_gro
 
 /* ---- reductions ---- */
 
-/* acc<v> = combine(acc<v>, <other>) for every reduction of the group. */
-static void emit_combine(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent, const char *other_fmt) {
+/* acc<v> = combine(acc<v>, <other>) for every reduction of the group (of phase ph, with phases). */
+static void emit_combine_phase(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const int32_t *phases, int32_t ph,
+                               const char *indent, const char *other_fmt) {
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
-        if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION) continue;
+        if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION || (phases && phases[m] != ph)) continue;
         int v = (int)n->first_output;
         char other[128];
         snprintf(other, sizeof other, other_fmt, v, v);
@@ -175,6 +179,10 @@ static void emit_combine(af_strbuf *sb, const af_graph *g, const af_fusion_group
         else if (n->op_id == AF_OP_AMIN) af_strbuf_printf(sb, "%sacc%d = af_mind(acc%d, %s);\n", indent, v, v, other);
         else af_strbuf_printf(sb, "%sacc%d += %s;\n", indent, v, other);
     }
+}
+
+static void emit_combine(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent, const char *other_fmt) {
+    emit_combine_phase(sb, g, grp, NULL, 0, indent, other_fmt);
 }
 
 /* Row reductions: a warp per row (8 rows a block) up to 2048 reduced elements, else a block of
@@ -234,6 +242,81 @@ static void emit_rows(af_strbuf *sb, const af_graph *g, const af_fusion_group *g
     af_cg_emit_reduction_stores(sb, g, grp, sp->ops, sp->inner, NULL, "      ");
     af_strbuf_printf(sb, "    }\n");
     if (tpr > 32) af_strbuf_printf(sb, "    __syncthreads();\n");
+    af_strbuf_printf(sb, "  }\n}\n");
+    launch->kind = AF_CUDA_ROWS;
+    launch->threads = threads;
+    launch->blocks = (sp->outer + rpb - 1) / rpb;
+}
+
+/* A group with epilogues (members reading the group's own reductions: softmax, norms and their
+ * backwards), as the C backend plans it: per row, one pass over the reduced elements per phase.
+ * A row is a warp's (rows up to 2048) or a 512-thread block's; after each pass the warp's lanes
+ * combine their accumulators with an xor butterfly, which leaves every lane the same total, and a
+ * block's warps then combine through shared memory in a fixed order; every thread so holds the
+ * finished reductions (v<id>) that later phases and row members read. One thread stores the row
+ * values. */
+static void emit_phased(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp, const int32_t *phases,
+                        int32_t last_phase, int32_t index, af_cuda_launch *launch) {
+    const char *it = index_type(sp);
+    const af_cg_operand *ops = sp->ops;
+    int32_t nops = sp->nops, nd = sp->nd, kept = sp->n_kept;
+    int tpr = sp->inner <= 2048 ? 32 : 512, rpb = tpr == 32 ? AF_THREADS / 32 : 1, threads = tpr * rpb;
+    af_strbuf_printf(sb, "\n/* group %d: %d nodes (%d reductions, %d phases), %d inputs, %d outputs, %" PRId64 " rows of %" PRId64 " */\n",
+                     (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)last_phase + 1, (int)grp->n_inputs,
+                     (int)grp->n_outputs, sp->outer, sp->inner);
+    emit_signature(sb, grp, ops, "af_kernel", index, "", threads, 0);
+    if (tpr > 32)
+        for (int32_t m = 0; m < grp->n_nodes; m++) {
+            const af_node *n = af_graph_node(g, grp->nodes[m]);
+            if (af_op_get(n->op_id)->kind == AF_KIND_REDUCTION)
+                af_strbuf_printf(sb, "  __shared__ double sh%d[%d];\n", (int)n->first_output, tpr / 32);
+        }
+    af_strbuf_printf(sb, "  const int lane = threadIdx.x %% %d;\n", tpr);
+    af_strbuf_printf(sb, "  for (%s c = (%s)blockIdx.x * %d + threadIdx.x / %d; c < %" PRId64 "; c += (%s)gridDim.x * %d) {\n", it,
+                     it, rpb, tpr, sp->outer, it, rpb);
+    af_strbuf_printf(sb, "    %s r = c;\n", it);
+    emit_zero_offsets(sb, "    ", it, "b", nops, NULL);
+    af_cg_emit_unflatten(sb, "    ", it, "r", "b", 0, kept - 1, sp->sizes, sp->strides, nops);
+    af_strbuf_printf(sb, "    (void)r;\n");
+    for (int32_t ph = 0; ph <= last_phase; ph++) {
+        for (int32_t m = 0; m < grp->n_nodes; m++) {
+            const af_node *n = af_graph_node(g, grp->nodes[m]);
+            if (af_op_get(n->op_id)->kind == AF_KIND_REDUCTION && phases[m] == ph)
+                af_strbuf_printf(sb, "    double acc%d = %s;\n", (int)n->first_output, af_cg_acc_init(n));
+        }
+        af_strbuf_printf(sb, "    for (%s i = lane; i < %" PRId64 "; i += %d) { /* phase %d */\n", it, sp->inner, tpr, (int)ph);
+        af_strbuf_printf(sb, "      %s s = i;\n", it);
+        emit_zero_offsets(sb, "      ", it, "o", nops, "b");
+        af_cg_emit_unflatten(sb, "      ", it, "s", "o", kept, nd - 1, sp->sizes, sp->strides, nops);
+        af_strbuf_printf(sb, "      (void)s;\n");
+        af_cg_emit_loads(sb, grp, ops);
+        af_cg_emit_members(sb, g, grp, "      ", "", phases, ph, 0);
+        af_cg_emit_phase_stores(sb, g, grp, ops, phases, ph, "      ");
+        af_strbuf_printf(sb, "    }\n");
+        if (af_cg_phase_has_reductions(g, grp, phases, ph)) {
+            af_strbuf_printf(sb, "    for (int m = 16; m > 0; m >>= 1) {\n");
+            emit_combine_phase(sb, g, grp, phases, ph, "      ", "__shfl_xor_sync(0xffffffffu, acc%d, m)");
+            af_strbuf_printf(sb, "    }\n");
+            if (tpr > 32) {
+                af_strbuf_printf(sb, "    if ((threadIdx.x & 31) == 0) {\n");
+                for (int32_t m = 0; m < grp->n_nodes; m++) {
+                    const af_node *n = af_graph_node(g, grp->nodes[m]);
+                    if (af_op_get(n->op_id)->kind == AF_KIND_REDUCTION && phases[m] == ph)
+                        af_strbuf_printf(sb, "      sh%d[threadIdx.x >> 5] = acc%d;\n", (int)n->first_output, (int)n->first_output);
+                }
+                af_strbuf_printf(sb, "    }\n    __syncthreads();\n");
+                for (int32_t m = 0; m < grp->n_nodes; m++) {
+                    const af_node *n = af_graph_node(g, grp->nodes[m]);
+                    if (af_op_get(n->op_id)->kind == AF_KIND_REDUCTION && phases[m] == ph)
+                        af_strbuf_printf(sb, "    acc%d = sh%d[0];\n", (int)n->first_output, (int)n->first_output);
+                }
+                af_strbuf_printf(sb, "    for (int w = 1; w < %d; w++) {\n", tpr / 32);
+                emit_combine_phase(sb, g, grp, phases, ph, "      ", "sh%d[w]");
+                af_strbuf_printf(sb, "    }\n    __syncthreads(); /* read before a later row writes */\n");
+            }
+        }
+        af_cg_emit_phase_end(sb, g, grp, ops, phases, ph, sp->inner, 0, "    ", "lane == 0");
+    }
     af_strbuf_printf(sb, "  }\n}\n");
     launch->kind = AF_CUDA_ROWS;
     launch->threads = threads;
@@ -341,10 +424,17 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
         af_strbuf_printf(sb, "\n/* group %d: 0 elements */\n", (int)index);
     } else if (grp->n_reductions == 0) {
         emit_pointwise(sb, g, grp, &sp, index, launch);
-    } else if (sp.column) {
-        emit_columns(sb, g, grp, &sp, index, sm_count, launch);
+    } else if (!sp.column) {
+        int32_t last_phase = 0, *phases = af_cg_phases(g, grp, &last_phase);
+        if (!phases) {
+            af_cg_space_free(&sp);
+            return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
+        }
+        if (af_cg_is_phased(phases, grp->n_nodes, last_phase)) emit_phased(sb, g, grp, &sp, phases, last_phase, index, launch);
+        else emit_rows(sb, g, grp, &sp, index, launch);
+        free(phases);
     } else {
-        emit_rows(sb, g, grp, &sp, index, launch);
+        emit_columns(sb, g, grp, &sp, index, sm_count, launch);
     }
     af_cg_space_free(&sp);
     return AF_OK;

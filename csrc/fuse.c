@@ -181,9 +181,9 @@ static int32_t find_root(int32_t *parent, int32_t x) {
  * `mask` of iter) in the same kernel, as an epilogue? The C backend runs such a group in phases (a
  * pass over each row per phase, later phases reading the finished reductions of earlier ones); r
  * must broadcast back over iter as the row's value: right-aligned, kept dims equal, reduced dims 1
- * or absent in front. CUDA groups keep one phase (their kernels have no epilogues yet). */
+ * or absent in front. Both backends have phased kernels (a CUDA row is a warp's or a block's). */
 static int epilogue_ok(const af_tensor_meta *r, const af_tensor_meta *iter, uint32_t mask) {
-    if (iter->device.type != AF_DEVICE_CPU || !mask || r->ndim > iter->ndim) return 0;
+    if (!mask || r->ndim > iter->ndim) return 0;
     /* rows only: the innermost dim reduced (softmax, norms); a kept innermost dim (bias gradients)
      * runs column-wise, which has no phases */
     int32_t inner = iter->ndim - 1;

@@ -24,7 +24,7 @@ static af_dim3 gridDim, blockDim;
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 #define __shared__ static
 #define __restrict__ __restrict
 

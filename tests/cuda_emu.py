@@ -28,7 +28,7 @@ from aotfuse import _C
 from aotfuse.lower import build_graph
 
 HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emu.h")
-_SIG = re.compile(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(([^)]*)\) \{')
+_SIG = re.compile(r'extern "C" __global__ void __launch_bounds__\(\d+(?:, \d+)?\) (\w+)\(([^)]*)\) \{')
 _built: dict[str, ctypes.CDLL] = {}
 _dir = None
 
@@ -42,7 +42,7 @@ def unavailable() -> str | None:
     if not cxx:
         return "no C++ compiler (g++) for the CUDA emulation"
     try:
-        _library('extern "C" __global__ void __launch_bounds__(32) af_kernel_0(float *__restrict__ q0) { q0[threadIdx.x] = 1.0f; }\n')
+        _library('extern "C" __global__ void __launch_bounds__(32, 1) af_kernel_0(float *__restrict__ q0) { q0[threadIdx.x] = 1.0f; }\n')
     except RuntimeError as e:
         return str(e)
     return None
@@ -93,6 +93,11 @@ def _launch(dll, name: str, tensors: list, grid_x: int, grid_y: int, threads: in
 
 def _grid(blocks: int, threads: int, sm_count: int) -> int:
     return max(1, min(blocks, sm_count * (2048 // threads)))  # runtime.c grid_for
+
+
+def source_of(gm: fx.GraphModule, sm_count: int = 1) -> str:
+    """The CUDA source a program would compile for gm's CUDA groups."""
+    return _C.cuda_codegen(build_graph(gm, device="cuda:0").graph, sm_count=sm_count)[0]
 
 
 def eager_values(gm: fx.GraphModule, args) -> dict:

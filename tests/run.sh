@@ -9,6 +9,7 @@ need_apt=()
 [ -f /usr/include/cmocka.h ] || need_apt+=(libcmocka-dev)
 command -v valgrind >/dev/null || need_apt+=(valgrind)
 command -v cc >/dev/null || need_apt+=(gcc)
+command -v g++ >/dev/null || need_apt+=(g++)  # tests/cuda_emu.py: the CUDA kernels, emulated on the host
 if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}"
 fi

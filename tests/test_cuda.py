@@ -3,6 +3,7 @@
 - every op-table expression, fp32/fp16/bf16, contiguous/broadcast/strided operands, in CUDA kernels;
 - reductions of each kind (warp and block rows, two-pass columns, full), fused with their prologue;
 - the vectorized and the scalar (misaligned) variants of one kernel;
+- epilogues (softmax, norms, their backwards, decomposed) as phased row kernels, warp and block rows;
 - seeded random pointwise/broadcast/reduction graphs, forward and backward;
 - the HF seed models in fp32/fp16/bf16 through aotfuse.testing (eager and a float64 reference);
 - kernels run on torch's current stream, their outputs come from torch's allocator, and a machine
@@ -23,7 +24,7 @@ import aotfuse
 from aotfuse.lower import lower
 from aotfuse.testing import compare_models
 from helpers import assert_close
-from test_fusion import OP_CASES, REDUCTION_CASES, _inputs, random_graph
+from test_fusion import EPILOGUE_CASES, OP_CASES, REDUCTION_CASES, _inputs, random_graph
 
 pytestmark = pytest.mark.cuda
 aten = torch.ops.aten
@@ -105,6 +106,23 @@ def test_vectorized_and_misaligned_variants_agree():
     xm = base[1:].view(1024, 256)  # 4 bytes past a 16-byte boundary: the scalar variant runs
     (mis,) = lowered([xm, y])
     assert_close(mis, f(xm, y), "misaligned (scalar) result", atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("width", [200, 3000], ids=["warp_rows", "block_rows"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_reduction_epilogues_as_phased_kernels_on_cuda(dtype, width):
+    from aotfuse.decompositions import default_decompositions
+
+    for case, (fn, phases) in sorted(EPILOGUE_CASES.items()):
+        g = torch.Generator().manual_seed(3)
+        x, gr = (torch.randn(37, width, generator=g).to(dtype).cuda() for _ in range(2))
+        w, b = (torch.randn(width, generator=g).to(dtype).cuda() for _ in range(2))
+        gm = make_fx(fn, decomposition_table=default_decompositions(norms=True), tracing_mode="fake")(x, w, b, gr)
+        lowered = lower(gm)
+        assert f"{phases} phases)" in lowered.program.cuda_source, case
+        atol, rtol = (2e-6, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
+        assert_close(lowered([x, w, b, gr])[0], fn(x, w, b, gr), f"{case} ({dtype}, width {width})", atol=atol, rtol=rtol)
+        assert lowered.program.kernel_fallbacks == 0
 
 
 @pytest.mark.parametrize("seed", range(8))

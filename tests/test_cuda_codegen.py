@@ -104,3 +104,26 @@ def test_seed_model_programs_compile(model, dtype, capsys):
         for regs, spill, smem, arch, name, kname in sorted(report, reverse=True)[:3]:
             print(f"[nvrtc]   sm_{arch} {name} {kname}: {regs} registers, {spill} spill bytes, {smem} bytes smem")
     assert all(spill == 0 for _r, spill, *_ in report), "a kernel spills registers"
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("width", [200, 3000], ids=["warp_rows", "block_rows"])
+def test_phased_epilogue_kernels_compile(width, capsys):
+    """Softmax, log_softmax, layer and RMS norm and the softmax backward, decomposed: one phased
+    kernel each (numbers: tests/test_cuda_emulated.py), compiled for sm_80 and sm_90 without spills."""
+    from aotfuse.decompositions import default_decompositions
+    from test_fusion import EPILOGUE_CASES
+
+    for case, (fn, phases) in sorted(EPILOGUE_CASES.items()):
+        for dtype in (torch.float32, torch.bfloat16):
+            x, g = torch.randn(37, width, dtype=dtype), torch.randn(37, width, dtype=dtype)
+            w, b = torch.randn(width, dtype=dtype), torch.randn(width, dtype=dtype)
+            gm = make_fx(fn, decomposition_table=default_decompositions(norms=True), tracing_mode="fake")(x, w, b, g)
+            source, launches = _C.cuda_codegen(build_graph(gm, device="cuda:0").graph)
+            assert [l["kind"] for l in launches] == ["rows"] and f"{phases} phases)" in source, (case, launches)
+            for arch in ARCHS:
+                (k,) = compile_report(source, arch)
+                assert k["spill_stores"] == k["spill_loads"] == 0, (case, dtype, arch, k)
+                with capsys.disabled():
+                    if dtype == torch.float32 and arch == 90:
+                        print(f"\n[nvrtc] phased {case} width {width} sm_{arch}: {k['registers']} registers, {k['smem']} bytes smem", end="")

@@ -9,7 +9,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import aotfuse.rng  # noqa: F401  (registers aotfuse::rng_uniform)
 import cuda_emu
-from test_fusion import OP_CASES, _inputs
+from test_fusion import EPILOGUE_CASES, OP_CASES, _inputs
 
 aten = torch.ops.aten
 _why = cuda_emu.unavailable()
@@ -94,3 +94,77 @@ def test_dropout_generator_matches_the_cpu_generator(kind):
     gm = make_fx(f, decomposition_table=default_decompositions(random=True))(x, g)
     ran = cuda_emu.check(gm, (x, g), f"dropout {kind}")
     assert [l["kind"] for l in ran] == [kind], ran
+
+
+@pytest.mark.parametrize("width", [200, 3000], ids=["warp_rows", "block_rows"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", sorted(EPILOGUE_CASES))
+def test_reduction_epilogues_run_in_one_phased_cuda_kernel(case, dtype, width):
+    """Softmax, norms and their backwards (decomposed) as one phased kernel: a warp or a block per row."""
+    from aotfuse.decompositions import default_decompositions
+
+    fn, phases = EPILOGUE_CASES[case]
+    g = torch.Generator().manual_seed(3)
+    x, gr = (torch.randn(37, width, generator=g).to(dtype) for _ in range(2))
+    w, b = (torch.randn(width, generator=g).to(dtype) for _ in range(2))
+    gm = make_fx(fn, decomposition_table=default_decompositions(norms=True))(x, w, b, gr)
+    ran = cuda_emu.check(gm, (x, w, b, gr), f"{case} {dtype} width {width}")
+    assert [l["kind"] for l in ran] == ["rows"], ran
+    assert ran[0]["threads"] == (256 if width <= 2048 else 512), ran
+    source = cuda_emu.source_of(gm)
+    assert f"{phases} phases)" in source and "/* phase 1 */" in source, source[-2000:]
+
+
+def test_phased_cuda_kernel_propagates_nan_like_aten():
+    from aotfuse.decompositions import default_decompositions
+
+    def f(x):
+        return torch.softmax(x * 1.0, -1), (x - x.amax(-1, keepdim=True)) * 2.0, x.amin(-1) + x.sum(-1)
+
+    x = torch.randn(6, 40)
+    x[2, 7] = float("nan")
+    x[4, 0] = float("inf")
+    ran = cuda_emu.check(make_fx(f, decomposition_table=default_decompositions(norms=True))(x), (x,), "nan in phases")
+    assert "phases)" in cuda_emu.source_of(make_fx(f, decomposition_table=default_decompositions(norms=True))(x)), ran
+
+
+def test_layer_norm_forward_and_backward_graphs_as_aotautograd_gives_them():
+    """A residual + layer norm block's joint graph, decomposed and partitioned as training sees it:
+    every CUDA group of the forward and the backward matches eager."""
+    import os
+    from unittest import mock
+
+    import aotfuse
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.ln = torch.nn.Linear(96, 96), torch.nn.LayerNorm(96)
+
+        def forward(self, x):
+            return self.ln(torch.nn.functional.gelu(self.lin(x)) + x)
+
+    x = torch.randn(4, 16, 96, requires_grad=True)
+    graphs, args_of = {}, {}
+    lower, call = aotfuse.compile.lower, aotfuse.lower.Lowered.__call__
+
+    def lowering(gm, example_inputs=None):
+        low = lower(gm, example_inputs)
+        graphs[id(low)] = gm
+        return low
+
+    def calling(self, args):  # the real inputs of each program's first run
+        args_of.setdefault(id(self), [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args])
+        return call(self, args)
+
+    with mock.patch.dict(os.environ, {"AOTFUSE_DECOMPOSE_NORMS": "1"}), \
+            mock.patch.object(aotfuse.compile, "lower", lowering), mock.patch.object(aotfuse.lower.Lowered, "__call__", calling):
+        y = aotfuse.memory_efficient_fusion(Block())(x)
+        y.backward(torch.randn_like(y))
+    assert len(args_of) == 2, "a forward and a backward program ran"
+    phased = 0
+    for key, args in args_of.items():
+        gm = graphs[key]
+        assert cuda_emu.check(gm, args, gm.__class__.__name__)
+        phased += "phases)" in cuda_emu.source_of(gm)
+    assert phased == 2, "the forward and the backward each have a phased layer-norm kernel"

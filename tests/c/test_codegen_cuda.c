@@ -1,6 +1,6 @@
 /* CMocka tests of csrc/codegen_cuda.c (and the device rules of csrc/fuse.c): which kernel shape
  * each CUDA group gets (pointwise with its vectorized variant, warp or block row reductions,
- * two-pass column reductions), that each backend emits only its own device's groups, and that a
+ * two-pass column reductions, phased row kernels for epilogues), that each backend emits only its own device's groups, and that a
  * missing NVRTC is a clear error. Runs under ASan+UBSan and valgrind like the others; NVRTC
  * itself is exercised by tests/test_cuda_codegen.py. */
 #define _POSIX_C_SOURCE 200112L /* setenv */
@@ -98,7 +98,7 @@ static void test_pointwise_gets_a_vectorized_variant(void **state) {
     assert_int_equal(l[0].threads, 256);
     assert_true(l[0].blocks == (64 * 96 + 255) / 256);
     assert_true(l[0].vec_blocks == (64 * 96 / 4 + 255) / 256);
-    assert_non_null(strstr(src, "extern \"C\" __global__ void __launch_bounds__(256) af_kernel_0("));
+    assert_non_null(strstr(src, "extern \"C\" __global__ void __launch_bounds__(256, 4) af_kernel_0("));
     assert_non_null(strstr(src, "af_kernel_0_v("));
     assert_non_null(strstr(src, "af_vec<float, 4>"));
     assert_non_null(strstr(src, "af_exp("));
@@ -210,6 +210,40 @@ static void test_a_node_mixing_devices_is_not_fused(void **state) {
     af_graph_free(g);
 }
 
+/* exp(x) / sum(exp(x), -1, keepdim): the division reads its own group's row sum (an epilogue) */
+static void test_epilogues_get_a_phased_row_kernel(void **state) {
+    (void)state;
+    for (int64_t cols = 96; cols <= 5000; cols += 4904) {
+        int64_t s2[2] = {64, cols}, t2[2] = {cols, 1}, sr[2] = {64, 1}, tr[2] = {1, 1};
+        af_tensor_meta m2 = meta(s2, t2, 2, AF_DEVICE_CUDA), mr = meta(sr, tr, 2, AF_DEVICE_CUDA);
+        af_graph *g;
+        assert_int_equal(af_graph_new(&g), AF_OK);
+        int32_t x;
+        assert_int_equal(af_graph_add_input(g, "x", &m2, &x), AF_OK);
+        int32_t e = unary(g, "aten::exp.default", x, &m2);
+        af_arg d = {.kind = AF_ARG_INT, .u.i = -1};
+        af_arg args[3] = {{.kind = AF_ARG_VALUE, .u.value = e},
+                          {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = &d}},
+                          {.kind = AF_ARG_BOOL, .u.i = 1}};
+        int32_t sum;
+        assert_int_equal(af_graph_add_node(g, "aten::sum.dim_IntList", args, 3, &mr, 1, &sum), AF_OK);
+        int32_t out = binary(g, "aten::div.Tensor", e, sum, &m2);
+        assert_int_equal(af_graph_set_outputs(g, &out, 1), AF_OK);
+        assert_int_equal(af_graph_verify(g), AF_OK);
+        af_cuda_launch l[1];
+        int32_t n;
+        char *src = generate(g, l, &n);
+        assert_int_equal(l[0].kind, AF_CUDA_ROWS);
+        assert_int_equal(l[0].threads, cols <= 2048 ? 256 : 512);
+        assert_non_null(strstr(src, "2 phases)"));
+        assert_non_null(strstr(src, "/* phase 1 */"));
+        assert_non_null(strstr(src, "__shfl_xor_sync"));
+        assert_true((strstr(src, "__syncthreads") != NULL) == (cols > 2048));
+        free(src);
+        af_graph_free(g);
+    }
+}
+
 static void test_missing_nvrtc_is_a_clear_error(void **state) {
     (void)state;
     setenv("AOTFUSE_NVRTC", "/nonexistent/libnvrtc.so", 1);
@@ -231,6 +265,7 @@ int main(void) {
         cmocka_unit_test(test_column_reductions_are_two_deterministic_passes),
         cmocka_unit_test(test_each_backend_emits_only_its_device),
         cmocka_unit_test(test_a_node_mixing_devices_is_not_fused),
+        cmocka_unit_test(test_epilogues_get_a_phased_row_kernel),
         cmocka_unit_test(test_missing_nvrtc_is_a_clear_error),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
