@@ -323,6 +323,103 @@ static void emit_phased(af_strbuf *sb, const af_graph *g, const af_fusion_group 
     launch->blocks = (sp->outer + rpb - 1) / rpb;
 }
 
+/* How many chunks to split each of `rows` rows of `inner` elements into, so that the device gets
+ * about four blocks per multiprocessor; 1 (no split) when the rows alone fill it or are short. */
+static int64_t row_split(int64_t rows, int64_t inner, int sm_count) {
+    int64_t want = 4 * (int64_t)(sm_count > 0 ? sm_count : 132);
+    if (inner < 16384 || rows >= want / 2) return 1;
+    int64_t split = (want + rows - 1) / rows, most = (inner + 4095) / 4096; /* chunks of 4096 at least */
+    if (split > most) split = most;
+    if (split > 65535) split = 65535;
+    return split < 2 ? 1 : split;
+}
+
+/* Split rows: pass one gives a 512-thread block each (row, chunk) pair, block y being the chunk,
+ * and writes the chunk's total to ws[reduction][chunk][row]; pass two, a thread per row, combines
+ * the chunks in order and stores. */
+static void emit_split_rows(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp, int32_t index,
+                            int64_t split, af_cuda_launch *launch) {
+    const char *it = index_type(sp);
+    int32_t nops = sp->nops, nd = sp->nd, kept = sp->n_kept;
+    int64_t rows = sp->outer, chunk = (sp->inner + split - 1) / split;
+    split = (sp->inner + chunk - 1) / chunk;
+    const int tpb = 512;
+    af_strbuf_printf(sb, "\n/* group %d: %d nodes (%d reductions), %d inputs, %d outputs, %" PRId64 " rows of %" PRId64
+                     ", split rows: %" PRId64 " chunks */\n", (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)grp->n_inputs,
+                     (int)grp->n_outputs, rows, sp->inner, split);
+    emit_signature(sb, grp, sp->ops, "af_kernel", index, "", tpb, 1);
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        const af_node *n = af_graph_node(g, grp->nodes[m]);
+        if (af_op_get(n->op_id)->kind == AF_KIND_REDUCTION) af_strbuf_printf(sb, "  __shared__ double sh%d[%d];\n", (int)n->first_output, tpb / 32);
+    }
+    af_strbuf_printf(sb, "  const %s i0 = (%s)blockIdx.y * %" PRId64 ", i1 = i0 + %" PRId64 " < %" PRId64 " ? i0 + %" PRId64 " : %" PRId64 ";\n",
+                     it, it, chunk, chunk, sp->inner, chunk, sp->inner);
+    af_strbuf_printf(sb, "  for (%s c = blockIdx.x; c < %" PRId64 "; c += gridDim.x) {\n", it, rows);
+    af_strbuf_printf(sb, "    %s r = c;\n", it);
+    emit_zero_offsets(sb, "    ", it, "b", nops, NULL);
+    af_cg_emit_unflatten(sb, "    ", it, "r", "b", 0, kept - 1, sp->sizes, sp->strides, nops);
+    af_strbuf_printf(sb, "    (void)r;\n");
+    af_cg_emit_acc_decls(sb, g, grp, "    ");
+    af_strbuf_printf(sb, "    for (%s i = i0 + threadIdx.x; i < i1; i += %d) {\n", it, tpb);
+    af_strbuf_printf(sb, "      %s s = i;\n", it);
+    emit_zero_offsets(sb, "      ", it, "o", nops, "b");
+    af_cg_emit_unflatten(sb, "      ", it, "s", "o", kept, nd - 1, sp->sizes, sp->strides, nops);
+    af_strbuf_printf(sb, "      (void)s;\n");
+    af_cg_emit_body(sb, g, grp, sp->ops, "");
+    af_strbuf_printf(sb, "    }\n    for (int m = 16; m > 0; m >>= 1) {\n");
+    emit_combine(sb, g, grp, "      ", "__shfl_xor_sync(0xffffffffu, acc%d, m)");
+    af_strbuf_printf(sb, "    }\n    if ((threadIdx.x & 31) == 0) {\n");
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        const af_node *n = af_graph_node(g, grp->nodes[m]);
+        if (af_op_get(n->op_id)->kind == AF_KIND_REDUCTION)
+            af_strbuf_printf(sb, "      sh%d[threadIdx.x >> 5] = acc%d;\n", (int)n->first_output, (int)n->first_output);
+    }
+    af_strbuf_printf(sb, "    }\n    __syncthreads();\n    if (threadIdx.x == 0) {\n      for (int w = 1; w < %d; w++) {\n", tpb / 32);
+    emit_combine(sb, g, grp, "        ", "sh%d[w]");
+    af_strbuf_printf(sb, "      }\n");
+    int32_t r = 0;
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        const af_node *n = af_graph_node(g, grp->nodes[m]);
+        if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION) continue;
+        /* thread 0's own total is warp 0's: sh<v>[0] holds the same value */
+        af_strbuf_printf(sb, "      ws[(%" PRId64 " + (int64_t)blockIdx.y) * %" PRId64 " + c] = acc%d;\n", (int64_t)r * split, rows,
+                         (int)n->first_output);
+        r++;
+    }
+    af_strbuf_printf(sb, "    }\n    __syncthreads();\n  }\n}\n");
+
+    /* pass two: a thread per row */
+    emit_signature(sb, grp, sp->ops, "af_kernel", index, "_f", AF_THREADS, 1);
+    af_strbuf_printf(sb, "  for (%s c = (%s)blockIdx.x * %d + threadIdx.x; c < %" PRId64 "; c += (%s)gridDim.x * %d) {\n", it, it,
+                     AF_THREADS, rows, it, AF_THREADS);
+    af_cg_emit_acc_decls(sb, g, grp, "    ");
+    af_strbuf_printf(sb, "    for (%s l = 0; l < %" PRId64 "; l++) {\n", it, split);
+    r = 0;
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        const af_node *n = af_graph_node(g, grp->nodes[m]);
+        if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION) continue;
+        char other[96];
+        snprintf(other, sizeof other, "ws[(%" PRId64 " + (int64_t)l) * %" PRId64 " + c]", (int64_t)r * split, rows);
+        int v = (int)n->first_output;
+        if (n->op_id == AF_OP_AMAX) af_strbuf_printf(sb, "      acc%d = af_maxd(acc%d, %s);\n", v, v, other);
+        else if (n->op_id == AF_OP_AMIN) af_strbuf_printf(sb, "      acc%d = af_mind(acc%d, %s);\n", v, v, other);
+        else af_strbuf_printf(sb, "      acc%d += %s;\n", v, other);
+        r++;
+    }
+    af_strbuf_printf(sb, "    }\n    %s r = c;\n", it);
+    emit_zero_offsets(sb, "    ", it, "b", nops, NULL);
+    af_cg_emit_unflatten(sb, "    ", it, "r", "b", 0, kept - 1, sp->sizes, sp->strides, nops);
+    af_strbuf_printf(sb, "    (void)r;\n");
+    af_cg_emit_reduction_stores(sb, g, grp, sp->ops, sp->inner, NULL, "    ");
+    af_strbuf_printf(sb, "  }\n}\n");
+    launch->kind = AF_CUDA_SPLIT_ROWS;
+    launch->threads = tpb;
+    launch->blocks = rows;
+    launch->split = (int32_t)split;
+    launch->finish_blocks = (rows + AF_THREADS - 1) / AF_THREADS;
+    launch->workspace = (int64_t)grp->n_reductions * split * rows * (int64_t)sizeof(double);
+}
+
 /* Column reductions (dim 0 kept, innermost in memory; dims 1.. reduced, "rows"): pass one gives
  * each block 32 columns by a chunk of rows, 8 rows side by side, and writes each column's chunk
  * total to ws[reduction][chunk][column]; pass two sums the chunks of a column in order. */
@@ -430,7 +527,9 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
             af_cg_space_free(&sp);
             return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
         }
+        int64_t split = row_split(sp.outer, sp.inner, sm_count);
         if (af_cg_is_phased(phases, grp->n_nodes, last_phase)) emit_phased(sb, g, grp, &sp, phases, last_phase, index, launch);
+        else if (split > 1) emit_split_rows(sb, g, grp, &sp, index, split, launch);
         else emit_rows(sb, g, grp, &sp, index, launch);
         free(phases);
     } else {

@@ -753,7 +753,7 @@ static PyObject *id_list(const int32_t *ids, int32_t n) {
     return list;
 }
 
-static const char *const cuda_kind_names[] = {"none", "pointwise", "rows", "columns"};
+static const char *const cuda_kind_names[] = {"none", "pointwise", "rows", "columns", "split_rows"};
 
 /* cuda_codegen(graph, sm_count=132, min_group=2) -> (source, [launch dict per group]): the CUDA a
  * program would compile for the graph's CUDA groups, and per group its launch facts and operands

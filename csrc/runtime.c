@@ -194,7 +194,7 @@ static int build_cuda_kernels(af_program *p) {
         snprintf(name, sizeof name, "af_kernel_%d_v", (int)i);
         if (l->vec_blocks > 0 && (st = af_cuda_function(p->cuda_module, name, &p->cuda_fns[3 * i + 1]))) return st;
         snprintf(name, sizeof name, "af_kernel_%d_f", (int)i);
-        if (l->kind == AF_CUDA_COLUMNS && (st = af_cuda_function(p->cuda_module, name, &p->cuda_fns[3 * i + 2]))) return st;
+        if (l->split > 0 && (st = af_cuda_function(p->cuda_module, name, &p->cuda_fns[3 * i + 2]))) return st;
     }
     return AF_OK;
 }
@@ -471,7 +471,7 @@ static int launch_cuda(af_program *p, int32_t gi) {
         p->have_stream = 1;
     }
     void **par = p->kernel_params;
-    if (l->kind != AF_CUDA_COLUMNS) {
+    if (l->split == 0) { /* one kernel */
         int aligned = l->vec_blocks > 0;
         for (int32_t k = 0; k < nops && aligned; k++) aligned = ((uintptr_t)p->kernel_ptrs[k] & 15u) == 0;
         for (int32_t k = 0; k < nops; k++) par[k] = &p->kernel_ptrs[k];
@@ -479,7 +479,7 @@ static int launch_cuda(af_program *p, int32_t gi) {
         int64_t blocks = aligned ? l->vec_blocks : l->blocks;
         return af_cuda_launch_kernel(p->cuda_module, fn, grid_for(p, blocks, l->threads), 1, (unsigned)l->threads, p->stream, par);
     }
-    /* column reduction: partials into a workspace from torch's allocator, then the finishing pass */
+    /* two passes (columns, split rows): partials into a workspace from torch's allocator, then the finishing pass */
     int64_t n = l->workspace / (int64_t)sizeof(double), one = 1;
     af_tensor_meta wm = {.type = AF_VALUE_TENSOR, .dtype = AF_DTYPE_FLOAT64, .device = grp->device, .ndim = 1, .sizes = &n,
                          .strides = &one};

@@ -4,7 +4,7 @@ A graph traced on the CPU is planned and code-generated for cuda:0 exactly as a 
 be (`_C.cuda_codegen`); its source, with the prelude swapped for tests/cuda_emu.h, is compiled as
 C++ by the host compiler, and each group's kernels are launched the way the runtime launches them
 (runtime.c, launch_cuda): the vectorized variant when there is one and every pointer is 16-byte
-aligned, column reductions as two passes through a float64 workspace. The grid is capped as on a
+aligned, column and split-row reductions as two passes through a float64 workspace. The grid is capped as on a
 device with `sm_count` multiprocessors (small by default, so grid-stride loops take several turns).
 Each group reads eager's values of its inputs and its outputs are compared with eager's.
 
@@ -138,7 +138,7 @@ def run_groups(gm: fx.GraphModule, args, sm_count: int = 1, vectorized: bool | N
                 o.fill_(float("nan"))
         ops = ins + outs
         name = f"af_kernel_{gi}"
-        if l["kind"] == "columns":
+        if l["split"]:  # two passes: columns, split rows
             ws = torch.full((l["workspace"] // 8,), float("nan"), dtype=torch.float64)
             _launch(dll, name, [ws] + ops, _grid(l["blocks"], l["threads"], sm_count), l["split"], l["threads"])
             _launch(dll, name + "_f", [ws] + ops, _grid(l["finish_blocks"], 256, sm_count), 1, 256)

@@ -54,13 +54,14 @@ def test_reductions_of_each_kind_compile(dtype):
         cols = (y * 0.5 + 1.0).sum(0)  # bias-gradient shape: two-pass column reduction
         long_rows = (big * 2.0).exp().sum(-1)  # a block per row (rows over 2048)
         total = (x * y).sum()  # everything into one value
-        return rows + (cols, long_rows, total)
+        split = (big * big).sum()  # one long row: chunks, a block each, then a finishing pass
+        return rows + (cols, long_rows, total, split)
 
     x, y = torch.randn(64, 96, dtype=dtype), torch.randn(64, 96, dtype=dtype)
-    b, big = torch.randn(96, dtype=dtype), torch.randn(3, 5000, dtype=dtype)
+    b, big = torch.randn(96, dtype=dtype), torch.randn(3, 50000, dtype=dtype)
     source, launches = _cuda_plan(f, x, b, y, big)
     kinds = sorted(l["kind"] for l in launches)
-    assert "rows" in kinds and "columns" in kinds, kinds
+    assert "rows" in kinds and "columns" in kinds and "split_rows" in kinds, kinds
     col = next(l for l in launches if l["kind"] == "columns")
     assert col["workspace"] > 0 and col["split"] >= 1
     assert "__shfl_xor_sync" in source and "_f(double" in source

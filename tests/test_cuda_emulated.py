@@ -168,3 +168,20 @@ def test_layer_norm_forward_and_backward_graphs_as_aotautograd_gives_them():
         assert cuda_emu.check(gm, args, gm.__class__.__name__)
         phased += "phases)" in cuda_emu.source_of(gm)
     assert phased == 2, "the forward and the backward each have a phased layer-norm kernel"
+
+
+@pytest.mark.parametrize("sm_count", [2, 132])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_full_and_few_long_row_reductions_split_across_blocks(dtype, sm_count):
+    """A full reduction is one row: split into chunks, a block each, and a finishing pass."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(70000, generator=g).to(dtype)
+    y = torch.randn(3, 70000, generator=g).to(dtype)
+
+    def f(x, y):
+        h = (x * 2.0).tanh()
+        return h.sum(), h.amax(), (x * x).mean(), (y * 0.5).exp().sum(-1), (y - 1.0).amin(-1, keepdim=True)
+
+    ran = cuda_emu.check(make_fx(f)(x, y), (x, y), f"split rows, {sm_count} SMs", sm_count=sm_count)
+    assert [l["kind"] for l in ran] == ["split_rows", "split_rows"], ran
+    assert all(l["split"] > 1 and l["workspace"] > 0 for l in ran), ran

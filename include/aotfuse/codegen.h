@@ -25,22 +25,25 @@ int af_codegen_c(const af_graph *g, const af_fusion_plan *plan, char **source);
  *   af_kernel_<i>_v                           pointwise, VEC elements per thread with 16-byte
  *                                             (or narrower) vector loads; launched when every
  *                                             pointer is 16-byte aligned
- *   af_kernel_<i>_f(ws, q...)                 column reductions: the second, finishing pass
+ *   af_kernel_<i>_f(ws, q...)                 column and split-row reductions: the second,
+ *                                             finishing pass
  *
  * Pointwise kernels are grid-stride loops; row reductions give each row (kept index) one warp, or
  * one block for long rows, with warp-shuffle and shared-memory combining in double; column
  * reductions (innermost dim kept: bias gradients) write per-chunk partials to a workspace that a
- * second kernel sums in a fixed order, so results never depend on scheduling (no atomics). */
-typedef enum { AF_CUDA_NONE = 0, AF_CUDA_POINTWISE, AF_CUDA_ROWS, AF_CUDA_COLUMNS } af_cuda_kind;
+ * second kernel sums in a fixed order, so results never depend on scheduling (no atomics). Too few
+ * long rows to fill the device (a full reduction is one row) split each row into chunks the same
+ * way: a block per (row, chunk), then the finishing pass. */
+typedef enum { AF_CUDA_NONE = 0, AF_CUDA_POINTWISE, AF_CUDA_ROWS, AF_CUDA_COLUMNS, AF_CUDA_SPLIT_ROWS } af_cuda_kind;
 
 typedef struct {
     af_cuda_kind kind;     /* AF_CUDA_NONE: not a CUDA group, or nothing to do (0 elements) */
     int32_t threads;       /* per block */
     int64_t blocks;        /* enough to cover the work once; the runtime may cap it (grid-stride loops) */
     int64_t vec_blocks;    /* > 0: af_kernel_<i>_v exists and needs this many blocks */
-    int32_t split;         /* columns: row chunks (grid.y of the first pass) */
-    int64_t finish_blocks; /* columns: blocks of the finishing pass (256 threads) */
-    int64_t workspace;     /* columns: bytes of double partials the two passes share */
+    int32_t split;         /* two passes (columns, split rows): chunks (grid.y of the first pass) */
+    int64_t finish_blocks; /* two passes: blocks of the finishing pass (256 threads) */
+    int64_t workspace;     /* two passes: bytes of double partials the passes share */
 } af_cuda_launch;
 
 /* Writes CUDA C for the plan's CUDA groups (others are skipped) into *source and fills launch[i]

@@ -1,6 +1,6 @@
 /* CMocka tests of csrc/codegen_cuda.c (and the device rules of csrc/fuse.c): which kernel shape
  * each CUDA group gets (pointwise with its vectorized variant, warp or block row reductions,
- * two-pass column reductions, phased row kernels for epilogues), that each backend emits only its own device's groups, and that a
+ * two-pass column reductions, phased row kernels for epilogues, split rows), that each backend emits only its own device's groups, and that a
  * missing NVRTC is a clear error. Runs under ASan+UBSan and valgrind like the others; NVRTC
  * itself is exercised by tests/test_cuda_codegen.py. */
 #define _POSIX_C_SOURCE 200112L /* setenv */
@@ -141,6 +141,19 @@ static void test_row_reductions_use_a_warp_or_a_block(void **state) {
     assert_int_equal(l[0].threads, 512);
     assert_true(l[0].blocks == 3);
     assert_non_null(strstr(src, "__syncthreads"));
+    free(src);
+    af_graph_free(g);
+
+    g = build(2, 100000, AF_DEVICE_CUDA, 1, store); /* too few rows to fill 132 SMs: each split into chunks */
+    src = generate(g, l, &n);
+    assert_int_equal(l[0].kind, AF_CUDA_SPLIT_ROWS);
+    assert_int_equal(l[0].threads, 512);
+    assert_true(l[0].blocks == 2);
+    assert_true(l[0].split > 1 && l[0].split <= 100000 / 4096 + 1);
+    assert_true(l[0].workspace == (int64_t)sizeof(double) * l[0].split * 2);
+    assert_non_null(strstr(src, "split rows"));
+    assert_non_null(strstr(src, "af_kernel_0_f(double *__restrict__ ws"));
+    assert_null(strstr(src, "atomic"));
     free(src);
     af_graph_free(g);
 }
