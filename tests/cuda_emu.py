@@ -13,6 +13,7 @@ compiles the same sources with NVRTC), and the hardware's 16-bit conversion inst
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -163,3 +164,32 @@ def check(gm: fx.GraphModule, args, what: str = "", **kw) -> list:
             torch.testing.assert_close(got, want, atol=atol, rtol=rtol, equal_nan=True,
                                        msg=lambda m, n=node, g=gi, k=l["kind"]: f"{what} group {g} ({k}) output {n.name}: {m}")
     return ran
+
+
+@contextlib.contextmanager
+def recording_programs():
+    """Within it, every program aotfuse lowers (one capture or Dynamo's pieces) is recorded with the
+    real inputs of its first run: yields the list of (FX graph, inputs) it fills."""
+    from unittest import mock
+
+    from aotfuse import compile as compile_mod, dynamo as dynamo_mod, lower as lower_mod
+
+    graphs, runs = {}, []
+    lower, call = lower_mod.lower, lower_mod.Lowered.__call__
+
+    def lowering(gm, example_inputs=None):
+        low = lower(gm, example_inputs)
+        graphs[id(low)] = (low, gm)
+        return low
+
+    def calling(self, args):
+        # a backward without some output gradients (None) runs a variant program, recorded itself
+        if id(self) in graphs and all(a is not None for a in args) and not any(low is self for low, _gm, _a in runs):
+            runs.append((self, graphs[id(self)][1], list(args)))  # references: the program may drop its own
+        return call(self, args)
+
+    out: list = []
+    with mock.patch.object(compile_mod, "lower", lowering), mock.patch.object(dynamo_mod, "lower", lowering), \
+            mock.patch.object(lower_mod, "lower", lowering), mock.patch.object(lower_mod.Lowered, "__call__", calling):
+        yield out
+    out.extend((gm, args) for _low, gm, args in runs)
