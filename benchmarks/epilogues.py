@@ -1,13 +1,16 @@
 """Decomposed softmax / log_softmax / layer norm (and backwards) as one phased fused kernel each
-(reduction epilogues) against ATen's native kernels, one thread, [512 x 8192] fp32.
+(reduction epilogues) against ATen's native kernels: on the CPU one thread, [512 x 8192] fp32; on a GPU
+(--device cuda) the seed's Bert shapes (layer norm [2048 x 768], attention softmax [49152 x 512], the
+MLM head's log_softmax [2048 x 30522]), fp32 and bf16, plus a residual add fused into the layer norm.
 
-    python benchmarks/epilogues.py
+    python benchmarks/epilogues.py [--device cuda]
 
 This is what decides AOTFUSE_DECOMPOSE_NORMS's default: it stays off while the fused kernels are
 slower than ATen's.
 """
 from __future__ import annotations
 
+import argparse
 import platform
 import time
 
@@ -21,41 +24,71 @@ from aotfuse.lower import lower
 aten = torch.ops.aten
 
 
-def _median_ms(f, args, n=20):
+def _median_ms(f, args, n=20, cuda=False):
     for _ in range(3):
         f(*args)
     ts = []
     for _ in range(n):
+        if cuda:
+            torch.cuda.synchronize()
         t = time.perf_counter()
         f(*args)
+        if cuda:
+            torch.cuda.synchronize()
         ts.append(time.perf_counter() - t)
     return sorted(ts)[n // 2] * 1e3
 
 
-def main() -> None:
-    torch.set_num_threads(1)
+def _cases(device: str, dtype: torch.dtype):
     g = torch.Generator().manual_seed(0)
-    x, gr = torch.randn(512, 8192, generator=g), torch.randn(512, 8192, generator=g)
-    w, b = torch.randn(8192, generator=g), torch.randn(8192, generator=g)
-    y, ly = torch.softmax(x, -1), torch.log_softmax(x, -1)
-    cases = {
-        "softmax": (lambda x: torch.softmax(x, -1), (x,)),
-        "log_softmax": (lambda x: torch.log_softmax(x, -1), (x,)),
-        "softmax backward": (lambda g, y: aten._softmax_backward_data(g, y, -1, torch.float32), (gr, y)),
-        "log_softmax backward": (lambda g, y: aten._log_softmax_backward_data(g, y, -1, torch.float32), (gr, ly)),
-        "layer_norm": (lambda x, w, b: F.layer_norm(x, (8192,), w, b), (x, w, b)),
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    if device == "cpu":
+        rows, cols = (512, 8192), (512, 8192)
+        sm_rows = ls_rows = (512, 8192)
+    else:  # the seed's Bert: 4 x 512 tokens, hidden 768, 12 heads, vocab 30522
+        rows, cols = (2048, 768), (2048, 768)
+        sm_rows, ls_rows = (4 * 12 * 512, 512), (2048, 30522)
+    x, r = randn(*rows), randn(*rows)
+    w, b = randn(cols[1]), randn(cols[1])
+    s, gs = randn(*sm_rows), randn(*sm_rows)
+    ls, gl = randn(*ls_rows), randn(*ls_rows)
+    y, ly = torch.softmax(s, -1), torch.log_softmax(ls, -1)
+    n = cols[1]
+    return {
+        "softmax": (lambda x: torch.softmax(x, -1), (s,)),
+        "log_softmax": (lambda x: torch.log_softmax(x, -1), (ls,)),
+        "softmax backward": (lambda g, y: aten._softmax_backward_data(g, y, -1, dtype), (gs, y)),
+        "log_softmax backward": (lambda g, y: aten._log_softmax_backward_data(g, y, -1, dtype), (gl, ly)),
+        "layer_norm": (lambda x, w, b: F.layer_norm(x, (n,), w, b), (x, w, b)),
+        "add + layer_norm": (lambda x, r, w, b: F.layer_norm(x + r, (n,), w, b), (x, r, w, b)),
     }
-    print(f"# Epilogue kernels vs ATen (CPU, 1 thread, [512 x 8192] fp32)\n\n{platform.processor() or platform.machine()}, "
-          f"torch {torch.__version__}; `python benchmarks/epilogues.py`\n")
-    print("| op | ATen (ms) | aotfuse phased kernel (ms) | ATen / aotfuse | kernels | phases |")
-    print("|---|---|---|---|---|---|")
-    for name, (fn, args) in cases.items():
-        low = lower(make_fx(fn, decomposition_table=default_decompositions(norms=True))(*args))
-        ours = _median_ms(lambda *a: low(list(a)), args)
-        aten_ms = _median_ms(fn, args)
-        src = low.program.source or ""
-        phases = src.split(" phases)")[0].rsplit(", ", 1)[-1] if " phases)" in src else "1"
-        print(f"| {name} | {aten_ms:.2f} | {ours:.2f} | {aten_ms / ours:.2f}x | {low.program.num_kernels} | {phases} |")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    a = ap.parse_args(argv)
+    cuda = a.device == "cuda"
+    torch.set_num_threads(1 if not cuda else torch.get_num_threads())
+    dtypes = [torch.float32, torch.bfloat16] if cuda else [torch.float32]
+    where = torch.cuda.get_device_name(0) if cuda else f"CPU, 1 thread, {platform.processor() or platform.machine()}"
+    print(f"# Epilogue kernels vs ATen ({where})\n\ntorch {torch.__version__}; `python benchmarks/epilogues.py"
+          f"{' --device cuda' if cuda else ''}`; medians of 20 (CUDA-synchronized on the GPU)\n")
+    print("| op | dtype | shape | ATen (ms) | aotfuse phased kernel (ms) | ATen / aotfuse | kernels | phases |")
+    print("|---|---|---|---|---|---|---|---|")
+    for dtype in dtypes:
+        for name, (fn, args) in _cases(a.device, dtype).items():
+            low = lower(make_fx(fn, decomposition_table=default_decompositions(norms=True))(*args))
+            ours = _median_ms(lambda *t: low(list(t)), args, cuda=cuda)
+            aten_ms = _median_ms(fn, args, cuda=cuda)
+            src = (low.program.cuda_source if cuda else low.program.source) or ""
+            phases = src.split(" phases)")[0].rsplit(", ", 1)[-1] if " phases)" in src else "1"
+            shape = "x".join(str(d) for d in args[0].shape)
+            print(f"| {name} | {str(dtype).replace('torch.', '')} | {shape} | {aten_ms:.3f} | {ours:.3f} | {aten_ms / ours:.2f}x | "
+                  f"{low.program.num_kernels} | {phases} |")
 
 
 if __name__ == "__main__":
