@@ -128,13 +128,19 @@ static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fus
     af_strbuf_printf(sb, "    }\n  }\n}\n");
 }
 
+/* Per row, the arrays of members kept from one phase for later ones (af_cg_phase_cache): on each
+ * OpenMP thread's stack, so bounded. */
+#define AF_PHASE_CACHE_BYTES (256 * 1024)
+
 /* A group with epilogues (members reading the group's own reductions): per row, one pass over the
  * reduced elements per phase; phase p accumulates its reductions, recomputes the pointwise members
  * it needs from the inputs and stores its elementwise outputs; after its pass each reduction of
  * phase p becomes a float v<id> (rounded as if stored) that later phases read. Softmax is three
  * passes (max; exp and sum; divide), layer norm three (mean; variance; normalize). */
-static void emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp,
-                               const int32_t *phases, int32_t last_phase, int32_t index) {
+static int emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp,
+                              const int32_t *phases, int32_t last_phase, int32_t index) {
+    uint8_t *cached = af_cg_phase_cache(g, grp, phases, sp->inner, AF_PHASE_CACHE_BYTES);
+    if (!cached) return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
     const af_cg_operand *ops = sp->ops;
     int32_t nops = sp->nops, nd = sp->nd, n_kept = sp->n_kept;
     int parallel = sp->outer > 1 && sp->outer * sp->inner >= 32768;
@@ -149,6 +155,10 @@ static void emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    af_idx b%d = 0;\n", (int)k);
     af_strbuf_printf(sb, "    af_idx r = c;\n");
     af_cg_emit_unflatten(sb, "    ", "af_idx", "r", "b", 0, n_kept - 1, sp->sizes, sp->strides, nops);
+    for (int32_t m = 0; m < grp->n_nodes; m++)
+        if (cached[m])
+            af_strbuf_printf(sb, "    float c%d[%" PRId64 "]; /* kept from its phase for later ones */\n",
+                             (int)af_graph_node(g, grp->nodes[m])->first_output, sp->inner);
     for (int32_t ph = 0; ph <= last_phase; ph++) {
         /* every reduction of the phase is an OpenMP reduction: sums (+), max/min with a NaN flag (|) */
         af_strbuf clauses = {0};
@@ -156,8 +166,9 @@ static void emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion
             const af_node *n = af_graph_node(g, grp->nodes[m]);
             if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION || phases[m] != ph) continue;
             int v = (int)n->first_output;
-            af_strbuf_printf(sb, "    double acc%d = %s;\n", v, af_cg_acc_init(n));
-            if (n->op_id == AF_OP_AMAX || n->op_id == AF_OP_AMIN) {
+            int maxmin = n->op_id == AF_OP_AMAX || n->op_id == AF_OP_AMIN; /* exact in float */
+            af_strbuf_printf(sb, "    %s acc%d = %s;\n", maxmin ? "float" : "double", v, af_cg_acc_init(n));
+            if (maxmin) {
                 af_strbuf_printf(sb, "    int nan%d = 0;\n", v);
                 af_strbuf_printf(&clauses, " reduction(%s:acc%d) reduction(|:nan%d)", n->op_id == AF_OP_AMAX ? "max" : "min", v, v);
             } else {
@@ -172,12 +183,14 @@ static void emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion
         af_cg_emit_unflatten(sb, "      ", "af_idx", "s", "o", n_kept, nd - 1, sp->sizes, sp->strides, nops);
         af_strbuf_printf(sb, "      (void)s;\n");
         af_cg_emit_loads(sb, grp, ops);
-        af_cg_emit_members(sb, g, grp, "      ", "", phases, ph, 1);
+        af_cg_emit_members_cached(sb, g, grp, "      ", "", phases, ph, 1, cached);
         af_cg_emit_phase_stores(sb, g, grp, ops, phases, ph, "      ");
         af_strbuf_printf(sb, "    }\n");
         af_cg_emit_phase_end(sb, g, grp, ops, phases, ph, sp->inner, 1, "    ", NULL);
     }
     af_strbuf_printf(sb, "  }\n}\n");
+    free(cached);
+    return AF_OK;
 }
 
 /* Kernels with reductions: kept dims outside (threads), reduced dims inside, accumulators in double. */
@@ -192,10 +205,10 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
         return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
     }
     if (af_cg_is_phased(phases, grp->n_nodes, last_phase)) {
-        emit_phased_kernel(sb, g, grp, &sp, phases, last_phase, index);
+        st = emit_phased_kernel(sb, g, grp, &sp, phases, last_phase, index);
         free(phases);
         af_cg_space_free(&sp);
-        return AF_OK;
+        return st;
     }
     free(phases);
     const af_cg_operand *ops = sp.ops;

@@ -95,17 +95,28 @@ static void operand_strides(const af_tensor_meta *m, const af_tensor_meta *iter,
  * their accumulators acc<value>). */
 void af_cg_emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent,
                          const char *acc_at, const int32_t *phases, int32_t phase, int nan_flags) {
+    af_cg_emit_members_cached(sb, g, grp, indent, acc_at, phases, phase, nan_flags, NULL);
+}
+
+void af_cg_emit_members_cached(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent,
+                               const char *acc_at, const int32_t *phases, int32_t phase, int nan_flags, const uint8_t *cached) {
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
         const af_value *out = af_graph_value(g, n->first_output);
         const af_op_info *info = af_op_get(n->op_id);
         if (phases && ((phases[m] & AF_CG_ROW) || (info->kind == AF_KIND_REDUCTION ? phases[m] != phase : phases[m] > phase)))
             continue;
+        if (cached && cached[m] && phases[m] < phase) { /* computed in its own phase's pass, read back */
+            af_strbuf_printf(sb, "%sconst float v%d = c%d[i]; /* %s, cached */\n", indent, (int)n->first_output,
+                             (int)n->first_output, n->op);
+            continue;
+        }
         if (info->kind == AF_KIND_REDUCTION) {
             int32_t x = n->args[0].u.value, v = n->first_output;
             if (nan_flags && (n->op_id == AF_OP_AMAX || n->op_id == AF_OP_AMIN)) {
-                /* a plain max/min (an OpenMP max/min reduction, vectorized) and a NaN flag (an or-reduction) */
-                af_strbuf_printf(sb, "%sacc%d = (double)v%d %s acc%d ? (double)v%d : acc%d; nan%d |= v%d != v%d;\n", indent, (int)v,
+                /* a plain max/min in float, exact (an OpenMP max/min reduction, vectorized at full
+                 * width) and a NaN flag (an or-reduction) */
+                af_strbuf_printf(sb, "%sacc%d = v%d %s acc%d ? v%d : acc%d; nan%d |= v%d != v%d;\n", indent, (int)v,
                                  (int)x, n->op_id == AF_OP_AMAX ? ">" : "<", (int)v, (int)x, (int)v, (int)v, (int)x, (int)x);
                 continue;
             }
@@ -141,7 +152,49 @@ void af_cg_emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group 
             af_strbuf_printf(sb, "%sv%d = af_f16_load(af_f16_store(v%d));\n", indent, (int)n->first_output, (int)n->first_output);
         else if (out->meta.dtype == AF_DTYPE_BOOL)
             af_strbuf_printf(sb, "%sv%d = (float)(v%d != 0.0f);\n", indent, (int)n->first_output, (int)n->first_output);
+        if (cached && cached[m]) af_strbuf_printf(sb, "%sc%d[i] = v%d;\n", indent, (int)n->first_output, (int)n->first_output);
     }
+}
+
+/* Transcendental expressions: worth a store and a load rather than a second evaluation. */
+static int expensive(const af_op_info *info) {
+    static const char *const calls[] = {"af_exp", "af_erf", "af_tanh", "logf", "log1pf", "af_pow"};
+    if (!info->c_expr) return 0;
+    for (size_t k = 0; k < sizeof calls / sizeof calls[0]; k++)
+        if (strstr(info->c_expr, calls[k])) return 1;
+    return 0;
+}
+
+static int reads_value(const af_node *n, int32_t v) {
+    for (int32_t a = 0; a < n->n_args; a++)
+        if (n->args[a].kind == AF_ARG_VALUE && n->args[a].u.value == v) return 1;
+    return 0;
+}
+
+uint8_t *af_cg_phase_cache(const af_graph *g, const af_fusion_group *grp, const int32_t *phases, int64_t inner,
+                           int64_t max_bytes) {
+    uint8_t *cached = calloc((size_t)grp->n_nodes + 1, 1), *later = calloc((size_t)grp->n_nodes + 1, 1);
+    if (!cached || !later) {
+        free(cached);
+        free(later);
+        return NULL;
+    }
+    int64_t bytes = 0;
+    for (int32_t m = grp->n_nodes - 1; m >= 0; m--) { /* readers come after their producers */
+        const af_node *n = af_graph_node(g, grp->nodes[m]);
+        if ((phases[m] & AF_CG_ROW) || af_op_get(n->op_id)->kind == AF_KIND_REDUCTION) continue;
+        for (int32_t k = m + 1; k < grp->n_nodes && !later[m]; k++) {
+            if ((phases[k] & AF_CG_ROW) || !reads_value(af_graph_node(g, grp->nodes[k]), n->first_output)) continue;
+            /* a reader in a later phase, or one of this phase that a later phase evaluates again */
+            later[m] = phases[k] > phases[m] || (later[k] && !cached[k]);
+        }
+        if (later[m] && expensive(af_op_get(n->op_id)) && bytes + inner * 4 <= max_bytes) {
+            cached[m] = 1;
+            bytes += inner * 4;
+        }
+    }
+    free(later);
+    return cached;
 }
 
 int af_cg_is_reduction_value(const af_graph *g, int32_t v) {

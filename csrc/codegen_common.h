@@ -51,10 +51,19 @@ void af_cg_emit_load(af_strbuf *sb, af_dtype d, const char *ptr, const char *off
 void af_cg_emit_store_value(af_strbuf *sb, af_dtype d, const char *v);
 /* The members' element computation; with phases (from af_cg_phases), only phase `phase`'s
  * reductions and the pointwise members of phases up to it (earlier ones are recomputed). With
- * nan_flags, amax/amin are a plain comparison plus an int nan<id> flag the caller declares and
+ * nan_flags, amax/amin are a plain float comparison (the caller declares float accumulators for
+ * them) plus an int nan<id> flag the caller declares and
  * folds in (so the loop can be an OpenMP max/min reduction). */
 void af_cg_emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent, const char *acc_at,
                         const int32_t *phases, int32_t phase, int nan_flags);
+/* af_cg_emit_members for a phased kernel whose members flagged in `cached` (af_cg_phase_cache)
+ * are kept in per-row arrays c<id>[i]: stored in their own phase's pass, read back in later ones. */
+void af_cg_emit_members_cached(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent,
+                               const char *acc_at, const int32_t *phases, int32_t phase, int nan_flags, const uint8_t *cached);
+/* Which pointwise members of a phased group to keep per row rather than evaluate again in a later
+ * phase: transcendental ones (exp, log, erf, tanh, pow) that a later pass needs, up to max_bytes
+ * of float arrays of `inner` elements. malloc'd, one flag per member (NULL when out of memory). */
+uint8_t *af_cg_phase_cache(const af_graph *g, const af_fusion_group *grp, const int32_t *phases, int64_t inner, int64_t max_bytes);
 /* Per member: its phase. A reduction is in its input's phase; a pointwise member one after the
  * row values of its group it reads (an epilogue, fuse.c) and in its members' phases otherwise. A
  * row member (pointwise over the group's reductions only, of their shape) is flagged AF_CG_ROW and

@@ -91,3 +91,50 @@ def test_two_missing_gradients_added_together():
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         assert_close(p.grad, q.grad, f"grad of {name}")
     assert compiled._aotfuse_compiled.records[-1].programs["backward"].variants
+
+
+class BrokenTwoHeads(TwoHeads):
+    """TwoHeads with a graph break in the middle: torch.compile(backend="aotfuse") runs two graphs."""
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        torch._dynamo.graph_break()
+        logits = self.head(h)
+        loss = torch.nn.functional.cross_entropy(logits, torch.arange(x.shape[0]) % 5)
+        return loss, logits, h * 3.0
+
+
+@pytest.mark.parametrize("which", ["loss", "all"])
+def test_dynamo_backend_gets_no_dense_zero_gradients_either(which):
+    """torch.compile(backend="aotfuse"): the same variant programs for outputs nobody differentiates."""
+    from unittest import mock
+
+    import aotfuse.dynamo as dyn
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = BrokenTwoHeads()
+    eager = copy.deepcopy(model)
+    lowered, real = [], dyn.lower
+
+    def recording(gm, example_inputs=None):
+        lowered.append(real(gm, example_inputs))
+        return lowered[-1]
+
+    with mock.patch.object(dyn, "lower", recording):
+        compiled = torch.compile(model, backend="aotfuse")
+        x = torch.randn(6, 8)
+        for _ in range(2):
+            for m in (model, eager):
+                m.zero_grad()
+            for loss, logits, h in (compiled(x), eager(x)):
+                (loss if which == "loss" else loss + logits.sum() + h.sum()).backward()
+            for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+                assert_close(p.grad, q.grad, f"grad of {name} ({which})")
+    torch._dynamo.reset()
+    backwards = [low for low in lowered if low.graph_module is not None]
+    assert len(backwards) >= 2, "two graphs, each with a backward"
+    if which == "loss":
+        assert any(low.variants for low in backwards), "a backward ran with dense zero gradients"
+    else:
+        assert not any(low.variants for low in backwards)

@@ -3,11 +3,13 @@ cannot be captured), aotfuse compiles each one. Registered through the torch_dyn
 entry point; `import aotfuse` also registers it."""
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Sequence
 
 import torch
 from torch._functorch.aot_autograd import aot_module_simplified
+from .compile import _no_zero_gradients
 from .decompositions import default_decompositions
 from .lower import Lowered, UnsupportedError, lower
 from .partition import min_cut_rematerialization_partition
@@ -44,11 +46,12 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **k
 
     def backward(bw: torch.fx.GraphModule, inputs: Sequence[Any]):
         low = _compile_or_fallback(bw, inputs)
-        if isinstance(low, Lowered):  # gradients may be plain views
+        if isinstance(low, Lowered):  # gradients may be plain views; missing ones run a variant
             low.program.set_plain_outputs(0)
+            low.keep_graph_for_missing(bw)
         return low
 
-    return aot_module_simplified(
+    compiled = aot_module_simplified(
         gm,
         example_inputs,
         fw_compiler=forward,
@@ -57,6 +60,14 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **k
         partition_fn=partition,
         decompositions=default_decompositions(),
     )
+
+    @functools.wraps(compiled)  # same calling convention (boxed or not) and attributes
+    def run(*args: Any) -> Any:
+        outs = compiled(*args)
+        _no_zero_gradients(outs)  # outputs nobody differentiates get no dense zero gradient
+        return outs
+
+    return run
 
 
 def _register() -> None:
