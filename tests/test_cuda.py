@@ -8,7 +8,8 @@
 - the HF seed models in fp32/fp16/bf16 through aotfuse.testing (eager and a float64 reference);
 - kernels run on torch's current stream, their outputs come from torch's allocator, and a machine
   without NVRTC gets a clear error, or eager with one warning under fallback="eager";
-- the dropout generator gives the same bits on the GPU as on the CPU, forward and backward.
+- the dropout generator gives the same bits on the GPU as on the CPU, forward and backward;
+- logits nobody differentiates add no zero gradient to the backward's peak memory (both entry points).
 
 Skipped, with that reason, on a machine without a GPU (tests/conftest.py)."""
 import os
@@ -252,3 +253,38 @@ def test_dropout_generator_is_the_same_bits_on_cuda_and_cpu():
     assert_close(out, x.detach() * keep / (1 - p) * 3.0, "fused CUDA dropout against the generator's mask")
     (g,) = torch.autograd.grad(out.sum(), x)
     assert torch.equal(g != 0, keep), "the CUDA backward's mask is not the forward's"
+
+
+@pytest.mark.parametrize("entry", ["memory_efficient_fusion", "torch.compile"])
+def test_undifferentiated_logits_cost_no_backward_memory(entry):
+    """The backward's peak holds no logits-sized zero gradient (loss beside logits, as HF models
+    return them): within a few percent of eager's peak, which never makes one."""
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(256, 8192)
+
+        def forward(self, x, y):
+            logits = self.fc(torch.tanh(x))
+            return torch.nn.functional.cross_entropy(logits, y), logits
+
+    torch.manual_seed(0)
+    x, y = torch.randn(4096, 256, device="cuda"), torch.randint(0, 8192, (4096,), device="cuda")
+
+    def backward_peak(model):
+        loss, logits = model(x, y)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss.backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    eager = Head().cuda()
+    torch._dynamo.reset()
+    compiled = (aotfuse.memory_efficient_fusion(Head().cuda()) if entry == "memory_efficient_fusion"
+                else torch.compile(Head().cuda(), backend="aotfuse"))
+    backward_peak(compiled)  # compiles the backward
+    ours, theirs = backward_peak(compiled), backward_peak(eager)
+    logits_bytes = 4096 * 8192 * 4
+    assert ours <= theirs * 1.05 + logits_bytes // 4, f"{entry}: backward peak {ours / 1e6:.0f} MB vs eager {theirs / 1e6:.0f} MB"
