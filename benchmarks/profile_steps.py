@@ -34,7 +34,7 @@ def _step(call, opt, inputs, device="cpu"):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="BertForMaskedLM", choices=MODELS[:3])
-    ap.add_argument("--size", default="reduced", choices=("seed", "reduced", "tiny"))
+    ap.add_argument("--size", default="reduced", choices=("seed", "reduced", "tiny", "host"))
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)

@@ -229,6 +229,47 @@ def test_tied_parameters():
     assert_close(compiled.emb.weight.grad, model.emb.weight.grad, "tied weight grad")
 
 
+@pytest.mark.parametrize("change", ["replace", "untie", "retie_behind_hooks", "new_submodule", "delete"])
+def test_parameters_are_read_fresh_after_the_module_changes(change):
+    """The compiled module caches where its tensors live (no tree walk per call) but sees every
+    change: a replaced parameter, weights untied or tied again, a new submodule, a deleted one."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            x = self.a(x)
+            return self.b(x) + (self.extra(x) if hasattr(self, "extra") else 0.0)
+
+    torch.manual_seed(0)
+    model = Net()
+    model.b.weight = model.a.weight  # tied
+    compiled = aotfuse.memory_efficient_fusion(model)
+    x = torch.randn(3, 4)
+    compiled(x).sum().backward()
+    if change == "replace":
+        model.a.bias = nn.Parameter(torch.full((4,), 5.0))
+    elif change == "untie":
+        model.b.weight = nn.Parameter(model.a.weight.detach().clone() * 2)
+    elif change == "retie_behind_hooks":
+        model.b._parameters["weight"] = nn.Parameter(model.a.weight.detach().clone() * 3)  # no hook fires
+    elif change == "new_submodule":
+        model.extra = nn.Linear(4, 4)
+    else:
+        del model.b.bias  # no hook fires either
+        model.b.register_parameter("bias", None)
+    model.zero_grad()
+    out = compiled(x)
+    eager = copy.deepcopy(model)
+    ref = eager(x)
+    assert_close(out, ref, f"output after {change}")
+    out.sum().backward()
+    ref.sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert_close(p.grad, q.grad, f"grad of {name} after {change}")
+
+
 def test_functorch_style_compilers_and_partition():
     from torch._functorch.partitioners import default_partition
 

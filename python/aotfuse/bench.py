@@ -43,15 +43,20 @@ BACKENDS = ("eager", "aotfuse", "torch.compile", "functorch")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # the seed's tolerances: (atol, rtol)
 TOLERANCES = {torch.float32: (1e-4, 5e-3), torch.float16: (1e-2, 1e-1), torch.bfloat16: (1e-2, 1e-1)}
-SIZES = ("seed", "reduced", "tiny")
+SIZES = ("seed", "reduced", "tiny", "host")
 
 
 # ---------------------------------------------------------------- models and shapes
 
 def _dims(size: str) -> dict:
-    """Transformer dimensions for the reduced and tiny sizes (the seed size uses each model's own)."""
+    """Transformer dimensions for the reduced, tiny and host sizes (the seed size uses each model's
+    own). "host" keeps the seed's 12 layers and makes every tensor minimal, so a step is nearly all
+    host time (dispatch, launches, Python): the regime of the seed models on a fast GPU, measurable
+    on a CPU."""
     if size == "reduced":
         return dict(hidden=256, layers=2, heads=4, inter=1024, vocab=8192)
+    if size == "host":
+        return dict(hidden=32, layers=12, heads=2, inter=64, vocab=64)
     return dict(hidden=64, layers=1, heads=2, inter=128, vocab=512)
 
 
@@ -61,7 +66,7 @@ def build_config(name: str, size: str) -> tuple[Any, int, int]:
     import transformers as tf
 
     d = None if size == "seed" else _dims(size)
-    seq = {"seed": 512, "reduced": 128, "tiny": 32}[size]
+    seq = {"seed": 512, "reduced": 128, "tiny": 32, "host": 8}[size]
     if name == "AlbertForMaskedLM":
         if d is None:
             cfg = tf.AlbertConfig(vocab_size=30000, embedding_size=128, hidden_size=768, num_hidden_layers=12,

@@ -311,12 +311,65 @@ def aot_function(fn: Callable, fw_compiler: Callable | None = None, bw_compiler:
                             keep_inference_input_mutations, inference_compiler, fallback, max_cache_size)
 
 
+# Bumped whenever any module registers (or reassigns) a parameter, buffer or submodule, through
+# torch's global registration hooks: an AOTModule's list of where its tensors live stays valid
+# until then, so a call reads ~200 dict entries instead of walking the module tree twice (3 ms a
+# step on a 12-layer model).
+_structure_version = [0]
+_structure_hooks: list = []
+
+
+def _structure_changed(*_args: Any) -> None:
+    _structure_version[0] += 1
+
+
+def _watch_module_structure() -> None:
+    if not _structure_hooks:
+        from torch.nn.modules import module as torch_module
+
+        for register in ("register_module_parameter_registration_hook", "register_module_buffer_registration_hook",
+                         "register_module_module_registration_hook"):
+            _structure_hooks.append(getattr(torch_module, register)(_structure_changed))
+
+
+def _tensor_refs(mod: nn.Module, kind: str) -> list:
+    """(name, owning dict, key, index of the first name of the same tensor or -1) for every named
+    parameter or buffer, in named_parameters()/named_buffers() order, tied tensors included."""
+    refs, first = [], {}
+    for prefix, m in mod.named_modules():
+        d = getattr(m, kind)
+        for k, v in d.items():
+            if v is None:
+                continue
+            refs.append((f"{prefix}.{k}" if prefix else k, d, k, first.get(id(v), -1)))
+            first.setdefault(id(v), len(refs) - 1)
+    return refs
+
+
+def _read_refs(refs: list) -> dict | None:
+    """{name: tensor} for the refs' first names; None when the ties or the names changed behind the
+    registration hooks (a deleted attribute, a dict written directly)."""
+    values, out = [], {}
+    for name, d, k, alias in refs:
+        v = d.get(k)
+        if v is None or (alias >= 0 and v is not values[alias]):
+            return None
+        values.append(v)
+        if alias < 0:
+            out[name] = v
+    if len(out) != len({id(v) for v in out.values()}):  # two first names now share a tensor: re-tie
+        return None
+    return out
+
+
 class AOTModule(nn.Module):
     """A compiled view of a module: it shares the original's parameters, buffers and submodules
     (so state_dict keys, optimizers and .to() see the same tensors) and runs through aotfuse."""
 
     def __init__(self, mod: nn.Module, compiled: CompiledFunction):
         super().__init__()
+        _watch_module_structure()
+        object.__setattr__(self, "_aotfuse_refs", None)
         object.__setattr__(self, "orig_module", mod)  # not a submodule: keys stay unprefixed
         self._parameters = mod._parameters
         self._buffers = mod._buffers
@@ -336,9 +389,22 @@ class AOTModule(nn.Module):
         if config.disabled():
             return mod(*args, **kwargs)
         # each tensor once: functional_call re-ties tied weights (HF embeddings and LM heads)
-        params = dict(mod.named_parameters())
-        buffers = dict(mod.named_buffers())
+        params, buffers = self._tensors()
         return compiled._call(((params, buffers) + args, kwargs), (mod.training,))
+
+    def _tensors(self) -> tuple[dict, dict]:
+        """dict(named_parameters()), dict(named_buffers()) of the module, without walking it while
+        its structure is unchanged (_structure_version)."""
+        cached = self._aotfuse_refs
+        if cached is not None and cached[0] == _structure_version[0]:
+            params, buffers = _read_refs(cached[1]), _read_refs(cached[2])
+            if params is not None and buffers is not None:
+                return params, buffers
+        mod = self.orig_module
+        version = _structure_version[0]
+        refs = (version, _tensor_refs(mod, "_parameters"), _tensor_refs(mod, "_buffers"))
+        object.__setattr__(self, "_aotfuse_refs", refs)
+        return dict(mod.named_parameters()), dict(mod.named_buffers())
 
     def __getattr__(self, name: str) -> Any:
         try:
