@@ -127,6 +127,14 @@ void af_cg_emit_members_cached(af_strbuf *sb, const af_graph *g, const af_fusion
             else af_strbuf_printf(sb, "%sacc%d%s += (double)v%d;\n", indent, (int)v, acc_at, (int)x);
             continue;
         }
+        if (n->op_id == AF_OP_RNG_UNIFORM) { /* key = seed + stream (fuse.c admits 0 <= stream < 2^31) */
+            int64_t stream = n->n_args > 2 && n->args[2].kind == AF_ARG_INT ? n->args[2].u.i : 0;
+            int seed = (int)n->args[0].u.value;
+            af_strbuf_printf(sb, "%sfloat v%d = af_rand(sv%d + %" PRId64 "ull, iv%d); /* %s */\n", indent, (int)n->first_output,
+                             seed, stream, seed, n->op);
+            if (cached && cached[m]) af_strbuf_printf(sb, "%sc%d[i] = v%d;\n", indent, (int)n->first_output, (int)n->first_output);
+            continue;
+        }
         af_dtype scalar_as = AF_DTYPE_FLOAT32;
         for (int32_t a = 0; a < n->n_args && info->scalars == AF_SCALAR_AS_TENSOR; a++)
             if (n->args[a].kind == AF_ARG_VALUE) {

@@ -46,7 +46,11 @@ int af_fuse_node_ok(const af_graph *g, int32_t index) {
             continue;
         }
         if (a >= arity) { /* a positional argument the expression ignores: only a target dtype may be */
-            if (arg->kind != AF_ARG_DTYPE && !(n->op_id == AF_OP_RNG_UNIFORM && arg->kind == AF_ARG_LIST)) return 0;
+            /* rng_uniform's size, and its stream (a small int added to the seed) */
+            if (arg->kind != AF_ARG_DTYPE && !(n->op_id == AF_OP_RNG_UNIFORM && (arg->kind == AF_ARG_LIST ||
+                                                                                   (a == 2 && arg->kind == AF_ARG_INT &&
+                                                                                    arg->u.i >= 0 && arg->u.i < (INT64_C(1) << 31)))))
+                return 0;
             continue;
         }
         if (arg->kind == AF_ARG_VALUE && n->op_id == AF_OP_RNG_UNIFORM) { /* the seed: an int64 scalar tensor */

@@ -86,14 +86,18 @@ def test_dropout_generator_matches_the_cpu_generator(kind):
     """The counter-based dropout in CUDA kernels gives the bits of the op's CPU program."""
     from aotfuse.decompositions import default_decompositions
 
-    def f(x, g):
-        y = torch.ops.aten.native_dropout(x * 2.0, 0.1, True)[0] * g
+    from aotfuse.rng import share_seeds
+
+    def f(x, g):  # two dropouts: after share_seeds, one seed on streams 0 and 1
+        y = torch.ops.aten.native_dropout(torch.ops.aten.native_dropout(x * 2.0, 0.1, True)[0], 0.4, True)[0] * g
         return y if kind == "pointwise" else y.sum(-1) if kind == "rows" else y.sum(0)
 
     x, g = torch.randn(64, 256), torch.randn(64, 256)
     gm = make_fx(f, decomposition_table=default_decompositions(random=True))(x, g)
+    assert share_seeds(gm) == 1
     ran = cuda_emu.check(gm, (x, g), f"dropout {kind}")
     assert [l["kind"] for l in ran] == [kind], ran
+    assert "+ 1ull" in cuda_emu.source_of(gm)
 
 
 @pytest.mark.parametrize("width", [200, 3000], ids=["warp_rows", "block_rows"])

@@ -81,6 +81,62 @@ def test_uniform_statistics():
 def test_bad_seed_is_a_clear_error():
     with pytest.raises(ValueError, match="int64 0-dim"):
         torch.ops.aotfuse.rng_uniform(torch.tensor([1, 2]), [3])
+    with pytest.raises(ValueError, match="stream"):
+        torch.ops.aotfuse.rng_uniform(torch.tensor(1), [3], -1)
+
+
+@pytest.mark.parametrize("seed", [0, _SEED_HIGH - 1])
+def test_a_stream_is_the_seed_plus_the_stream_as_key(seed):
+    for stream in (1, 2, 12345):
+        u = torch.ops.aotfuse.rng_uniform(torch.tensor(seed), [5, 7], stream)
+        assert torch.equal(u.flatten(), reference_uniform((seed + stream) % 2**64, 35)), stream
+    a, b = (torch.ops.aotfuse.rng_uniform(torch.tensor(seed), [1 << 18], k).double() for k in (0, 1))
+    assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1].item()) < 0.02  # neighbouring streams: uncorrelated
+
+
+class _TwoDrops(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = nn.functional.dropout(x, 0.3, training=True) * 2.0
+        return nn.functional.dropout(torch.tanh(self.fc(h)), 0.5, training=True) * 3.0
+
+
+def test_dropouts_share_one_seed_each_on_its_stream():
+    """One seed draw per step however many dropouts (an ATen call and a saved tensor each
+    before): the k-th dropout uses stream k; the backward recomputes the same masks."""
+    torch.manual_seed(0)
+    model = _TwoDrops()
+    compiled = aotfuse.memory_efficient_fusion(copy.deepcopy(model))
+    x = torch.randn(16, 64, requires_grad=True)
+    report = aotfuse.explain(compiled, x)
+    assert report.forward_program.count("aten::randint") == 1, report.forward_program
+    assert sum(1 for s in report.saved if s[1] == () and "int64" in str(s[2])) == 1, report.saved
+    torch.manual_seed(9)
+    out = compiled(x)
+    torch.manual_seed(9)
+    (seed,) = _seeds_drawn(1)
+    keep0 = torch.ops.aotfuse.rng_uniform(torch.tensor(seed), [16, 64]) > 0.3
+    keep1 = torch.ops.aotfuse.rng_uniform(torch.tensor(seed), [16, 64], 1) > 0.5
+    xr = x.detach().requires_grad_()
+    ref = torch.tanh(nn.functional.linear(xr * keep0 / 0.7 * 2.0, model.fc.weight, model.fc.bias)) * keep1 / 0.5 * 3.0
+    assert_close(out, ref, "two dropouts on streams 0 and 1")
+    (g,) = torch.autograd.grad(out.sum(), x)
+    (g_ref,) = torch.autograd.grad(ref.sum(), xr)
+    assert_close(g, g_ref, "the backward recomputes both masks")
+    assert not torch.equal(keep0, keep1), "the two dropouts drew the same mask"
+
+
+def test_inference_graphs_share_seeds_too():
+    torch.manual_seed(0)
+    model = _TwoDrops()
+    compiled = aotfuse.memory_efficient_fusion(model)
+    with torch.no_grad():
+        compiled(torch.randn(4, 64))
+    prog = compiled._aotfuse_compiled.records[-1].programs["inference"].program
+    assert str(prog).count("aten::randint") == 1, str(prog)
 
 
 class _DropMLP(nn.Module):
@@ -203,11 +259,19 @@ def test_dropout_cuda_source_compiles(kind):
         y = torch.ops.aten.native_dropout(x * 2.0, 0.1, True)[0] * g
         return y if kind == "pointwise" else y.sum(-1) if kind == "rows" else y.sum(0)
 
+    from aotfuse.rng import share_seeds
+
     x, g = torch.randn(64, 256), torch.randn(64, 256)
     gm = make_fx(f, decomposition_table=default_decompositions(random=True), tracing_mode="fake")(x, g)
     source, launches = _C.cuda_codegen(build_graph(gm, device="cuda:0").graph)
     assert [l["kind"] for l in launches] == [kind], launches
     assert source.count("= af_rand(sv") == 1, source
+    if kind == "pointwise":  # a second dropout on stream 1 of the same seed
+        gm = make_fx(lambda x, g: f(torch.ops.aten.native_dropout(x, 0.2, True)[0], g),
+                     decomposition_table=default_decompositions(random=True), tracing_mode="fake")(x, g)
+        assert share_seeds(gm) == 1
+        source, launches = _C.cuda_codegen(build_graph(gm, device="cuda:0").graph)
+        assert source.count("= af_rand(sv") == 2 and "+ 1ull, iv" in source, source
     for arch in (80, 90):
         kernels = compile_report(source, arch)
         assert kernels and all(k["registers"] for k in kernels)

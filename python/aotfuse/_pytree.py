@@ -28,6 +28,12 @@ def tree_flatten(tree: Any, objects: bool = False) -> tuple[list[Any], tuple]:
     return leaves, spec
 
 
+def _tensor_type() -> type:
+    import torch
+
+    return torch.Tensor
+
+
 def _is_tensor(x: Any) -> bool:
     import torch
 
@@ -55,6 +61,11 @@ def _flatten(x: Any, leaves: list[Any], objects: bool, seen: set) -> tuple:
     t = type(x)
     if t is tuple or t is list:
         return ("seq", t, None, tuple(_flatten(v, leaves, objects, seen) for v in x))
+    if t is dict:  # a plain dict of tensors (a module's parameters): no recursion per entry
+        values, tensor = tuple(x.values()), _tensor_type()
+        if all(isinstance(v, tensor) for v in values):
+            leaves.extend(values)
+            return ("dict", t, tuple(x.keys()), (LEAF,) * len(values))
     if isinstance(x, dict):
         keys = tuple(x.keys())
         # ModelOutput and other dict dataclasses are rebuilt from keywords; plain dicts from pairs

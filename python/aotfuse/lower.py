@@ -304,6 +304,9 @@ def missing_gradients(gm: fx.GraphModule, missing: tuple) -> fx.GraphModule:
 
 def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None) -> Lowered:
     """Lowers an ATen-level FX graph (as AOTAutograd produces) into a C program."""
+    from .rng import share_seeds
+
+    share_seeds(gm)  # an inference graph's dropouts (a training graph's were shared in its joint graph)
     b = build_graph(gm)
     fuse = config.fusion()
     if fuse:

@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from . import _C, config
 from .lower import build_graph
+from .rng import share_seeds
 
 __all__ = ["min_cut_rematerialization_partition", "default_partition", "PartitionStats"]
 
@@ -123,6 +124,7 @@ def _partition(joint_module: fx.GraphModule, num_fwd_outputs: int, min_cut: bool
 
         joint_module.graph = fx_graph_cse(joint_module.graph)
     _merge_duplicate_getitems(joint_module.graph)
+    share_seeds(joint_module)  # one seed draw for all dropouts, before the seeds are saved
     build = build_graph(joint_module)
     roles = bytes(_role(n) for n in build.input_nodes)
     # graph outputs skip None entries: count the forward's among the real ones
