@@ -40,6 +40,8 @@ __all__ = ["MODELS", "BACKENDS", "Settings", "Result", "run", "write_results", "
 
 MODELS = ("AlbertForMaskedLM", "GPT2LMHeadModel", "BertForMaskedLM", "LongformerForMaskedLM")
 BACKENDS = ("eager", "aotfuse", "torch.compile", "functorch")
+# on request only: aotfuse with layer norm and softmax decomposed and fused (AOTFUSE_DECOMPOSE_NORMS's effect)
+EXTRA_BACKENDS = ("aotfuse+norms",)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # the seed's tolerances: (atol, rtol)
 TOLERANCES = {torch.float32: (1e-4, 5e-3), torch.float16: (1e-2, 1e-1), torch.bfloat16: (1e-2, 1e-1)}
@@ -172,11 +174,14 @@ def _reason(e: BaseException) -> str:
 def _make(backend: str, model: torch.nn.Module, fallback: str | None = None) -> Callable:
     if backend == "eager":
         return model
-    if backend == "aotfuse":
+    if backend in ("aotfuse", "aotfuse+norms"):
         import aotfuse
+        from aotfuse.decompositions import default_decompositions
 
-        return aotfuse.memory_efficient_fusion(model, fallback=fallback) if fallback else \
-            aotfuse.memory_efficient_fusion(model)
+        kwargs = {"decompositions": default_decompositions(norms=True)} if backend == "aotfuse+norms" else {}
+        if fallback:
+            kwargs["fallback"] = fallback
+        return aotfuse.memory_efficient_fusion(model, **kwargs)
     if backend == "torch.compile":
         return torch.compile(model, backend="inductor", dynamic=False)
     if backend == "functorch":
@@ -184,7 +189,7 @@ def _make(backend: str, model: torch.nn.Module, fallback: str | None = None) -> 
             warnings.simplefilter("ignore")
             from functorch.compile import memory_efficient_fusion as functorch_mef
         return functorch_mef(model)
-    raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS + EXTRA_BACKENDS)}")
 
 
 def _sync(device: str) -> None:
@@ -229,7 +234,7 @@ def _first_step(c: Contender, backend: str, model: torch.nn.Module, inputs: dict
         c.status = "n/a" if backend == "functorch" else "failed"
         c.call = None
         model.zero_grad(set_to_none=True)
-    if backend != "aotfuse":
+    if not backend.startswith("aotfuse"):
         return
     try:  # the documented way out: run what cannot be captured eagerly
         c.call = _make(backend, model, fallback=fallback)
@@ -576,7 +581,8 @@ def write_results(results: list[Result], descriptions: list[str], out_dir: str, 
         "- contenders: eager; aotfuse = aotfuse.memory_efficient_fusion(model) (where it cannot capture the model "
         f"it is rebuilt with fallback={settings.aotfuse_fallback!r} and marked fallback); torch.compile = torch.compile(model, backend='inductor', "
         "dynamic=False); functorch = functorch.compile.memory_efficient_fusion(model), n/a where it does "
-        "not run on this torch.",
+        "not run on this torch; aotfuse+norms (on request) = aotfuse with layer norm and softmax decomposed "
+        "and fused (decompositions=default_decompositions(norms=True)).",
         f"- models ({settings.size} size; random weights from config classes, nothing downloaded; config "
         f"defaults except: dropout probabilities {settings.dropout:g}, attention implementation "
         f"'{settings.attn}' (Longformer: its own); inputs: random input_ids and labels"
@@ -671,8 +677,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtypes", type=_csv_list(DTYPES), default=None,
                     help="comma-separated from fp32,fp16,bf16 (default: cpu fp32, a few minutes on 2 cores; "
                          "cuda fp32,fp16,bf16)")
-    ap.add_argument("--backends", type=_csv_list(BACKENDS), default=list(BACKENDS),
-                    help=f"comma-separated, default all: {','.join(BACKENDS)} (eager is always run: the reference)")
+    ap.add_argument("--backends", type=_csv_list(BACKENDS + EXTRA_BACKENDS), default=list(BACKENDS),
+                    help=f"comma-separated, default all: {','.join(BACKENDS)} (eager is always run: the reference); "
+                         f"also {','.join(EXTRA_BACKENDS)}")
     ap.add_argument("--repeats", type=int, default=None, help="timed steps per contender (default cpu 10, cuda 20)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per contender, the compiling one included")
     ap.add_argument("--size", choices=("auto",) + SIZES, default="auto",
