@@ -363,18 +363,22 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
         st = af_error_set(AF_ERR_NOMEM, "out of memory planning fusion");
         goto done;
     }
-    /* random nodes always get a kernel (alone too): their numbers are defined by the generated code */
-    uint8_t *has_random = calloc((size_t)n_prov + 1, 1);
-    if (!has_random) {
+    /* random nodes always get a kernel (alone too): their numbers are defined by the generated code;
+     * a lone copy (clone, _to_copy: a permuted or expanded view made contiguous) does too, as a
+     * kernel step costs less host time than ATen's copy and moves the same bytes */
+    uint8_t *keep_alone = calloc((size_t)n_prov + 1, 1);
+    if (!keep_alone) {
         free(dense);
         st = af_error_set(AF_ERR_NOMEM, "out of memory planning fusion");
         goto done;
     }
     for (int32_t i = 0; i < nn; i++)
-        if (prov_of_node[i] >= 0 && af_graph_node(g, i)->op_id == AF_OP_RNG_UNIFORM) has_random[prov_of_node[i]] = 1;
+        if (prov_of_node[i] >= 0 && (af_graph_node(g, i)->op_id == AF_OP_RNG_UNIFORM || af_graph_node(g, i)->op_id == AF_OP_CLONE ||
+                                     af_graph_node(g, i)->op_id == AF_OP_TO_COPY))
+            keep_alone[prov_of_node[i]] = 1;
     for (int32_t p = 0; p < n_prov; p++)
-        dense[p] = (parent[p] == p && (prov_size[p] >= min_nodes || has_random[p])) ? plan->n_groups++ : -1;
-    free(has_random);
+        dense[p] = (parent[p] == p && (prov_size[p] >= min_nodes || keep_alone[p])) ? plan->n_groups++ : -1;
+    free(keep_alone);
     plan->groups = calloc((size_t)plan->n_groups + 1, sizeof(af_fusion_group));
     if (!plan->groups) {
         free(dense);

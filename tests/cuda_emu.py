@@ -6,7 +6,9 @@ C++ by the host compiler, and each group's kernels are launched the way the runt
 (runtime.c, launch_cuda): the vectorized variant when there is one and every pointer is 16-byte
 aligned, column and split-row reductions as two passes through a float64 workspace. The grid is capped as on a
 device with `sm_count` multiprocessors (small by default, so grid-stride loops take several turns).
-Each group reads eager's values of its inputs and its outputs are compared with eager's.
+Each group reads eager's values of its inputs and its outputs are compared with eager's. A group
+whose input layout in eager differs from the graph's metadata is skipped, as the runtime would
+run its nodes as ATen calls (its first-run layout checks).
 
 What it cannot show: timing, memory coalescing, NVRTC's own code generation (tests/test_cuda_codegen.py
 compiles the same sources with NVRTC), and the hardware's 16-bit conversion instructions.
@@ -125,13 +127,16 @@ def run_groups(gm: fx.GraphModule, args, sm_count: int = 1, vectorized: bool | N
     for gi, l in enumerate(launches):
         if l["kind"] == "none":
             continue
-        ins = []
+        ins, mismatch = [], None
         for vid in l["inputs"]:
             t = env[node_of(vid)]
             meta = node_of(vid).meta.get("val")
-            if meta is not None and isinstance(t, torch.Tensor):
-                assert t.stride() == meta.stride() or t.numel() <= 1, f"input {vid}: eager strides {t.stride()}, graph {meta.stride()}"
+            if meta is not None and isinstance(t, torch.Tensor) and t.stride() != meta.stride() and t.numel() > 1:
+                mismatch = f"input {node_of(vid).name}: eager strides {t.stride()}, graph {meta.stride()}"
             ins.append(t)
+        if mismatch:  # AOTAutograd's meta can disagree with ATen's view; the runtime then runs this group's nodes as ATen calls
+            yield gi, {**l, "skipped": mismatch}, []
+            continue
         out_nodes = [node_of(vid) for vid in l["outputs"]]
         outs = [torch.empty_strided(n.meta["val"].shape, n.meta["val"].stride(), dtype=n.meta["val"].dtype) for n in out_nodes]
         for o in outs:  # poison: an element the kernel forgets to write cannot pass
@@ -158,6 +163,8 @@ def check(gm: fx.GraphModule, args, what: str = "", **kw) -> list:
     eager has NaN); returns the launches that ran."""
     ran = []
     for gi, l, results in run_groups(gm, args, **kw):
+        if "skipped" in l:
+            continue
         ran.append(l)
         for node, got, want in results:
             atol, rtol = TOLERANCES.get(want.dtype, (1e-5, 1e-4))

@@ -90,6 +90,7 @@ def test_seed_model_programs_compile(model, dtype, capsys):
     from aotfuse.bench import DTYPES, build_model
 
     m, inputs, _ = build_model(model, "tiny", DTYPES[dtype], "cpu")
+    torch._dynamo.reset()  # Longformer runs as Dynamo pieces: no graphs reused from an earlier test
     compiled = memory_efficient_fusion(m, fallback="dynamo" if model.startswith("Longformer") else "error")
     programs = cuda_sources(captured_graphs(compiled, **inputs))
     assert len(programs) >= 2  # a forward and a backward at least
