@@ -30,18 +30,18 @@ timeout 190 python3 -m pytest tests/test_cuda.py -m cuda -q -rfE -p no:cacheprov
 echo "pytest rc=$? ($(tail -n 1 "$OUT/pytest-cuda.log"))"
 
 echo "== seed benchmark (cuda: seed shapes; fp32 then bf16; eager, aotfuse, torch.compile)"
-# groups run dtype by dtype and results are written after each one; no new group after 150 s
-timeout 250 python3 -m aotfuse.bench --device cuda --dtypes fp32,bf16 --backends eager,aotfuse,torch.compile \
-  --repeats 10 --time-budget 150 --no-progress --out-dir "$OUT" > "$OUT/bench.log" 2>&1
+# groups run dtype by dtype and results are written after each one; no new group after 140 s
+timeout 230 python3 -m aotfuse.bench --device cuda --dtypes fp32,bf16 --backends eager,aotfuse,torch.compile \
+  --repeats 10 --time-budget 140 --no-progress --out-dir "$OUT" > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"
 
 echo "== host-time profile (Bert, seed shapes, fp32): is the step bound by the host?"
-timeout 50 python3 benchmarks/profile_steps.py --device cuda --size seed --model BertForMaskedLM --steps 5 --threads 16 \
+timeout 40 python3 benchmarks/profile_steps.py --device cuda --size seed --model BertForMaskedLM --steps 5 --threads 16 \
   > "$OUT/profile-bert-cuda.txt" 2>&1
 echo "profile rc=$?"; sed -n 1,4p "$OUT/profile-bert-cuda.txt"
 
 echo "== epilogue kernels (decomposed softmax / layer norm, seed Bert shapes) against ATen's"
-timeout 40 python3 benchmarks/epilogues.py --device cuda > "$OUT/epilogues-cuda.md" 2>&1
+timeout 30 python3 benchmarks/epilogues.py --device cuda > "$OUT/epilogues-cuda.md" 2>&1
 echo "epilogues rc=$?"; grep -E '^\| (layer_norm|add|softmax \|)' "$OUT/epilogues-cuda.md" | cut -c1-140
 
 echo "== summary ($(( $(date +%s) - start )) s)"
