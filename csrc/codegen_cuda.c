@@ -323,6 +323,45 @@ static void emit_phased(af_strbuf *sb, const af_graph *g, const af_fusion_group 
     launch->blocks = (sp->outer + rpb - 1) / rpb;
 }
 
+/* Two-pass reductions (columns, split rows), pass one: each reduction's chunk total to
+ * ws[reduction][chunk = blockIdx.y][c] of n entries a chunk. */
+static void emit_ws_partials(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, int64_t split, int64_t n,
+                             const char *indent) {
+    int32_t r = 0;
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        const af_node *node = af_graph_node(g, grp->nodes[m]);
+        if (af_op_get(node->op_id)->kind != AF_KIND_REDUCTION) continue;
+        af_strbuf_printf(sb, "%sws[(%" PRId64 " + (int64_t)blockIdx.y) * %" PRId64 " + c] = acc%d;\n", indent, (int64_t)r * split, n,
+                         (int)node->first_output);
+        r++;
+    }
+}
+
+/* Pass two's start: the _f kernel, a thread per c < n combining the `split` chunk totals in order
+ * into acc<v>; the caller emits the store offsets and the stores, then closes with "  }\n}\n". */
+static void emit_finish_begin(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp, int32_t index,
+                              int64_t split, int64_t n) {
+    const char *it = index_type(sp);
+    emit_signature(sb, grp, sp->ops, "af_kernel", index, "_f", AF_THREADS, 1);
+    af_strbuf_printf(sb, "  for (%s c = (%s)blockIdx.x * %d + threadIdx.x; c < %" PRId64 "; c += (%s)gridDim.x * %d) {\n", it, it,
+                     AF_THREADS, n, it, AF_THREADS);
+    af_cg_emit_acc_decls(sb, g, grp, "    ");
+    af_strbuf_printf(sb, "    for (%s l = 0; l < %" PRId64 "; l++) {\n", it, split);
+    int32_t r = 0;
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        const af_node *node = af_graph_node(g, grp->nodes[m]);
+        if (af_op_get(node->op_id)->kind != AF_KIND_REDUCTION) continue;
+        char other[96];
+        snprintf(other, sizeof other, "ws[(%" PRId64 " + (int64_t)l) * %" PRId64 " + c]", (int64_t)r * split, n);
+        int v = (int)node->first_output;
+        if (node->op_id == AF_OP_AMAX) af_strbuf_printf(sb, "      acc%d = af_maxd(acc%d, %s);\n", v, v, other);
+        else if (node->op_id == AF_OP_AMIN) af_strbuf_printf(sb, "      acc%d = af_mind(acc%d, %s);\n", v, v, other);
+        else af_strbuf_printf(sb, "      acc%d += %s;\n", v, other);
+        r++;
+    }
+    af_strbuf_printf(sb, "    }\n");
+}
+
 /* How many chunks to split each of `rows` rows of `inner` elements into, so that the device gets
  * about four blocks per multiprocessor; 1 (no split) when the rows alone fill it or are short. */
 static int64_t row_split(int64_t rows, int64_t inner, int sm_count) {
@@ -377,36 +416,12 @@ static void emit_split_rows(af_strbuf *sb, const af_graph *g, const af_fusion_gr
     af_strbuf_printf(sb, "    }\n    __syncthreads();\n    if (threadIdx.x == 0) {\n      for (int w = 1; w < %d; w++) {\n", tpb / 32);
     emit_combine(sb, g, grp, "        ", "sh%d[w]");
     af_strbuf_printf(sb, "      }\n");
-    int32_t r = 0;
-    for (int32_t m = 0; m < grp->n_nodes; m++) {
-        const af_node *n = af_graph_node(g, grp->nodes[m]);
-        if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION) continue;
-        /* thread 0's own total is warp 0's: sh<v>[0] holds the same value */
-        af_strbuf_printf(sb, "      ws[(%" PRId64 " + (int64_t)blockIdx.y) * %" PRId64 " + c] = acc%d;\n", (int64_t)r * split, rows,
-                         (int)n->first_output);
-        r++;
-    }
+    emit_ws_partials(sb, g, grp, split, rows, "      "); /* thread 0's own total is warp 0's (sh<v>[0]) */
     af_strbuf_printf(sb, "    }\n    __syncthreads();\n  }\n}\n");
 
     /* pass two: a thread per row */
-    emit_signature(sb, grp, sp->ops, "af_kernel", index, "_f", AF_THREADS, 1);
-    af_strbuf_printf(sb, "  for (%s c = (%s)blockIdx.x * %d + threadIdx.x; c < %" PRId64 "; c += (%s)gridDim.x * %d) {\n", it, it,
-                     AF_THREADS, rows, it, AF_THREADS);
-    af_cg_emit_acc_decls(sb, g, grp, "    ");
-    af_strbuf_printf(sb, "    for (%s l = 0; l < %" PRId64 "; l++) {\n", it, split);
-    r = 0;
-    for (int32_t m = 0; m < grp->n_nodes; m++) {
-        const af_node *n = af_graph_node(g, grp->nodes[m]);
-        if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION) continue;
-        char other[96];
-        snprintf(other, sizeof other, "ws[(%" PRId64 " + (int64_t)l) * %" PRId64 " + c]", (int64_t)r * split, rows);
-        int v = (int)n->first_output;
-        if (n->op_id == AF_OP_AMAX) af_strbuf_printf(sb, "      acc%d = af_maxd(acc%d, %s);\n", v, v, other);
-        else if (n->op_id == AF_OP_AMIN) af_strbuf_printf(sb, "      acc%d = af_mind(acc%d, %s);\n", v, v, other);
-        else af_strbuf_printf(sb, "      acc%d += %s;\n", v, other);
-        r++;
-    }
-    af_strbuf_printf(sb, "    }\n    %s r = c;\n", it);
+    emit_finish_begin(sb, g, grp, sp, index, split, rows);
+    af_strbuf_printf(sb, "    %s r = c;\n", it);
     emit_zero_offsets(sb, "    ", it, "b", nops, NULL);
     af_cg_emit_unflatten(sb, "    ", it, "r", "b", 0, kept - 1, sp->sizes, sp->strides, nops);
     af_strbuf_printf(sb, "    (void)r;\n");
@@ -439,7 +454,6 @@ static void emit_columns(af_strbuf *sb, const af_graph *g, const af_fusion_group
                      " rows, %" PRId64 " chunks */\n", (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)grp->n_inputs,
                      (int)grp->n_outputs, columns, rows, split);
     emit_signature(sb, grp, sp->ops, "af_kernel", index, "", AF_COLUMN_TILE * AF_COLUMN_LANES, 1);
-    int32_t r = 0;
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
         if (af_op_get(n->op_id)->kind == AF_KIND_REDUCTION)
@@ -471,35 +485,12 @@ static void emit_columns(af_strbuf *sb, const af_graph *g, const af_fusion_group
     af_strbuf_printf(sb, "      for (int l = 1; l < %d; l++) {\n", AF_COLUMN_LANES);
     emit_combine(sb, g, grp, "        ", "sh%d[l][tx]");
     af_strbuf_printf(sb, "      }\n");
-    r = 0;
-    for (int32_t m = 0; m < grp->n_nodes; m++) {
-        const af_node *n = af_graph_node(g, grp->nodes[m]);
-        if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION) continue;
-        af_strbuf_printf(sb, "      ws[(%" PRId64 " + (int64_t)blockIdx.y) * %" PRId64 " + c] = acc%d;\n", (int64_t)r * split, columns,
-                         (int)n->first_output);
-        r++;
-    }
+    emit_ws_partials(sb, g, grp, split, columns, "      ");
     af_strbuf_printf(sb, "    }\n    __syncthreads();\n  }\n}\n");
 
     /* pass two: one thread per column */
-    emit_signature(sb, grp, sp->ops, "af_kernel", index, "_f", AF_THREADS, 1);
-    af_strbuf_printf(sb, "  for (%s c = (%s)blockIdx.x * %d + threadIdx.x; c < %" PRId64 "; c += (%s)gridDim.x * %d) {\n", it, it,
-                     AF_THREADS, columns, it, AF_THREADS);
-    af_cg_emit_acc_decls(sb, g, grp, "    ");
-    af_strbuf_printf(sb, "    for (%s l = 0; l < %" PRId64 "; l++) {\n", it, split);
-    r = 0;
-    for (int32_t m = 0; m < grp->n_nodes; m++) {
-        const af_node *n = af_graph_node(g, grp->nodes[m]);
-        if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION) continue;
-        char other[96];
-        snprintf(other, sizeof other, "ws[(%" PRId64 " + (int64_t)l) * %" PRId64 " + c]", (int64_t)r * split, columns);
-        int v = (int)n->first_output;
-        if (n->op_id == AF_OP_AMAX) af_strbuf_printf(sb, "      acc%d = af_maxd(acc%d, %s);\n", v, v, other);
-        else if (n->op_id == AF_OP_AMIN) af_strbuf_printf(sb, "      acc%d = af_mind(acc%d, %s);\n", v, v, other);
-        else af_strbuf_printf(sb, "      acc%d += %s;\n", v, other);
-        r++;
-    }
-    af_strbuf_printf(sb, "    }\n    %s", it);
+    emit_finish_begin(sb, g, grp, sp, index, split, columns);
+    af_strbuf_printf(sb, "    %s", it);
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "%s b%d = c * %" PRId64, k ? "," : "", (int)k, sp->strides[k][0]);
     af_strbuf_printf(sb, ";\n");
     af_cg_emit_reduction_stores(sb, g, grp, sp->ops, rows, NULL, "    ");

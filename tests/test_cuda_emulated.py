@@ -9,7 +9,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import aotfuse.rng  # noqa: F401  (registers aotfuse::rng_uniform)
 import cuda_emu
-from test_fusion import EPILOGUE_CASES, OP_CASES, _inputs
+from test_fusion import EPILOGUE_CASES, OP_CASES, _inputs, nan_phases_case
 
 aten = torch.ops.aten
 _why = cuda_emu.unavailable()
@@ -120,16 +120,9 @@ def test_reduction_epilogues_run_in_one_phased_cuda_kernel(case, dtype, width):
 
 
 def test_phased_cuda_kernel_propagates_nan_like_aten():
-    from aotfuse.decompositions import default_decompositions
-
-    def f(x):
-        return torch.softmax(x * 1.0, -1), (x - x.amax(-1, keepdim=True)) * 2.0, x.amin(-1) + x.sum(-1)
-
-    x = torch.randn(6, 40)
-    x[2, 7] = float("nan")
-    x[4, 0] = float("inf")
-    ran = cuda_emu.check(make_fx(f, decomposition_table=default_decompositions(norms=True))(x), (x,), "nan in phases")
-    assert "phases)" in cuda_emu.source_of(make_fx(f, decomposition_table=default_decompositions(norms=True))(x)), ran
+    _f, x, gm = nan_phases_case()
+    ran = cuda_emu.check(gm, (x,), "nan in phases")
+    assert ran and "phases)" in cuda_emu.source_of(gm), ran
 
 
 def test_layer_norm_forward_and_backward_graphs_as_aotautograd_gives_them():

@@ -349,7 +349,9 @@ def test_bias_gradient_sums_keep_their_column_kernel():
     assert_close(lowered([x])[0], f(x), "bias-gradient sum", atol=1e-5, rtol=1e-5)
 
 
-def test_phased_max_propagates_nan_like_aten():
+def nan_phases_case():
+    """A softmax, a centring by the max and a min + sum over rows holding a NaN and an inf, decomposed:
+    phased kernels whose max/min must propagate NaN as ATen's do. (f, x, traced graph)"""
     from aotfuse.decompositions import default_decompositions
 
     def f(x):
@@ -358,7 +360,12 @@ def test_phased_max_propagates_nan_like_aten():
     x = torch.randn(6, 40)
     x[2, 7] = float("nan")
     x[4, 0] = float("inf")
-    lowered = lower(make_fx(f, decomposition_table=default_decompositions(norms=True))(x))
+    return f, x, make_fx(f, decomposition_table=default_decompositions(norms=True))(x)
+
+
+def test_phased_max_propagates_nan_like_aten():
+    f, x, gm = nan_phases_case()
+    lowered = lower(gm)
     assert "phases)" in lowered.program.source
     for i, (got, ref) in enumerate(zip(lowered([x]), f(x))):
         assert torch.equal(got.isnan(), ref.isnan()), f"output {i}: NaN positions differ"
