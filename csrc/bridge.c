@@ -604,48 +604,60 @@ int af_bridge_tensor_data(af_obj *const *objs, const af_tensor_meta *const *meta
     return visit_tensors(objs, metas, NULL, n, ptrs);
 }
 
-int af_bridge_empty(const af_tensor_meta *m, af_obj **out) {
-    int st = af_bridge_init();
-    if (st) return st;
-    PyObject *sizes = PyTuple_New(m->ndim), *strides = PyTuple_New(m->ndim), *args = NULL, *kw = NULL, *t = NULL;
-    if (!sizes || !strides) goto fail;
+/* (args, kwargs) for torch.empty_strided(sizes, strides, dtype=..., device=...), or NULL with a
+ * Python error set. */
+static PyObject *empty_call(const af_tensor_meta *m) {
+    PyObject *sizes = PyTuple_New(m->ndim), *strides = PyTuple_New(m->ndim), *args = NULL, *kw = NULL, *call = NULL;
+    if (!sizes || !strides) goto done;
     for (int32_t d = 0; d < m->ndim; d++) {
         PyObject *a = PyLong_FromLongLong(m->sizes[d]), *b = PyLong_FromLongLong(m->strides[d]);
         if (!a || !b) {
             Py_XDECREF(a);
             Py_XDECREF(b);
-            goto fail;
+            goto done;
         }
         PyTuple_SET_ITEM(sizes, d, a);
         PyTuple_SET_ITEM(strides, d, b);
     }
     args = PyTuple_Pack(2, sizes, strides);
     kw = Py_BuildValue("{s:O}", "dtype", py.dtypes[m->dtype]);
-    if (!args || !kw) goto fail;
+    if (!args || !kw) goto done;
     if (m->device.type != AF_DEVICE_CPU) {
         PyObject *dev = m->device.index >= 0
                             ? PyObject_CallFunction(py.device_ctor, "si", af_device_type_name(m->device.type), (int)m->device.index)
                             : PyObject_CallFunction(py.device_ctor, "s", af_device_type_name(m->device.type));
         if (!dev || PyDict_SetItemString(kw, "device", dev) < 0) {
             Py_XDECREF(dev);
-            goto fail;
+            goto done;
         }
         Py_DECREF(dev);
     }
-    t = PyObject_Call(py.empty_strided, args, kw);
-    if (!t) goto fail;
-    Py_DECREF(sizes);
-    Py_DECREF(strides);
-    Py_DECREF(args);
-    Py_DECREF(kw);
-    *out = (af_obj *)t;
-    return AF_OK;
-fail:
+    call = PyTuple_Pack(2, args, kw);
+done:
     Py_XDECREF(sizes);
     Py_XDECREF(strides);
     Py_XDECREF(args);
     Py_XDECREF(kw);
-    return af_error_set(AF_ERR_RUNTIME, "allocating a kernel output failed");
+    return call;
+}
+
+int af_bridge_empty_cached(const af_tensor_meta *m, af_obj **args, af_obj **out) {
+    int st = af_bridge_init();
+    if (st) return st;
+    if (!*args && !(*args = (af_obj *)empty_call(m))) return af_error_set(AF_ERR_RUNTIME, "allocating a kernel output failed");
+    PyObject *call = (PyObject *)*args;
+    PyObject *t = PyObject_Call(py.empty_strided, PyTuple_GET_ITEM(call, 0), PyTuple_GET_ITEM(call, 1));
+    if (!t) /* the Python error (torch.OutOfMemoryError, say) stays pending for the caller to raise */
+        return af_error_set(AF_ERR_RUNTIME, "allocating a kernel output failed");
+    *out = (af_obj *)t;
+    return AF_OK;
+}
+
+int af_bridge_empty(const af_tensor_meta *m, af_obj **out) {
+    af_obj *args = NULL;
+    int st = af_bridge_empty_cached(m, &args, out);
+    af_obj_release(args);
+    return st;
 }
 
 int af_bridge_cuda_stream(int32_t device, void **stream) {

@@ -34,6 +34,7 @@ struct af_program {
     af_kernel_fn *kernels;  /* per group */
     const af_tensor_meta **kernel_metas; /* scratch: operand metas of the widest group */
     af_obj **kernel_objs;   /* scratch */
+    af_obj **empty_args;    /* per value: torch.empty_strided's arguments for a kernel output, built once */
     void **kernel_ptrs;     /* scratch */
     void **kernel_params;   /* scratch: CUDA launch arguments (pointers into kernel_ptrs) */
     char *source;
@@ -143,6 +144,9 @@ void af_program_free(af_program *p) {
     free(p->kernels);
     free(p->kernel_metas);
     free(p->kernel_objs);
+    if (p->empty_args)
+        for (int32_t v = 0; v < af_graph_num_values(p->graph); v++) af_obj_release(p->empty_args[v]);
+    free(p->empty_args);
     free(p->kernel_ptrs);
     free(p->kernel_params);
     free(p->source);
@@ -238,7 +242,8 @@ static int build_kernels(af_program *p, const af_program_options *opts) {
     p->kernel_objs = malloc(((size_t)widest + 1) * sizeof *p->kernel_objs);
     p->kernel_ptrs = malloc(((size_t)widest + 1) * sizeof *p->kernel_ptrs);
     p->kernel_params = malloc(((size_t)widest + 2) * sizeof *p->kernel_params);
-    if (!p->kernel_metas || !p->kernel_objs || !p->kernel_ptrs || !p->kernel_params)
+    p->empty_args = calloc((size_t)af_graph_num_values(p->graph) + 1, sizeof *p->empty_args);
+    if (!p->kernel_metas || !p->kernel_objs || !p->kernel_ptrs || !p->kernel_params || !p->empty_args)
         return af_error_set(AF_ERR_NOMEM, "out of memory loading kernels");
     return AF_OK;
 }
@@ -551,7 +556,23 @@ static int run_kernel(af_program *p, int32_t gi) {
         p->kernel_objs[k] = p->values[v];
         p->kernel_metas[k] = &af_graph_value(p->graph, v)->meta;
     }
-    st = p->fold_state[gi] < 0 ? AF_BRIDGE_LAYOUT_MISMATCH : af_bridge_tensor_data(p->kernel_objs, p->kernel_metas, ni, p->kernel_ptrs);
+    if (p->fold_state[gi] < 0) {
+        st = AF_BRIDGE_LAYOUT_MISMATCH;
+    } else { /* outputs first, so that one visit of the shim reads every operand's data pointer */
+        for (int32_t k = 0; k < no; k++) {
+            int32_t v = grp->outputs[k];
+            const af_tensor_meta *m = &af_graph_value(p->graph, v)->meta;
+            if ((st = af_bridge_empty_cached(m, &p->empty_args[v], &p->values[v]))) return st;
+            p->kernel_objs[ni + k] = p->values[v];
+            p->kernel_metas[ni + k] = m;
+        }
+        st = af_bridge_tensor_data(p->kernel_objs, p->kernel_metas, ni + no, p->kernel_ptrs);
+        if (st == AF_BRIDGE_LAYOUT_MISMATCH)
+            for (int32_t k = 0; k < no; k++) { /* the members run as ATen calls and make their own */
+                af_obj_release(p->values[grp->outputs[k]]);
+                p->values[grp->outputs[k]] = NULL;
+            }
+    }
     if (!st && folded)
         for (int32_t k = 0; k < ni; k++)
             if (p->fold_root[grp->inputs[k]] >= 0) p->kernel_ptrs[k] = (char *)p->kernel_ptrs[k] + p->fold_delta[grp->inputs[k]];
@@ -583,15 +604,6 @@ static int run_kernel(af_program *p, int32_t gi) {
         return AF_OK;
     }
     if (st) return st;
-    for (int32_t k = 0; k < no; k++) {
-        int32_t v = grp->outputs[k];
-        const af_tensor_meta *m = &af_graph_value(p->graph, v)->meta;
-        if ((st = af_bridge_empty(m, &p->values[v]))) return st;
-        p->kernel_objs[ni + k] = p->values[v];
-        p->kernel_metas[ni + k] = m;
-    }
-    st = af_bridge_tensor_data(p->kernel_objs + ni, p->kernel_metas + ni, no, p->kernel_ptrs + ni);
-    if (st) return st == AF_BRIDGE_LAYOUT_MISMATCH ? af_error_set(AF_ERR_RUNTIME, "a kernel output was allocated with another layout") : st;
     if (grp->device.type == AF_DEVICE_CUDA) return launch_cuda(p, gi);
     if (!p->have_threads && p->num_threads) { /* the kernels use as many threads as torch's own ops */
         if ((st = af_bridge_num_threads(p->num_threads))) return st;

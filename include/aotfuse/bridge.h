@@ -54,6 +54,9 @@ int af_bridge_tensor_data(af_obj *const *objs, const af_tensor_meta *const *meta
 /* A new uninitialized tensor with meta's sizes, strides, dtype and device, from torch's
  * allocator (so torch's memory statistics see it). */
 int af_bridge_empty(const af_tensor_meta *meta, af_obj **out);
+/* The same, with the call's Python arguments kept in *args (built at the first call, NULL before;
+ * the caller releases it with af_obj_release): later calls allocate without rebuilding them. */
+int af_bridge_empty_cached(const af_tensor_meta *meta, af_obj **args, af_obj **out);
 
 /* torch's current CUDA stream on `device` (the raw cudaStream_t; NULL is the default stream). */
 int af_bridge_cuda_stream(int32_t device, void **stream);
