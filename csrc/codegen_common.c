@@ -19,7 +19,7 @@ const char *af_cg_ctype(af_dtype d) {
  *
  * af_rand is Threefry-2x32-20 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11; the
  * generator JAX uses): the counter is the element's row-major index in the random tensor, the
- * key the 64-bit seed. Only 32-bit adds, rotates and xors, so the loops calling it vectorize (16
+ * key the 64-bit seed plus the node's stream (rng.share_seeds gives each dropout of a graph its own). Only 32-bit adds, rotates and xors, so the loops calling it vectorize (16
  * lanes with AVX-512) where Philox's 32x32->64 multiplies do not. The first output word times
  * 2^-32, rounded to float, is the value: uniform on [0, 1], with full 2^-32 resolution near 0 (so
  * dropout with p = 1e-8 drops about 1e-8 of the elements). The numbers are the same bits on both

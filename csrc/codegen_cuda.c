@@ -185,6 +185,30 @@ static void emit_combine(af_strbuf *sb, const af_graph *g, const af_fusion_group
     emit_combine_phase(sb, g, grp, NULL, 0, indent, other_fmt);
 }
 
+/* `__shared__ double sh<v>[n]` for every reduction of the group (the warps' totals of a block). */
+static void emit_shared_totals(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, int n) {
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        const af_node *node = af_graph_node(g, grp->nodes[m]);
+        if (af_op_get(node->op_id)->kind == AF_KIND_REDUCTION)
+            af_strbuf_printf(sb, "  __shared__ double sh%d[%d];\n", (int)node->first_output, n);
+    }
+}
+
+/* Row kernels (plain and phased): `tpr` threads a row (a warp, or a block with shared totals),
+ * `rpb` rows a block; opens the grid-stride loop over rows c with their base offsets b<k>. */
+static void emit_row_loop_begin(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp, int tpr,
+                                int rpb) {
+    const char *it = index_type(sp);
+    if (tpr > 32) emit_shared_totals(sb, g, grp, tpr / 32);
+    af_strbuf_printf(sb, "  const int lane = threadIdx.x %% %d;\n", tpr);
+    af_strbuf_printf(sb, "  for (%s c = (%s)blockIdx.x * %d + threadIdx.x / %d; c < %" PRId64 "; c += (%s)gridDim.x * %d) {\n", it,
+                     it, rpb, tpr, sp->outer, it, rpb);
+    af_strbuf_printf(sb, "    %s r = c;\n", it);
+    emit_zero_offsets(sb, "    ", it, "b", sp->nops, NULL);
+    af_cg_emit_unflatten(sb, "    ", it, "r", "b", 0, sp->n_kept - 1, sp->sizes, sp->strides, sp->nops);
+    af_strbuf_printf(sb, "    (void)r;\n");
+}
+
 /* Row reductions: a warp per row (8 rows a block) up to 2048 reduced elements, else a block of
  * 512 per row with a shared-memory step between the warps. */
 static void emit_rows(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp, int32_t index,
@@ -196,19 +220,7 @@ static void emit_rows(af_strbuf *sb, const af_graph *g, const af_fusion_group *g
                      (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)grp->n_inputs, (int)grp->n_outputs, sp->outer,
                      sp->inner);
     emit_signature(sb, grp, sp->ops, "af_kernel", index, "", threads, 0);
-    if (tpr > 32)
-        for (int32_t m = 0; m < grp->n_nodes; m++) {
-            const af_node *n = af_graph_node(g, grp->nodes[m]);
-            if (af_op_get(n->op_id)->kind == AF_KIND_REDUCTION)
-                af_strbuf_printf(sb, "  __shared__ double sh%d[%d];\n", (int)n->first_output, tpr / 32);
-        }
-    af_strbuf_printf(sb, "  const int lane = threadIdx.x %% %d;\n", tpr);
-    af_strbuf_printf(sb, "  for (%s c = (%s)blockIdx.x * %d + threadIdx.x / %d; c < %" PRId64 "; c += (%s)gridDim.x * %d) {\n", it,
-                     it, rpb, tpr, sp->outer, it, rpb);
-    af_strbuf_printf(sb, "    %s r = c;\n", it);
-    emit_zero_offsets(sb, "    ", it, "b", nops, NULL);
-    af_cg_emit_unflatten(sb, "    ", it, "r", "b", 0, kept - 1, sp->sizes, sp->strides, nops);
-    af_strbuf_printf(sb, "    (void)r;\n");
+    emit_row_loop_begin(sb, g, grp, sp, tpr, rpb);
     af_cg_emit_acc_decls(sb, g, grp, "    ");
     af_strbuf_printf(sb, "    for (%s i = lane; i < %" PRId64 "; i += %d) {\n", it, sp->inner, tpr);
     af_strbuf_printf(sb, "      %s s = i;\n", it);
@@ -264,20 +276,8 @@ static void emit_phased(af_strbuf *sb, const af_graph *g, const af_fusion_group 
     af_strbuf_printf(sb, "\n/* group %d: %d nodes (%d reductions, %d phases), %d inputs, %d outputs, %" PRId64 " rows of %" PRId64 " */\n",
                      (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)last_phase + 1, (int)grp->n_inputs,
                      (int)grp->n_outputs, sp->outer, sp->inner);
-    emit_signature(sb, grp, ops, "af_kernel", index, "", threads, 0);
-    if (tpr > 32)
-        for (int32_t m = 0; m < grp->n_nodes; m++) {
-            const af_node *n = af_graph_node(g, grp->nodes[m]);
-            if (af_op_get(n->op_id)->kind == AF_KIND_REDUCTION)
-                af_strbuf_printf(sb, "  __shared__ double sh%d[%d];\n", (int)n->first_output, tpr / 32);
-        }
-    af_strbuf_printf(sb, "  const int lane = threadIdx.x %% %d;\n", tpr);
-    af_strbuf_printf(sb, "  for (%s c = (%s)blockIdx.x * %d + threadIdx.x / %d; c < %" PRId64 "; c += (%s)gridDim.x * %d) {\n", it,
-                     it, rpb, tpr, sp->outer, it, rpb);
-    af_strbuf_printf(sb, "    %s r = c;\n", it);
-    emit_zero_offsets(sb, "    ", it, "b", nops, NULL);
-    af_cg_emit_unflatten(sb, "    ", it, "r", "b", 0, kept - 1, sp->sizes, sp->strides, nops);
-    af_strbuf_printf(sb, "    (void)r;\n");
+    emit_signature(sb, grp, sp->ops, "af_kernel", index, "", threads, 0);
+    emit_row_loop_begin(sb, g, grp, sp, tpr, rpb);
     for (int32_t ph = 0; ph <= last_phase; ph++) {
         for (int32_t m = 0; m < grp->n_nodes; m++) {
             const af_node *n = af_graph_node(g, grp->nodes[m]);
@@ -387,10 +387,7 @@ static void emit_split_rows(af_strbuf *sb, const af_graph *g, const af_fusion_gr
                      ", split rows: %" PRId64 " chunks */\n", (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)grp->n_inputs,
                      (int)grp->n_outputs, rows, sp->inner, split);
     emit_signature(sb, grp, sp->ops, "af_kernel", index, "", tpb, 1);
-    for (int32_t m = 0; m < grp->n_nodes; m++) {
-        const af_node *n = af_graph_node(g, grp->nodes[m]);
-        if (af_op_get(n->op_id)->kind == AF_KIND_REDUCTION) af_strbuf_printf(sb, "  __shared__ double sh%d[%d];\n", (int)n->first_output, tpb / 32);
-    }
+    emit_shared_totals(sb, g, grp, tpb / 32);
     af_strbuf_printf(sb, "  const %s i0 = (%s)blockIdx.y * %" PRId64 ", i1 = i0 + %" PRId64 " < %" PRId64 " ? i0 + %" PRId64 " : %" PRId64 ";\n",
                      it, it, chunk, chunk, sp->inner, chunk, sp->inner);
     af_strbuf_printf(sb, "  for (%s c = blockIdx.x; c < %" PRId64 "; c += gridDim.x) {\n", it, rows);

@@ -2,7 +2,7 @@
 
 Dropout decomposes (decompositions.py) into an 8-byte seed drawn from torch's generator
 (`aten.randint`, so `torch.manual_seed` makes runs repeatable) and `aotfuse::rng_uniform(seed,
-size, stream=0)`: uniform floats on [0, 1), element i (row-major) being the first word of
+size, stream=0)`: uniform floats on [0, 1] (the float rounding of words near 2^32 gives 1.0), element i (row-major) being the first word of
 Threefry-2x32-20 of counter i under the key seed + stream (the generator text is in
 csrc/codegen_common.c), times 2^-32. The numbers are a pure function of the seed, so the op is
 pointwise for the partitioner and the fuser: the mask is computed inside the kernel that applies
@@ -51,7 +51,7 @@ def _program(size: tuple, device: torch.device, stream: int):
 
 @torch.library.custom_op("aotfuse::rng_uniform", mutates_args=())
 def rng_uniform(seed: torch.Tensor, size: list[int], stream: int = 0) -> torch.Tensor:
-    """Uniform floats on [0, 1) of shape `size` on seed's device; seed: an int64 0-dim tensor;
+    """Uniform floats on [0, 1] of shape `size` on seed's device; seed: an int64 0-dim tensor;
     stream: added to the seed as the generator's key (0 <= stream < 2^31)."""
     if seed.dtype != torch.int64 or seed.dim() != 0:
         raise ValueError(f"aotfuse::rng_uniform: the seed must be an int64 0-dim tensor, got {seed.dtype}{list(seed.shape)}")
