@@ -50,9 +50,13 @@ _DECOMPOSED = [
 # vs 98 ms decomposed, GPT2 block 68 vs 85 ms) for the same saved bytes within 1%. They stay whole
 # until the fuser handles them; AOTFUSE_DECOMPOSE_NORMS=1 decomposes them anyway.
 #
-# nll_loss (the second half of cross entropy) is never decomposed: its backward would be a zero
-# fill, a scatter and masking multiplies over the whole [tokens x vocab] gradient (Bert, reduced CPU
-# config: 27 ms of a 228 ms step, against ATen's one zero fill and one write per row).
+# Cross entropy's backward is the one place a norm-like op decides peak memory: ATen's nll_loss
+# backward makes a zero-filled [tokens x vocab] gradient, log_softmax's backward a second one, beside
+# the saved log-probabilities (GPT2 at the seed's shapes: 0.4 GB each, and the peak of the step). So
+# log_softmax and its backward are decomposed by default (not softmax or layer norm), and nll_loss's
+# backward becomes a one-hot compare (class index == target, a pointwise op, never a scatter): the
+# fuser then makes the loss gradient one row kernel with a single [tokens x vocab] output.
+# nll_loss's forward stays ATen (it reads one element a row).
 _NORMS = [
     aten.native_layer_norm,
     aten.native_layer_norm_backward,
@@ -61,6 +65,45 @@ _NORMS = [
     aten._softmax_backward_data,
     aten._log_softmax_backward_data,
 ]
+
+
+_LOSS = [aten._log_softmax, aten._log_softmax_backward_data]
+
+
+def _loss_table() -> dict:
+    """log_softmax and its backward (torch's decompositions, used where kernels are generated for
+    the tensors' device) and _nll_loss_backward."""
+    table = {}
+    for op, fn in get_decompositions(_LOSS).items():
+        def decomposed(*args, _fn=fn, **kwargs):
+            if not config.kernels_for(args[0].device):
+                return NotImplemented
+            return _fn(*args, **kwargs)
+        table[op] = decomposed
+    table[aten.nll_loss_backward.default] = _nll_loss_backward
+    return table
+
+
+def _nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    """nll_loss's gradient as `(class == target) * -scale`: pointwise over [N, C] (the class index is a
+    small float arange, exact below 2**24 classes), so it fuses with log_softmax's backward. ATen's
+    own where there is a class weight or the device gets no kernels."""
+    classes = self.shape[-1] if self.dim() > 0 else 0
+    if (weight is not None or self.dim() not in (1, 2) or not self.dtype.is_floating_point
+            or not 0 < classes < 2**24 or not config.kernels_for(self.device)):
+        return NotImplemented
+    picked = torch.ops.prims.convert_element_type(target, torch.float32)
+    index = aten.arange.start_step(0, classes, 1, dtype=torch.float32, device=self.device)
+    if self.dim() == 2:
+        picked = aten.unsqueeze.default(picked, 1)
+    hit = aten.eq.Tensor(index, picked)
+    if 0 <= ignore_index < classes:  # a target equal to ignore_index selects no class
+        hit = aten.mul.Tensor(hit, aten.ne.Scalar(picked, ignore_index))
+    if reduction == 1:  # mean
+        scale = aten.div.Tensor(grad_output, total_weight)
+    else:  # sum, or none: one gradient per row
+        scale = grad_output if reduction == 2 or self.dim() == 1 else aten.unsqueeze.default(grad_output, 1)
+    return aten.mul.Tensor(hit, aten.neg.default(scale))
 
 
 def _var_mean(x, dim=None, *, correction=None, keepdim=False):
@@ -105,16 +148,23 @@ def _native_dropout(input, p, train):
     return aten.mul.Tensor(aten.mul.Tensor(keep, input), float(1.0 / (1.0 - p))), keep
 
 
-def default_decompositions(norms: bool | None = None, random: bool | None = None) -> dict:
+def default_decompositions(norms: bool | None = None, random: bool | None = None,
+                           loss: bool | None = None) -> dict:
     """The table memory_efficient_fusion and aot_function use when given none (a fresh dict).
     norms: also decompose layer norm and softmax (default: AOTFUSE_DECOMPOSE_NORMS, off).
     random: dropout with aotfuse's own generator, fused and recomputed (default: on unless
-    AOTFUSE_FALLBACK_RANDOM=1 or no kernels are generated)."""
+    AOTFUSE_FALLBACK_RANDOM=1 or no kernels are generated).
+    loss: log_softmax and nll_loss's backward decomposed, so cross entropy's gradient is one fused
+    kernel (default: on unless AOTFUSE_DECOMPOSE_LOSS=0 or no kernels are generated)."""
     if norms is None:
         norms = os.environ.get("AOTFUSE_DECOMPOSE_NORMS", "0") not in ("", "0")
     if random is None:
         random = not config.fallback_random() and config.fusion()
+    if loss is None:
+        loss = os.environ.get("AOTFUSE_DECOMPOSE_LOSS", "1") not in ("", "0") and config.fusion()
     table = get_decompositions(_DECOMPOSED + (_NORMS if norms else []))
+    if loss:
+        table.update({k: v for k, v in _loss_table().items() if not (norms and k in table)})
     if norms:
         table[aten.var_mean.correction] = _var_mean
     if random:

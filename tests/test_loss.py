@@ -1,0 +1,134 @@
+"""Cross entropy's gradient as one fused kernel: log_softmax and nll_loss's backward decomposed
+(decompositions.py), checked against eager and a float64 reference, and the memory it saves."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import aotfuse
+from aotfuse.decompositions import default_decompositions
+from aotfuse.testing import compare_models
+
+
+class Head(nn.Module):
+    """A linear classifier head with cross entropy, as an LM head: [tokens, hidden] -> [tokens, classes]."""
+
+    def __init__(self, hidden=16, classes=40, weight=None, **ce):
+        super().__init__()
+        self.proj = nn.Linear(hidden, classes)
+        self.register_buffer("weight", weight)
+        self.ce = ce
+
+    def forward(self, x, y):
+        logits = self.proj(x)
+        if logits.dtype != torch.float32:
+            logits = logits.float()  # as Hugging Face's loss functions do
+        weight = None if self.weight is None else self.weight.float()
+        return F.cross_entropy(logits, y, weight=weight, **self.ce), logits
+
+
+def _targets(n=24, classes=40, ignore=-100):
+    y = torch.randint(0, classes, (n,), generator=torch.Generator().manual_seed(3))
+    y[::5] = ignore  # some rows ignored
+    return y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_matches_eager_and_float64(dtype, reduction):
+    torch.manual_seed(0)
+    x = torch.randn(24, 16)
+    report = compare_models(lambda: Head(reduction=reduction), (x, _targets()), dtype=dtype,
+                            name=f"cross entropy ({reduction})")
+    report.assert_ok()
+
+
+@pytest.mark.parametrize("ignore", [7, 0, 39])
+def test_an_ignore_index_inside_the_classes_is_masked(ignore):
+    torch.manual_seed(0)
+    x = torch.randn(24, 16)
+    y = _targets(ignore=ignore)
+    y[1] = ignore  # ensure the class is both ignored and (elsewhere) absent
+    report = compare_models(lambda: Head(ignore_index=ignore), (x, y), name=f"cross entropy (ignore {ignore})")
+    report.assert_ok()
+
+
+def test_label_smoothing_and_one_dimensional_input():
+    torch.manual_seed(0)
+    x = torch.randn(24, 16)
+    compare_models(lambda: Head(label_smoothing=0.1), (x, _targets()), name="label smoothing").assert_ok()
+
+    class Single(nn.Module):  # one sample: [classes] logits, a 0-d target
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 40)
+
+        def forward(self, x, y):
+            return F.cross_entropy(self.proj(x), y)
+
+    compare_models(Single, (torch.randn(16), torch.tensor(11)), name="1-d cross entropy").assert_ok()
+
+
+def test_class_weights_keep_atens_backward():
+    torch.manual_seed(0)
+    w = torch.rand(40) + 0.5
+    x = torch.randn(24, 16)
+    compare_models(lambda: Head(weight=w), (x, _targets()), name="weighted cross entropy").assert_ok()
+    e = aotfuse.explain(Head(weight=w), x.requires_grad_(), _targets())
+    assert e.extern_ops.get("aten::nll_loss_backward.default") == 1
+
+
+def _explain(**kw):
+    return aotfuse.explain(aotfuse.memory_efficient_fusion(Head(), decompositions=default_decompositions(**kw)),
+                           torch.randn(24, 16), _targets())
+
+
+def test_the_loss_is_two_row_kernels_and_no_aten_loss_backward():
+    on, off = _explain(), _explain(loss=False)
+    gone = ("aten::nll_loss_backward.default", "aten::_log_softmax_backward_data.default", "aten::_log_softmax.default")
+    for op in gone:
+        assert op not in on.extern_ops, (op, on.extern_ops)
+        assert op in off.extern_ops, (op, off.extern_ops)
+    # forward: log_softmax's three phases in one kernel; backward: the gradient's row sum and its
+    # epilogue in one kernel, plus the 0-d scale (grad / total weight)
+    assert on.fused_kernels == 3, on
+    assert on.saved_bytes <= off.saved_bytes
+
+
+def _peak_cpu_bytes(fn) -> int:
+    """Peak bytes held by torch's CPU allocator while fn runs (the profiler's memory events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
+def test_the_fused_loss_gradient_lowers_the_peak_by_a_class_sized_tensor():
+    torch.manual_seed(0)
+    tokens, classes = 256, 4096
+    base = Head(hidden=8, classes=classes)
+    x = torch.randn(tokens, 8)
+    y = torch.randint(0, classes, (tokens,))
+    peaks = {}
+    for name, kw in (("on", {}), ("off", dict(loss=False))):
+        m = aotfuse.memory_efficient_fusion(base, decompositions=default_decompositions(**kw))
+
+        def step():
+            loss = m(x, y)[0]
+            loss.backward()
+            base.zero_grad(set_to_none=True)
+
+        step()  # compiles
+        peaks[name] = _peak_cpu_bytes(step)
+    one = tokens * classes * 4
+    # off: saved log-probabilities + nll's zero-filled gradient + log_softmax's gradient at once
+    assert peaks["off"] - peaks["on"] >= 0.9 * one, (peaks, one)
