@@ -33,19 +33,22 @@ def test_tiny_run_writes_table_with_numeric_check(tmp_path, capsys):
     assert set(rows) == {"eager", "aotfuse", "functorch"}
     assert rows["eager"][5] == "100" and rows["eager"][6] == "100"
     assert rows["aotfuse"][0] == "BertForMaskedLM" and rows["aotfuse"][1] == "float32"
-    assert rows["aotfuse"][8].startswith("pass"), rows["aotfuse"]
-    float(rows["aotfuse"][3]), float(rows["aotfuse"][4])  # measured, not "-"
+    assert rows["aotfuse"][9].startswith("pass"), rows["aotfuse"]
+    float(rows["aotfuse"][3]), float(rows["aotfuse"][4]), float(rows["aotfuse"][7])  # measured, not "-"
     # functorch's memory_efficient_fusion either runs or is reported n/a with its reason; never a crash
-    assert rows["functorch"][9] == "ok" or rows["functorch"][9].startswith("n/a: ")
+    assert rows["functorch"][10] == "ok" or rows["functorch"][10].startswith("n/a: ")
 
     with open(tmp_path / "tiny.csv", newline="") as f:
         data = list(csv.DictReader(f))
     assert [r["name"] for r in data] == ["eager", "aotfuse", "functorch"]
-    for key in ("model", "dtype", "name", "status", "time_s", "mem_bytes", "time_pct", "mem_pct", "check"):
+    for key in ("model", "dtype", "name", "status", "time_s", "mem_bytes", "time_pct", "mem_pct", "check",
+                "saved_bytes"):
         assert key in data[0]
     aot = data[1]
     assert aot["check"] == "pass" and aot["status"] == "ok"
-    assert float(aot["time_s"]) > 0 and int(aot["mem_bytes"]) > 0
+    assert float(aot["time_s"]) > 0 and int(aot["mem_bytes"]) > 0 and int(aot["saved_bytes"]) > 0
+    # the peak holds at least what is saved for the backward
+    assert int(aot["mem_bytes"]) >= int(aot["saved_bytes"]), aot
     assert float(aot["loss_diff"]) <= 1e-4
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "tiny.png").stat().st_size > 0
@@ -61,7 +64,7 @@ def test_host_size_and_the_decomposed_norms_contender(tmp_path):
     md = (tmp_path / "host.md").read_text()
     rows = {r[2]: r for r in _table_rows(md)}
     assert set(rows) == {"eager", "aotfuse+norms"}
-    assert rows["aotfuse+norms"][8].startswith("pass") and rows["aotfuse+norms"][9] == "ok", rows["aotfuse+norms"]
+    assert rows["aotfuse+norms"][9].startswith("pass") and rows["aotfuse+norms"][10] == "ok", rows["aotfuse+norms"]
     assert "12 layers" in md and "aotfuse+norms (on request)" in md
 
 

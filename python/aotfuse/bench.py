@@ -10,10 +10,12 @@ A training step is: optimizer.zero_grad(set_to_none=True), forward with labels, 
 optimizer.step() (plain SGD). Contenders run interleaved (one step of each per repetition, the starting
 contender rotating), after warm-up steps that are not timed; medians are reported.
 
-Memory: on CPU, the bytes saved for backward by one step (unique storages of the tensors that autograd
-saves, through torch.autograd.graph.saved_tensors_hooks, parameters excluded), identical for every
-contender; on CUDA, torch.cuda.max_memory_allocated() over one step after reset_peak_memory_stats(),
-less what was allocated when the step began (so the other contenders' resident weights do not count).
+Memory: the peak bytes allocated during one step, less what was allocated when it began (so the other
+contenders' resident weights do not count): on CUDA torch.cuda.max_memory_allocated() after
+reset_peak_memory_stats(), on CPU the running sum of torch's allocation events (torch.profiler with
+profile_memory=True), the same measure for every contender. Beside it, the bytes saved for backward
+(unique storages of the tensors autograd saves, through torch.autograd.graph.saved_tensors_hooks,
+parameters excluded).
 
 Models are built from their config classes with random weights (nothing is downloaded); dropout
 probabilities are set to 1e-8 as the seed did, so the dropout computation is there without its noise.
@@ -155,7 +157,8 @@ class Contender:
     reason: str = ""
     first_step_s: float | None = None
     times: list = dataclasses.field(default_factory=list)
-    mem_bytes: int | None = None
+    mem_bytes: int | None = None         # peak allocated during a step
+    saved_bytes: int | None = None       # saved for backward by a step
     loss: torch.Tensor | None = None
     grads: dict | None = None
 
@@ -251,15 +254,24 @@ def _first_step(c: Contender, backend: str, model: torch.nn.Module, inputs: dict
         c.call = None
 
 
-def _measure_memory(c: Contender, inputs: dict, device: str) -> int:
-    if device == "cuda":
-        c.opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        start = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        _step(c, inputs)
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - start
+def _cpu_peak(fn: Callable) -> int:
+    """Peak bytes torch's CPU allocator held beyond what it held when fn began (its allocation and
+    free events, in order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
+def _measure_memory(c: Contender, inputs: dict, device: str) -> tuple[int, int]:
+    """One step: (peak bytes allocated beyond the step's start, bytes saved for backward)."""
     params = {p.untyped_storage().data_ptr() for p in c.base.parameters()}
     saved: dict[int, int] = {}
 
@@ -269,12 +281,25 @@ def _measure_memory(c: Contender, inputs: dict, device: str) -> int:
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
-    c.opt.zero_grad(set_to_none=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = c.call(**inputs).loss
-    loss.backward()
-    c.opt.step()
-    return sum(saved.values())
+    def step() -> None:
+        c.opt.zero_grad(set_to_none=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = c.call(**inputs).loss
+        loss.backward()
+        c.opt.step()
+
+    if device == "cuda":
+        c.opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - start
+    else:
+        c.opt.zero_grad(set_to_none=True)
+        peak = _cpu_peak(step)
+    return peak, sum(saved.values())
 
 
 # ---------------------------------------------------------------- results
@@ -295,6 +320,7 @@ class Result:
     grad_worst: str
     check: str
     reason: str
+    saved_bytes: int | None = None
 
 
 def _compare(c: Contender, ref: Contender, dtype: torch.dtype) -> tuple[float | None, float | None, str, str]:
@@ -395,7 +421,7 @@ def _guarded(c: Contender, what: str, fn: Callable) -> bool:
         c.status, c.call = "failed", None
         c.reason = (c.reason + "; " if c.reason else "") + f"{what}: {_reason(e)}"
         c.times.clear()
-        c.mem_bytes = None
+        c.mem_bytes = c.saved_bytes = None
         return False
 
 
@@ -417,7 +443,7 @@ def _measure_group(contenders: list[Contender], inputs: dict, settings: Settings
     bar.set_postfix_str("memory")
     for c in [c for c in contenders if c.call is not None]:
         def measure() -> None:
-            c.mem_bytes = _measure_memory(c, inputs, device)
+            c.mem_bytes, c.saved_bytes = _measure_memory(c, inputs, device)
         _guarded(c, "memory step", measure)
         tick(c)
     bar.set_postfix_str("timing")
@@ -455,7 +481,7 @@ def _rows(model_name: str, dtype: torch.dtype, contenders: list[Contender]) -> l
             time_pct=100.0 * t / ref_time if t is not None and ref_time else None,
             mem_pct=100.0 * c.mem_bytes / ref.mem_bytes if c.mem_bytes is not None and ref.mem_bytes else None,
             first_step_s=c.first_step_s, loss_diff=loss_diff, grad_diff=grad_diff, grad_worst=worst, check=check,
-            reason=c.reason))
+            reason=c.reason, saved_bytes=c.saved_bytes))
     return rows
 
 
@@ -552,19 +578,23 @@ def write_results(results: list[Result], descriptions: list[str], out_dir: str, 
             w.writerow([("" if v is None else v) for v in dataclasses.astuple(r)])
 
     lines = [f"# Seed benchmark: Hugging Face training step ({device})", "", f"machine: {_machine(device, settings.load)}", "",
-             f"| model | dtype | name | time (s) | {mem_head} | time % | mem % | first step (s) | numeric check | status |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"| model | dtype | name | time (s) | {mem_head} | time % | mem % | saved {mem_head[4:]} | first step (s) "
+             "| numeric check | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(
             f"| {r.model} | {r.dtype} | {r.name} | {_fmt(r.time_s, '.4f')} | "
             f"{_fmt(None if r.mem_bytes is None else r.mem_bytes / mem_scale, '.3f')} | "
-            f"{_fmt(r.time_pct, '.0f')} | {_fmt(r.mem_pct, '.0f')} | {_fmt(r.first_step_s, '.1f')} | "
+            f"{_fmt(r.time_pct, '.0f')} | {_fmt(r.mem_pct, '.0f')} | "
+            f"{_fmt(None if r.saved_bytes is None else r.saved_bytes / mem_scale, '.3f')} | {_fmt(r.first_step_s, '.1f')} | "
             f"{_check_cell(r)} | {_status_cell(r, settings.aotfuse_fallback)} |")
-    mem_note = ("mem = bytes saved for backward by one training step: unique storages of the tensors autograd "
-                "saves (torch.autograd.graph.saved_tensors_hooks), parameters excluded; the same hook for every "
-                "contender, in MB (1e6 bytes)" if cpu else
+    mem_note = ("mem = peak bytes allocated during one training step, less those allocated when the step "
+                "began (weights of all contenders): the running sum of torch's CPU allocation events "
+                "(torch.profiler, profile_memory=True), in MB (1e6 bytes)" if cpu else
                 "mem = torch.cuda.max_memory_allocated() over one training step after reset_peak_memory_stats(), "
                 "less the memory allocated when the step began (weights of all contenders), in GB (1e9 bytes)")
+    mem_note += ("; saved = bytes saved for backward in that step: unique storages of the tensors autograd saves "
+                 "(torch.autograd.graph.saved_tensors_hooks), parameters excluded")
     notes = [
         "", "## Notes", "",
         "- step = optimizer.zero_grad(set_to_none=True) + forward with labels + loss.backward() + "
