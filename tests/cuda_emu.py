@@ -112,7 +112,7 @@ def eager_values(gm: fx.GraphModule, args) -> dict:
 
 def run_groups(gm: fx.GraphModule, args, sm_count: int = 1, vectorized: bool | None = None):
     """Plans gm for cuda:0, runs every CUDA group in the emulation on eager's input values and
-    yields (group index, launch facts, [(FX node, emulated, eager)] per output). vectorized:
+    yields (group index, launch facts, [(FX node or a name, emulated, eager)] per output). vectorized:
     None launches as the runtime would, True/False forces the variant (where it exists)."""
     b = build_graph(gm, device="cuda:0")
     source, launches = _C.cuda_codegen(b.graph, sm_count=sm_count)
@@ -124,21 +124,26 @@ def run_groups(gm: fx.GraphModule, args, sm_count: int = 1, vectorized: bool | N
         assert node is not None, f"value {vid} has no single FX node"
         return node
 
+    def value_of(vid):  # (eager value, graph meta)
+        if vid in b.derived:  # a value build_graph made swapping a reshape and a conversion
+            x, shape = b.derived[vid]
+            return env[x].reshape(shape), x.meta["val"].reshape(shape)
+        return env[node_of(vid)], node_of(vid).meta.get("val")
+
     for gi, l in enumerate(launches):
         if l["kind"] == "none":
             continue
         ins, mismatch = [], None
         for vid in l["inputs"]:
-            t = env[node_of(vid)]
-            meta = node_of(vid).meta.get("val")
+            t, meta = value_of(vid)
             if meta is not None and isinstance(t, torch.Tensor) and t.stride() != meta.stride() and t.numel() > 1:
-                mismatch = f"input {node_of(vid).name}: eager strides {t.stride()}, graph {meta.stride()}"
+                mismatch = f"input {vid}: eager strides {t.stride()}, graph {meta.stride()}"
             ins.append(t)
         if mismatch:  # AOTAutograd's meta can disagree with ATen's view; the runtime then runs this group's nodes as ATen calls
             yield gi, {**l, "skipped": mismatch}, []
             continue
-        out_nodes = [node_of(vid) for vid in l["outputs"]]
-        outs = [torch.empty_strided(n.meta["val"].shape, n.meta["val"].stride(), dtype=n.meta["val"].dtype) for n in out_nodes]
+        expected = [value_of(vid) for vid in l["outputs"]]
+        outs = [torch.empty_strided(m.shape, m.stride(), dtype=m.dtype) for _, m in expected]
         for o in outs:  # poison: an element the kernel forgets to write cannot pass
             if o.dtype.is_floating_point:
                 o.fill_(float("nan"))
@@ -155,7 +160,8 @@ def run_groups(gm: fx.GraphModule, args, sm_count: int = 1, vectorized: bool | N
                 assert aligned, f"group {gi}: the vectorized variant asked for unaligned operands"
             blocks = l["vec_blocks"] if use_v else l["blocks"]
             _launch(dll, name + ("_v" if use_v else ""), ops, _grid(blocks, l["threads"], sm_count), 1, l["threads"])
-        yield gi, l, [(n, o, env[n]) for n, o in zip(out_nodes, outs)]
+        names = [b.value_nodes[vid] if vid not in b.derived else f"{b.derived[vid][0]} reshaped" for vid in l["outputs"]]
+        yield gi, l, [(n, o, e) for n, o, (e, _) in zip(names, outs, expected)]
 
 
 def check(gm: fx.GraphModule, args, what: str = "", **kw) -> list:
@@ -169,7 +175,7 @@ def check(gm: fx.GraphModule, args, what: str = "", **kw) -> list:
         for node, got, want in results:
             atol, rtol = TOLERANCES.get(want.dtype, (1e-5, 1e-4))
             torch.testing.assert_close(got, want, atol=atol, rtol=rtol, equal_nan=True,
-                                       msg=lambda m, n=node, g=gi, k=l["kind"]: f"{what} group {g} ({k}) output {n.name}: {m}")
+                                       msg=lambda m, n=node, g=gi, k=l["kind"]: f"{what} group {g} ({k}) output {getattr(n, 'name', n)}: {m}")
     return ran
 
 

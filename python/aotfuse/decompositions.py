@@ -55,8 +55,9 @@ _DECOMPOSED = [
 # the saved log-probabilities (GPT2 at the seed's shapes: 0.4 GB each, and the peak of the step). So
 # log_softmax and its backward are decomposed by default (not softmax or layer norm), and nll_loss's
 # backward becomes a one-hot compare (class index == target, a pointwise op, never a scatter): the
-# fuser then makes the loss gradient one row kernel with a single [tokens x vocab] output.
-# nll_loss's forward stays ATen (it reads one element a row).
+# fuser then makes the loss gradient one row kernel with a single [tokens x vocab] output. nll_loss's
+# forward becomes a masked row sum in log_softmax's kernel, so the log-probabilities are never stored:
+# the forward keeps the logits and two numbers a row.
 _NORMS = [
     aten.native_layer_norm,
     aten.native_layer_norm_backward,
@@ -72,7 +73,7 @@ _LOSS = [aten._log_softmax, aten._log_softmax_backward_data]
 
 def _loss_table() -> dict:
     """log_softmax and its backward (torch's decompositions, used where kernels are generated for
-    the tensors' device) and _nll_loss_backward."""
+    the tensors' device) and nll_loss's forward and backward."""
     table = {}
     for op, fn in get_decompositions(_LOSS).items():
         def decomposed(*args, _fn=fn, **kwargs):
@@ -80,18 +81,23 @@ def _loss_table() -> dict:
                 return NotImplemented
             return _fn(*args, **kwargs)
         table[op] = decomposed
+    table[aten.nll_loss_forward.default] = _nll_loss_forward
     table[aten.nll_loss_backward.default] = _nll_loss_backward
     return table
 
 
-def _nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
-    """nll_loss's gradient as `(class == target) * -scale`: pointwise over [N, C] (the class index is a
-    small float arange, exact below 2**24 classes), so it fuses with log_softmax's backward. ATen's
-    own where there is a class weight or the device gets no kernels."""
+def _nll_ok(self, weight) -> bool:
+    """Where nll_loss decomposes: no class weight, [N, C] or [C] input, fewer than 2**24 classes (exact
+    as float indices), a device with generated kernels."""
     classes = self.shape[-1] if self.dim() > 0 else 0
-    if (weight is not None or self.dim() not in (1, 2) or not self.dtype.is_floating_point
-            or not 0 < classes < 2**24 or not config.kernels_for(self.device)):
-        return NotImplemented
+    return (weight is None and self.dim() in (1, 2) and self.dtype.is_floating_point and 0 < classes < 2**24
+            and config.kernels_for(self.device))
+
+
+def _one_hot(self, target, ignore_index):
+    """(hit, picked): hit[i, c] = (c == target[i]) and target[i] != ignore_index, a pointwise compare
+    over [N, C] (bool); picked = the targets as float, [N, 1] (or 0-d for [C] input)."""
+    classes = self.shape[-1]
     picked = torch.ops.prims.convert_element_type(target, torch.float32)
     index = aten.arange.start_step(0, classes, 1, dtype=torch.float32, device=self.device)
     if self.dim() == 2:
@@ -99,6 +105,35 @@ def _nll_loss_backward(grad_output, self, target, weight, reduction, ignore_inde
     hit = aten.eq.Tensor(index, picked)
     if 0 <= ignore_index < classes:  # a target equal to ignore_index selects no class
         hit = aten.mul.Tensor(hit, aten.ne.Scalar(picked, ignore_index))
+    return hit, picked
+
+
+def _nll_loss_forward(self, target, weight, reduction, ignore_index):
+    """nll_loss as a row reduction: -sum_c where(class == target, self, 0), so the log-probabilities it
+    reads need not exist (the fuser computes them in the same kernel as log_softmax's row reductions,
+    and the backward recomputes them from the logits). Returns (loss, total_weight) as ATen does."""
+    if not _nll_ok(self, weight):
+        return NotImplemented
+    hit, picked = _one_hot(self, target, ignore_index)
+    zero = aten.scalar_tensor.default(0.0, dtype=self.dtype, device=self.device)
+    # exact: one term, the rest zeros (where, not a multiply: 0 * -inf is nan)
+    chosen = aten.sum.dim_IntList(aten.where.self(hit, self, zero), [-1])
+    losses = aten.neg.default(chosen)  # ignored rows: 0
+    if reduction == 0:  # none
+        return losses, zero
+    valid = aten.ne.Scalar(picked, ignore_index) if self.dim() == 1 else aten.ne.Scalar(aten.squeeze.dim(picked, 1),
+                                                                                      ignore_index)
+    total_weight = aten.sum.default(torch.ops.prims.convert_element_type(valid, self.dtype))
+    total = aten.sum.default(losses)
+    return (aten.div.Tensor(total, total_weight) if reduction == 1 else total), total_weight
+
+
+def _nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    """nll_loss's gradient as `(class == target) * -scale`: pointwise over [N, C], so it fuses with
+    log_softmax's backward. ATen's own where there is a class weight or the device gets no kernels."""
+    if not _nll_ok(self, weight):
+        return NotImplemented
+    hit, _ = _one_hot(self, target, ignore_index)
     if reduction == 1:  # mean
         scale = aten.div.Tensor(grad_output, total_weight)
     else:  # sum, or none: one gradient per row

@@ -186,6 +186,7 @@ class GraphBuild:
         self.value_nodes: list = []              # value id -> the FX node holding it (None: unread output)
         self.ir_nodes: list[fx.Node] = []        # IR node index -> FX node
         self.input_nodes: list[fx.Node] = []     # graph input index -> placeholder or get_attr node
+        self.derived: dict[int, tuple] = {}      # value id no FX node holds -> (FX node, shape): that node's value reshaped
 
     def _values(self, ids: list[int], node: fx.Node | None) -> None:
         for vid in ids:
@@ -194,8 +195,64 @@ class GraphBuild:
             self.value_nodes[vid] = node
 
 
-def build_graph(gm: fx.GraphModule, device: str | None = None) -> GraphBuild:
-    """One walk over an ATen-level FX graph (as AOTAutograd produces): every node goes to the C IR.
+_RESHAPES = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
+_CONVERTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+
+
+def _contiguous_val(n: Any) -> Any:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) and v.layout == torch.strided and v.is_contiguous() else None
+
+
+def _plain_conversion(n: Any) -> bool:
+    if not (isinstance(n, fx.Node) and n.op == "call_function" and n.target in _CONVERTS and isinstance(n.args[0], fx.Node)):
+        return False
+    if n.target is torch.ops.aten._to_copy.default:  # a dtype change only
+        src = n.args[0].meta.get("val")
+        kw = n.kwargs
+        return (len(n.args) == 1 and "dtype" in kw and set(kw) <= {"dtype", "layout", "device"}
+                and kw.get("layout", torch.strided) == torch.strided and isinstance(src, torch.Tensor)
+                and kw.get("device", src.device) == src.device)
+    return True
+
+
+def _swappable_reshapes(gm: fx.GraphModule) -> tuple[dict, dict]:
+    """Reshapes to swap with a dtype conversion beside them, so the conversion joins the kernel on the
+    other side (a view between two fused ops would split them; a reshape of a materialized tensor
+    folds into the kernels reading it). All three tensors contiguous, the first node's only user the
+    second:
+      sink  {conversion: reshape}: `reshape(convert(x))` is emitted as `convert(reshape(x))` (Hugging
+            Face's causal LM loss: `logits.float().view(-1, vocab)`);
+      hoist {reshape: conversion}: `convert(reshape(y))` is emitted as `reshape(convert(y))` (that
+            loss's gradient, converted back to the logits' dtype)."""
+    sink, hoist, paired = {}, {}, set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        first = node.args[0]
+        if first in paired or first.args and first.args[0] in paired:
+            continue  # pairs are disjoint and read no swapped node (reshape, convert, reshape: one swap)
+        if node.target in _RESHAPES and _plain_conversion(first) and len(first.users) == 1:
+            pair, into = (first, node), sink
+        elif _plain_conversion(node) and first.op == "call_function" and first.target in _RESHAPES \
+                and len(first.users) == 1 and isinstance(first.args[0], fx.Node):
+            pair, into = (first, node), hoist
+        else:
+            continue
+        x, a, b = _contiguous_val(pair[0].args[0]), _contiguous_val(pair[0]), _contiguous_val(pair[1])
+        if x is not None and a is not None and b is not None and x.device == a.device and \
+                (x.shape == a.shape if into is sink else a.shape == b.shape):
+            into[pair[0]] = pair[1]
+            paired.update(pair)
+    return sink, hoist
+
+
+def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = False) -> GraphBuild:
+    """One walk over an ATen-level FX graph (as AOTAutograd produces) into the C IR. Each node becomes
+    one IR node, except (unless exact=True, which the partitioner needs to map its node order back
+    onto the FX graph): identity views (`aten.alias`, what a detach decomposes to) that are no graph
+    output make no value, their users read their input; and a contiguous reshape beside a dtype
+    conversion is swapped with it (_swappable_reshapes).
 
     `device` ("cuda:0", say) relabels every tensor and device argument, which lets a graph traced
     on the CPU be planned and code-generated for CUDA on a machine without a GPU (for checks; such
@@ -208,6 +265,7 @@ def build_graph(gm: fx.GraphModule, device: str | None = None) -> GraphBuild:
     g = b.graph
     env: dict[fx.Node, Any] = {}
     out_ids: list[int] = []
+    sink, hoist = ({}, {}) if exact else _swappable_reshapes(gm)
     for node in gm.graph.nodes:
         where = f"node {node.name} ({node.target})"
         if node.op == "placeholder":
@@ -233,6 +291,39 @@ def build_graph(gm: fx.GraphModule, device: str | None = None) -> GraphBuild:
                     raise UnsupportedError(f"{where}: getitem on a single value")
                 env[node] = ids[idx]
                 b._values([ids[idx]], node)
+                continue
+            if node in sink or node in hoist:
+                continue  # emitted with the node after it, swapped
+            first = node.args[0] if node.args else None
+            if first in sink or first in hoist:
+                # sink: node is the reshape, first the conversion; hoist: the other way round
+                reshape, conv = (node, first) if first in sink else (first, node)
+                src, val = first.args[0], node.meta["val"]
+                src_meta = _meta(src.meta["val"], dev)
+                if first in sink:  # reshape the source in its dtype, then convert
+                    mid_meta = src_meta[:4] + (tuple(val.shape), val.stride(), src_meta[6])
+                else:  # convert in the source's shape, then reshape
+                    mid_meta = _meta(val, dev)[:4] + src_meta[4:]
+                ops = [(reshape, [src] + list(reshape.args[1:]), reshape.kwargs),
+                       (conv, [None] + list(conv.args[1:]), conv.kwargs)]
+                if first in hoist:
+                    ops[0], ops[1] = (conv, [src] + list(conv.args[1:]), conv.kwargs), \
+                        (reshape, [None] + list(reshape.args[1:]), reshape.kwargs)
+                (mid,) = g.add_node(_op_name(ops[0][0].target), [_encode(a, env, where, dev) for a in ops[0][1]],
+                                    [(k, _encode(v, env, where, dev)) for k, v in ops[0][2].items()], [mid_meta])
+                (out,) = g.add_node(_op_name(ops[1][0].target), [("v", mid)] + [_encode(a, env, where, dev) for a in ops[1][1][1:]],
+                                    [(k, _encode(v, env, where, dev)) for k, v in ops[1][2].items()], [_meta(val, dev)])
+                b._values([mid], None)
+                b.derived[mid] = (src, tuple(val.shape)) if first in sink else (node, tuple(src.meta["val"].shape))
+                b._values([out], node)
+                b.ir_nodes += [ops[0][0], ops[1][0]]
+                env[node] = out
+                continue
+            if not exact and node.target is torch.ops.aten.alias.default and isinstance(env.get(node.args[0]), int) \
+                    and all(u.op != "output" for u in node.users):
+                # an identity view (a decomposed detach) makes no value of its own: its users read
+                # its input, so a pointwise chain through it stays one kernel
+                env[node] = env[node.args[0]]
                 continue
             op = _op_name(node.target)
             val = node.meta.get("val")

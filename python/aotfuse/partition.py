@@ -125,7 +125,7 @@ def _partition(joint_module: fx.GraphModule, num_fwd_outputs: int, min_cut: bool
         joint_module.graph = fx_graph_cse(joint_module.graph)
     _merge_duplicate_getitems(joint_module.graph)
     share_seeds(joint_module)  # one seed draw for all dropouts, before the seeds are saved
-    build = build_graph(joint_module)
+    build = build_graph(joint_module, exact=True)
     roles = bytes(_role(n) for n in build.input_nodes)
     # graph outputs skip None entries: count the forward's among the real ones
     nfwd = sum(1 for t in build.out_template[:num_fwd_outputs] if t is None)
