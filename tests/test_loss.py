@@ -186,3 +186,26 @@ def test_a_conversion_beside_a_reshape_joins_the_loss_kernels(dtype):
     # gradient's kernel (no float32 [tokens, vocab] gradient is stored)
     (loss_bw,) = [ops for ops in bw if "aten::exp.default" in ops]
     assert loss_bw.count("aten::_to_copy.default") == 2, bw
+
+
+class MaskedHead(CausalHead):
+    """Bert's masked LM loss: cross entropy straight on the reshaped low-precision logits."""
+
+    def forward(self, x, y):
+        logits = self.proj(x)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)), logits
+
+
+@pytest.mark.parametrize("head", [CausalHead, MaskedHead])
+def test_no_conversion_is_left_alone_in_a_kernel_of_its_own(head):
+    """A reshape is swapped with a conversion only where that stores fewer bytes: the logits exist
+    anyway, so their reshape is read by the kernel that upcasts them (never a float32 copy first)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(3, 8, 16), _targets(24).view(3, 8)
+    compare_models(head, (x, y), dtype=torch.bfloat16, name=head.__name__).assert_ok()
+    m = aotfuse.memory_efficient_fusion(head().to(torch.bfloat16))
+    m(x.to(torch.bfloat16), y)[0].backward()
+    record = m._aotfuse_compiled.records[-1]
+    for stage in ("forward", "backward"):
+        groups = _group_ops(record.programs[stage].program)
+        assert ["aten::_to_copy.default"] not in groups, (stage, groups)

@@ -240,8 +240,17 @@ def _swappable_reshapes(gm: fx.GraphModule) -> tuple[dict, dict]:
         else:
             continue
         x, a, b = _contiguous_val(pair[0].args[0]), _contiguous_val(pair[0]), _contiguous_val(pair[1])
-        if x is not None and a is not None and b is not None and x.device == a.device and \
-                (x.shape == a.shape if into is sink else a.shape == b.shape):
+        if x is None or a is None or b is None or x.device != a.device or \
+                not (x.shape == a.shape if into is sink else a.shape == b.shape):
+            continue
+        # only where it stores fewer bytes: a source that a kernel computes is stored in the narrower
+        # of the two dtypes; one that exists anyway (an input, an extern's result) is read through the
+        # reshape by the kernel that converts it
+        src = pair[0].args[0]
+        computed = src.op == "call_function" and isinstance(src.target, torch._ops.OpOverload) and \
+            _C.op_kind(_op_name(src.target)) in ("pointwise", "reduction", "random")
+        widens = (b if into is sink else a).dtype.itemsize > x.dtype.itemsize
+        if (not computed or widens) if into is sink else (computed and not widens):
             into[pair[0]] = pair[1]
             paired.update(pair)
     return sink, hoist
