@@ -45,6 +45,6 @@ timeout 30 python3 benchmarks/epilogues.py --device cuda > "$OUT/epilogues-cuda.
 echo "epilogues rc=$?"; grep -E '^\| (layer_norm|add|softmax \|)' "$OUT/epilogues-cuda.md" | cut -c1-140
 
 echo "== summary ($(( $(date +%s) - start )) s)"
-for f in "$OUT"/hf-cuda-*.md; do [ -f "$f" ] && grep -E '^\| (model|[A-Za-z]+For|GPT2)' "$f" | cut -c1-160; done
+for f in "$OUT"/hf-cuda-*.md; do [ -f "$f" ] && grep -E '^\| (model|[A-Za-z]+For|GPT2)' "$f" | cut -c1-200; done
 grep -E "^(FAILED|ERROR)" "$OUT/pytest-cuda.log" | cut -c1-200 | head -n 20
 tail -n 3 "$OUT/pytest-cuda.log"

@@ -73,6 +73,15 @@ static void emit_zero_offsets(af_strbuf *sb, const char *indent, const char *it,
     af_strbuf_printf(sb, ";\n");
 }
 
+/* Inside a loop over a row's elements (index i): the element's operand offsets o<k>, from the row's
+ * base offsets b<k> and the reduced (innermost) dims of sp. */
+static void emit_row_element_offsets(af_strbuf *sb, const char *it, const af_cg_space *sp) {
+    af_strbuf_printf(sb, "      %s s = i;\n", it);
+    emit_zero_offsets(sb, "      ", it, "o", sp->nops, "b");
+    af_cg_emit_unflatten(sb, "      ", it, "s", "o", sp->n_kept, sp->nd - 1, sp->sizes, sp->strides, sp->nops);
+    af_strbuf_printf(sb, "      (void)s;\n");
+}
+
 /* ---- pointwise ---- */
 
 /* The vector width for the _v variant, or 0 when there is none: every operand's innermost stride
@@ -214,7 +223,6 @@ static void emit_row_loop_begin(af_strbuf *sb, const af_graph *g, const af_fusio
 static void emit_rows(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp, int32_t index,
                       af_cuda_launch *launch) {
     const char *it = index_type(sp);
-    int32_t nops = sp->nops, nd = sp->nd, kept = sp->n_kept;
     int tpr = sp->inner <= 2048 ? 32 : 512, rpb = tpr == 32 ? AF_THREADS / 32 : 1, threads = tpr * rpb;
     af_strbuf_printf(sb, "\n/* group %d: %d nodes (%d reductions), %d inputs, %d outputs, %" PRId64 " rows of %" PRId64 " */\n",
                      (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)grp->n_inputs, (int)grp->n_outputs, sp->outer,
@@ -223,10 +231,7 @@ static void emit_rows(af_strbuf *sb, const af_graph *g, const af_fusion_group *g
     emit_row_loop_begin(sb, g, grp, sp, tpr, rpb);
     af_cg_emit_acc_decls(sb, g, grp, "    ");
     af_strbuf_printf(sb, "    for (%s i = lane; i < %" PRId64 "; i += %d) {\n", it, sp->inner, tpr);
-    af_strbuf_printf(sb, "      %s s = i;\n", it);
-    emit_zero_offsets(sb, "      ", it, "o", nops, "b");
-    af_cg_emit_unflatten(sb, "      ", it, "s", "o", kept, nd - 1, sp->sizes, sp->strides, nops);
-    af_strbuf_printf(sb, "      (void)s;\n");
+    emit_row_element_offsets(sb, it, sp);
     af_cg_emit_body(sb, g, grp, sp->ops, "");
     af_strbuf_printf(sb, "    }\n");
     af_strbuf_printf(sb, "    for (int m = 16; m > 0; m >>= 1) {\n");
@@ -271,7 +276,6 @@ static void emit_phased(af_strbuf *sb, const af_graph *g, const af_fusion_group 
                         int32_t last_phase, int32_t index, af_cuda_launch *launch) {
     const char *it = index_type(sp);
     const af_cg_operand *ops = sp->ops;
-    int32_t nops = sp->nops, nd = sp->nd, kept = sp->n_kept;
     int tpr = sp->inner <= 2048 ? 32 : 512, rpb = tpr == 32 ? AF_THREADS / 32 : 1, threads = tpr * rpb;
     af_strbuf_printf(sb, "\n/* group %d: %d nodes (%d reductions, %d phases), %d inputs, %d outputs, %" PRId64 " rows of %" PRId64 " */\n",
                      (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)last_phase + 1, (int)grp->n_inputs,
@@ -285,10 +289,7 @@ static void emit_phased(af_strbuf *sb, const af_graph *g, const af_fusion_group 
                 af_strbuf_printf(sb, "    double acc%d = %s;\n", (int)n->first_output, af_cg_acc_init(n));
         }
         af_strbuf_printf(sb, "    for (%s i = lane; i < %" PRId64 "; i += %d) { /* phase %d */\n", it, sp->inner, tpr, (int)ph);
-        af_strbuf_printf(sb, "      %s s = i;\n", it);
-        emit_zero_offsets(sb, "      ", it, "o", nops, "b");
-        af_cg_emit_unflatten(sb, "      ", it, "s", "o", kept, nd - 1, sp->sizes, sp->strides, nops);
-        af_strbuf_printf(sb, "      (void)s;\n");
+        emit_row_element_offsets(sb, it, sp);
         af_cg_emit_loads(sb, grp, ops);
         af_cg_emit_members(sb, g, grp, "      ", "", phases, ph, 0);
         af_cg_emit_phase_stores(sb, g, grp, ops, phases, ph, "      ");
@@ -379,7 +380,7 @@ static int64_t row_split(int64_t rows, int64_t inner, int sm_count) {
 static void emit_split_rows(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp, int32_t index,
                             int64_t split, af_cuda_launch *launch) {
     const char *it = index_type(sp);
-    int32_t nops = sp->nops, nd = sp->nd, kept = sp->n_kept;
+    int32_t nops = sp->nops, kept = sp->n_kept;
     int64_t rows = sp->outer, chunk = (sp->inner + split - 1) / split;
     split = (sp->inner + chunk - 1) / chunk;
     const int tpb = 512;
@@ -397,10 +398,7 @@ static void emit_split_rows(af_strbuf *sb, const af_graph *g, const af_fusion_gr
     af_strbuf_printf(sb, "    (void)r;\n");
     af_cg_emit_acc_decls(sb, g, grp, "    ");
     af_strbuf_printf(sb, "    for (%s i = i0 + threadIdx.x; i < i1; i += %d) {\n", it, tpb);
-    af_strbuf_printf(sb, "      %s s = i;\n", it);
-    emit_zero_offsets(sb, "      ", it, "o", nops, "b");
-    af_cg_emit_unflatten(sb, "      ", it, "s", "o", kept, nd - 1, sp->sizes, sp->strides, nops);
-    af_strbuf_printf(sb, "      (void)s;\n");
+    emit_row_element_offsets(sb, it, sp);
     af_cg_emit_body(sb, g, grp, sp->ops, "");
     af_strbuf_printf(sb, "    }\n    for (int m = 16; m > 0; m >>= 1) {\n");
     emit_combine(sb, g, grp, "      ", "__shfl_xor_sync(0xffffffffu, acc%d, m)");

@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import aotfuse
+from aotfuse.bench import _cpu_peak
 from aotfuse.decompositions import default_decompositions
 from aotfuse.testing import compare_models
 
@@ -117,21 +118,6 @@ def test_the_loss_is_one_row_kernel_each_way_and_no_aten_loss_op():
     assert {"aten::eq.Tensor", "aten::sum.dim_IntList", "aten::sub.Tensor"} <= set(grad), bw
 
 
-def _peak_cpu_bytes(fn) -> int:
-    """Peak bytes held by torch's CPU allocator while fn runs (the profiler's memory events)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    cur = peak = 0
-    for e in events:
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak
-
-
 def test_the_fused_loss_gradient_lowers_the_peak_by_a_class_sized_tensor():
     torch.manual_seed(0)
     tokens, classes = 256, 4096
@@ -148,7 +134,7 @@ def test_the_fused_loss_gradient_lowers_the_peak_by_a_class_sized_tensor():
             base.zero_grad(set_to_none=True)
 
         step()  # compiles
-        peaks[name] = _peak_cpu_bytes(step)
+        peaks[name] = _cpu_peak(step)  # the bench's CPU memory measure
     one = tokens * classes * 4
     # off: saved log-probabilities + nll's zero-filled gradient + log_softmax's gradient at once
     assert peaks["off"] - peaks["on"] >= 0.9 * one, (peaks, one)
