@@ -195,3 +195,19 @@ def test_no_conversion_is_left_alone_in_a_kernel_of_its_own(head):
     for stage in ("forward", "backward"):
         groups = _group_ops(record.programs[stage].program)
         assert ["aten::_to_copy.default"] not in groups, (stage, groups)
+
+
+@pytest.mark.parametrize("bad", [40, 41, -3, 2**30])
+def test_a_target_out_of_bounds_is_an_error_as_in_eager(bad):
+    """ATen's nll_loss refuses such a target (IndexError on the CPU); the decomposed one must not
+    quietly treat it as a row with no class."""
+    torch.manual_seed(0)
+    m = aotfuse.memory_efficient_fusion(Head())
+    x, y = torch.randn(24, 16), _targets()
+    m(x, y)[0].backward()  # compiles; in-bounds targets (and ignored rows) pass the check
+    y = y.clone()
+    y[4] = bad
+    with pytest.raises(IndexError):
+        Head()(x, y)
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        m(x, y)

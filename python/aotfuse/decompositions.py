@@ -111,19 +111,30 @@ def _one_hot(self, target, ignore_index):
 def _nll_loss_forward(self, target, weight, reduction, ignore_index):
     """nll_loss as a row reduction: -sum_c where(class == target, self, 0), so the log-probabilities it
     reads need not exist (the fuser computes them in the same kernel as log_softmax's row reductions,
-    and the backward recomputes them from the logits). Returns (loss, total_weight) as ATen does."""
+    and the backward recomputes them from the logits). Returns (loss, total_weight) as ATen does.
+    A target out of bounds (not a class, not ignore_index) matches no class; as ATen's, the call
+    then fails (aten._assert_async: at once on the CPU, a device-side assert on CUDA)."""
     if not _nll_ok(self, weight):
         return NotImplemented
+    f32 = torch.float32
     hit, picked = _one_hot(self, target, ignore_index)
     zero = aten.scalar_tensor.default(0.0, dtype=self.dtype, device=self.device)
     # exact: one term, the rest zeros (where, not a multiply: 0 * -inf is nan)
     chosen = aten.sum.dim_IntList(aten.where.self(hit, self, zero), [-1])
     losses = aten.neg.default(chosen)  # ignored rows: 0
+    targets = picked if self.dim() == 1 else aten.squeeze.dim(picked, 1)
+    valid = aten.ne.Scalar(targets, ignore_index)
+    counted = aten.sum.default(torch.ops.prims.convert_element_type(valid, f32))
+    # every target is a class or ignore_index (as floats: a target past 2**24 rounds to one >= classes),
+    # checked on the [N] targets, not in the [N, C] kernel
+    in_range = aten.mul.Tensor(aten.ge.Scalar(targets, 0), aten.lt.Scalar(targets, self.shape[-1]))
+    fine = aten.maximum.default(torch.ops.prims.convert_element_type(in_range, f32),
+                                torch.ops.prims.convert_element_type(aten.eq.Scalar(targets, ignore_index), f32))
+    aten._assert_async.msg(aten.eq.Scalar(aten.sum.default(fine), float(targets.numel())),
+                           "nll_loss: a target is out of bounds (neither in [0, classes) nor ignore_index)")
     if reduction == 0:  # none
         return losses, zero
-    valid = aten.ne.Scalar(picked, ignore_index) if self.dim() == 1 else aten.ne.Scalar(aten.squeeze.dim(picked, 1),
-                                                                                      ignore_index)
-    total_weight = aten.sum.default(torch.ops.prims.convert_element_type(valid, self.dtype))
+    total_weight = torch.ops.prims.convert_element_type(counted, self.dtype)
     total = aten.sum.default(losses)
     return (aten.div.Tensor(total, total_weight) if reduction == 1 else total), total_weight
 
