@@ -1,7 +1,9 @@
 """Decomposed softmax / log_softmax / layer norm (and backwards) as one phased fused kernel each
 (reduction epilogues) against ATen's native kernels: on the CPU one thread, [512 x 8192] fp32; on a GPU
 (--device cuda) the seed's Bert shapes (layer norm [2048 x 768], attention softmax [49152 x 512], the
-MLM head's log_softmax [2048 x 30522]), fp32 and bf16, plus a residual add fused into the layer norm.
+MLM head's log_softmax [2048 x 30522]), fp32 and bf16, plus a residual add fused into the layer norm
+and cross entropy (log_softmax + nll_loss, decomposed by default) forward and backward at the
+log_softmax's shape.
 
     python benchmarks/epilogues.py [--device cuda]
 
@@ -56,6 +58,8 @@ def _cases(device: str, dtype: torch.dtype):
     s, gs = randn(*sm_rows), randn(*sm_rows)
     ls, gl = randn(*ls_rows), randn(*ls_rows)
     y, ly = torch.softmax(s, -1), torch.log_softmax(ls, -1)
+    t = torch.randint(0, ls_rows[1], (ls_rows[0],), generator=g).to(device)
+    gloss, tw = torch.ones((), device=device, dtype=dtype), torch.tensor(float(ls_rows[0]), device=device, dtype=dtype)
     n = cols[1]
     return {
         "softmax": (lambda x: torch.softmax(x, -1), (s,)),
@@ -64,6 +68,10 @@ def _cases(device: str, dtype: torch.dtype):
         "log_softmax backward": (lambda g, y: aten._log_softmax_backward_data(g, y, -1, dtype), (gl, ly)),
         "layer_norm": (lambda x, w, b: F.layer_norm(x, (n,), w, b), (x, w, b)),
         "add + layer_norm": (lambda x, r, w, b: F.layer_norm(x + r, (n,), w, b), (x, r, w, b)),
+        # the loss (decompositions.py): log_softmax + nll_loss, and their backwards from the log-probs
+        "cross entropy": (lambda x, t: F.cross_entropy(x, t), (ls, t)),
+        "cross entropy backward": (lambda g, y, t, tw: aten._log_softmax_backward_data(
+            aten.nll_loss_backward(g, y, t, None, 1, -100, tw), y, -1, dtype), (gloss, ly, t, tw)),
     }
 
 
@@ -86,7 +94,7 @@ def main(argv=None) -> None:
             aten_ms = _median_ms(fn, args, cuda=cuda)
             src = (low.program.cuda_source if cuda else low.program.source) or ""
             phases = src.split(" phases)")[0].rsplit(", ", 1)[-1] if " phases)" in src else "1"
-            shape = "x".join(str(d) for d in args[0].shape)
+            shape = "x".join(str(d) for d in max(args, key=lambda a: a.numel()).shape)
             print(f"| {name} | {str(dtype).replace('torch.', '')} | {shape} | {aten_ms:.3f} | {ours:.3f} | {aten_ms / ours:.2f}x | "
                   f"{low.program.num_kernels} | {phases} |")
 

@@ -41,8 +41,8 @@ timeout 40 python3 benchmarks/profile_steps.py --device cuda --size seed --model
 echo "profile rc=$?"; sed -n 1,4p "$OUT/profile-bert-cuda.txt"
 
 echo "== epilogue kernels (decomposed softmax / layer norm, seed Bert shapes) against ATen's"
-timeout 30 python3 benchmarks/epilogues.py --device cuda > "$OUT/epilogues-cuda.md" 2>&1
-echo "epilogues rc=$?"; grep -E '^\| (layer_norm|add|softmax \|)' "$OUT/epilogues-cuda.md" | cut -c1-140
+timeout 45 python3 benchmarks/epilogues.py --device cuda > "$OUT/epilogues-cuda.md" 2>&1
+echo "epilogues rc=$?"; grep -E '^\| (layer_norm|add|softmax \||cross)' "$OUT/epilogues-cuda.md" | cut -c1-140
 
 echo "== summary ($(( $(date +%s) - start )) s)"
 for f in "$OUT"/hf-cuda-*.md; do [ -f "$f" ] && grep -E '^\| (model|[A-Za-z]+For|GPT2)' "$f" | cut -c1-200; done
