@@ -153,6 +153,36 @@ def test_layer_norm_forward_and_backward_graphs_as_aotautograd_gives_them():
     assert phased == 2, "the forward and the backward each have a phased layer-norm kernel"
 
 
+@pytest.mark.parametrize("classes", [500, 5000], ids=["warp_rows", "block_rows"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cross_entropy_forward_and_backward_programs(dtype, classes):
+    """The default cross entropy (decompositions.py), as training records it: Hugging Face's upcast
+    and flatten, the row kernel forward (no log-probabilities stored) and the gradient kernel."""
+    import aotfuse
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, classes)
+
+        def forward(self, x, y):
+            logits = self.proj(x)
+            return torch.nn.functional.cross_entropy(logits.float().view(-1, classes), y.view(-1))
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 9, 16, generator=g).to(dtype)
+    y = torch.randint(0, classes, (3, 9), generator=g)
+    y[0, 2] = -100
+    with cuda_emu.recording_programs() as programs:
+        aotfuse.memory_efficient_fusion(Head().to(dtype))(x, y).backward()
+    assert len(programs) == 2, "a forward and a backward program ran"
+    threads = 256 if classes <= 2048 else 512
+    for gm, args in programs:
+        ran = cuda_emu.check(gm, args, f"cross entropy {gm.__class__.__name__}")
+        assert any(l["kind"] == "rows" and l["threads"] == threads for l in ran), ran
+        assert "phases)" in cuda_emu.source_of(gm)
+
+
 @pytest.mark.parametrize("sm_count", [2, 132])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_full_and_few_long_row_reductions_split_across_blocks(dtype, sm_count):
