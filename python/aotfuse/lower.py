@@ -305,27 +305,20 @@ def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = Fal
                 continue  # emitted with the node after it, swapped
             first = node.args[0] if node.args else None
             if first in sink or first in hoist:
-                # sink: node is the reshape, first the conversion; hoist: the other way round
-                reshape, conv = (node, first) if first in sink else (first, node)
-                src, val = first.args[0], node.meta["val"]
+                # sink: `first` is the conversion, emitted after the reshape (`node`) of its source;
+                # hoist: `first` is the reshape, emitted after the conversion (`node`) of its source
+                inner, src, val = node, first.args[0], node.meta["val"]
                 src_meta = _meta(src.meta["val"], dev)
-                if first in sink:  # reshape the source in its dtype, then convert
-                    mid_meta = src_meta[:4] + (tuple(val.shape), val.stride(), src_meta[6])
-                else:  # convert in the source's shape, then reshape
-                    mid_meta = _meta(val, dev)[:4] + src_meta[4:]
-                ops = [(reshape, [src] + list(reshape.args[1:]), reshape.kwargs),
-                       (conv, [None] + list(conv.args[1:]), conv.kwargs)]
-                if first in hoist:
-                    ops[0], ops[1] = (conv, [src] + list(conv.args[1:]), conv.kwargs), \
-                        (reshape, [None] + list(reshape.args[1:]), reshape.kwargs)
-                (mid,) = g.add_node(_op_name(ops[0][0].target), [_encode(a, env, where, dev) for a in ops[0][1]],
-                                    [(k, _encode(v, env, where, dev)) for k, v in ops[0][2].items()], [mid_meta])
-                (out,) = g.add_node(_op_name(ops[1][0].target), [("v", mid)] + [_encode(a, env, where, dev) for a in ops[1][1][1:]],
-                                    [(k, _encode(v, env, where, dev)) for k, v in ops[1][2].items()], [_meta(val, dev)])
+                mid_meta = (src_meta[:4] + (tuple(val.shape), val.stride(), src_meta[6]) if first in sink
+                            else _meta(val, dev)[:4] + src_meta[4:])
+                (mid,) = g.add_node(_op_name(inner.target), [_encode(a, env, where, dev) for a in (src, *inner.args[1:])],
+                                    [(k, _encode(v, env, where, dev)) for k, v in inner.kwargs.items()], [mid_meta])
+                (out,) = g.add_node(_op_name(first.target), [("v", mid)] + [_encode(a, env, where, dev) for a in first.args[1:]],
+                                    [(k, _encode(v, env, where, dev)) for k, v in first.kwargs.items()], [_meta(val, dev)])
                 b._values([mid], None)
                 b.derived[mid] = (src, tuple(val.shape)) if first in sink else (node, tuple(src.meta["val"].shape))
                 b._values([out], node)
-                b.ir_nodes += [ops[0][0], ops[1][0]]
+                b.ir_nodes += [inner, first]
                 env[node] = out
                 continue
             if not exact and node.target is torch.ops.aten.alias.default and isinstance(env.get(node.args[0]), int) \
