@@ -123,8 +123,9 @@ def _nll_loss_forward(self, target, weight, reduction, ignore_index):
     chosen = aten.sum.dim_IntList(aten.where.self(hit, self, zero), [-1])
     losses = aten.neg.default(chosen)  # ignored rows: 0
     targets = picked if self.dim() == 1 else aten.squeeze.dim(picked, 1)
-    valid = aten.ne.Scalar(targets, ignore_index)
-    counted = aten.sum.default(torch.ops.prims.convert_element_type(valid, f32))
+    # the count of targets not ignored (made here, where the fuser groups it with the final divide)
+    counted = None if reduction == 0 else aten.sum.default(
+        torch.ops.prims.convert_element_type(aten.ne.Scalar(targets, ignore_index), f32))
     # every target is a class or ignore_index (as floats: a target past 2**24 rounds to one >= classes),
     # checked on the [N] targets, not in the [N, C] kernel
     in_range = aten.mul.Tensor(aten.ge.Scalar(targets, 0), aten.lt.Scalar(targets, self.shape[-1]))
@@ -200,8 +201,8 @@ def default_decompositions(norms: bool | None = None, random: bool | None = None
     norms: also decompose layer norm and softmax (default: AOTFUSE_DECOMPOSE_NORMS, off).
     random: dropout with aotfuse's own generator, fused and recomputed (default: on unless
     AOTFUSE_FALLBACK_RANDOM=1 or no kernels are generated).
-    loss: log_softmax and nll_loss's backward decomposed, so cross entropy's gradient is one fused
-    kernel (default: on unless AOTFUSE_DECOMPOSE_LOSS=0 or no kernels are generated)."""
+    loss: log_softmax and nll_loss (forward and backward) decomposed, so cross entropy is one fused
+    row kernel each way (default: on unless AOTFUSE_DECOMPOSE_LOSS=0 or no kernels are generated)."""
     if norms is None:
         norms = os.environ.get("AOTFUSE_DECOMPOSE_NORMS", "0") not in ("", "0")
     if random is None:
