@@ -349,6 +349,86 @@ def test_bias_gradient_sums_keep_their_column_kernel():
     assert_close(lowered([x])[0], f(x), "bias-gradient sum", atol=1e-5, rtol=1e-5)
 
 
+# A reduction of a reshaped value that a kernel computes (a bias gradient over the flattened tokens,
+# `grad.view(-1, c).sum(0)`) is emitted on the value itself, right after it, so that it joins the
+# value's kernel; where a dim of the value would be split between reduced and kept dims it is not.
+# name: (fn of a [4, 6, 10] tensor, joins the mul's kernel)
+THROUGH_RESHAPE_CASES = {
+    "tokens_sum0": (lambda a: aten.sum.dim_IntList(aten.view(aten.mul.Tensor(a, 2.0), [24, 10]), [0], False), True),
+    "tokens_sum0_keepdim": (lambda a: aten.sum.dim_IntList(aten.view(aten.mul.Tensor(a, 2.0), [24, 10]), [0], True), True),
+    "two_reshapes": (lambda a: aten.sum.dim_IntList(aten.view(aten._unsafe_view(aten.mul.Tensor(a, 2.0), [4, 60]), [24, 10]),
+                                                    [0], True), True),
+    "mean_of_split_dims": (lambda a: aten.mean.dim(aten.view(aten.mul.Tensor(a, 2.0), [2, 2, 6, 10]), [0, 1, 2], False), True),
+    "amax_of_merged_rows": (lambda a: aten.amax(aten.view(aten.exp(a), [4, 60]), [1], True), True),
+    "misaligned": (lambda a: aten.sum.dim_IntList(aten.view(aten.mul.Tensor(a, 2.0), [6, 4, 10]), [0], False), False),
+    "partly_reduced_dim": (lambda a: aten.sum.dim_IntList(aten.view(aten.mul.Tensor(a, 2.0), [4, 6, 2, 5]), [0, 1, 3], False),
+                           False),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", sorted(THROUGH_RESHAPE_CASES))
+def test_reductions_of_reshaped_kernel_values_join_the_kernel(case, dtype):
+    fn, joins = THROUGH_RESHAPE_CASES[case]
+
+    def f(a):
+        return fn(a) * 1.0, aten.mul.Tensor(a, 2.0)  # the value is also an output, as a gradient is
+
+    a = torch.randn(4, 6, 10, generator=torch.Generator().manual_seed(7)).to(dtype)
+    lowered = lower(make_fx(f)(a))
+    got, ref = lowered([a]), f(a)
+    exact = f(a.double())
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
+    for i in range(2):
+        assert got[i].shape == ref[i].shape and got[i].dtype == ref[i].dtype, (case, i)
+        assert_close(got[i], ref[i], f"{case} output {i} ({dtype})", atol=atol, rtol=rtol)
+        assert_close(got[i].double(), exact[i], f"{case} output {i} ({dtype}) vs float64", atol=atol * 4, rtol=rtol * 4)
+    groups = lowered.program.node_groups()
+    red = [grp for op, kind, grp in groups if kind == "reduction"]
+    producer = groups[0][2]  # the kernel computing the reshaped value (the graph's first node)
+    assert len(red) == 1, groups
+    if joins:
+        assert producer >= 0 and red[0] == producer, groups
+    else:
+        assert red[0] < 0 or red[0] != producer, groups
+
+
+def test_reduced_dims_through_a_reshape():
+    from aotfuse.lower import _reduced_dims_through as through
+
+    assert through((4, 8, 64), (32, 64), {0}) == [0, 1]
+    assert through((4, 8, 64), (32, 64), {1}) == [2]
+    assert through((4, 8, 2, 16), (32, 32), {0}) == [0, 1]
+    assert through((4, 1, 8, 64), (32, 64), {0}) == [0, 2]  # a size-1 dim is kept (and reshaped away)
+    assert through((32, 64), (4, 8, 64), {0, 1}) == [0]
+    assert through((32, 64), (4, 8, 64), {0}) is None  # dim 0 of x would be half reduced
+    assert through((6, 4), (4, 6), {0}) is None
+    assert through((6, 4), (4, 6), {0, 1}) == [0, 1]
+
+
+def test_bias_gradients_of_a_token_mlp_run_in_the_gradient_kernels():
+    # a Linear over [batch, tokens, features]: its bias gradient sums a view of the gradient
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16), torch.nn.Tanh())
+    x = torch.randn(3, 5, 16)
+    compiled = aotfuse.memory_efficient_fusion(copy_module(model))
+    compiled(x).sum().backward()
+    model(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), compiled.parameters()):
+        assert_close(q.grad, p.grad, f"token MLP gradient of {name}", atol=1e-5, rtol=1e-5)
+    (record,) = compiled._aotfuse_compiled.records
+    backward = record.programs["backward"]
+    assert "aten::sum.dim_IntList" not in backward.extern_counts(), backward.extern_counts()
+    summed = [grp for op, kind, grp in backward.program.node_groups() if op.startswith("aten::sum")]
+    assert len(summed) == 2 and all(g >= 0 for g in summed), backward.program.node_groups()
+
+
+def copy_module(m):
+    import copy
+
+    return copy.deepcopy(m)
+
+
 def nan_phases_case():
     """A softmax, a centring by the max and a min + sum over rows holding a NaN and an inf, decomposed:
     phased kernels whose max/min must propagate NaN as ATen's do. (f, x, traced graph)"""
@@ -371,3 +451,19 @@ def test_phased_max_propagates_nan_like_aten():
         assert torch.equal(got.isnan(), ref.isnan()), f"output {i}: NaN positions differ"
         keep = ~ref.isnan()
         assert_close(got[keep], ref[keep], f"output {i}", atol=1e-6, rtol=1e-5)
+
+
+def test_integer_conversions_run_as_aten_to_copy_not_the_python_prim():
+    # prims.convert_element_type from int64 (a loss's targets) takes no kernel; as an ATen call it is
+    # aten._to_copy (the prim is implemented in Python, about 5x the host time)
+    def f(t, x):
+        return prims.convert_element_type(t, torch.float32) * x, prims.convert_element_type(x * 2.0, torch.bfloat16)
+
+    t, x = torch.arange(-3, 9), torch.randn(12)
+    lowered = lower(make_fx(f)(t, x))
+    got, ref = lowered([t, x]), f(t, x)
+    for i in range(2):
+        assert got[i].dtype == ref[i].dtype and torch.equal(got[i], ref[i]), i
+    assert lowered.extern_counts() == {"aten::_to_copy.default": 1}, lowered.extern_counts()
+    kernel_ops = [op for op, _k, grp in lowered.program.node_groups() if grp >= 0]
+    assert "prims::convert_element_type.default" in kernel_ops, kernel_ops  # a float conversion stays in its kernel

@@ -256,6 +256,82 @@ def _swappable_reshapes(gm: fx.GraphModule) -> tuple[dict, dict]:
     return sink, hoist
 
 
+_REDUCTIONS = (torch.ops.aten.sum.dim_IntList, torch.ops.aten.mean.dim, torch.ops.aten.amax.default,
+               torch.ops.aten.amin.default)
+
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.bool)  # what fused kernels read (fuse.c)
+
+
+def _call(node: fx.Node, env: dict, where: str, dev: tuple | None, first: tuple | None = None) -> tuple[str, list, list]:
+    """The op name and encoded arguments of a call_function node (`first`: its first argument,
+    encoded, in place of the node's own). A prims.convert_element_type that no kernel takes (from an
+    integer or float64 tensor: the targets of a loss) becomes the same conversion as
+    aten._to_copy(x, dtype=...): the prim is implemented in Python, 50 us a call on the CPU where
+    ATen's takes 9."""
+    args = [first if first is not None and i == 0 else _encode(a, env, where, dev) for i, a in enumerate(node.args)]
+    if node.target is torch.ops.prims.convert_element_type.default and len(args) == 2 and not node.kwargs:
+        src = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        if isinstance(src, torch.Tensor) and src.dtype not in _KERNEL_DTYPES:
+            return "aten::_to_copy.default", args[:1], [("dtype", args[1])]
+    return _op_name(node.target), args, [(k, _encode(v, env, where, dev)) for k, v in node.kwargs.items()]
+
+
+def _reduced_dims_through(xshape: tuple, vshape: tuple, vdims: set) -> list[int] | None:
+    """The dims of x to reduce for the same reduction as reducing dims `vdims` of v = x.reshape(vshape),
+    or None when a dim of x is split between reduced and kept dims of v. A reshape keeps the row-major
+    element order, so each dim covers the stride range [stride, stride * size) of the flat index;
+    a dim of x is reduced when the dims of v it overlaps are all reduced."""
+    def ranges(shape: tuple) -> list[tuple[int, int]]:
+        out, stride = [], 1
+        for size in reversed(shape):
+            out.append((stride, stride * size))
+            stride *= size
+        return out[::-1]
+
+    xr, vr = ranges(xshape), ranges(vshape)
+    dims = []
+    for d, (lo, hi) in enumerate(xr):
+        if hi == lo:
+            continue  # a dim of size 1: kept, the final reshape drops it
+        over = {e for e, (a, b) in enumerate(vr) if b > a and max(lo, a) < min(hi, b)}
+        if over <= vdims:
+            dims.append(d)
+        elif over & vdims:
+            return None
+    return dims
+
+
+def _reductions_through_reshapes(gm: fx.GraphModule) -> dict:
+    """Reductions of a reshaped value that a kernel computes, {source: [(reduction, source dims)]}:
+    `sum(x.view(n, c), [0])` is emitted right after x as `sum(x, dims of x)`, reshaped to the
+    reduction's shape where the reduction was. The reduction then joins the kernel computing x (a
+    bias gradient summed in the kernel that makes the gradient) instead of running alone after the
+    view: one step fewer, and x is not read again."""
+    early: dict = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _REDUCTIONS or not isinstance(node.args[0], fx.Node):
+            continue
+        src = node.args[0]
+        while src.op == "call_function" and src.target in _RESHAPES and isinstance(src.args[0], fx.Node):
+            src = src.args[0]
+        if src is node.args[0] or src.op != "call_function" or not isinstance(src.target, torch._ops.OpOverload) \
+                or _C.op_kind(_op_name(src.target)) not in ("pointwise", "random"):
+            continue
+        x, v, r = src.meta.get("val"), node.args[0].meta.get("val"), node.meta.get("val")
+        if not all(isinstance(t, torch.Tensor) for t in (x, v, r)) or x.device != v.device:
+            continue
+        args = dict(zip(("dims", "keepdim"), node.args[1:]), **node.kwargs)
+        dims = args.get("dims", args.get("dim"))
+        if not isinstance(dims, (list, tuple)) or not dims or set(args) - {"dims", "dim", "keepdim", "dtype"}:
+            continue
+        vdims = {d % v.dim() for d in dims}
+        xdims = _reduced_dims_through(tuple(x.shape), tuple(v.shape), vdims)
+        if xdims:
+            early.setdefault(src, []).append((node, xdims))
+    return early
+
+
 def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = False) -> GraphBuild:
     """One walk over an ATen-level FX graph (as AOTAutograd produces) into the C IR. Each node becomes
     one IR node, except (unless exact=True, which the partitioner needs to map its node order back
@@ -275,6 +351,8 @@ def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = Fal
     env: dict[fx.Node, Any] = {}
     out_ids: list[int] = []
     sink, hoist = ({}, {}) if exact else _swappable_reshapes(gm)
+    early = {} if exact else _reductions_through_reshapes(gm)
+    reduced_early: dict[fx.Node, int] = {}  # reduction -> the value of its early form
     for node in gm.graph.nodes:
         where = f"node {node.name} ({node.target})"
         if node.op == "placeholder":
@@ -311,10 +389,8 @@ def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = Fal
                 src_meta = _meta(src.meta["val"], dev)
                 mid_meta = (src_meta[:4] + (tuple(val.shape), val.stride(), src_meta[6]) if first in sink
                             else _meta(val, dev)[:4] + src_meta[4:])
-                (mid,) = g.add_node(_op_name(inner.target), [_encode(a, env, where, dev) for a in (src, *inner.args[1:])],
-                                    [(k, _encode(v, env, where, dev)) for k, v in inner.kwargs.items()], [mid_meta])
-                (out,) = g.add_node(_op_name(first.target), [("v", mid)] + [_encode(a, env, where, dev) for a in first.args[1:]],
-                                    [(k, _encode(v, env, where, dev)) for k, v in first.kwargs.items()], [_meta(val, dev)])
+                (mid,) = g.add_node(*_call(inner, env, where, dev, _encode(src, env, where, dev)), [mid_meta])
+                (out,) = g.add_node(*_call(first, env, where, dev, ("v", mid)), [_meta(val, dev)])
                 b._values([mid], None)
                 b.derived[mid] = (src, tuple(val.shape)) if first in sink else (node, tuple(src.meta["val"].shape))
                 b._values([out], node)
@@ -327,16 +403,34 @@ def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = Fal
                 # its input, so a pointwise chain through it stays one kernel
                 env[node] = env[node.args[0]]
                 continue
-            op = _op_name(node.target)
             val = node.meta.get("val")
+            if node in reduced_early:  # reduced right after its source: reshape the result here
+                (out,) = g.add_node("aten::view.default", [("v", reduced_early[node]), ("list", [("int", s) for s in val.shape])],
+                                    [], [_meta(val, dev)])
+                b._values([out], node)
+                b.ir_nodes.append(node)
+                env[node] = out
+                continue
+            op, args, kwargs = _call(node, env, where, dev)
             multi = isinstance(val, (list, tuple))
             metas = [_meta(v, dev) for v in val] if multi else [_meta(val, dev)]
-            args = [_encode(a, env, where, dev) for a in node.args]
-            kwargs = [(k, _encode(v, env, where, dev)) for k, v in node.kwargs.items()]
             ids = g.add_node(op, args, kwargs, metas)
             env[node] = ids if multi else ids[0]
             b._values(ids, None if multi else node)
             b.ir_nodes.append(node)
+            for red, xdims in early.get(node, ()):
+                rval = red.meta["val"]
+                shape = tuple(s for d, s in enumerate(val.shape) if d not in xdims)
+                stride = tuple(torch.empty(shape, device="meta").stride())
+                meta = _meta(val, dev)[:4] + (shape, stride, 0)
+                meta = (meta[0], _meta(rval, dev)[1]) + meta[2:]
+                extra = [(k, _encode(v, env, where, dev)) for k, v in red.kwargs.items()]
+                (rid,) = g.add_node(_op_name(red.target), [("v", ids[0]), ("list", [("int", d) for d in xdims]),
+                                                           ("bool", False)], extra, [meta])
+                b._values([rid], None)
+                b.derived[rid] = (red, shape)
+                b.ir_nodes.append(red)
+                reduced_early[red] = rid
         elif node.op == "output":
             (outs,) = node.args
             for o in (outs if isinstance(outs, (list, tuple)) else (outs,)):
