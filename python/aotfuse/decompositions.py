@@ -176,6 +176,45 @@ def _var_mean(x, dim=None, *, correction=None, keepdim=False):
     return var, mean
 
 
+def _layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
+    """Layer norm's backward with the row's scale applied per element, `(g - sum(g)/N - x_hat *
+    sum(g * x_hat)/N) * rstd` (g = grad_out * weight): one phased kernel, its two row sums in the
+    first pass, with rstd read as a broadcast operand. The textbook form scales first (rstd / N, a
+    [rows, 1] op of its own) and costs a lone kernel step per layer norm. Low-precision tensors are
+    computed in float32, as ATen does."""
+    inner = list(range(input.dim() - len(normalized_shape), input.dim()))
+    outer = list(range(input.dim() - len(normalized_shape)))
+    n = 1
+    for size in normalized_shape:
+        n *= size
+    f32 = torch.float32
+    low = input.dtype in (torch.float16, torch.bfloat16)
+
+    def up(t):
+        return torch.ops.prims.convert_element_type(t, f32) if low and t.dtype != f32 else t
+
+    def to(t, dtype):
+        return torch.ops.prims.convert_element_type(t, dtype) if t.dtype != dtype else t
+
+    x, go, mean, rstd = up(input), up(grad_out), up(mean), up(rstd)
+    x_hat = aten.mul.Tensor(aten.sub.Tensor(x, mean), rstd)
+    g = aten.mul.Tensor(go, up(weight)) if weight is not None else go
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        row_g = aten.div.Tensor(aten.sum.dim_IntList(g, inner, True), n)
+        row_gx = aten.div.Tensor(aten.sum.dim_IntList(aten.mul.Tensor(g, x_hat), inner, True), n)
+        d = aten.sub.Tensor(aten.sub.Tensor(g, row_g), aten.mul.Tensor(x_hat, row_gx))
+        grad_input = to(aten.mul.Tensor(d, rstd), input.dtype)
+    if output_mask[1] and weight is not None:
+        gw = aten.mul.Tensor(go, x_hat)
+        gw = aten.sum.dim_IntList(gw, outer, False) if outer else gw
+        grad_weight = to(gw, weight.dtype)
+    if output_mask[2] and bias is not None:
+        gb = aten.sum.dim_IntList(go, outer, False) if outer else go
+        grad_bias = to(gb, bias.dtype)
+    return grad_input, grad_weight, grad_bias
+
+
 _SEED_HIGH = 2**63 - 1
 
 
@@ -214,6 +253,7 @@ def default_decompositions(norms: bool | None = None, random: bool | None = None
         table.update({k: v for k, v in _loss_table().items() if not (norms and k in table)})
     if norms:
         table[aten.var_mean.correction] = _var_mean
+        table[aten.native_layer_norm_backward.default] = _layer_norm_backward
     if random:
         table[aten.native_dropout.default] = _native_dropout
     return table

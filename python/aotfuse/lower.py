@@ -332,6 +332,33 @@ def _reductions_through_reshapes(gm: fx.GraphModule) -> dict:
     return early
 
 
+_EMPTIES = (torch.ops.aten.new_empty_strided.default, torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+            torch.ops.aten.empty_strided.default, torch.ops.aten.empty.memory_format)
+
+
+def _copies(gm: fx.GraphModule) -> tuple[set, set]:
+    """`aten.copy(a, b)` (what functionalization makes of `a.copy_(b)` and slice assignments) where b
+    has a's shape: emitted as a copy of b alone into a's layout (`clone(b)`, or `_to_copy` to a's
+    dtype), a pointwise op that fuses with b's kernel; ATen's copy reads a too, and runs alone. The
+    uninitialized tensors (`new_empty_strided`) and the views (the slice assigned to) that only such
+    copies read are not emitted at all. Returns (copies, unread nodes)."""
+    copies = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.copy.default or len(node.args) != 2 \
+                or set(node.kwargs) - {"non_blocking"} or not all(isinstance(a, fx.Node) for a in node.args):
+            continue
+        a, b = (x.meta.get("val") for x in node.args)
+        out = node.meta.get("val")
+        if all(isinstance(t, torch.Tensor) and t.layout == torch.strided for t in (a, b, out)) \
+                and a.shape == b.shape and a.device == b.device and node.args[0] is not node.args[1]:
+            copies.add(node)
+    unread = {n for n in gm.graph.nodes if n.op == "call_function" and n.users and all(u in copies and u.args[1] is not n
+                                                                                      for u in n.users)
+              and (n.target in _EMPTIES or isinstance(n.target, torch._ops.OpOverload)
+                   and _C.op_kind(_op_name(n.target)) == "view")}
+    return copies, unread
+
+
 def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = False) -> GraphBuild:
     """One walk over an ATen-level FX graph (as AOTAutograd produces) into the C IR. Each node becomes
     one IR node, except (unless exact=True, which the partitioner needs to map its node order back
@@ -353,6 +380,7 @@ def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = Fal
     sink, hoist = ({}, {}) if exact else _swappable_reshapes(gm)
     early = {} if exact else _reductions_through_reshapes(gm)
     reduced_early: dict[fx.Node, int] = {}  # reduction -> the value of its early form
+    copies, empties = (set(), set()) if exact else _copies(gm)
     for node in gm.graph.nodes:
         where = f"node {node.name} ({node.target})"
         if node.op == "placeholder":
@@ -411,7 +439,16 @@ def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = Fal
                 b.ir_nodes.append(node)
                 env[node] = out
                 continue
-            op, args, kwargs = _call(node, env, where, dev)
+            if node in empties:
+                continue  # read only by copies that do not read it
+            if node in copies:
+                src = node.args[1]
+                op, args, kwargs = (("aten::clone.default", [_encode(src, env, where, dev)], [])
+                                    if src.meta["val"].dtype == val.dtype else
+                                    ("aten::_to_copy.default", [_encode(src, env, where, dev)],
+                                     [("dtype", _encode(val.dtype, env, where, dev))]))
+            else:
+                op, args, kwargs = _call(node, env, where, dev)
             multi = isinstance(val, (list, tuple))
             metas = [_meta(v, dev) for v in val] if multi else [_meta(val, dev)]
             ids = g.add_node(op, args, kwargs, metas)
