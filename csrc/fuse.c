@@ -363,9 +363,10 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
         st = af_error_set(AF_ERR_NOMEM, "out of memory planning fusion");
         goto done;
     }
-    /* random nodes always get a kernel (alone too): their numbers are defined by the generated code;
-     * a lone copy (clone, _to_copy: a permuted or expanded view made contiguous) does too, as a
-     * kernel step costs less host time than ATen's copy and moves the same bytes */
+    /* a pointwise node gets a kernel alone too: random nodes because their numbers are defined by
+     * the generated code, the others because a kernel step costs less host time than ATen's call
+     * (the scalar wrapping and type promotion of `mul(x, 0.125)`) and moves the same bytes; a lone
+     * reduction stays ATen's (its kernels are tuned for every shape) */
     uint8_t *keep_alone = calloc((size_t)n_prov + 1, 1);
     if (!keep_alone) {
         free(dense);
@@ -373,9 +374,7 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
         goto done;
     }
     for (int32_t i = 0; i < nn; i++)
-        if (prov_of_node[i] >= 0 && (af_graph_node(g, i)->op_id == AF_OP_RNG_UNIFORM || af_graph_node(g, i)->op_id == AF_OP_CLONE ||
-                                     af_graph_node(g, i)->op_id == AF_OP_TO_COPY))
-            keep_alone[prov_of_node[i]] = 1;
+        if (prov_of_node[i] >= 0 && af_fuse_node_ok(g, i)) keep_alone[prov_of_node[i]] = 1;
     for (int32_t p = 0; p < n_prov; p++)
         dense[p] = (parent[p] == p && (prov_size[p] >= min_nodes || keep_alone[p])) ? plan->n_groups++ : -1;
     free(keep_alone);

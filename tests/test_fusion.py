@@ -532,3 +532,36 @@ def test_layer_norm_backward_decomposition_is_one_kernel_for_the_input_gradient(
     externs = lowered.extern_counts()
     assert not any(op.startswith(("aten::div", "aten::mul", "aten::native_layer_norm")) for op in externs), externs
     assert "phases)" in lowered.program.source
+
+
+def test_cats_with_empty_parts_and_splits_make_no_aten_call_of_their_own():
+    # a Hugging Face cache's first update is cat([empty, key]); qkv projections are split in three
+    def f(x, w):
+        qkv = aten.mm.default(x, w)  # an ATen result: its chunks are views the kernels fold
+        q, k, v = aten.split.Tensor(qkv, 4, 1)
+        empty = torch.tensor([])  # a constant: lift_fresh_copy of it
+        only = aten.cat.default([empty, aten.mul.Tensor(k, 2.0)], 0)
+        two = aten.cat.default([q, aten.new_zeros.default(q, [6, 0]), v], 1)
+        return aten.add.Tensor(q, v), only, two
+
+    x, w = torch.randn(6, 5), torch.randn(5, 12)
+    lowered = lower(make_fx(f)(x, w))
+    got, ref = lowered([x, w]), f(x, w)
+    for i, (a, r) in enumerate(zip(got, ref)):
+        assert a.shape == r.shape and a.dtype == r.dtype and torch.equal(a, r), i
+    externs = lowered.extern_counts()
+    assert externs == {"aten::mm.default": 1, "aten::cat.default": 1}, externs  # the two-part cat
+    assert lowered.program.kernel_fallbacks == 0  # the chunks' layouts were right: the kernels read them folded
+    kernel_ops = [op for op, _k, grp in lowered.program.node_groups() if grp >= 0]
+    assert "aten::clone.default" in kernel_ops, kernel_ops  # the one-part cat: a copy in k's kernel
+
+
+def test_a_lone_pointwise_op_after_an_aten_call_is_a_kernel():
+    # softmax's backward then its scale, or a residual add between two ATen calls
+    def f(a, b):
+        return aten.mm.default(aten.mul.Tensor(aten.mm.default(a, b), 0.125), b)
+
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    lowered = lower(make_fx(f)(a, b))
+    assert_close(lowered([a, b])[0], f(a, b), "mm, scale, mm", atol=1e-5, rtol=1e-5)
+    assert lowered.extern_counts() == {"aten::mm.default": 2}, lowered.extern_counts()

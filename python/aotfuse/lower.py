@@ -336,27 +336,90 @@ _EMPTIES = (torch.ops.aten.new_empty_strided.default, torch.ops.aten.empty_like.
             torch.ops.aten.empty_strided.default, torch.ops.aten.empty.memory_format)
 
 
-def _copies(gm: fx.GraphModule) -> tuple[set, set]:
-    """`aten.copy(a, b)` (what functionalization makes of `a.copy_(b)` and slice assignments) where b
-    has a's shape: emitted as a copy of b alone into a's layout (`clone(b)`, or `_to_copy` to a's
-    dtype), a pointwise op that fuses with b's kernel; ATen's copy reads a too, and runs alone. The
-    uninitialized tensors (`new_empty_strided`) and the views (the slice assigned to) that only such
-    copies read are not emitted at all. Returns (copies, unread nodes)."""
-    copies = set()
+def _replacements(gm: fx.GraphModule) -> tuple[dict, set]:
+    """Nodes emitted as another, cheaper call of the same value, {node: (op name, args, kwargs)}, and
+    the nodes nobody reads then (not emitted at all). The calls:
+      - `aten.copy(a, b)` (what functionalization makes of `a.copy_(b)` and slice assignments) where b
+        has a's shape: a copy of b alone into a's layout (`clone(b)`, or `_to_copy` to a's dtype), a
+        pointwise op that fuses with b's kernel; ATen's copy reads a too, and runs alone;
+      - `aten.cat` of tensors some of which are empty (a Hugging Face cache's first update,
+        `cat([empty, key])`): the cat of the others, or a copy of the only one;
+      - `aten.split` into equal chunks: one slice view per chunk, which the kernels reading them
+        fold (ATen's split is one call making every chunk).
+    Unread: side-effect-free nodes whose every reader is replaced by a call that does not read them
+    (the uninitialized `new_empty_strided` a copy fills, the slice assigned to, a cache's empty
+    constant), and nodes only they read, in turn."""
+    replace: dict = {}
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is not torch.ops.aten.copy.default or len(node.args) != 2 \
-                or set(node.kwargs) - {"non_blocking"} or not all(isinstance(a, fx.Node) for a in node.args):
+        if node.op != "call_function":
             continue
-        a, b = (x.meta.get("val") for x in node.args)
-        out = node.meta.get("val")
-        if all(isinstance(t, torch.Tensor) and t.layout == torch.strided for t in (a, b, out)) \
-                and a.shape == b.shape and a.device == b.device and node.args[0] is not node.args[1]:
-            copies.add(node)
-    unread = {n for n in gm.graph.nodes if n.op == "call_function" and n.users and all(u in copies and u.args[1] is not n
-                                                                                      for u in n.users)
-              and (n.target in _EMPTIES or isinstance(n.target, torch._ops.OpOverload)
-                   and _C.op_kind(_op_name(n.target)) == "view")}
-    return copies, unread
+        val = node.meta.get("val")
+        if node.target is torch.ops.aten.copy.default and len(node.args) == 2 and not set(node.kwargs) - {"non_blocking"} \
+                and all(isinstance(a, fx.Node) for a in node.args) and node.args[0] is not node.args[1]:
+            a, b = (x.meta.get("val") for x in node.args)
+            if all(isinstance(t, torch.Tensor) and t.layout == torch.strided for t in (a, b, val)) \
+                    and a.shape == b.shape and a.device == b.device:
+                replace[node] = _copy_of(node.args[1], val)
+        elif node.target is torch.ops.aten.cat.default and isinstance(val, torch.Tensor) and not node.kwargs:
+            parts = node.args[0]
+            dim = node.args[1] if len(node.args) > 1 else 0
+            if not all(isinstance(p, fx.Node) and isinstance(p.meta.get("val"), torch.Tensor) for p in parts):
+                continue
+            kept = [p for p in parts if p.meta["val"].numel() > 0]
+            if len(kept) == len(parts) or not kept:
+                continue
+            if len(kept) == 1 and tuple(kept[0].meta["val"].shape) == tuple(val.shape):
+                replace[node] = _copy_of(kept[0], val)
+            elif len(kept) > 1 and all(p.meta["val"].dtype == val.dtype for p in kept):
+                replace[node] = ("aten::cat.default", [kept, dim], {})
+        elif node.target is torch.ops.aten.split.Tensor and isinstance(val, (list, tuple)) and not node.kwargs \
+                and isinstance(node.args[0], fx.Node) and isinstance(node.args[1], int):
+            x = node.args[0].meta.get("val")
+            dim = node.args[2] if len(node.args) > 2 else 0
+            if isinstance(x, torch.Tensor) and all(isinstance(t, torch.Tensor) for t in val):
+                dim %= max(x.dim(), 1)
+                starts = [i * node.args[1] for i in range(len(val))]
+                replace[node] = ("split", [(node.args[0], dim, st, st + t.shape[dim]) for st, t in zip(starts, val)], {})
+    readers: dict = {n: 0 for n in gm.graph.nodes}
+
+    def reads(node: fx.Node) -> list:
+        if node in replace:
+            _op, args, kwargs = replace[node]
+            found: list = []
+            fx.node.map_arg((args, kwargs), found.append)
+            return found
+        return list(node.all_input_nodes)
+
+    for node in gm.graph.nodes:
+        for src in set(reads(node)):
+            readers[src] += 1
+    unread: set = set()
+    for node in reversed(gm.graph.nodes):
+        if readers[node] == 0 and node.users and _pure(node):
+            unread.add(node)
+            for src in set(reads(node)):
+                readers[src] -= 1
+    return replace, unread
+
+
+def _copy_of(src: fx.Node, val: torch.Tensor) -> tuple:
+    """A copy of src's value in val's dtype (its layout is val's: the node's meta)."""
+    if src.meta["val"].dtype == val.dtype:
+        return "aten::clone.default", [src], {}
+    return "aten::_to_copy.default", [src], {"dtype": val.dtype}
+
+
+_PURE_EXTERNS = _EMPTIES + (torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.new_zeros.default,
+                             torch.ops.aten.new_ones.default, torch.ops.aten.new_full.default, torch.ops.aten.zeros.default,
+                             torch.ops.aten.ones.default, torch.ops.aten.full.default)
+
+
+def _pure(node: fx.Node) -> bool:
+    """No effect but its value: a view, an uninitialized or copied constant, or a pointwise or
+    reduction op (not random: its numbers are drawn, and not an assert)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    return node.target in _PURE_EXTERNS or _C.op_kind(_op_name(node.target)) in ("view", "pointwise", "reduction")
 
 
 def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = False) -> GraphBuild:
@@ -380,7 +443,7 @@ def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = Fal
     sink, hoist = ({}, {}) if exact else _swappable_reshapes(gm)
     early = {} if exact else _reductions_through_reshapes(gm)
     reduced_early: dict[fx.Node, int] = {}  # reduction -> the value of its early form
-    copies, empties = (set(), set()) if exact else _copies(gm)
+    replace, unread = ({}, set()) if exact else _replacements(gm)
     for node in gm.graph.nodes:
         where = f"node {node.name} ({node.target})"
         if node.op == "placeholder":
@@ -439,14 +502,23 @@ def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = Fal
                 b.ir_nodes.append(node)
                 env[node] = out
                 continue
-            if node in empties:
-                continue  # read only by copies that do not read it
-            if node in copies:
-                src = node.args[1]
-                op, args, kwargs = (("aten::clone.default", [_encode(src, env, where, dev)], [])
-                                    if src.meta["val"].dtype == val.dtype else
-                                    ("aten::_to_copy.default", [_encode(src, env, where, dev)],
-                                     [("dtype", _encode(val.dtype, env, where, dev))]))
+            if node in unread:
+                continue  # read only by replaced calls that do not read it
+            if node in replace and replace[node][0] == "split":  # one slice view per chunk
+                ids = []
+                for (src, dim, lo, hi), part in zip(replace[node][1], val):
+                    x = src.meta["val"]  # the chunk's layout from its source's (traced chunks may say offset 0)
+                    meta = _meta(part, dev)[:5] + (x.stride(), int(x.storage_offset()) + lo * x.stride(dim))
+                    ids += g.add_node("aten::slice.Tensor", [_encode(a, env, where, dev) for a in (src, dim, lo, hi)],
+                                      [], [meta])
+                env[node] = ids
+                b._values(ids, None)
+                b.ir_nodes += [node] * len(ids)
+                continue
+            if node in replace:
+                op, fx_args, fx_kwargs = replace[node]
+                args = [_encode(a, env, where, dev) for a in fx_args]
+                kwargs = [(k, _encode(v, env, where, dev)) for k, v in fx_kwargs.items()]
             else:
                 op, args, kwargs = _call(node, env, where, dev)
             multi = isinstance(val, (list, tuple))
