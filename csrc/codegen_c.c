@@ -91,7 +91,11 @@ static const char *const prelude =
     "  return x != x ? x : (ax < 0.3f ? small : big);\n"
     "}\n";
 
-#define AF_COLUMN_BLOCK 256
+#define AF_COLUMN_BLOCK 1024
+/* Rows a column's float partial sum takes before it is added into its double accumulator: the
+ * inner loop adds floats (twice the vector width of doubles, no conversion), and no float sum is
+ * longer than this many terms. */
+#define AF_COLUMN_CHUNK 32
 
 static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
                                   int32_t index, const int64_t *sizes, int64_t (*strides)[AF_MAX_DIMS], int32_t nd,
@@ -109,12 +113,20 @@ static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fus
                      parallel ? "#pragma omp parallel for schedule(static) num_threads(af_num_threads)" : "", blocks);
     af_strbuf_printf(sb, "    const af_idx c0 = cb * %d, c1 = c0 + %d < %" PRId64 " ? c0 + %d : %" PRId64 ";\n",
                      AF_COLUMN_BLOCK, AF_COLUMN_BLOCK, columns, AF_COLUMN_BLOCK, columns);
+    af_strbuf flush = {0}; /* float partial sums of AF_COLUMN_CHUNK rows into the double accumulators */
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
         if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION) continue;
         const char *init = af_cg_acc_init(n);
-        af_strbuf_printf(sb, "    double acc%d[%d];\n    for (af_idx c = 0; c < c1 - c0; c++) acc%d[c] = %s;\n",
-                         (int)n->first_output, AF_COLUMN_BLOCK, (int)n->first_output, init);
+        int v = (int)n->first_output;
+        af_strbuf_printf(sb, "    double acc%d[%d];\n    for (af_idx c = 0; c < c1 - c0; c++) acc%d[c] = %s;\n", v,
+                         AF_COLUMN_BLOCK, v, init);
+        if (n->op_id == AF_OP_SUM || n->op_id == AF_OP_MEAN) {
+            af_strbuf_printf(sb, "    float accf%d[%d];\n    for (af_idx c = 0; c < c1 - c0; c++) accf%d[c] = 0.0f;\n", v,
+                             AF_COLUMN_BLOCK, v);
+            af_strbuf_printf(&flush, "        for (af_idx c = 0; c < c1 - c0; c++) { acc%d[c] += (double)accf%d[c]; accf%d[c] = 0.0f; }\n",
+                             v, v, v);
+        }
     }
     af_strbuf_printf(sb, "    for (af_idx i = 0; i < %" PRId64 "; i++) {\n      af_idx s = i;\n", rows);
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      af_idx r%d = 0;\n", (int)k);
@@ -122,8 +134,17 @@ static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fus
     af_strbuf_printf(sb, "      (void)s;\n      for (af_idx c = c0; c < c1; c++) {\n");
     for (int32_t k = 0; k < nops; k++)
         af_strbuf_printf(sb, "      af_idx o%d = r%d + c * %" PRId64 ";\n", (int)k, (int)k, strides[k][0]);
-    af_cg_emit_body(sb, g, grp, ops, "[c - c0]");
-    af_strbuf_printf(sb, "      }\n    }\n    for (af_idx c = c0; c < c1; c++) {\n");
+    af_cg_emit_loads(sb, grp, ops);
+    af_cg_emit_members(sb, g, grp, "      ", "[c - c0]", NULL, 0, AF_CG_FLOAT_SUMS);
+    for (int32_t k = grp->n_inputs; k < nops; k++)
+        if (!af_cg_is_reduction_value(g, ops[k].value)) af_cg_emit_store_at(sb, "      ", k, ops[k].dtype, "o", ops[k].value);
+    af_strbuf_printf(sb, "      }\n");
+    if (flush.failed) sb->failed = 1; /* out of memory: the whole source fails (never a kernel without its flush) */
+    else if (flush.len)
+        af_strbuf_printf(sb, "      if ((i + 1) %% %d == 0 || i + 1 == %" PRId64 ") {\n%s      }\n", AF_COLUMN_CHUNK, rows,
+                         flush.buf);
+    free(flush.buf);
+    af_strbuf_printf(sb, "    }\n    for (af_idx c = c0; c < c1; c++) {\n");
     af_cg_emit_reduction_stores(sb, g, grp, ops, rows, strides, "      ");
     af_strbuf_printf(sb, "    }\n  }\n}\n");
 }

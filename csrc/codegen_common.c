@@ -113,7 +113,11 @@ void af_cg_emit_members_cached(af_strbuf *sb, const af_graph *g, const af_fusion
         }
         if (info->kind == AF_KIND_REDUCTION) {
             int32_t x = n->args[0].u.value, v = n->first_output;
-            if (nan_flags && (n->op_id == AF_OP_AMAX || n->op_id == AF_OP_AMIN)) {
+            if ((nan_flags & AF_CG_FLOAT_SUMS) && (n->op_id == AF_OP_SUM || n->op_id == AF_OP_MEAN)) {
+                af_strbuf_printf(sb, "%saccf%d%s += v%d;\n", indent, (int)v, acc_at, (int)x);
+                continue;
+            }
+            if ((nan_flags & AF_CG_NAN_FLAGS) && (n->op_id == AF_OP_AMAX || n->op_id == AF_OP_AMIN)) {
                 /* a plain max/min in float, exact (an OpenMP max/min reduction, vectorized at full
                  * width) and a NaN flag (an or-reduction) */
                 af_strbuf_printf(sb, "%sacc%d = v%d %s acc%d ? v%d : acc%d; nan%d |= v%d != v%d;\n", indent, (int)v,

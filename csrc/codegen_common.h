@@ -50,10 +50,13 @@ extern const char af_cg_helpers_text[];
 void af_cg_emit_load(af_strbuf *sb, af_dtype d, const char *ptr, const char *off);
 void af_cg_emit_store_value(af_strbuf *sb, af_dtype d, const char *v);
 /* The members' element computation; with phases (from af_cg_phases), only phase `phase`'s
- * reductions and the pointwise members of phases up to it (earlier ones are recomputed). With
- * nan_flags, amax/amin are a plain float comparison (the caller declares float accumulators for
- * them) plus an int nan<id> flag the caller declares and
- * folds in (so the loop can be an OpenMP max/min reduction). */
+ * reductions and the pointwise members of phases up to it (earlier ones are recomputed). nan_flags
+ * is a set of modes: with AF_CG_NAN_FLAGS, amax/amin are a plain float comparison (the caller
+ * declares float accumulators for them) plus an int nan<id> flag the caller declares and folds in
+ * (so the loop can be an OpenMP max/min reduction); with AF_CG_FLOAT_SUMS, sums and means add into
+ * float partials accf<id><acc_at> that the caller declares and flushes into the double acc<id>. */
+#define AF_CG_NAN_FLAGS 1
+#define AF_CG_FLOAT_SUMS 2
 void af_cg_emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent, const char *acc_at,
                         const int32_t *phases, int32_t phase, int nan_flags);
 /* af_cg_emit_members for a phased kernel whose members flagged in `cached` (af_cg_phase_cache)

@@ -393,9 +393,12 @@ def test_reductions_of_reshaped_kernel_values_join_the_kernel(case, dtype):
         assert red[0] < 0 or red[0] != producer, groups
 
 
-def test_reductions_join_only_small_values_whose_columns_merge():
-    # a joined column reduction is slower per element than ATen's sum: only small values join, and
-    # only where what the kernel reads keeps the kept dims one run of columns
+def test_reductions_join_where_their_columns_merge_and_on_cuda_only_small_values():
+    # the kernel reading a permuted copy would reduce through strided columns: ATen's sum stays; a big
+    # value joins on the CPU (the column kernel is no slower than a kernel beside ATen's sum) but not
+    # in a CUDA graph (CUDA's column kernels are untimed against ATen's sum)
+    from aotfuse.lower import _reductions_through_reshapes
+
     def big(a):
         return aten.sum.dim_IntList(aten.view(aten.mul.Tensor(a, 2.0), [-1, 256]), [0], False), aten.mul.Tensor(a, 2.0)
 
@@ -403,14 +406,17 @@ def test_reductions_join_only_small_values_whose_columns_merge():
         c = aten.clone.default(aten.permute.default(a, [0, 2, 1, 3]), memory_format=torch.contiguous_format)
         return aten.sum.dim_IntList(aten.view(aten._unsafe_view(c, [4, 8, 32]), [32, 32]), [0], True), c
 
-    for fn, a in ((big, torch.randn(8, 128, 256)), (transposed, torch.randn(4, 2, 8, 16))):
-        lowered = lower(make_fx(fn)(a))
+    for fn, a, joins in ((big, torch.randn(8, 128, 256), True), (transposed, torch.randn(4, 2, 8, 16), False)):
+        gm = make_fx(fn)(a)
+        lowered = lower(gm)
         for got, ref in zip(lowered([a]), fn(a)):
-            assert_close(got, ref, fn.__name__, atol=1e-4, rtol=1e-5)
+            assert_close(got, ref, fn.__name__, atol=2e-4, rtol=1e-5)
         groups = lowered.program.node_groups()
         red = [grp for op, kind, grp in groups if kind == "reduction"]
         producer = next(grp for op, kind, grp in groups if kind == "pointwise")
-        assert red == [-1] and producer >= 0, (fn.__name__, groups)  # the sum stays ATen's, after the kernel
+        assert producer >= 0 and (red == [producer] if joins else red == [-1]), (fn.__name__, groups)
+        assert bool(_reductions_through_reshapes(gm, "cpu")) == joins
+        assert not _reductions_through_reshapes(gm, "cuda"), fn.__name__
 
 
 def test_reduced_dims_through_a_reshape():

@@ -302,11 +302,12 @@ def _reduced_dims_through(xshape: tuple, vshape: tuple, vdims: set) -> list[int]
     return dims
 
 
-# Up to how many elements a reduction joins the kernel computing the reshaped value it reduces. A
-# joined bias gradient (leading dims reduced) runs as the C backend's column kernel, one step fewer
-# but slower per element than a pointwise kernel beside ATen's sum (1 thread: 10.5 against 11.3 us
-# at [4, 8, 64], 122 against 109 us at [8, 128, 256], 4.8 against 3.7 ms at [4, 512, 3072]): a win
-# only where a step's host time outweighs its work, as in the seed's regime on a fast GPU.
+# Up to how many elements a reduction joins the kernel computing the reshaped value it reduces on
+# CUDA. On the CPU a joined bias gradient (leading dims reduced) runs as the column kernel, one step
+# fewer and no slower per element than a pointwise kernel beside ATen's sum (1 thread, mul * mul + sum:
+# 10.8 against 11.0 us at [4, 8, 64], 0.68 against 0.81 ms at [4, 512, 768], 3.3 against 3.6 ms at
+# [4, 512, 3072]); CUDA's two-pass column kernels have not been timed against ATen's sum, so there
+# only values small enough for the step's host time to dominate join.
 _JOIN_REDUCTION_MAX_NUMEL = 1 << 16
 
 
@@ -328,13 +329,14 @@ def _mergeable_kept_dims(node: fx.Node, kept: list[int]) -> bool:
     return True
 
 
-def _reductions_through_reshapes(gm: fx.GraphModule) -> dict:
+def _reductions_through_reshapes(gm: fx.GraphModule, device_type: str | None = None) -> dict:
     """Reductions of a reshaped value that a kernel computes, {source: [(reduction, source dims)]}:
     `sum(x.view(n, c), [0])` is emitted right after x as `sum(x, dims of x)`, reshaped to the
     reduction's shape where the reduction was. The reduction then joins the kernel computing x (a
     bias gradient summed in the kernel that makes the gradient) instead of running alone after the
-    view: one step fewer, and x is not read again. Only small values (_JOIN_REDUCTION_MAX_NUMEL),
-    whose kept dims stay one run of columns for what x reads (_mergeable_kept_dims)."""
+    view: one step fewer, and x is not read again. Only where x's kept dims stay one run of columns
+    for what x reads (_mergeable_kept_dims), and on CUDA (`device_type`, else x's device) only small
+    values (_JOIN_REDUCTION_MAX_NUMEL)."""
     early: dict = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in _REDUCTIONS or not isinstance(node.args[0], fx.Node):
@@ -354,7 +356,7 @@ def _reductions_through_reshapes(gm: fx.GraphModule) -> dict:
             continue
         vdims = {d % v.dim() for d in dims}
         xdims = _reduced_dims_through(tuple(x.shape), tuple(v.shape), vdims)
-        if xdims and x.numel() <= _JOIN_REDUCTION_MAX_NUMEL and \
+        if xdims and ((device_type or x.device.type) == "cpu" or x.numel() <= _JOIN_REDUCTION_MAX_NUMEL) and \
                 _mergeable_kept_dims(src, [d for d in range(x.dim()) if d not in xdims]):
             early.setdefault(src, []).append((node, xdims))
     return early
@@ -469,7 +471,7 @@ def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = Fal
     env: dict[fx.Node, Any] = {}
     out_ids: list[int] = []
     sink, hoist = ({}, {}) if exact else _swappable_reshapes(gm)
-    early = {} if exact else _reductions_through_reshapes(gm)
+    early = {} if exact else _reductions_through_reshapes(gm, dev[0] if dev else None)
     reduced_early: dict[fx.Node, int] = {}  # reduction -> the value of its early form
     replace, unread = ({}, set()) if exact else _replacements(gm)
     for node in gm.graph.nodes:
