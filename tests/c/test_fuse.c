@@ -81,23 +81,31 @@ static void test_chain_siblings_and_closing(void **state) {
     af_graph_free(g);
 }
 
+/* A lone pointwise node gets a kernel (cheaper on the host than ATen's call, same bytes); a lone
+ * reduction stays ATen's unless min_nodes is 1. */
 static void test_lone_nodes_and_min_group(void **state) {
     (void)state;
     af_graph *g;
     assert_int_equal(af_graph_new(&g), AF_OK);
-    af_tensor_meta m2 = f32(2);
-    int32_t x;
+    af_tensor_meta m2 = f32(2), m1 = f32(1);
+    int32_t x, y, r;
     assert_int_equal(af_graph_add_input(g, "x", &m2, &x), AF_OK);
+    assert_int_equal(af_graph_add_input(g, "y", &m2, &y), AF_OK);
     int32_t a = node(g, "aten::exp.default", x, -1, 2);
-    int32_t outs[1] = {a};
-    assert_int_equal(af_graph_set_outputs(g, outs, 1), AF_OK);
+    af_arg dims[1] = {{.kind = AF_ARG_INT, .u.i = 0}};
+    af_arg sum_args[2] = {{.kind = AF_ARG_VALUE, .u.value = y}, {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = dims}}};
+    assert_int_equal(af_graph_add_node(g, "aten::sum.dim_IntList", sum_args, 2, &m1, 1, &r), AF_OK);
+    int32_t outs[2] = {a, r};
+    assert_int_equal(af_graph_set_outputs(g, outs, 2), AF_OK);
     af_fusion_plan *plan;
     assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
-    assert_int_equal(plan->n_groups, 0); /* one node: not worth a kernel by default */
+    assert_int_equal(plan->n_groups, 1); /* the exp */
+    assert_int_equal(plan->group_of_node[0], 0);
+    assert_int_equal(plan->group_of_node[1], -1);
     af_fuse_plan_free(plan);
     af_fuse_options one = {.min_nodes = 1};
     assert_int_equal(af_fuse_plan_new(g, &one, &plan), AF_OK);
-    assert_int_equal(plan->n_groups, 1);
+    assert_int_equal(plan->n_groups, 2);
     af_fuse_plan_free(plan);
     assert_int_equal(af_fuse_plan_new(NULL, NULL, &plan), AF_ERR_INVALID);
     af_fuse_plan_free(NULL);
