@@ -9,6 +9,7 @@ import operator
 from typing import Any, Sequence
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 import torch.fx as fx
 
 from . import _C, config
@@ -558,11 +559,8 @@ def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = Fal
             b._values(ids, None if multi else node)
             b.ir_nodes.append(node)
             for red, xdims in early.get(node, ()):
-                rval = red.meta["val"]
                 shape = tuple(s for d, s in enumerate(val.shape) if d not in xdims)
-                stride = tuple(torch.empty(shape, device="meta").stride())
-                meta = _meta(val, dev)[:4] + (shape, stride, 0)
-                meta = (meta[0], _meta(rval, dev)[1]) + meta[2:]
+                meta = _meta(red.meta["val"], dev)[:4] + (shape, tuple(make_contiguous_strides_for(shape)), 0)
                 extra = [(k, _encode(v, env, where, dev)) for k, v in red.kwargs.items()]
                 (rid,) = g.add_node(_op_name(red.target), [("v", ids[0]), ("list", [("int", d) for d in xdims]),
                                                            ("bool", False)], extra, [meta])
