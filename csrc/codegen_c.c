@@ -92,6 +92,8 @@ static const char *const prelude =
     "}\n";
 
 #define AF_COLUMN_BLOCK 1024
+/* The narrowest block: with many threads the columns split into blocks of at least this many. */
+#define AF_COLUMN_BLOCK_MIN 256
 /* Rows a column's float partial sum takes before it is added into its double accumulator: the
  * inner loop adds floats (twice the vector width of doubles, no conversion), and no float sum is
  * longer than this many terms. */
@@ -101,18 +103,21 @@ static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fus
                                   int32_t index, const int64_t *sizes, int64_t (*strides)[AF_MAX_DIMS], int32_t nd,
                                   int64_t columns, int64_t rows, int narrow) {
     int32_t nops = grp->n_inputs + grp->n_outputs;
-    int64_t blocks = (columns + AF_COLUMN_BLOCK - 1) / AF_COLUMN_BLOCK;
-    int parallel = blocks > 1 && columns * rows >= 32768;
+    int parallel = columns > AF_COLUMN_BLOCK_MIN && columns * rows >= 32768;
     af_strbuf_printf(sb, "\n/* group %d: %d nodes (%d column reductions), %d inputs, %d outputs, %" PRId64 " columns x %" PRId64
                      " rows */\n", (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)grp->n_inputs,
                      (int)grp->n_outputs, columns, rows);
     af_strbuf_printf(sb, "void af_kernel_%d(char *const *p) {\n", (int)index);
     af_strbuf_printf(sb, "  typedef %s af_idx; /* index math: 32-bit where every offset fits */\n", narrow ? "int32_t" : "int64_t");
     af_cg_emit_pointers(sb, grp, ops);
-    af_strbuf_printf(sb, "  %s\n  for (af_idx cb = 0; cb < %" PRId64 "; cb++) {\n",
-                     parallel ? "#pragma omp parallel for schedule(static) num_threads(af_num_threads)" : "", blocks);
-    af_strbuf_printf(sb, "    const af_idx c0 = cb * %d, c1 = c0 + %d < %" PRId64 " ? c0 + %d : %" PRId64 ";\n",
-                     AF_COLUMN_BLOCK, AF_COLUMN_BLOCK, columns, AF_COLUMN_BLOCK, columns);
+    /* columns per block: as many as give each thread a block, within [AF_COLUMN_BLOCK_MIN, AF_COLUMN_BLOCK] */
+    af_strbuf_printf(sb, "  af_idx bs = (%" PRId64 " + af_num_threads - 1) / af_num_threads;\n", columns);
+    af_strbuf_printf(sb, "  bs = bs < %d ? %d : bs > %d ? %d : bs;\n", AF_COLUMN_BLOCK_MIN, AF_COLUMN_BLOCK_MIN, AF_COLUMN_BLOCK,
+                     AF_COLUMN_BLOCK);
+    af_strbuf_printf(sb, "  const af_idx nb = (%" PRId64 " + bs - 1) / bs;\n", columns);
+    af_strbuf_printf(sb, "  %s\n  for (af_idx cb = 0; cb < nb; cb++) {\n",
+                     parallel ? "#pragma omp parallel for schedule(static) num_threads(af_num_threads)" : "");
+    af_strbuf_printf(sb, "    const af_idx c0 = cb * bs, c1 = c0 + bs < %" PRId64 " ? c0 + bs : %" PRId64 ";\n", columns, columns);
     af_strbuf flush = {0}; /* float partial sums of AF_COLUMN_CHUNK rows into the double accumulators */
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
