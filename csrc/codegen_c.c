@@ -139,10 +139,7 @@ static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fus
     af_strbuf_printf(sb, "      (void)s;\n      for (af_idx c = c0; c < c1; c++) {\n");
     for (int32_t k = 0; k < nops; k++)
         af_strbuf_printf(sb, "      af_idx o%d = r%d + c * %" PRId64 ";\n", (int)k, (int)k, strides[k][0]);
-    af_cg_emit_loads(sb, grp, ops);
-    af_cg_emit_members(sb, g, grp, "      ", "[c - c0]", NULL, 0, AF_CG_FLOAT_SUMS);
-    for (int32_t k = grp->n_inputs; k < nops; k++)
-        if (!af_cg_is_reduction_value(g, ops[k].value)) af_cg_emit_store_at(sb, "      ", k, ops[k].dtype, "o", ops[k].value);
+    af_cg_emit_body(sb, g, grp, ops, "[c - c0]", AF_CG_FLOAT_SUMS);
     af_strbuf_printf(sb, "      }\n");
     if (flush.failed) sb->failed = 1; /* out of memory: the whole source fails (never a kernel without its flush) */
     else if (flush.len)
@@ -209,7 +206,7 @@ static int emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_
         af_cg_emit_unflatten(sb, "      ", "af_idx", "s", "o", n_kept, nd - 1, sp->sizes, sp->strides, nops);
         af_strbuf_printf(sb, "      (void)s;\n");
         af_cg_emit_loads(sb, grp, ops);
-        af_cg_emit_members_cached(sb, g, grp, "      ", "", phases, ph, 1, cached);
+        af_cg_emit_members_cached(sb, g, grp, "      ", "", phases, ph, AF_CG_NAN_FLAGS, cached);
         af_cg_emit_phase_stores(sb, g, grp, ops, phases, ph, "      ");
         af_strbuf_printf(sb, "    }\n");
         af_cg_emit_phase_end(sb, g, grp, ops, phases, ph, sp->inner, 1, "    ", NULL);
@@ -277,7 +274,7 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      af_idx o%d = b%d;\n", (int)k, (int)k);
     af_cg_emit_unflatten(sb, "      ", "af_idx", "s", "o", n_kept, nd - 1, sizes, strides, nops);
     af_strbuf_printf(sb, "      (void)s;\n");
-    af_cg_emit_body(sb, g, grp, ops, "");
+    af_cg_emit_body(sb, g, grp, ops, "", 0);
     af_strbuf_printf(sb, "    }\n");
     af_cg_emit_reduction_stores(sb, g, grp, ops, inner, NULL, "    ");
     af_strbuf_printf(sb, "  }\n}\n");
@@ -325,7 +322,7 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
         for (int32_t k = 0; k < nops; k++)
             af_strbuf_printf(sb, "      af_idx o%d = b%d + i * %" PRId64 ";\n", (int)k, (int)k, strides[k][nd - 1]);
     }
-    af_cg_emit_body(sb, g, grp, ops, "");
+    af_cg_emit_body(sb, g, grp, ops, "", 0);
     af_strbuf_printf(sb, "    }\n  }\n}\n");
     af_cg_space_free(&sp);
     return AF_OK;

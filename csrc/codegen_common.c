@@ -94,12 +94,12 @@ static void operand_strides(const af_tensor_meta *m, const af_tensor_meta *iter,
 /* Emits the members' element computation (pointwise values as floats; reductions combined into
  * their accumulators acc<value>). */
 void af_cg_emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent,
-                         const char *acc_at, const int32_t *phases, int32_t phase, int nan_flags) {
-    af_cg_emit_members_cached(sb, g, grp, indent, acc_at, phases, phase, nan_flags, NULL);
+                         const char *acc_at, const int32_t *phases, int32_t phase, int modes) {
+    af_cg_emit_members_cached(sb, g, grp, indent, acc_at, phases, phase, modes, NULL);
 }
 
 void af_cg_emit_members_cached(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent,
-                               const char *acc_at, const int32_t *phases, int32_t phase, int nan_flags, const uint8_t *cached) {
+                               const char *acc_at, const int32_t *phases, int32_t phase, int modes, const uint8_t *cached) {
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
         const af_value *out = af_graph_value(g, n->first_output);
@@ -113,11 +113,11 @@ void af_cg_emit_members_cached(af_strbuf *sb, const af_graph *g, const af_fusion
         }
         if (info->kind == AF_KIND_REDUCTION) {
             int32_t x = n->args[0].u.value, v = n->first_output;
-            if ((nan_flags & AF_CG_FLOAT_SUMS) && (n->op_id == AF_OP_SUM || n->op_id == AF_OP_MEAN)) {
+            if ((modes & AF_CG_FLOAT_SUMS) && (n->op_id == AF_OP_SUM || n->op_id == AF_OP_MEAN)) {
                 af_strbuf_printf(sb, "%saccf%d%s += v%d;\n", indent, (int)v, acc_at, (int)x);
                 continue;
             }
-            if ((nan_flags & AF_CG_NAN_FLAGS) && (n->op_id == AF_OP_AMAX || n->op_id == AF_OP_AMIN)) {
+            if ((modes & AF_CG_NAN_FLAGS) && (n->op_id == AF_OP_AMAX || n->op_id == AF_OP_AMIN)) {
                 /* a plain max/min in float, exact (an OpenMP max/min reduction, vectorized at full
                  * width) and a NaN flag (an or-reduction) */
                 af_strbuf_printf(sb, "%sacc%d = v%d %s acc%d ? v%d : acc%d; nan%d |= v%d != v%d;\n", indent, (int)v,
@@ -250,9 +250,9 @@ void af_cg_emit_store_at(af_strbuf *sb, const char *indent, int32_t k, af_dtype 
 /* One element, at offsets o<k>: load the inputs, compute the members, store the elementwise
  * outputs (reductions are stored after their loop). */
 void af_cg_emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
-                      const char *acc_at) {
+                      const char *acc_at, int modes) {
     af_cg_emit_loads(sb, grp, ops);
-    af_cg_emit_members(sb, g, grp, "      ", acc_at, NULL, 0, 0);
+    af_cg_emit_members(sb, g, grp, "      ", acc_at, NULL, 0, modes);
     for (int32_t k = grp->n_inputs; k < grp->n_inputs + grp->n_outputs; k++) {
         if (!af_cg_is_reduction_value(g, ops[k].value)) af_cg_emit_store_at(sb, "      ", k, ops[k].dtype, "o", ops[k].value);
     }

@@ -50,19 +50,19 @@ extern const char af_cg_helpers_text[];
 void af_cg_emit_load(af_strbuf *sb, af_dtype d, const char *ptr, const char *off);
 void af_cg_emit_store_value(af_strbuf *sb, af_dtype d, const char *v);
 /* The members' element computation; with phases (from af_cg_phases), only phase `phase`'s
- * reductions and the pointwise members of phases up to it (earlier ones are recomputed). nan_flags
- * is a set of modes: with AF_CG_NAN_FLAGS, amax/amin are a plain float comparison (the caller
+ * reductions and the pointwise members of phases up to it (earlier ones are recomputed). `modes`
+ * is a set of flags: with AF_CG_NAN_FLAGS, amax/amin are a plain float comparison (the caller
  * declares float accumulators for them) plus an int nan<id> flag the caller declares and folds in
  * (so the loop can be an OpenMP max/min reduction); with AF_CG_FLOAT_SUMS, sums and means add into
  * float partials accf<id><acc_at> that the caller declares and flushes into the double acc<id>. */
 #define AF_CG_NAN_FLAGS 1
 #define AF_CG_FLOAT_SUMS 2
 void af_cg_emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent, const char *acc_at,
-                        const int32_t *phases, int32_t phase, int nan_flags);
+                        const int32_t *phases, int32_t phase, int modes);
 /* af_cg_emit_members for a phased kernel whose members flagged in `cached` (af_cg_phase_cache)
  * are kept in per-row arrays c<id>[i]: stored in their own phase's pass, read back in later ones. */
 void af_cg_emit_members_cached(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent,
-                               const char *acc_at, const int32_t *phases, int32_t phase, int nan_flags, const uint8_t *cached);
+                               const char *acc_at, const int32_t *phases, int32_t phase, int modes, const uint8_t *cached);
 /* Which pointwise members of a phased group to keep per row rather than evaluate again in a later
  * phase: transcendental ones (exp, log, erf, tanh, pow) that a later pass needs, up to max_bytes
  * of float arrays of `inner` elements. malloc'd, one flag per member (NULL when out of memory). */
@@ -93,8 +93,9 @@ void af_cg_emit_pointers(af_strbuf *sb, const af_fusion_group *grp, const af_cg_
 void af_cg_emit_loads(af_strbuf *sb, const af_fusion_group *grp, const af_cg_operand *ops);
 /* `q<k>[<off_prefix><k>] = v<v>` converted to the operand's dtype. */
 void af_cg_emit_store_at(af_strbuf *sb, const char *indent, int32_t k, af_dtype dtype, const char *off_prefix, int32_t v);
-/* Loads inputs at o<k>, computes the members, stores elementwise outputs at o<k>. */
-void af_cg_emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops, const char *acc_at);
+/* Loads inputs at o<k>, computes the members (af_cg_emit_members with `modes`), stores elementwise outputs at o<k>. */
+void af_cg_emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops, const char *acc_at,
+                     int modes);
 /* Splits the flat index `var` over dims hi..lo (innermost first) and adds each coordinate times
  * each operand's stride to the offsets <prefix><k>. */
 void af_cg_emit_unflatten(af_strbuf *sb, const char *indent, const char *itype, const char *var, const char *prefix, int32_t lo,

@@ -121,7 +121,7 @@ static void emit_pointwise(af_strbuf *sb, const af_graph *g, const af_fusion_gro
     emit_zero_offsets(sb, "    ", it, "o", nops, NULL);
     af_cg_emit_unflatten(sb, "    ", it, "r", "o", 0, nd - 1, sp->sizes, sp->strides, nops);
     af_strbuf_printf(sb, "    (void)r;\n");
-    af_cg_emit_body(sb, g, grp, sp->ops, "");
+    af_cg_emit_body(sb, g, grp, sp->ops, "", 0);
     af_strbuf_printf(sb, "  }\n}\n");
     launch->kind = AF_CUDA_POINTWISE;
     launch->threads = AF_THREADS;
@@ -232,7 +232,7 @@ static void emit_rows(af_strbuf *sb, const af_graph *g, const af_fusion_group *g
     af_cg_emit_acc_decls(sb, g, grp, "    ");
     af_strbuf_printf(sb, "    for (%s i = lane; i < %" PRId64 "; i += %d) {\n", it, sp->inner, tpr);
     emit_row_element_offsets(sb, it, sp);
-    af_cg_emit_body(sb, g, grp, sp->ops, "");
+    af_cg_emit_body(sb, g, grp, sp->ops, "", 0);
     af_strbuf_printf(sb, "    }\n");
     af_strbuf_printf(sb, "    for (int m = 16; m > 0; m >>= 1) {\n");
     emit_combine(sb, g, grp, "      ", "__shfl_xor_sync(0xffffffffu, acc%d, m)");
@@ -399,7 +399,7 @@ static void emit_split_rows(af_strbuf *sb, const af_graph *g, const af_fusion_gr
     af_cg_emit_acc_decls(sb, g, grp, "    ");
     af_strbuf_printf(sb, "    for (%s i = i0 + threadIdx.x; i < i1; i += %d) {\n", it, tpb);
     emit_row_element_offsets(sb, it, sp);
-    af_cg_emit_body(sb, g, grp, sp->ops, "");
+    af_cg_emit_body(sb, g, grp, sp->ops, "", 0);
     af_strbuf_printf(sb, "    }\n    for (int m = 16; m > 0; m >>= 1) {\n");
     emit_combine(sb, g, grp, "      ", "__shfl_xor_sync(0xffffffffu, acc%d, m)");
     af_strbuf_printf(sb, "    }\n    if ((threadIdx.x & 31) == 0) {\n");
@@ -469,7 +469,7 @@ static void emit_columns(af_strbuf *sb, const af_graph *g, const af_fusion_group
     af_strbuf_printf(sb, ";\n");
     af_cg_emit_unflatten(sb, "        ", it, "s", "o", 1, nd - 1, sp->sizes, sp->strides, nops);
     af_strbuf_printf(sb, "        (void)s;\n");
-    af_cg_emit_body(sb, g, grp, sp->ops, "");
+    af_cg_emit_body(sb, g, grp, sp->ops, "", 0);
     af_strbuf_printf(sb, "      }\n    }\n");
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
