@@ -57,6 +57,11 @@ struct af_program {
     int64_t *fold_delta;     /* per value: its data's byte offset from the root's */
     int8_t *view_state;      /* per node: 0 a view step not yet checked, 1 checked (no dispatch), -1 ATen */
     int8_t *fold_state;      /* per group: 2 no folded inputs; else 0 not yet checked, 1 checked, -1 falls back */
+    /* Held views (planned after the first run, when every view step is checked): a checked view
+     * step whose value only other checked view steps read, or whose layout is its root's, makes
+     * nothing; its slot holds its root's tensor, and the views reading it reinterpret that root. */
+    int8_t *held;            /* per node: 1 a held view; NULL until planned */
+    int32_t *hold_root;      /* per value: the value whose tensor its slot holds (itself unless held) */
     int64_t *step_ns;        /* per step: host time (profiling on), NULL when off */
     int64_t profiled_runs;
     int64_t fallbacks;
@@ -135,6 +140,8 @@ void af_program_free(af_program *p) {
     free(p->fold_delta);
     free(p->view_state);
     free(p->fold_state);
+    free(p->held);
+    free(p->hold_root);
     free(p->release);
     free(p->release_start);
     free(p->input_ids);
@@ -409,6 +416,10 @@ void af_program_set_plain_outputs(af_program *p, int32_t first) {
         if (node >= 0 && !aliased && p->view_state[node] < 0 && p->fold_root[v] < 0 && plain_view(g, node, NULL))
             p->view_state[node] = 0;
     }
+    free(p->held); /* planned again after a run has checked the new view steps */
+    free(p->hold_root);
+    p->held = NULL;
+    p->hold_root = NULL;
 }
 
 const char *af_program_node_how(const af_program *p, int32_t node) {
@@ -416,6 +427,7 @@ const char *af_program_node_how(const af_program *p, int32_t node) {
     if (af_program_node_group(p, node) >= 0) return "kernel";
     const af_node *n = af_graph_node(p->graph, node);
     if (n->n_outputs == 1 && p->fold_root[n->first_output] >= 0) return "folded";
+    if (p->held && p->held[node]) return "alias";
     return p->view_state[node] >= 0 ? "view" : "aten";
 }
 
@@ -616,10 +628,80 @@ static int run_kernel(af_program *p, int32_t gi) {
 /* A checked view step: torch's reinterpretation of its input with the graph's layout, no dispatch. */
 static int run_view(af_program *p, int32_t i) {
     const af_node *n = af_graph_node(p->graph, i);
-    int32_t b = n->args[0].u.value, v = n->first_output;
+    int32_t b = n->args[0].u.value, v = n->first_output, root = p->hold_root ? p->hold_root[b] : b;
     const af_tensor_meta *m = &af_graph_value(p->graph, v)->meta;
-    return af_bridge_reinterpret(p->values[b], m, m->storage_offset - af_graph_value(p->graph, b)->meta.storage_offset,
+    return af_bridge_reinterpret(p->values[b], m, m->storage_offset - af_graph_value(p->graph, root)->meta.storage_offset,
                                  &p->values[v]);
+}
+
+static int same_layout(const af_tensor_meta *a, const af_tensor_meta *b) {
+    if (a->dtype != b->dtype || a->ndim != b->ndim || a->storage_offset != b->storage_offset) return 0;
+    for (int32_t d = 0; d < a->ndim; d++)
+        if (a->sizes[d] != b->sizes[d] || (a->sizes[d] != 1 && a->strides[d] != b->strides[d])) return 0;
+    return 1;
+}
+
+static void count_reads(const af_arg *a, int ok, int32_t *readers, int32_t *readers_ok) {
+    if (a->kind == AF_ARG_VALUE) {
+        readers[a->u.value]++;
+        readers_ok[a->u.value] += ok;
+    } else if (a->kind == AF_ARG_LIST) {
+        for (int32_t j = 0; j < a->u.list.n; j++) count_reads(&a->u.list.items[j], 0, readers, readers_ok);
+    }
+}
+
+/* Which checked view steps are held (see af_program's held), once every view step is checked. A
+ * held graph output (a plain one, whose layout is its root's) returns its root's tensor: only
+ * where the root is neither a graph input nor another output, so no two outputs are one tensor. */
+static int plan_holds(af_program *p) {
+    const af_graph *g = p->graph;
+    int32_t nn = af_graph_num_nodes(g), nv = af_graph_num_values(g), no = af_graph_num_outputs(g);
+    for (int32_t i = 0; i < nn; i++)
+        if (p->view_state[i] == 0) return AF_OK; /* not yet checked: plan after a run that checks it */
+    int8_t *held = calloc((size_t)nn + 1, 1);
+    int32_t *root = malloc(((size_t)nv + 1) * sizeof(int32_t));
+    int32_t *readers = calloc((size_t)nv + 1, sizeof(int32_t)), *readers_ok = calloc((size_t)nv + 1, sizeof(int32_t));
+    uint8_t *taken = calloc((size_t)nv + 1, 1); /* 1: a graph input or output, or an output's root */
+    if (!held || !root || !readers || !readers_ok || !taken) {
+        free(held);
+        free(root);
+        free(readers);
+        free(readers_ok);
+        free(taken);
+        return af_error_set(AF_ERR_NOMEM, "out of memory planning a program");
+    }
+    for (int32_t v = 0; v < nv; v++) root[v] = v;
+    for (int32_t k = 0; k < af_graph_num_inputs(g); k++) taken[af_graph_input(g, k)] = 1;
+    for (int32_t o = 0; o < no; o++) {
+        taken[af_graph_output(g, o)] = 1;
+        readers[af_graph_output(g, o)]++; /* an output is read by the caller: never ok */
+    }
+    for (int32_t i = 0; i < nn; i++) {
+        const af_node *n = af_graph_node(g, i);
+        for (int32_t a = 0; a < n->n_args; a++) count_reads(&n->args[a], p->view_state[i] > 0, readers, readers_ok);
+    }
+    for (int32_t i = 0; i < nn; i++) {
+        if (p->view_state[i] <= 0) continue;
+        const af_node *n = af_graph_node(g, i);
+        int32_t b = n->args[0].u.value, v = n->first_output, r = root[b];
+        int same = same_layout(&af_graph_value(g, v)->meta, &af_graph_value(g, r)->meta);
+        int output = 0;
+        for (int32_t o = 0; o < no; o++) output |= af_graph_output(g, o) == v;
+        if (output) {
+            if (!same || taken[r]) continue;
+            taken[r] = 1;
+        } else if (!same && (readers[v] == 0 || readers_ok[v] != readers[v])) {
+            continue;
+        }
+        held[i] = 1;
+        root[v] = r;
+    }
+    free(readers);
+    free(readers_ok);
+    free(taken);
+    p->held = held;
+    p->hold_root = root;
+    return AF_OK;
 }
 
 /* After a view step's first ATen run: does ATen's view (and its input) have the graph's layout?
@@ -678,8 +760,14 @@ static int run_program(af_program *p, af_obj *const *inputs, int32_t n_inputs, a
         if (p->steps[s].node >= 0) {
             int32_t i = p->steps[s].node;
             const af_node *n = af_graph_node(g, i);
-            st = p->view_state[i] > 0 && p->check_inputs ? run_view(p, i) : af_extern_call(p->externs[i], p->values, &p->values[n->first_output]);
-            if (!st && p->view_state[i] == 0) st = check_view(p, i);
+            if (p->held && p->held[i] && p->check_inputs) { /* the slot holds its root's tensor */
+                p->values[n->first_output] = p->values[n->args[0].u.value];
+                af_obj_retain(p->values[n->first_output]);
+            } else {
+                st = p->view_state[i] > 0 && p->check_inputs ? run_view(p, i)
+                                                             : af_extern_call(p->externs[i], p->values, &p->values[n->first_output]);
+                if (!st && p->view_state[i] == 0) st = check_view(p, i);
+            }
         } else {
             st = run_kernel(p, p->steps[s].group);
         }
@@ -704,6 +792,13 @@ static int run_program(af_program *p, af_obj *const *inputs, int32_t n_inputs, a
     }
     release_all(p);
     p->running = 0;
+    if (!p->held && p->check_inputs && (st = plan_holds(p))) {
+        for (int32_t o = 0; o < no; o++) {
+            af_obj_release(outputs[o]);
+            outputs[o] = NULL;
+        }
+        return st;
+    }
     return AF_OK;
 }
 

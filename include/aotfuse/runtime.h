@@ -42,9 +42,11 @@ const char *af_program_cuda_source(const af_program *p); /* NULL without CUDA ke
 int32_t af_program_num_steps(const af_program *p);
 int32_t af_program_node_group(const af_program *p, int32_t node); /* its fusion group, or -1 */
 /* How a node runs: "kernel" (a fused kernel's member), "aten" (an ATen call), "folded" (a view
- * only kernels read: nothing runs, they read its root with its strides) or "view" (a view made
+ * only kernels read: nothing runs, they read its root with its strides), "view" (a view made
  * without ATen's dispatcher, once its first run matched the graph's layout; one that did not
- * becomes "aten"). NULL out of range. */
+ * becomes "aten") or "alias" (from the second run: a checked view only such views read, or one
+ * with its root's layout, t(t(x)); nothing is made, its readers reinterpret the root, a plain
+ * output returns the root's tensor). NULL out of range. */
 const char *af_program_node_how(const af_program *p, int32_t node);
 
 void af_program_free(af_program *p); /* NULL allowed */

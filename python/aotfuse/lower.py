@@ -166,8 +166,8 @@ class Lowered:
     def view_counts(self) -> dict[str, int]:
         """Views per op name that make no ATen call: folded into the kernels reading them, or made
         by torch's _reinterpret_tensor (checked against ATen's view on their first run)."""
-        folded, made = self._counts("folded"), self._counts("view")
-        return {op: folded.get(op, 0) + made.get(op, 0) for op in set(folded) | set(made)}
+        folded, made, held = self._counts("folded"), self._counts("view"), self._counts("alias")
+        return {op: folded.get(op, 0) + made.get(op, 0) + held.get(op, 0) for op in set(folded) | set(made) | set(held)}
 
     def _counts(self, how: str) -> dict[str, int]:
         counts: dict[str, int] = {}
