@@ -90,6 +90,11 @@ static struct {
     PyObject *get_num_threads;      /* torch.get_num_threads, looked up at first use */
     PyObject *reinterpret;          /* torch._C._dynamo.guards._reinterpret_tensor, looked up at first use */
     int reinterpret_looked_up;
+    /* torch._C._dynamo.guards._empty_strided_cpu/_cuda(sizes, strides, dtype): what inductor's
+     * generated code allocates with, half torch.empty_strided's host time (the CUDA one on the
+     * current device, torch._C._cuda_getDevice()); looked up at first use, NULL if absent */
+    PyObject *empty_cpu, *empty_cuda, *cuda_get_device;
+    int empty_looked_up;
 } py;
 
 static int bridge_fail(const char *what) {
@@ -604,8 +609,20 @@ int af_bridge_tensor_data(af_obj *const *objs, const af_tensor_meta *const *meta
     return visit_tensors(objs, metas, NULL, n, ptrs);
 }
 
-/* (args, kwargs) for torch.empty_strided(sizes, strides, dtype=..., device=...), or NULL with a
- * Python error set. */
+int af_bridge_data_ptrs(af_obj *const *objs, int32_t n, void **ptrs) {
+    static PyObject *name;
+    if (!name && !(name = PyUnicode_InternFromString("data_ptr"))) return bridge_fail("reading data pointers");
+    for (int32_t i = 0; i < n; i++) {
+        PyObject *r = PyObject_CallMethodNoArgs((PyObject *)objs[i], name);
+        ptrs[i] = r ? PyLong_AsVoidPtr(r) : NULL;
+        Py_XDECREF(r);
+        if (!r || (!ptrs[i] && PyErr_Occurred())) return bridge_fail("Tensor.data_ptr()");
+    }
+    return AF_OK;
+}
+
+/* (args, kwargs, (sizes, strides, dtype)) for torch.empty_strided(sizes, strides, dtype=...,
+ * device=...) and for the fast allocators, or NULL with a Python error set. */
 static PyObject *empty_call(const af_tensor_meta *m) {
     PyObject *sizes = PyTuple_New(m->ndim), *strides = PyTuple_New(m->ndim), *args = NULL, *kw = NULL, *call = NULL;
     if (!sizes || !strides) goto done;
@@ -632,7 +649,9 @@ static PyObject *empty_call(const af_tensor_meta *m) {
         }
         Py_DECREF(dev);
     }
-    call = PyTuple_Pack(2, args, kw);
+    PyObject *fast = PyTuple_Pack(3, sizes, strides, py.dtypes[m->dtype]);
+    if (fast) call = PyTuple_Pack(3, args, kw, fast);
+    Py_XDECREF(fast);
 done:
     Py_XDECREF(sizes);
     Py_XDECREF(strides);
@@ -645,8 +664,37 @@ int af_bridge_empty_cached(const af_tensor_meta *m, af_obj **args, af_obj **out)
     int st = af_bridge_init();
     if (st) return st;
     if (!*args && !(*args = (af_obj *)empty_call(m))) return af_error_set(AF_ERR_RUNTIME, "allocating a kernel output failed");
-    PyObject *call = (PyObject *)*args;
-    PyObject *t = PyObject_Call(py.empty_strided, PyTuple_GET_ITEM(call, 0), PyTuple_GET_ITEM(call, 1));
+    PyObject *call = (PyObject *)*args, *t = NULL;
+    if (!py.empty_looked_up) {
+        py.empty_looked_up = 1;
+        PyObject *c = PyObject_GetAttrString(py.torch, "_C");
+        PyObject *d = c ? PyObject_GetAttrString(c, "_dynamo") : NULL;
+        PyObject *guards = d ? PyObject_GetAttrString(d, "guards") : NULL;
+        py.empty_cpu = guards ? PyObject_GetAttrString(guards, "_empty_strided_cpu") : NULL;
+        PyErr_Clear();
+        py.empty_cuda = guards ? PyObject_GetAttrString(guards, "_empty_strided_cuda") : NULL;
+        PyErr_Clear();
+        py.cuda_get_device = c ? PyObject_GetAttrString(c, "_cuda_getDevice") : NULL;
+        PyErr_Clear();
+        Py_XDECREF(guards);
+        Py_XDECREF(d);
+        Py_XDECREF(c);
+    }
+    PyObject *fast = NULL;
+    if (m->device.type == AF_DEVICE_CPU) {
+        fast = py.empty_cpu;
+    } else if (m->device.type == AF_DEVICE_CUDA && py.empty_cuda && py.cuda_get_device) {
+        PyObject *cur = PyObject_CallNoArgs(py.cuda_get_device);
+        long idx = cur ? PyLong_AsLong(cur) : -2;
+        Py_XDECREF(cur);
+        PyErr_Clear();
+        if (idx == (m->device.index < 0 ? 0 : m->device.index)) fast = py.empty_cuda;
+    }
+    if (fast) {
+        t = PyObject_Call(fast, PyTuple_GET_ITEM(call, 2), NULL);
+        if (!t) PyErr_Clear(); /* torch.empty_strided below tries again, and says why it fails */
+    }
+    if (!t) t = PyObject_Call(py.empty_strided, PyTuple_GET_ITEM(call, 0), PyTuple_GET_ITEM(call, 1));
     if (!t) /* the Python error (torch.OutOfMemoryError, say) stays pending for the caller to raise */
         return af_error_set(AF_ERR_RUNTIME, "allocating a kernel output failed");
     *out = (af_obj *)t;
