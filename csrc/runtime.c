@@ -57,6 +57,11 @@ struct af_program {
     int64_t *fold_delta;     /* per value: its data's byte offset from the root's */
     int8_t *view_state;      /* per node: 0 a view step not yet checked, 1 checked (no dispatch), -1 ATen */
     int8_t *fold_state;      /* per group: 2 no folded inputs; else 0 not yet checked, 1 checked, -1 falls back */
+    /* per group: 1 once a run (with checked program inputs) found every operand with the graph's
+     * layout; later runs with checked inputs read data pointers only. Layouts are functions of
+     * the program inputs' layouts, which those runs check. Never for a group with a 0-dim
+     * operand: a 0-dim program input may come on the CPU for a CUDA program. */
+    int8_t *operands_checked;
     /* Held views (planned after the first run, when every view step is checked): a checked view
      * step whose value only other checked view steps read, or whose layout is its root's, makes
      * nothing; its slot holds its root's tensor, and the views reading it reinterpret that root. */
@@ -140,6 +145,7 @@ void af_program_free(af_program *p) {
     free(p->fold_delta);
     free(p->view_state);
     free(p->fold_state);
+    free(p->operands_checked);
     free(p->held);
     free(p->hold_root);
     free(p->release);
@@ -307,7 +313,8 @@ static int plan_views(af_program *p) {
         }
     }
     p->fold_state = calloc((size_t)(p->plan ? p->plan->n_groups : 0) + 1, 1);
-    if (!p->fold_state) {
+    p->operands_checked = calloc((size_t)(p->plan ? p->plan->n_groups : 0) + 1, 1);
+    if (!p->fold_state || !p->operands_checked) {
         free(is_output);
         free(foldable);
         free(readers_ok);
@@ -578,7 +585,14 @@ static int run_kernel(af_program *p, int32_t gi) {
             p->kernel_objs[ni + k] = p->values[v];
             p->kernel_metas[ni + k] = m;
         }
-        st = af_bridge_tensor_data(p->kernel_objs, p->kernel_metas, ni + no, p->kernel_ptrs);
+        if (p->operands_checked[gi] && p->check_inputs) {
+            st = af_bridge_data_ptrs(p->kernel_objs, ni + no, p->kernel_ptrs);
+        } else {
+            st = af_bridge_tensor_data(p->kernel_objs, p->kernel_metas, ni + no, p->kernel_ptrs);
+            int scalar = 0;
+            for (int32_t k = 0; k < ni + no; k++) scalar |= p->kernel_metas[k]->type != AF_VALUE_TENSOR || p->kernel_metas[k]->ndim == 0;
+            if (st == AF_OK && p->check_inputs && !scalar) p->operands_checked[gi] = 1;
+        }
         if (st == AF_BRIDGE_LAYOUT_MISMATCH)
             for (int32_t k = 0; k < no; k++) { /* the members run as ATen calls and make their own */
                 af_obj_release(p->values[grp->outputs[k]]);

@@ -169,6 +169,29 @@ def test_two_outputs_with_one_root_are_two_tensors():
         assert len({id(o) for o in out}) == 3 and out[2] is not x
 
 
+def test_kernels_read_pointers_only_after_a_checked_run_and_only_with_checked_inputs():
+    """After one run found a kernel's operands with the graph's layouts, later runs read their data
+    pointers only (program inputs are checked each run). With input checks off, every run checks
+    the operands: an input with other strides makes the kernel fall back, never a wrong answer."""
+    def f(a, b, c):
+        return (aten.add.Tensor(aten.mul.Tensor(aten.mm.default(a, b), 2.0), c),)
+
+    a, b, c = torch.randn(6, 5), torch.randn(5, 4), torch.randn(6, 4)
+    prog = _program(f, a, b, c)
+    for run in range(3):
+        a, b, c = torch.randn(6, 5), torch.randn(5, 4), torch.randn(6, 4)
+        (out,) = prog.run([a, b, c])
+        assert_close(out, (a @ b) * 2 + c, f"kernel over an extern's output, run {run}")
+    assert prog.kernel_fallbacks == 0
+    with pytest.raises(_C.Error, match="stride"):
+        prog.run([a, b, torch.randn(4, 6).t()])
+    prog.check_inputs = False
+    c_t = torch.randn(4, 6).t()  # [6, 4] with strides (1, 6): not what the kernel was compiled for
+    (out,) = prog.run([a, b, c_t])
+    assert_close(out, (a @ b) * 2 + c_t, "kernel with an unchecked input of other strides")
+    assert prog.kernel_fallbacks == 1
+
+
 def test_bert_layer_has_2x_fewer_kernels_and_aten_calls_than_eager_ops():
     """Issue 5's count: launched kernels + ATen calls of a Bert layer's forward+backward against
     the top-level ATen ops torch's profiler sees in eager (views without an ATen call are

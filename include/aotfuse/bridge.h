@@ -50,6 +50,9 @@ int af_bridge_check_tensors(af_obj *const *objs, const af_tensor_meta *const *me
  * strides differ from what the kernel was compiled for, or an AF_ERR_* status. */
 #define AF_BRIDGE_LAYOUT_MISMATCH 1
 int af_bridge_tensor_data(af_obj *const *objs, const af_tensor_meta *const *metas, int32_t n, void **ptrs);
+/* Data pointers of n tensors without checking their layouts (Tensor.data_ptr()): for operands
+ * whose layouts an earlier run checked and that cannot change (see runtime.c). */
+int af_bridge_data_ptrs(af_obj *const *objs, int32_t n, void **ptrs);
 
 /* A new uninitialized tensor with meta's sizes, strides, dtype and device, from torch's
  * allocator (so torch's memory statistics see it). */
