@@ -175,6 +175,40 @@ def test_signature_changes_recompile(change):
     assert cf.compile_count == 2
 
 
+def test_repeated_calls_take_the_last_signature_only_when_it_is_theirs():
+    """A call with the last call's signature skips the key (a guard on the last signature); every
+    other call must still find its own program: alternate signatures several times."""
+    cf = aotfuse.aot_function(lambda x, y, k, opts: (x * k + y).sin() if opts["sin"] else x * k - y, max_cache_size=32)
+    x = torch.randn(4, 6, requires_grad=True)
+    y = torch.randn(4, 6)
+    calls = {
+        "base": lambda: (x, y, 2.0, {"sin": True}),
+        "k": lambda: (x, y, 3.0, {"sin": True}),
+        "k int": lambda: (x, y, 2, {"sin": True}),
+        "flag": lambda: (x, y, 2.0, {"sin": False}),
+        "dtype": lambda: (x.detach().double(), y.double(), 2.0, {"sin": True}),
+        "stride": lambda: (x.detach().t().contiguous().t(), y, 2.0, {"sin": True}),
+        "requires_grad": lambda: (x.detach(), y, 2.0, {"sin": True}),
+        "same tensor twice": lambda: (y, y, 2.0, {"sin": True}),
+        "new tensors": lambda: (torch.randn(4, 6, requires_grad=True), torch.randn(4, 6), 2.0, {"sin": True}),
+    }
+    seen = []
+    for name in ["base", "base", "k", "k", "base", "k int", "flag", "flag", "base", "dtype", "dtype", "stride",
+                 "stride", "base", "requires_grad", "base", "same tensor twice", "same tensor twice", "base",
+                 "new tensors", "new tensors", "base"]:
+        a, b, k, opts = calls[name]()
+        for grad in (True, False):
+            with torch.set_grad_enabled(grad):
+                out = cf(a, b, k, opts)
+                ref = (a * k + b).sin() if opts["sin"] else a * k - b
+            assert_close(out, ref, f"{name} call, grad mode {grad}")
+            assert out.dtype == ref.dtype and out.requires_grad == ref.requires_grad, name
+        if name not in seen:
+            seen.append(name)
+    # "new tensors" has the base signature; each other name and grad mode is its own
+    assert cf.compile_count == 2 * (len(seen) - 1), cf.compile_count
+
+
 def test_cache_bound_warns_once_and_stays_correct():
     cf = aotfuse.aot_function(lambda x: x.cos() + 1, max_cache_size=2)
     with warnings.catch_warnings(record=True) as caught:
