@@ -91,19 +91,90 @@ static void operand_strides(const af_tensor_meta *m, const af_tensor_meta *iter,
     }
 }
 
+/* The dims any window member of grp guards (bit d = iteration dim d). */
+static uint32_t window_guards(const af_graph *g, const af_fusion_group *grp) {
+    uint32_t mask = 0;
+    af_window w;
+    for (int32_t m = 0; m < grp->n_nodes; m++)
+        if (af_fuse_window(g, grp->nodes[m], &w)) mask |= w.guard_mask;
+    return mask;
+}
+
+int af_cg_has_window(const af_graph *g, const af_fusion_group *grp) {
+    for (int32_t m = 0; m < grp->n_nodes; m++)
+        if (af_fuse_window(g, grp->nodes[m], NULL)) return 1;
+    return 0;
+}
+
+static int popcount32(uint32_t x) {
+    int c = 0;
+    for (; x; x &= x - 1) c++;
+    return c;
+}
+
+/* A window member: its source (input k) at the shifted offset where every guarded coordinate (the
+ * coordinate operands' offsets) lies inside the source, the fill value elsewhere. The load is only
+ * evaluated inside (a conditional expression), so nothing outside the source is ever read. */
+static void emit_window(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
+                        const af_node *n, const af_window *w, const char *indent) {
+    int32_t k = 0;
+    while (k < grp->n_inputs && grp->inputs[k] != w->source) k++;
+    const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
+    uint32_t all = window_guards(g, grp);
+    int64_t shift = 0;
+    for (int32_t d = 0; d < iter->ndim; d++) shift += w->left[d] * ops[k].strides[d];
+    af_strbuf_printf(sb, "%sfloat v%d = (1", indent, (int)n->first_output);
+    for (int32_t d = 0; d < iter->ndim; d++) {
+        if (!((w->guard_mask >> d) & 1u)) continue;
+        int32_t c = grp->n_inputs + grp->n_outputs + popcount32(all & ((1u << d) - 1u));
+        af_strbuf_printf(sb, " && o%d >= %" PRId64 " && o%d < %" PRId64, (int)c, w->left[d], (int)c, w->left[d] + w->size[d]);
+    }
+    char ptr[16], off[48];
+    snprintf(ptr, sizeof ptr, "q%d", (int)k);
+    snprintf(off, sizeof off, "o%d - (%" PRId64 ")", (int)k, shift);
+    af_strbuf_printf(sb, ") ? ");
+    af_cg_emit_load(sb, ops[k].dtype, ptr, off);
+    af_strbuf_printf(sb, " : ");
+    if (w->base >= 0) {
+        af_strbuf_printf(sb, "v%d", (int)w->base);
+    } else {
+        af_arg fill = {.kind = AF_ARG_FLOAT, .u.f = w->value};
+        emit_scalar(sb, &fill, AF_DTYPE_FLOAT32);
+    }
+    af_strbuf_printf(sb, "; /* %s */\n", n->op);
+}
+
+static void emit_members_impl(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
+                              const char *indent, const char *acc_at, const int32_t *phases, int32_t phase, int modes,
+                              const uint8_t *cached);
+
 /* Emits the members' element computation (pointwise values as floats; reductions combined into
  * their accumulators acc<value>). */
 void af_cg_emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent,
                          const char *acc_at, const int32_t *phases, int32_t phase, int modes) {
-    af_cg_emit_members_cached(sb, g, grp, indent, acc_at, phases, phase, modes, NULL);
+    emit_members_impl(sb, g, grp, NULL, indent, acc_at, phases, phase, modes, NULL);
 }
 
 void af_cg_emit_members_cached(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent,
                                const char *acc_at, const int32_t *phases, int32_t phase, int modes, const uint8_t *cached) {
+    emit_members_impl(sb, g, grp, NULL, indent, acc_at, phases, phase, modes, cached);
+}
+
+/* ops: the kernel's operands, needed by window members (only af_cg_emit_body's pointwise kernels
+ * have them: fuse.c keeps windows out of reduction groups). */
+static void emit_members_impl(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
+                              const char *indent, const char *acc_at, const int32_t *phases, int32_t phase, int modes,
+                              const uint8_t *cached) {
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
         const af_value *out = af_graph_value(g, n->first_output);
         const af_op_info *info = af_op_get(n->op_id);
+        af_window win;
+        if (af_fuse_window(g, grp->nodes[m], &win)) {
+            if (ops) emit_window(sb, g, grp, ops, n, &win, indent);
+            else af_strbuf_printf(sb, "%s#error \"aotfuse: a window member outside a pointwise kernel\"\n", indent);
+            continue;
+        }
         if (phases && ((phases[m] & AF_CG_ROW) || (info->kind == AF_KIND_REDUCTION ? phases[m] != phase : phases[m] > phase)))
             continue;
         if (cached && cached[m] && phases[m] < phase) { /* computed in its own phase's pass, read back */
@@ -223,6 +294,7 @@ void af_cg_emit_pointers(af_strbuf *sb, const af_fusion_group *grp, const af_cg_
 
 void af_cg_emit_loads(af_strbuf *sb, const af_fusion_group *grp, const af_cg_operand *ops) {
     for (int32_t k = 0; k < grp->n_inputs; k++) {
+        if (ops[k].window_only) continue; /* read by window members at their own offsets */
         if (ops[k].dtype == AF_DTYPE_INT64) { /* a random node's seed and the element's counter */
             /* counters below 2^32 as 32-bit values (af_rand's high word is then 0): loops stay 32-bit wide */
             const char *it = ops[k].narrow_counter ? "uint32_t" : "uint64_t";
@@ -252,7 +324,7 @@ void af_cg_emit_store_at(af_strbuf *sb, const char *indent, int32_t k, af_dtype 
 void af_cg_emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
                       const char *acc_at, int modes) {
     af_cg_emit_loads(sb, grp, ops);
-    af_cg_emit_members(sb, g, grp, "      ", acc_at, NULL, 0, modes);
+    emit_members_impl(sb, g, grp, ops, "      ", acc_at, NULL, 0, modes, NULL);
     for (int32_t k = grp->n_inputs; k < grp->n_inputs + grp->n_outputs; k++) {
         if (!af_cg_is_reduction_value(g, ops[k].value)) af_cg_emit_store_at(sb, "      ", k, ops[k].dtype, "o", ops[k].value);
     }
@@ -300,7 +372,7 @@ static int random_index_strides(const af_graph *g, const af_fusion_group *grp, i
  * NULL when out of memory. */
 static af_cg_operand *make_operands(const af_graph *g, const af_fusion_group *grp, const af_tensor_meta *iter) {
     int32_t nops = grp->n_inputs + grp->n_outputs;
-    af_cg_operand *ops = calloc((size_t)nops + 1, sizeof *ops);
+    af_cg_operand *ops = calloc((size_t)nops + AF_MAX_DIMS + 1, sizeof *ops); /* room for coordinate operands */
     for (int32_t k = 0; ops && k < nops; k++) {
         int32_t v = k < grp->n_inputs ? grp->inputs[k] : grp->outputs[k - grp->n_inputs];
         const af_tensor_meta *m = &af_graph_value(g, v)->meta;
@@ -409,12 +481,36 @@ void af_cg_space_free(af_cg_space *sp) {
 int af_cg_space_new(const af_graph *g, const af_fusion_group *grp, af_cg_space *sp) {
     memset(sp, 0, sizeof *sp);
     const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
-    sp->nops = grp->n_inputs + grp->n_outputs;
+    uint32_t guards = window_guards(g, grp);
+    sp->nops = grp->n_inputs + grp->n_outputs + popcount32(guards);
     sp->ops = make_operands(g, grp, iter);
     sp->strides = calloc((size_t)sp->nops + 1, sizeof *sp->strides);
     if (!sp->ops || !sp->strides) {
         af_cg_space_free(sp);
         return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
+    }
+    if (guards) { /* coordinate operands, and the inputs only windows read */
+        int32_t c = grp->n_inputs + grp->n_outputs;
+        for (int32_t d = 0; d < iter->ndim; d++)
+            if ((guards >> d) & 1u) {
+                sp->ops[c].value = -1;
+                sp->ops[c].dtype = AF_DTYPE_INT64;
+                sp->ops[c++].strides[d] = 1;
+            }
+    }
+    for (int32_t k = 0; k < grp->n_inputs; k++) {
+        int plain = 0, windowed = 0;
+        af_window w;
+        for (int32_t m = 0; m < grp->n_nodes; m++) {
+            const af_node *n = af_graph_node(g, grp->nodes[m]);
+            int is_window = af_fuse_window(g, grp->nodes[m], &w);
+            for (int32_t a = 0; a < n->n_args; a++)
+                if (n->args[a].kind == AF_ARG_VALUE && n->args[a].u.value == grp->inputs[k]) {
+                    if (is_window && a == w.source_arg) windowed = 1;
+                    else plain = 1;
+                }
+        }
+        sp->ops[k].window_only = windowed && !plain;
     }
     int32_t nops = sp->nops, nd = 0;
     int reducing = grp->n_reductions > 0;

@@ -18,10 +18,13 @@ typedef struct {
     af_dtype dtype;
     int64_t strides[AF_MAX_DIMS];
     int narrow_counter; /* a random node's seed whose counters all fit in 32 bits */
+    int window_only;    /* an input only window members read (at their own indices): no plain load */
 } af_cg_operand;
 
 /* A group's iteration space after coalescing: size-1 dims dropped, neighbours merged where every
- * operand is contiguous across them. Reduction groups put kept dims first (cls 0), reduced dims
+ * operand is contiguous across them. A group with window members has one more operand per dim
+ * some window guards (in dim order, after the outputs; no pointer): its stride is 1 on that dim
+ * and 0 elsewhere, so its offset o<k> is the element's coordinate there (and no merge hides it). Reduction groups put kept dims first (cls 0), reduced dims
  * after (cls 1), and never merge across the two. */
 typedef struct {
     int32_t nops;
@@ -41,6 +44,8 @@ int af_cg_space_new(const af_graph *g, const af_fusion_group *grp, af_cg_space *
  * bits with room for a step: then the kernel's index math is 32-bit. */
 int af_cg_narrow_index(const af_cg_space *sp);
 void af_cg_space_free(af_cg_space *sp);
+/* Whether grp has window members (then its kernels are scalar: no vector variant). */
+int af_cg_has_window(const af_graph *g, const af_fusion_group *grp);
 
 const char *af_cg_ctype(af_dtype d);
 /* Helpers both preludes include after defining AF_FN (a helper's declaration on the target):

@@ -127,7 +127,7 @@ static void emit_pointwise(af_strbuf *sb, const af_graph *g, const af_fusion_gro
     launch->threads = AF_THREADS;
     launch->blocks = (sp->numel + AF_THREADS - 1) / AF_THREADS;
 
-    int vec = vector_width(grp, sp);
+    int vec = af_cg_has_window(g, grp) ? 0 : vector_width(grp, sp);
     if (!vec) return;
     int64_t nvec = sp->numel / vec;
     int32_t in = nd - 1;

@@ -29,9 +29,107 @@ static int device_supported(af_device d) { return d.type == AF_DEVICE_CPU || d.t
 
 static int same_device(af_device a, af_device b) { return a.type == b.type && a.index == b.index; }
 
+static int float_only(af_dtype d);
+
+/* slice_scatter(base, x, dim=0, start=None, end=None, step=1) with step 1 as a window. */
+static int scatter_window(const af_graph *g, const af_node *n, af_window *w) {
+    const af_tensor_meta *out = &af_graph_value(g, n->first_output)->meta;
+    if (n->n_args < 2 || n->args[0].kind != AF_ARG_VALUE || n->args[1].kind != AF_ARG_VALUE || n->args[0].name ||
+        n->args[1].name)
+        return 0;
+    const af_tensor_meta *base = &af_graph_value(g, n->args[0].u.value)->meta, *in = &af_graph_value(g, n->args[1].u.value)->meta;
+    if (base->type != AF_VALUE_TENSOR || in->type != AF_VALUE_TENSOR || base->dtype != out->dtype || in->dtype != out->dtype ||
+        !same_device(base->device, out->device) || !same_device(in->device, out->device) || base->ndim != out->ndim ||
+        in->ndim != out->ndim || out->ndim < 1)
+        return 0;
+    for (int32_t d = 0; d < out->ndim; d++)
+        if (base->sizes[d] != out->sizes[d]) return 0;
+    int64_t dim = 0, start = 0, end = INT64_MAX, step = 1;
+    int have_start = 0, have_end = 0;
+    for (int32_t a = 2; a < n->n_args; a++) {
+        const af_arg *arg = &n->args[a];
+        const char *name = arg->name ? arg->name : a == 2 ? "dim" : a == 3 ? "start" : a == 4 ? "end" : a == 5 ? "step" : "";
+        if (arg->kind == AF_ARG_NONE && (strcmp(name, "start") == 0 || strcmp(name, "end") == 0)) continue;
+        if (arg->kind != AF_ARG_INT) return 0;
+        if (strcmp(name, "dim") == 0) dim = arg->u.i;
+        else if (strcmp(name, "start") == 0) start = arg->u.i, have_start = 1;
+        else if (strcmp(name, "end") == 0) end = arg->u.i, have_end = 1;
+        else if (strcmp(name, "step") == 0) step = arg->u.i;
+        else return 0;
+    }
+    if (dim < 0) dim += out->ndim;
+    if (dim < 0 || dim >= out->ndim || step != 1) return 0;
+    int64_t size = out->sizes[dim];
+    if (!have_start) start = 0;
+    if (!have_end) end = size;
+    if (start < 0) start += size;
+    if (end < 0) end += size;
+    start = start < 0 ? 0 : start > size ? size : start;
+    end = end < start ? start : end > size ? size : end;
+    memset(w, 0, sizeof *w);
+    for (int32_t d = 0; d < out->ndim; d++) {
+        if (in->sizes[d] != (d == dim ? end - start : out->sizes[d])) return 0;
+        w->size[d] = in->sizes[d];
+    }
+    w->left[dim] = start;
+    if (start > 0 || end < size) w->guard_mask = 1u << dim;
+    w->source = n->args[1].u.value;
+    w->source_arg = 1;
+    w->base = n->args[0].u.value;
+    return 1;
+}
+
+int af_fuse_window(const af_graph *g, int32_t index, af_window *w) {
+    const af_node *n = af_graph_node(g, index);
+    if (!n || (n->op_id != AF_OP_CONSTANT_PAD_ND && n->op_id != AF_OP_SLICE_SCATTER) || n->n_outputs != 1) return 0;
+    if (n->op_id == AF_OP_SLICE_SCATTER) {
+        const af_tensor_meta *out = &af_graph_value(g, n->first_output)->meta;
+        if (out->type != AF_VALUE_TENSOR || !float_only(out->dtype) || !device_supported(out->device)) return 0;
+        af_window sw;
+        if (!scatter_window(g, n, &sw)) return 0;
+        if (w) *w = sw;
+        return 1;
+    }
+    if (n->n_args < 2 || n->n_args > 3) return 0;
+    const af_tensor_meta *out = &af_graph_value(g, n->first_output)->meta;
+    if (out->type != AF_VALUE_TENSOR || !float_only(out->dtype) || !device_supported(out->device)) return 0;
+    const af_arg *x = &n->args[0], *pad = &n->args[1];
+    if (x->kind != AF_ARG_VALUE || x->name || pad->kind != AF_ARG_LIST || pad->name) return 0;
+    const af_tensor_meta *in = &af_graph_value(g, x->u.value)->meta;
+    if (in->type != AF_VALUE_TENSOR || in->dtype != out->dtype || !same_device(in->device, out->device) ||
+        in->ndim != out->ndim || pad->u.list.n % 2 || pad->u.list.n > 2 * in->ndim)
+        return 0;
+    af_window wv;
+    memset(&wv, 0, sizeof wv);
+    wv.source = x->u.value;
+    wv.base = -1;
+    if (n->n_args == 3) {
+        const af_arg *v = &n->args[2];
+        if ((v->name && strcmp(v->name, "value") != 0) || (v->kind != AF_ARG_FLOAT && v->kind != AF_ARG_INT)) return 0;
+        wv.value = v->kind == AF_ARG_FLOAT ? v->u.f : (double)v->u.i;
+    }
+    for (int32_t d = 0; d < in->ndim; d++) {
+        int32_t j = in->ndim - 1 - d; /* pad lists the last dim first: (left, right) pairs */
+        int64_t l = 0, r = 0;
+        if (2 * j + 1 < pad->u.list.n) {
+            const af_arg *a = &pad->u.list.items[2 * j], *b = &pad->u.list.items[2 * j + 1];
+            if (a->kind != AF_ARG_INT || b->kind != AF_ARG_INT) return 0;
+            l = a->u.i;
+            r = b->u.i;
+        }
+        if (in->sizes[d] + l + r != out->sizes[d]) return 0;
+        wv.left[d] = l;
+        wv.size[d] = in->sizes[d];
+        if (l > 0 || r > 0) wv.guard_mask |= 1u << d; /* a size-1 dim too: its coordinate is 0 */
+    }
+    if (w) *w = wv;
+    return 1;
+}
+
 int af_fuse_node_ok(const af_graph *g, int32_t index) {
     const af_node *n = af_graph_node(g, index);
     if (!n) return 0;
+    if (n->op_id == AF_OP_CONSTANT_PAD_ND || n->op_id == AF_OP_SLICE_SCATTER) return af_fuse_window(g, index, NULL);
     const af_op_info *info = af_op_get(n->op_id);
     if (info->kind != AF_KIND_POINTWISE || !info->c_expr || n->n_outputs != 1) return 0;
     const af_value *out = af_graph_value(g, n->first_output);
@@ -261,9 +359,10 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
     const af_tensor_meta **gshape = malloc(((size_t)nn + 1) * sizeof *gshape);
     uint32_t *gmask = calloc((size_t)nn + 1, sizeof(uint32_t));
     uint8_t *is_reduced = calloc((size_t)nv + 1, 1);
+    uint8_t *gwin = calloc((size_t)nn + 1, 1); /* per provisional group: has a window member (then no reductions) */
     int st = AF_OK;
     if (!plan || !value_group || !closed || !prov_of_node || !prov_size || !is_output || !parent || !last_reader || !gshape ||
-        !gmask || !is_reduced) {
+        !gmask || !is_reduced || !gwin) {
         st = af_error_set(AF_ERR_NOMEM, "out of memory planning fusion");
         goto done;
     }
@@ -281,6 +380,10 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
         uint32_t mask = 0;
         int kind = af_fuse_node_ok(g, i) ? 1 : af_fuse_reduction_ok(g, i, &mask) ? 2 : 0;
         if (kind && !((devices >> af_graph_value(g, n->first_output)->meta.device.type) & 1u)) kind = 0;
+        af_window win;
+        int window = kind == 1 && af_fuse_window(g, i, &win);
+        /* a window's source is read at other indices than the window's own: never in its group */
+        int32_t src_group = window && value_group[win.source] >= 0 ? find_root(parent, value_group[win.source]) : -1;
         if (kind) {
             /* a reduction iterates over its input's shape; a pointwise node over its output's */
             const af_tensor_meta *shape = kind == 1 ? &af_graph_value(g, n->first_output)->meta
@@ -288,7 +391,7 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
             int32_t join = -1;
             /* a row member: pointwise over finished reductions of one group only (log(sum),
              * rsqrt(var + eps)), computed once per row after them */
-            if (kind == 1) {
+            if (kind == 1 && !window) {
                 int32_t cand = -1, ok = 0;
                 for (int32_t a = 0; a < n->n_args; a++) {
                     if (n->args[a].kind != AF_ARG_VALUE) continue;
@@ -310,6 +413,8 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
                     if (cand < 0) continue;
                     cand = find_root(parent, cand);
                     if (closed[cand] || !same_shape(gshape[cand], shape)) continue;
+                    if (window && (cand == src_group || gmask[cand] || (pass == 0 && a == win.source_arg))) continue;
+                    if (kind == 2 && gwin[cand]) continue; /* a group with a window has no reductions */
                     /* a random node starts its own group: its seed's index space is its own shape */
                     if (pass == 1 && n->op_id == AF_OP_RNG_UNIFORM) continue;
                     const af_tensor_meta *vm = &af_graph_value(g, v)->meta;
@@ -324,6 +429,9 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
                     if (join < 0) join = cand;
                     else if (cand != join) { /* merge: both open, so no outsider read either yet */
                         if (gmask[cand] && gmask[join] && gmask[cand] != gmask[join]) continue;
+                        if ((gwin[cand] || gwin[join]) && (gmask[cand] || gmask[join] || kind == 2)) continue;
+                        if (window && cand == src_group) continue;
+                        gwin[join] |= gwin[cand];
                         parent[cand] = join;
                         prov_size[join] += prov_size[cand];
                         if (gmask[cand]) gmask[join] = gmask[cand];
@@ -341,6 +449,7 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
                 gmask[join] = mask;
                 is_reduced[n->first_output] = 1;
             }
+            gwin[join] |= (uint8_t)window;
             prov_of_node[i] = join;
             prov_size[join]++;
             value_group[n->first_output] = join;
@@ -444,6 +553,7 @@ done:
     free(gshape);
     free(gmask);
     free(is_reduced);
+    free(gwin);
     if (st) {
         af_fuse_plan_free(plan);
         return st;

@@ -11,7 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from aotfuse import _C
 from aotfuse.lower import build_graph
 from aotfuse.nvrtc_check import captured_graphs, compile_report, cuda_sources, nvrtc_available
-from test_fusion import OP_CASES, _inputs
+from test_fusion import OP_CASES, _inputs, window_cases, window_inputs
 
 aten = torch.ops.aten
 ARCHS = [80, 90]
@@ -129,3 +129,13 @@ def test_phased_epilogue_kernels_compile(width, capsys):
                 with capsys.disabled():
                     if dtype == torch.float32 and arch == 90:
                         print(f"\n[nvrtc] phased {case} width {width} sm_{arch}: {k['registers']} registers, {k['smem']} bytes smem", end="")
+
+
+@needs_nvrtc
+def test_window_members_compile():
+    source, launches = _cuda_plan(window_cases, *window_inputs(torch.bfloat16))
+    assert source.count("aten::constant_pad_nd") == 5 and source.count("aten::slice_scatter") == 3, source
+    assert launches and all(l["kind"] == "pointwise" for l in launches), launches
+    for arch in ARCHS:
+        kernels = compile_report(source, arch)
+        assert len(kernels) >= len(launches) and all(k["registers"] for k in kernels), (arch, kernels)

@@ -8,8 +8,9 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import aotfuse.rng  # noqa: F401  (registers aotfuse::rng_uniform)
+from aotfuse import _C
 import cuda_emu
-from test_fusion import EPILOGUE_CASES, OP_CASES, _inputs, nan_phases_case
+from test_fusion import EPILOGUE_CASES, OP_CASES, _inputs, nan_phases_case, window_cases, window_inputs
 
 aten = torch.ops.aten
 _why = cuda_emu.unavailable()
@@ -224,3 +225,16 @@ def test_seed_model_programs_cuda_kernels_match_eager(model, dtype, norms, monke
     assert len(kinds) >= 8 and "pointwise" in kinds, kinds
     if norms:
         assert any("phases)" in cuda_emu.source_of(gm) for gm, _ in programs), "no phased kernel"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_window_members_match_eager(dtype):
+    """Paddings and slice assignments as guarded, shifted loads (coordinate operands) in scalar
+    CUDA kernels."""
+    args = window_inputs(dtype)
+    gm = make_fx(window_cases)(*args)
+    ran = cuda_emu.check(gm, args, f"windows {dtype}")
+    launches = _C.cuda_codegen(cuda_emu.build_graph(gm, device="cuda:0").graph)[1]
+    assert len(ran) == len(launches) and all(l["kind"] == "pointwise" for l in ran), (ran, launches)  # none skipped
+    source = cuda_emu.source_of(gm)
+    assert source.count("aten::constant_pad_nd") == 5 and source.count("aten::slice_scatter") == 3, source

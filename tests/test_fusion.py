@@ -516,7 +516,7 @@ def test_copies_into_fresh_or_sliced_tensors_are_fused_copies_of_the_source():
     assert torch.equal(got[1], ref[1])
     assert got[1].stride() == ref[1].stride() == (30, 5, 1)
     externs = lowered.extern_counts()
-    assert externs == {"aten::slice_scatter.default": 1}, externs  # no copy, no empty tensor, no slice view
+    assert externs == {}, externs  # no copy, no empty tensor, no slice view; the slice_scatter is a window member
     groups = lowered.program.node_groups()
     mul_group = next(grp for op, _k, grp in groups if op == "aten::mul.Tensor")
     assert mul_group >= 0 and [op for op, _k, grp in groups if grp == mul_group].count("aten::clone.default") == 1, groups
@@ -591,3 +591,79 @@ def test_a_lone_pointwise_op_after_an_aten_call_is_a_kernel():
     lowered = lower(make_fx(f)(a, b))
     assert_close(lowered([a, b])[0], f(a, b), "mm, scale, mm", atol=1e-5, rtol=1e-5)
     assert lowered.extern_counts() == {"aten::mm.default": 2}, lowered.extern_counts()
+
+
+def window_cases(x, y, s, t):
+    """Paddings and slice assignments as AOTAutograd gives them (Longformer's banded attention makes
+    all of these): pads on both sides, crops, a fill value, slice_backward (zeros around a
+    gradient), a slice_backward of a slice_backward (one pad), slice_scatter over a value the kernel
+    computes, windows of one source beside plain reads of another. x, y: [4, 9]; s: [4, 3];
+    t: [2, 3, 5] (strided)."""
+    e = aten.mul.Tensor(s, 1.5)  # computed in another kernel: the windows read it as an input
+    pads = aten.add.Tensor(aten.constant_pad_nd.default(e, [2, 4, 0, 0], 0.0), y)                  # [4, 9]
+    crop = aten.mul.Tensor(aten.constant_pad_nd.default(x, [-2, 1, 1, -1], 1.5), 2.0)             # [4, 8]
+    grad = aten.add.Tensor(aten.slice_backward.default(e, [4, 9], 1, -5, -2, 1), x)               # [4, 9]
+    nested = aten.slice_backward.default(aten.slice_backward.default(s, [4, 6], 1, 1, 4, 1), [7, 6], 0, 3, 9223372036854775807, 1)
+    scatter = aten.slice_scatter.default(aten.mul.Tensor(x, 3.0), e, 1, 6)                        # base computed here
+    scatter2 = aten.slice_scatter.default(aten.slice_scatter.default(y, s, 1, 0, 3), e, 1, 3, 6)  # chained
+    strided = aten.sub.Tensor(aten.constant_pad_nd.default(t, [1, 1, 0, 0, 1, 0]), 0.5)          # [3, 3, 7]
+    return pads, crop, grad, aten.mul.Tensor(nested, -1.0), aten.add.Tensor(scatter, 1.0), scatter2, strided
+
+
+def window_inputs(dtype):
+    g = torch.Generator().manual_seed(11)
+    x, y, s = (torch.randn(*shape, generator=g).to(dtype) for shape in ((4, 9), (4, 9), (4, 3)))
+    t = torch.randn(2, 5, 3, generator=g).to(dtype).transpose(1, 2)  # [2, 3, 5], strides (15, 1, 3)
+    return x, y, s, t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_paddings_and_slice_assignments_are_kernel_members(dtype):
+    """constant_pad_nd, slice_backward and slice_scatter read their source at shifted, guarded
+    indices inside the kernels that consume them: no ATen call, the values bit-for-bit eager's
+    (a window only moves values; the arithmetic around it rounds as eager's ops do)."""
+    args = window_inputs(dtype)
+    lowered = lower(make_fx(window_cases)(*args))
+    for _ in range(2):
+        got, ref = lowered(list(args)), window_cases(*args)
+        for i, (a, r) in enumerate(zip(got, ref)):
+            assert a.shape == r.shape and a.dtype == r.dtype, (i, a.shape, r.shape)
+            assert_close(a, r, f"window case {i} ({dtype})", atol=0, rtol=0)
+    assert lowered.extern_counts() == {}, lowered.extern_counts()
+    ops = [op for op, _k, grp in lowered.program.node_groups()]
+    assert "aten::slice_backward.default" not in ops and ops.count("aten::constant_pad_nd.default") == 5, ops
+    assert lowered.program.kernel_fallbacks == 0
+
+
+def test_a_window_never_joins_its_source_s_kernel_nor_a_reduction():
+    """The source is read at other indices than the window's own: it must be materialized first
+    (so a window of a value computed in the same chain starts a new kernel), and a window's kernel
+    has no reductions (the reduction kernels have no guarded loads)."""
+    def f(x):
+        h = aten.mul.Tensor(x, 2.0)
+        p = aten.constant_pad_nd.default(h, [0, 0, 1, -1])  # shifted by one row: same shape as h
+        q = aten.add.Tensor(p, h)
+        return aten.sum.dim_IntList(q, [1]), q
+
+    x = torch.randn(6, 8)
+    lowered = lower(make_fx(f)(x))
+    got, ref = lowered([x]), f(x)
+    for a, r in zip(got, ref):
+        assert_close(a, r, "shifted sum", atol=1e-5, rtol=1e-5)
+    groups = {}
+    for op, _k, grp in lowered.program.node_groups():
+        groups.setdefault(grp, []).append(op.split(".")[0])
+    pad_group = next(g for g, ops in groups.items() if "aten::constant_pad_nd" in ops)
+    assert "aten::mul" not in groups[pad_group] and "aten::sum" not in groups[pad_group], groups
+
+
+def test_pads_that_crop_inside_are_not_composed():
+    # crop then pad loses what the crop removed: pad(pad(x, -1), +1) is not pad(x, 0)
+    def f(x):
+        inner = aten.constant_pad_nd.default(aten.mul.Tensor(x, 1.0), [-1, 0])
+        return (aten.constant_pad_nd.default(inner, [1, 0]),)
+
+    x = torch.randn(3, 5)
+    lowered = lower(make_fx(f)(x))
+    assert_close(lowered([x])[0], f(x)[0], "crop then pad", atol=0, rtol=0)
+    assert [op for op, _k, _g in lowered.program.node_groups()].count("aten::constant_pad_nd.default") == 2

@@ -8,6 +8,8 @@
  * The group runs where its last member stood; a group is closed to new members as soon as a node
  * outside it reads one of its values, which keeps the step order acyclic.
  *
+ * Window members (af_fuse_window: padding) read their one source at shifted, guarded indices.
+ *
  * Every tensor a member touches lives on one device (type and index), CPU or CUDA: a group is
  * compiled by that device's code generator.
  * The plan is owned by the caller (af_fuse_plan_free).
@@ -51,6 +53,25 @@ typedef struct {
  * reduction's reduced dims go in *mask (bit d = dim d of its input) when mask is not NULL. */
 int af_fuse_node_ok(const af_graph *g, int32_t node);
 int af_fuse_reduction_ok(const af_graph *g, int32_t node, uint32_t *mask);
+
+/* A window member (`aten.constant_pad_nd(x, pad, value)`, what the lowering also makes of
+ * `slice_backward`; `aten.slice_scatter(base, x, dim, start, end)` with step 1): element i of its
+ * output is x[i - left] where that lies inside x, else the fill value (pad) or base[i] (scatter).
+ * Its source x is always a group input (never a member: it iterates over its own, other shape);
+ * a base is an ordinary operand. A group with a window member has no reductions. guard_mask: the
+ * dims whose coordinate must be tested (padded on either side); dims only cropped need none. */
+typedef struct {
+    int32_t source;               /* value id of x */
+    int32_t source_arg;           /* x's argument index */
+    int32_t base;                 /* value id of base, or -1 (a fill value) */
+    int64_t left[AF_MAX_DIMS];    /* per output dim: left pad (negative: cropped) */
+    int64_t size[AF_MAX_DIMS];    /* per output dim: x's size */
+    uint32_t guard_mask;
+    double value;
+} af_window;
+/* 1 and *w filled when node is a window member the code generators take (af_fuse_node_ok is 1 for
+ * it too), else 0. */
+int af_fuse_window(const af_graph *g, int32_t node, af_window *w);
 
 /* Plans the groups of g (verified). opts may be NULL. */
 int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_plan **out);

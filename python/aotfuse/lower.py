@@ -5,6 +5,7 @@ boxed calling convention (one list argument, cleared by the callee).
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Sequence
 
@@ -376,7 +377,11 @@ def _replacements(gm: fx.GraphModule) -> tuple[dict, set]:
       - `aten.cat` of tensors some of which are empty (a Hugging Face cache's first update,
         `cat([empty, key])`): the cat of the others, or a copy of the only one;
       - `aten.split` into equal chunks: one slice view per chunk, which the kernels reading them
-        fold (ATen's split is one call making every chunk).
+        fold (ATen's split is one call making every chunk);
+      - `aten.slice_backward` (step 1: the gradient of a slice, zeros around it) is the same
+        `aten.constant_pad_nd`, a window member of the kernels (fuse.h); a pad of a pad that only
+        pads (never crops) with the same fill value is one pad of the inner one's source (Longformer's
+        chained slices), so the inner one is not made.
     Unread: side-effect-free nodes whose every reader is replaced by a call that does not read them
     (the uninitialized `new_empty_strided` a copy fills, the slice assigned to, a cache's empty
     constant), and nodes only they read, in turn."""
@@ -411,6 +416,21 @@ def _replacements(gm: fx.GraphModule) -> tuple[dict, set]:
                 dim %= max(x.dim(), 1)
                 starts = [i * node.args[1] for i in range(len(val))]
                 replace[node] = ("split", [(node.args[0], dim, st, st + t.shape[dim]) for st, t in zip(starts, val)], {})
+        elif node.target in (torch.ops.aten.slice_backward.default, torch.ops.aten.constant_pad_nd.default):
+            pad = _pad_of(node)
+            if pad is None:
+                continue
+            src, lr, value = pad
+            composed = False
+            inner = _pad_of(src)
+            while inner is not None and (inner[2], math.copysign(1.0, inner[2])) == (value, math.copysign(1.0, value)) \
+                    and all(a >= 0 and b >= 0 for a, b in inner[1]):
+                src, lr = inner[0], [(a + c, b + d) for (a, b), (c, d) in zip(lr, inner[1])]
+                composed = True
+                inner = _pad_of(src)
+            if composed or node.target is torch.ops.aten.slice_backward.default:
+                flat = [x for a, b in reversed(lr) for x in (a, b)]
+                replace[node] = ("aten::constant_pad_nd.default", [src, flat, value], {})
     readers: dict = {n: 0 for n in gm.graph.nodes}
 
     def reads(node: fx.Node) -> list:
@@ -433,6 +453,46 @@ def _replacements(gm: fx.GraphModule) -> tuple[dict, set]:
     return replace, unread
 
 
+def _pad_of(node: Any) -> tuple | None:
+    """(source, [(left, right) per dim], fill value) when node is a padding of one strided float
+    tensor of the same dtype and rank: `constant_pad_nd`, or `slice_backward` with step 1 (zeros
+    around the gradient). Negative pads crop."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or node.kwargs or not node.args:
+        return None
+    src, val = node.args[0], node.meta.get("val")
+    x = src.meta.get("val") if isinstance(src, fx.Node) else None
+    if not (isinstance(x, torch.Tensor) and isinstance(val, torch.Tensor) and x.layout == val.layout == torch.strided
+            and x.dtype == val.dtype and x.dtype.is_floating_point and x.dim() == val.dim() and x.device == val.device):
+        return None
+    lr = [(0, 0)] * x.dim()
+    if node.target is torch.ops.aten.slice_backward.default and len(node.args) == 6:
+        _g, sizes, dim, start, _end, step = node.args
+        if step != 1 or not isinstance(dim, int) or not isinstance(start, int) or list(sizes) != list(val.shape):
+            return None
+        dim %= x.dim()
+        n = val.shape[dim]
+        start = min(max(start + n if start < 0 else start, 0), n)
+        right = n - start - x.shape[dim]
+        if right < 0:
+            return None
+        lr[dim] = (start, right)
+        value = 0.0
+    elif node.target is torch.ops.aten.constant_pad_nd.default and len(node.args) in (2, 3):
+        pad = node.args[1]
+        value = node.args[2] if len(node.args) == 3 else 0.0
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or len(pad) % 2 or len(pad) > 2 * x.dim() \
+                or not all(isinstance(p, int) for p in pad):
+            return None
+        for j in range(len(pad) // 2):
+            lr[x.dim() - 1 - j] = (pad[2 * j], pad[2 * j + 1])
+        value = float(value)
+    else:
+        return None
+    if any(x.shape[d] + a + b != val.shape[d] for d, (a, b) in enumerate(lr)):
+        return None
+    return src, lr, value
+
+
 def _copy_of(src: fx.Node, val: torch.Tensor) -> tuple:
     """A copy of src's value in val's dtype (its layout is val's: the node's meta)."""
     if src.meta["val"].dtype == val.dtype:
@@ -442,7 +502,7 @@ def _copy_of(src: fx.Node, val: torch.Tensor) -> tuple:
 
 _PURE_EXTERNS = _EMPTIES + (torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.new_zeros.default,
                              torch.ops.aten.new_ones.default, torch.ops.aten.new_full.default, torch.ops.aten.zeros.default,
-                             torch.ops.aten.ones.default, torch.ops.aten.full.default)
+                             torch.ops.aten.ones.default, torch.ops.aten.full.default, torch.ops.aten.slice_backward.default)
 
 
 def _pure(node: fx.Node) -> bool:

@@ -151,6 +151,62 @@ static void test_random_nodes(void **state) {
 
 /* A group wider than AF_MAX_DIMS operands (the code generator once kept per-operand strides in a
  * fixed array of AF_MAX_DIMS + 1). */
+/* Windows: a pad of x (a member's value) never joins x's group, takes the consumer's add, guards
+ * the padded dim through a coordinate operand and shifts the load; malformed pads are no windows;
+ * a reduction never joins a window's group. */
+static void test_windows(void **state) {
+    (void)state;
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    af_tensor_meta m2 = f32(2); /* [4, 8] */
+    int64_t psz[2] = {4, 11}, pst[2] = {11, 1}, rsz[1] = {4}, rst[1] = {1};
+    af_tensor_meta pm = m2, rm = m2;
+    pm.sizes = psz, pm.strides = pst;
+    rm.ndim = 1, rm.sizes = rsz, rm.strides = rst;
+    int32_t x, y, h, p, q, bad, r;
+    assert_int_equal(af_graph_add_input(g, "x", &m2, &x), AF_OK);
+    assert_int_equal(af_graph_add_input(g, "y", &pm, &y), AF_OK);
+    h = node(g, "aten::exp.default", x, -1, 2); /* n0 */
+    af_arg pads[2] = {{.kind = AF_ARG_INT, .u.i = 2}, {.kind = AF_ARG_INT, .u.i = 1}};
+    af_arg pad_args[3] = {{.kind = AF_ARG_VALUE, .u.value = h}, {.kind = AF_ARG_LIST, .u.list = {.n = 2, .items = pads}},
+                          {.kind = AF_ARG_FLOAT, .u.f = -1.0}};
+    assert_int_equal(af_graph_add_node(g, "aten::constant_pad_nd.default", pad_args, 3, &pm, 1, &p), AF_OK); /* n1 */
+    af_arg add_args[2] = {{.kind = AF_ARG_VALUE, .u.value = p}, {.kind = AF_ARG_VALUE, .u.value = y}};
+    assert_int_equal(af_graph_add_node(g, "aten::add.Tensor", add_args, 2, &pm, 1, &q), AF_OK); /* n2 */
+    af_arg odd[1] = {{.kind = AF_ARG_INT, .u.i = 3}}; /* an odd pad list: no window */
+    af_arg bad_args[2] = {{.kind = AF_ARG_VALUE, .u.value = h}, {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = odd}}};
+    assert_int_equal(af_graph_add_node(g, "aten::constant_pad_nd.default", bad_args, 2, &pm, 1, &bad), AF_OK); /* n3 */
+    af_arg dims[1] = {{.kind = AF_ARG_INT, .u.i = 1}};
+    af_arg sum_args[2] = {{.kind = AF_ARG_VALUE, .u.value = q}, {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = dims}}};
+    assert_int_equal(af_graph_add_node(g, "aten::sum.dim_IntList", sum_args, 2, &rm, 1, &r), AF_OK); /* n4 */
+    int32_t outs[3] = {q, bad, r};
+    assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
+    af_window w;
+    assert_int_equal(af_fuse_window(g, 1, &w), 1);
+    assert_int_equal(w.source, h);
+    assert_int_equal(w.base, -1);
+    assert_int_equal(w.left[1], 2);
+    assert_int_equal(w.size[1], 8);
+    assert_int_equal(w.guard_mask, 2u);
+    assert_int_equal(af_fuse_window(g, 3, &w), 0);
+    assert_int_equal(af_fuse_node_ok(g, 3), 0);
+    af_fusion_plan *plan;
+    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+    int32_t gh = plan->group_of_node[0], gp = plan->group_of_node[1];
+    assert_true(gh >= 0 && gp >= 0 && gh != gp);
+    assert_int_equal(plan->group_of_node[2], gp);
+    assert_int_equal(plan->group_of_node[3], -1);
+    assert_int_not_equal(plan->group_of_node[4], gp);
+    char *src = NULL;
+    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
+    /* the window: guarded by the coordinate operand (after x's inputs and outputs), shifted by 2 */
+    assert_non_null(strstr(src, ">= 2 && "));
+    assert_non_null(strstr(src, "< 10) ? q0[o0 - (2)] : ((float)-1)"));
+    free(src);
+    af_fuse_plan_free(plan);
+    af_graph_free(g);
+}
+
 static void test_wide_group(void **state) {
     (void)state;
     af_graph *g;
@@ -179,6 +235,7 @@ int main(void) {
         cmocka_unit_test(test_lone_nodes_and_min_group),
         cmocka_unit_test(test_random_nodes),
         cmocka_unit_test(test_wide_group),
+        cmocka_unit_test(test_windows),
     };
     return cmocka_run_group_tests_name("fuse", tests, NULL, NULL);
 }
