@@ -131,6 +131,23 @@ int af_fuse_node_ok(const af_graph *g, int32_t index) {
     if (!n) return 0;
     if (n->op_id == AF_OP_CONSTANT_PAD_ND || n->op_id == AF_OP_SLICE_SCATTER) return af_fuse_window(g, index, NULL);
     const af_op_info *info = af_op_get(n->op_id);
+    if (n->op_id == AF_OP_FULL) { /* full(size, value, dtype=, layout=, device=, pin_memory=): a fill */
+        const af_value *out = af_graph_value(g, n->first_output);
+        if (n->n_outputs != 1 || n->n_args < 2 || out->meta.type != AF_VALUE_TENSOR || !float_like(out->meta.dtype) ||
+            !device_supported(out->meta.device))
+            return 0;
+        const af_arg *size = &n->args[0], *value = &n->args[1];
+        if (size->kind != AF_ARG_LIST || size->name || size->u.list.n != out->meta.ndim || value->name ||
+            (value->kind != AF_ARG_FLOAT && value->kind != AF_ARG_INT && value->kind != AF_ARG_BOOL))
+            return 0;
+        for (int32_t d = 0; d < out->meta.ndim; d++)
+            if (size->u.list.items[d].kind != AF_ARG_INT || size->u.list.items[d].u.i != out->meta.sizes[d]) return 0;
+        for (int32_t a = 2; a < n->n_args; a++) {
+            if (!n->args[a].name || !harmless_keyword(n->args[a].name)) return 0;
+            if (n->args[a].kind == AF_ARG_DEVICE && n->args[a].u.device.type != out->meta.device.type) return 0;
+        }
+        return 1;
+    }
     if (info->kind != AF_KIND_POINTWISE || !info->c_expr || n->n_outputs != 1) return 0;
     const af_value *out = af_graph_value(g, n->first_output);
     if (out->meta.type != AF_VALUE_TENSOR || !float_like(out->meta.dtype) || !device_supported(out->meta.device))

@@ -64,6 +64,7 @@ OP_CASES = {
     if False else prims.convert_element_type(prims.convert_element_type(a, torch.bfloat16), a.dtype),
     "aten::_to_copy": lambda a, b, c: aten._to_copy(aten._to_copy(a, dtype=torch.bfloat16), dtype=a.dtype),
     "aten::clone": lambda a, b, c: aten.clone(a),
+    "aten::full": lambda a, b, c: aten.mul.Tensor(aten.full.default(list(a.shape), 0.75, dtype=a.dtype), a),
 }
 
 
@@ -667,3 +668,26 @@ def test_pads_that_crop_inside_are_not_composed():
     lowered = lower(make_fx(f)(x))
     assert_close(lowered([x])[0], f(x)[0], "crop then pad", atol=0, rtol=0)
     assert [op for op, _k, _g in lowered.program.node_groups()].count("aten::constant_pad_nd.default") == 2
+
+
+def test_fills_are_kernel_members_that_read_no_tensor():
+    """zeros_like / ones_like / full_like / new_zeros / new_ones / new_full of a contiguous result are
+    aten.full, a pointwise member without a tensor read: Longformer's zeros assigned into a slice
+    become part of the kernels around them; a fill in another layout stays ATen's."""
+    def f(x, y):
+        h = aten.mul.Tensor(x, 2.0)
+        z = aten.clone.default(aten.zeros_like.default(h, memory_format=torch.contiguous_format))
+        scattered = aten.slice_scatter.default(y, z, 1, 1, 7)               # zeros into a slice of y
+        mask = aten.new_ones.default(x, [4, 6], dtype=torch.bool)
+        filled = aten.where.self(mask, aten.full_like.default(h, -2.5), h)
+        grown = aten.add.Tensor(aten.new_full.default(x, [4, 6], 0.25), aten.new_zeros.default(y, [4, 6]))
+        kept = aten.zeros_like.default(aten.t.default(h), memory_format=torch.preserve_format)  # strided: ATen
+        return scattered, filled, grown, aten.add.Tensor(kept, 1.0)
+
+    x, y = torch.randn(4, 6), torch.randn(4, 9)
+    lowered = lower(make_fx(f)(x, y))
+    for _ in range(2):
+        for i, (a, r) in enumerate(zip(lowered([x, y]), f(x, y))):
+            assert a.shape == r.shape and a.dtype == r.dtype and a.stride() == r.stride(), i
+            assert_close(a, r, f"fill case {i}", atol=0, rtol=0)
+    assert lowered.extern_counts() == {"aten::zeros_like.default": 1}, lowered.extern_counts()

@@ -378,6 +378,9 @@ def _replacements(gm: fx.GraphModule) -> tuple[dict, set]:
         `cat([empty, key])`): the cat of the others, or a copy of the only one;
       - `aten.split` into equal chunks: one slice view per chunk, which the kernels reading them
         fold (ATen's split is one call making every chunk);
+      - a fill of a fresh contiguous tensor (`zeros_like`, `ones_like`, `full_like`, `new_zeros`,
+        `new_ones`, `new_full`) is `aten.full(shape, value)`, a pointwise member that reads no
+        tensor (the tensor the `_like` copies its shape from is not read, so it may go unmade);
       - `aten.slice_backward` (step 1: the gradient of a slice, zeros around it) is the same
         `aten.constant_pad_nd`, a window member of the kernels (fuse.h); a pad of a pad that only
         pads (never crops) with the same fill value is one pad of the inner one's source (Longformer's
@@ -416,6 +419,12 @@ def _replacements(gm: fx.GraphModule) -> tuple[dict, set]:
                 dim %= max(x.dim(), 1)
                 starts = [i * node.args[1] for i in range(len(val))]
                 replace[node] = ("split", [(node.args[0], dim, st, st + t.shape[dim]) for st, t in zip(starts, val)], {})
+        elif node.target in _FILLS and isinstance(val, torch.Tensor) and val.layout == torch.strided \
+                and val.is_contiguous() and (val.dtype.is_floating_point or val.dtype == torch.bool):
+            value = _fill_value(node)
+            if value is not None:
+                replace[node] = ("aten::full.default", [list(val.shape), value],
+                                 {"dtype": val.dtype, "layout": torch.strided, "device": val.device, "pin_memory": False})
         elif node.target in (torch.ops.aten.slice_backward.default, torch.ops.aten.constant_pad_nd.default):
             pad = _pad_of(node)
             if pad is None:
@@ -451,6 +460,21 @@ def _replacements(gm: fx.GraphModule) -> tuple[dict, set]:
             for src in set(reads(node)):
                 readers[src] -= 1
     return replace, unread
+
+
+_FILLS = {torch.ops.aten.zeros_like.default: 0, torch.ops.aten.ones_like.default: 1, torch.ops.aten.full_like.default: None,
+          torch.ops.aten.new_zeros.default: 0, torch.ops.aten.new_ones.default: 1, torch.ops.aten.new_full.default: None}
+
+
+def _fill_value(node: fx.Node) -> float | int | bool | None:
+    """The value a fill node writes everywhere, or None when it is not a plain number."""
+    value = _FILLS[node.target]
+    if value is None:  # full_like(x, value, ...), new_full(x, size, value, ...)
+        at = 1 if node.target is torch.ops.aten.full_like.default else 2
+        value = node.args[at] if len(node.args) > at else node.kwargs.get("fill_value")
+    if not isinstance(value, (int, float, bool)):
+        return None
+    return value
 
 
 def _pad_of(node: Any) -> tuple | None:
@@ -502,7 +526,8 @@ def _copy_of(src: fx.Node, val: torch.Tensor) -> tuple:
 
 _PURE_EXTERNS = _EMPTIES + (torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.new_zeros.default,
                              torch.ops.aten.new_ones.default, torch.ops.aten.new_full.default, torch.ops.aten.zeros.default,
-                             torch.ops.aten.ones.default, torch.ops.aten.full.default, torch.ops.aten.slice_backward.default)
+                             torch.ops.aten.ones.default, torch.ops.aten.full.default, torch.ops.aten.slice_backward.default,
+                             torch.ops.aten.full_like.default, torch.ops.aten.new_full.default)
 
 
 def _pure(node: fx.Node) -> bool:
