@@ -10,7 +10,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import aotfuse.rng  # noqa: F401  (registers aotfuse::rng_uniform)
 from aotfuse import _C
 import cuda_emu
-from test_fusion import EPILOGUE_CASES, OP_CASES, _inputs, nan_phases_case, window_cases, window_inputs
+from test_fusion import EPILOGUE_CASES, OP_CASES, _inputs, nan_phases_case, select_cases, select_inputs, window_cases, window_inputs
 
 aten = torch.ops.aten
 _why = cuda_emu.unavailable()
@@ -238,3 +238,5 @@ def test_window_members_match_eager(dtype):
     assert len(ran) == len(launches) and all(l["kind"] == "pointwise" for l in ran), (ran, launches)  # none skipped
     source = cuda_emu.source_of(gm)
     assert source.count("aten::constant_pad_nd") == 5 and source.count("aten::slice_scatter") == 3, source
+    args = select_inputs(dtype)
+    assert len(cuda_emu.check(make_fx(select_cases)(*args), args, f"selects {dtype}")) >= 3

@@ -691,3 +691,32 @@ def test_fills_are_kernel_members_that_read_no_tensor():
             assert a.shape == r.shape and a.dtype == r.dtype and a.stride() == r.stride(), i
             assert_close(a, r, f"fill case {i}", atol=0, rtol=0)
     assert lowered.extern_counts() == {"aten::zeros_like.default": 1}, lowered.extern_counts()
+
+
+def select_cases(x, s, g):
+    """select_scatter and select_backward (Longformer assigns and differentiates single rows of its
+    chunks): x [4, 8, 5]; s [4, 5]; g [8, 5]."""
+    h = aten.mul.Tensor(x, 0.5)
+    first = aten.select_scatter.default(h, aten.mul.Tensor(s, 2.0), 1, 0)
+    last = aten.select_scatter.default(first, s, 1, -1)
+    grad = aten.add.Tensor(aten.select_backward.default(g, [4, 8, 5], 0, 2), x)
+    inner = aten.mul.Tensor(aten.select_backward.default(g, [8, 3, 5], 1, -2), 3.0)
+    return aten.add.Tensor(last, 1.0), grad, inner
+
+
+def select_inputs(dtype):
+    gen = torch.Generator().manual_seed(5)
+    return tuple(torch.randn(*shape, generator=gen).to(dtype) for shape in ((4, 8, 5), (4, 5), (8, 5)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_row_assignments_and_their_gradients_are_windows(dtype):
+    args = select_inputs(dtype)
+    lowered = lower(make_fx(select_cases)(*args))
+    for _ in range(2):
+        for i, (a, r) in enumerate(zip(lowered(list(args)), select_cases(*args))):
+            assert a.shape == r.shape and a.dtype == r.dtype, i
+            assert_close(a, r, f"select case {i} ({dtype})", atol=0, rtol=0)
+    assert lowered.extern_counts() == {}, lowered.extern_counts()
+    ops = [op for op, _k, _g in lowered.program.node_groups()]
+    assert ops.count("aten::slice_scatter.default") == 2 and ops.count("aten::constant_pad_nd.default") == 2, ops

@@ -381,6 +381,9 @@ def _replacements(gm: fx.GraphModule) -> tuple[dict, set]:
       - a fill of a fresh contiguous tensor (`zeros_like`, `ones_like`, `full_like`, `new_zeros`,
         `new_ones`, `new_full`) is `aten.full(shape, value)`, a pointwise member that reads no
         tensor (the tensor the `_like` copies its shape from is not read, so it may go unmade);
+      - `aten.select_scatter(base, x, dim, i)` is `slice_scatter(base, unsqueeze(x, dim), dim, i, i + 1)`
+        and `aten.select_backward(g, sizes, dim, i)` is `constant_pad_nd(unsqueeze(g, dim), ...)`:
+        windows too (the unsqueeze is a view the kernel folds);
       - `aten.slice_backward` (step 1: the gradient of a slice, zeros around it) is the same
         `aten.constant_pad_nd`, a window member of the kernels (fuse.h); a pad of a pad that only
         pads (never crops) with the same fill value is one pad of the inner one's source (Longformer's
@@ -425,6 +428,18 @@ def _replacements(gm: fx.GraphModule) -> tuple[dict, set]:
             if value is not None:
                 replace[node] = ("aten::full.default", [list(val.shape), value],
                                  {"dtype": val.dtype, "layout": torch.strided, "device": val.device, "pin_memory": False})
+        elif node.target in (torch.ops.aten.select_scatter.default, torch.ops.aten.select_backward.default) \
+                and len(node.args) == 4 and not node.kwargs and isinstance(val, torch.Tensor):
+            scatter = node.target is torch.ops.aten.select_scatter.default
+            src = node.args[1] if scatter else node.args[0]
+            x = src.meta.get("val") if isinstance(src, fx.Node) else None
+            dim, index = node.args[2], node.args[3]
+            if isinstance(x, torch.Tensor) and isinstance(dim, int) and isinstance(index, int) and x.layout == torch.strided \
+                    and x.dtype == val.dtype and x.dtype.is_floating_point and x.dim() + 1 == val.dim() and x.device == val.device:
+                dim %= val.dim()
+                index = index + val.shape[dim] if index < 0 else index
+                if 0 <= index < val.shape[dim]:
+                    replace[node] = ("select_window", [node.args[0] if scatter else None, src, dim, index], {})
         elif node.target in (torch.ops.aten.slice_backward.default, torch.ops.aten.constant_pad_nd.default):
             pad = _pad_of(node)
             if pad is None:
@@ -527,7 +542,8 @@ def _copy_of(src: fx.Node, val: torch.Tensor) -> tuple:
 _PURE_EXTERNS = _EMPTIES + (torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.new_zeros.default,
                              torch.ops.aten.new_ones.default, torch.ops.aten.new_full.default, torch.ops.aten.zeros.default,
                              torch.ops.aten.ones.default, torch.ops.aten.full.default, torch.ops.aten.slice_backward.default,
-                             torch.ops.aten.full_like.default, torch.ops.aten.new_full.default)
+                             torch.ops.aten.full_like.default, torch.ops.aten.new_full.default,
+                             torch.ops.aten.select_backward.default)
 
 
 def _pure(node: fx.Node) -> bool:
@@ -630,6 +646,28 @@ def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = Fal
                 env[node] = ids
                 b._values(ids, None)
                 b.ir_nodes += [node] * len(ids)
+                continue
+            if node in replace and replace[node][0] == "select_window":  # an unsqueeze view, then the window
+                base, src, dim, index = replace[node][1]
+                x = src.meta["val"]
+                sizes, strides = list(x.shape), list(x.stride())
+                sizes.insert(dim, 1)
+                strides.insert(dim, x.stride(dim) * x.shape[dim] if dim < x.dim() else 1)
+                meta = _meta(x, dev)[:4] + (tuple(sizes), tuple(strides), int(x.storage_offset()))
+                (u,) = g.add_node("aten::unsqueeze.default", [_encode(src, env, where, dev), ("int", dim)], [], [meta])
+                b._values([u], None)
+                b.derived[u] = (src, tuple(sizes))
+                b.ir_nodes.append(node)
+                if base is None:
+                    pads = [0, 0] * (val.dim() - 1 - dim) + [index, val.shape[dim] - index - 1]
+                    op, args = "aten::constant_pad_nd.default", [("v", u), _encode(pads, env, where, dev), ("float", 0.0)]
+                else:
+                    op = "aten::slice_scatter.default"
+                    args = [_encode(base, env, where, dev), ("v", u)] + [("int", k) for k in (dim, index, index + 1)]
+                (out,) = g.add_node(op, args, [], [_meta(val, dev)])
+                env[node] = out
+                b._values([out], node)
+                b.ir_nodes.append(node)
                 continue
             if node in replace:
                 op, fx_args, fx_kwargs = replace[node]
