@@ -676,18 +676,20 @@ static int plan_holds(af_program *p) {
     int32_t *root = malloc(((size_t)nv + 1) * sizeof(int32_t));
     int32_t *readers = calloc((size_t)nv + 1, sizeof(int32_t)), *readers_ok = calloc((size_t)nv + 1, sizeof(int32_t));
     uint8_t *taken = calloc((size_t)nv + 1, 1); /* 1: a graph input or output, or an output's root */
-    if (!held || !root || !readers || !readers_ok || !taken) {
+    uint8_t *is_output = calloc((size_t)nv + 1, 1);
+    if (!held || !root || !readers || !readers_ok || !taken || !is_output) {
         free(held);
         free(root);
         free(readers);
         free(readers_ok);
         free(taken);
+        free(is_output);
         return af_error_set(AF_ERR_NOMEM, "out of memory planning a program");
     }
     for (int32_t v = 0; v < nv; v++) root[v] = v;
     for (int32_t k = 0; k < af_graph_num_inputs(g); k++) taken[af_graph_input(g, k)] = 1;
     for (int32_t o = 0; o < no; o++) {
-        taken[af_graph_output(g, o)] = 1;
+        taken[af_graph_output(g, o)] = is_output[af_graph_output(g, o)] = 1;
         readers[af_graph_output(g, o)]++; /* an output is read by the caller: never ok */
     }
     for (int32_t i = 0; i < nn; i++) {
@@ -699,9 +701,7 @@ static int plan_holds(af_program *p) {
         const af_node *n = af_graph_node(g, i);
         int32_t b = n->args[0].u.value, v = n->first_output, r = root[b];
         int same = same_layout(&af_graph_value(g, v)->meta, &af_graph_value(g, r)->meta);
-        int output = 0;
-        for (int32_t o = 0; o < no; o++) output |= af_graph_output(g, o) == v;
-        if (output) {
+        if (is_output[v]) {
             if (!same || taken[r]) continue;
             taken[r] = 1;
         } else if (!same && (readers[v] == 0 || readers_ok[v] != readers[v])) {
@@ -713,6 +713,7 @@ static int plan_holds(af_program *p) {
     free(readers);
     free(readers_ok);
     free(taken);
+    free(is_output);
     p->held = held;
     p->hold_root = root;
     return AF_OK;
