@@ -347,3 +347,21 @@ def test_torch_compile_backend():
     out, ref = compiled(x), model(x)
     assert_close(out, ref, "torch.compile output")
     torch._dynamo.reset()
+
+
+def test_torch_compile_backend_hands_its_programs_to_a_collector():
+    import functools
+
+    from aotfuse.dynamo import aotfuse_backend
+    from aotfuse.lower import Lowered
+
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1))
+    seen: list = []
+    compiled = torch.compile(copy.deepcopy(model), backend=functools.partial(aotfuse_backend, collect=seen), dynamic=False)
+    x = torch.randn(4, 6)
+    out = compiled(x)
+    assert_close(out, model(x), "torch.compile output")
+    out.sum().backward()
+    assert [stage for stage, _low in seen] == ["forward", "backward"], seen
+    assert all(isinstance(low, Lowered) and low.program.num_steps > 0 for _stage, low in seen)
+    torch._dynamo.reset()

@@ -29,10 +29,17 @@ def _compile_or_fallback(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
         return make_boxed_func(gm.forward)
 
 
-def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any):
+def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], collect: list | None = None,
+                    **kwargs: Any):
     """The Dynamo backend. Example: torch.compile(model, backend="aotfuse", dynamic=False).
-    Each graph is partitioned by the C core's min-cut (as memory_efficient_fusion does)."""
+    Each graph is partitioned by the C core's min-cut (as memory_efficient_fusion does). `collect`
+    (through functools.partial) receives every lowered program as (stage, Lowered), for profiling."""
     state: dict[str, int] = {}
+
+    def _keep(stage: str, low: Any) -> Any:
+        if collect is not None and isinstance(low, Lowered):
+            collect.append((stage, low))
+        return low
 
     def partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kw: Any):
         state["num_fwd_outputs"] = kw.get("num_fwd_outputs", 0)
@@ -42,21 +49,21 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **k
         low = _compile_or_fallback(fw, inputs)
         if isinstance(low, Lowered) and "num_fwd_outputs" in state:  # saved activations may be plain views
             low.program.set_plain_outputs(low.program_outputs_before(state["num_fwd_outputs"]))
-        return low
+        return _keep("forward", low)
 
     def backward(bw: torch.fx.GraphModule, inputs: Sequence[Any]):
         low = _compile_or_fallback(bw, inputs)
         if isinstance(low, Lowered):  # gradients may be plain views; missing ones run a variant
             low.program.set_plain_outputs(0)
             low.keep_graph_for_missing(bw)
-        return low
+        return _keep("backward", low)
 
     compiled = aot_module_simplified(
         gm,
         example_inputs,
         fw_compiler=forward,
         bw_compiler=backward,
-        inference_compiler=_compile_or_fallback,
+        inference_compiler=lambda g, i: _keep("inference", _compile_or_fallback(g, i)),
         partition_fn=partition,
         decompositions=default_decompositions(),
     )
