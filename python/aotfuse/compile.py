@@ -167,7 +167,10 @@ class _LastCall:
         tensors = [leaves[i] for i in entry.tensor_idx]
         if _TensorGuards is None or len({id(t) for t in tensors}) != len(tensors):
             return None  # a tensor passed twice: its alias pattern is part of the key, left to it
-        return _LastCall(entry, leaves, spec, extra)
+        try:
+            return _LastCall(entry, leaves, spec, extra)
+        except Exception:  # a tensor torch's guard cannot describe: every call takes the key path
+            return None
 
     def matches(self, leaves: list, spec: tuple, extra: tuple) -> bool:
         if spec != self.spec or extra != self.extra or _global_state() != self.state:
