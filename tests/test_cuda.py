@@ -4,6 +4,7 @@
 - reductions of each kind (warp and block rows, two-pass columns, full), fused with their prologue;
 - the vectorized and the scalar (misaligned) variants of one kernel;
 - epilogues (softmax, norms, their backwards, decomposed) as phased row kernels, warp and block rows;
+- window members (pads, slice and row assignments and their gradients) and fills, bit-for-bit;
 - seeded random pointwise/broadcast/reduction graphs, forward and backward;
 - the HF seed models in fp32/fp16/bf16 through aotfuse.testing (eager and a float64 reference);
 - kernels run on torch's current stream, their outputs come from torch's allocator, and a machine
@@ -25,7 +26,8 @@ import aotfuse
 from aotfuse.lower import lower
 from aotfuse.testing import compare_models
 from helpers import assert_close
-from test_fusion import EPILOGUE_CASES, OP_CASES, REDUCTION_CASES, _inputs, random_graph
+from test_fusion import (EPILOGUE_CASES, OP_CASES, REDUCTION_CASES, _inputs, random_graph, select_cases, select_inputs,
+                         window_cases, window_inputs)
 
 pytestmark = pytest.mark.cuda
 aten = torch.ops.aten
@@ -288,3 +290,15 @@ def test_undifferentiated_logits_cost_no_backward_memory(entry):
     ours, theirs = backward_peak(compiled), backward_peak(eager)
     logits_bytes = 4096 * 8192 * 4
     assert ours <= theirs * 1.05 + logits_bytes // 4, f"{entry}: backward peak {ours / 1e6:.0f} MB vs eager {theirs / 1e6:.0f} MB"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_window_members_and_fills_match_aten_on_cuda(dtype):
+    for cases, inputs in ((window_cases, window_inputs), (select_cases, select_inputs)):
+        args = [t.cuda() for t in inputs(dtype)]
+        lowered = _lowered(cases, args)
+        got, ref = lowered(list(args)), cases(*args)
+        for i, (a, r) in enumerate(zip(got, ref)):
+            assert a.is_cuda and a.shape == r.shape
+            assert_close(a, r, f"{cases.__name__} {i} ({dtype})", atol=0, rtol=0)
+        assert lowered.extern_counts() == {} and lowered.program.kernel_fallbacks == 0, lowered.extern_counts()
