@@ -35,10 +35,10 @@ timeout 230 python3 -m aotfuse.bench --device cuda --dtypes fp32,bf16 --backends
   --repeats 10 --time-budget 140 --no-progress --out-dir "$OUT" > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"
 
-echo "== host-time profile (Bert, seed shapes, fp32): is the step bound by the host?"
-timeout 40 python3 benchmarks/profile_steps.py --device cuda --size seed --model BertForMaskedLM --steps 5 --threads 16 \
-  > "$OUT/profile-bert-cuda.txt" 2>&1
-echo "profile rc=$?"; sed -n 1,4p "$OUT/profile-bert-cuda.txt"
+echo "== host-time profile (Bert, seed shapes, fp32): is the step bound by the host? and the top GPU kernels"
+timeout 50 python3 benchmarks/profile_steps.py --device cuda --size seed --model BertForMaskedLM --steps 5 --threads 16 \
+  --kernels > "$OUT/profile-bert-cuda.txt" 2>&1
+echo "profile rc=$?"; sed -n 1,4p "$OUT/profile-bert-cuda.txt"; grep -A 4 -E "^(aotfuse|eager): one step" "$OUT/profile-bert-cuda.txt"
 
 echo "== epilogue kernels (decomposed softmax / layer norm, seed Bert shapes) against ATen's"
 timeout 45 python3 benchmarks/epilogues.py --device cuda > "$OUT/epilogues-cuda.md" 2>&1

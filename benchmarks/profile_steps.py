@@ -43,6 +43,9 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--kernels", action="store_true",
+                    help="also run one step of each under torch.profiler and list the top device kernels by time "
+                         "(CUDA; on the CPU the top ops by self CPU time): where the GPU time goes")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     model, inputs, desc = build_model(a.model, a.size, DTYPES[a.dtype], a.device)
@@ -106,6 +109,33 @@ def main(argv=None) -> None:
     print("slowest extern steps:")
     for sec, line in sorted(slowest, reverse=True)[:a.top]:
         print(f"  {sec * 1e3:7.2f} ms  {line}")
+    if a.kernels:
+        for name, call, opt in (("aotfuse", compiled, opt_c), ("eager", eager, opt_e)):
+            _kernel_table(name, lambda: _step(call, opt, inputs, a.device), a.device, a.top)
+
+
+def _kernel_table(name: str, step, device: str, top: int) -> None:
+    """One step under torch.profiler: total device (or CPU) time and the top kernels (ops) by it.
+    Our kernels are af_kernel_<group> (the program's group index; `_v` vectorized, `_f` a two-pass
+    reduction's finish)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    step()  # warm
+    with profile(activities=acts) as prof:
+        step()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) if device == "cuda" else e.self_cpu_time_total
+        if t is None and device == "cuda":
+            t = getattr(e, "self_cuda_time_total", 0)
+        if t and t > 0:
+            rows.append((t, e.count, e.key))
+    total = sum(t for t, _c, _k in rows)
+    what = "device kernel" if device == "cuda" else "self CPU"
+    print(f"{name}: one step, {what} time {total / 1e3:.2f} ms over {sum(c for _t, c, _k in rows)} calls; top {top}:")
+    for t, c, k in sorted(rows, reverse=True)[:top]:
+        print(f"  {t / 1e3:8.3f} ms {c:5d}x  {k[:100]}")
 
 
 if __name__ == "__main__":
