@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import pathlib
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ pytest.importorskip("transformers")
 
 from aotfuse import bench  # noqa: E402
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 MD_COLUMNS = ["model", "dtype", "name", "time (s)", "mem (MB)", "time %", "mem %", "numeric check"]
 
 
@@ -127,3 +129,15 @@ def test_bad_arguments_are_rejected():
         bench.parse_args(["--backends", "eager,tvm"])
     args = bench.parse_args(["--device", "cpu"])
     assert args.size == "reduced" and args.dtypes == ["fp32"] and args.models == list(bench.MODELS)
+
+
+def test_profile_steps_lists_programs_and_kernels(capsys):
+    """benchmarks/profile_steps.py: per-op host time of the C programs, then (--kernels) one step of
+    each contender under torch.profiler (on the CPU its top ops by self CPU time)."""
+    spec = importlib.util.spec_from_file_location("profile_steps", ROOT / "benchmarks" / "profile_steps.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--model", "GPT2LMHeadModel", "--size", "tiny", "--steps", "2", "--kernels", "--top", "3"])
+    out = capsys.readouterr().out
+    assert "inside the C programs" in out and "fused kernels" in out, out
+    assert "aotfuse: one step, self CPU time" in out and "eager: one step, self CPU time" in out, out
