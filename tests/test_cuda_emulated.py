@@ -10,7 +10,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import aotfuse.rng  # noqa: F401  (registers aotfuse::rng_uniform)
 from aotfuse import _C
 import cuda_emu
-from test_fusion import EPILOGUE_CASES, OP_CASES, _inputs, nan_phases_case, select_cases, select_inputs, window_cases, window_inputs
+from test_fusion import (EPILOGUE_CASES, OP_CASES, _inputs, nan_phases_case, random_window_graph, select_cases,
+                         select_inputs, window_cases, window_inputs)
 
 aten = torch.ops.aten
 _why = cuda_emu.unavailable()
@@ -240,3 +241,9 @@ def test_window_members_match_eager(dtype):
     assert source.count("aten::constant_pad_nd") == 5 and source.count("aten::slice_scatter") == 3, source
     args = select_inputs(dtype)
     assert len(cuda_emu.check(make_fx(select_cases)(*args), args, f"selects {dtype}")) >= 3
+
+
+@pytest.mark.parametrize("seed", range(0, 40, 3))
+def test_random_windows_match_eager(seed):
+    f, args, what = random_window_graph(seed)
+    assert cuda_emu.check(make_fx(f)(*args), args, what), what

@@ -720,3 +720,53 @@ def test_row_assignments_and_their_gradients_are_windows(dtype):
     assert lowered.extern_counts() == {}, lowered.extern_counts()
     ops = [op for op, _k, _g in lowered.program.node_groups()]
     assert ops.count("aten::slice_scatter.default") == 2 and ops.count("aten::constant_pad_nd.default") == 2, ops
+
+
+def random_window_graph(seed: int):
+    """A seeded random window graph and its inputs: a pad (sides from -2 to 3, size-1 dims included)
+    or a slice assignment (any start and end, negative ones too) of a value another kernel computes,
+    then pointwise ops in the window's shape."""
+    rng = random.Random(seed)
+    nd = rng.randint(1, 4)
+    shape = [rng.choice([1, 2, 3, 5, 7]) for _ in range(nd)]
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    if rng.random() < 0.5:
+        pads = []
+        for d in range(nd):
+            lo, hi = rng.randint(-2, 3), rng.randint(-2, 3)
+            lo, hi = max(lo, -shape[d] + 1), max(hi, -shape[d] + 1 - lo)  # keep every dim at least 1 long
+            pads = [lo, hi] + pads
+        value = rng.choice([0.0, 1.5, float("-inf")])
+
+        def f(x):
+            p = aten.constant_pad_nd.default(aten.mul.Tensor(x, 2.0), pads, value)
+            return (aten.add.Tensor(aten.mul.Tensor(p, 0.5), 1.0),)
+        return f, (x,), f"pad {shape} {pads} {value}"
+    dim = rng.randrange(nd)
+    n = shape[dim]
+    start = rng.randint(-n - 1, n)
+    end = rng.choice([None, rng.randint(-n - 1, n + 2)])
+    lo = min(max(start + n if start < 0 else start, 0), n)
+    hi = n if end is None else min(max(end + n if end < 0 else end, 0), n)
+    src_shape = list(shape)
+    src_shape[dim] = max(hi - lo, 0)
+    s = torch.randn(*src_shape, generator=torch.Generator().manual_seed(seed + 1))
+
+    def f(x, s):
+        base = aten.mul.Tensor(x, 3.0)
+        out = aten.slice_scatter.default(base, aten.mul.Tensor(s, -1.0), dim, start, end)
+        return (aten.sub.Tensor(out, 0.25),)
+    return f, (x, s), f"slice_scatter {shape} dim {dim} [{start}:{end}]"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_windows_match_eager_exactly(seed):
+    f, args, what = random_window_graph(seed)
+    lowered = lower(make_fx(f)(*args))
+    (got,), (ref,) = lowered(list(args)), f(*args)
+    assert got.shape == ref.shape, what
+    assert_close(got, ref, what, atol=0, rtol=0)
+    window_ops = [op for op, _k, grp in lowered.program.node_groups()
+                  if op.split(".")[0] in ("aten::constant_pad_nd", "aten::slice_scatter")]
+    assert window_ops and all(grp >= 0 for op, _k, grp in lowered.program.node_groups()
+                              if op.split(".")[0] in ("aten::constant_pad_nd", "aten::slice_scatter")), what
