@@ -498,19 +498,25 @@ int af_cg_space_new(const af_graph *g, const af_fusion_group *grp, af_cg_space *
                 sp->ops[c++].strides[d] = 1;
             }
     }
-    for (int32_t k = 0; k < grp->n_inputs; k++) {
-        int plain = 0, windowed = 0;
-        af_window w;
-        for (int32_t m = 0; m < grp->n_nodes; m++) {
-            const af_node *n = af_graph_node(g, grp->nodes[m]);
-            int is_window = af_fuse_window(g, grp->nodes[m], &w);
-            for (int32_t a = 0; a < n->n_args; a++)
-                if (n->args[a].kind == AF_ARG_VALUE && n->args[a].u.value == grp->inputs[k]) {
-                    if (is_window && a == w.source_arg) windowed = 1;
-                    else plain = 1;
-                }
+    if (af_cg_has_window(g, grp)) { /* inputs read only as a window's source: no plain load */
+        uint8_t *plain = calloc((size_t)grp->n_inputs + 1, 1);
+        if (!plain) {
+            af_cg_space_free(sp);
+            return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
         }
-        sp->ops[k].window_only = windowed && !plain;
+        for (int32_t m = 0; m < grp->n_nodes; m++) { /* one parse per member */
+            const af_node *n = af_graph_node(g, grp->nodes[m]);
+            af_window w;
+            int32_t source_arg = af_fuse_window(g, grp->nodes[m], &w) ? w.source_arg : -1;
+            for (int32_t a = 0; a < n->n_args; a++)
+                for (int32_t k = 0; k < grp->n_inputs && n->args[a].kind == AF_ARG_VALUE; k++)
+                    if (n->args[a].u.value == grp->inputs[k]) {
+                        if (a == source_arg) sp->ops[k].window_only = 1;
+                        else plain[k] = 1;
+                    }
+        }
+        for (int32_t k = 0; k < grp->n_inputs; k++) sp->ops[k].window_only &= !plain[k];
+        free(plain);
     }
     int32_t nops = sp->nops, nd = 0;
     int reducing = grp->n_reductions > 0;

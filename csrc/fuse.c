@@ -447,7 +447,6 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
                     else if (cand != join) { /* merge: both open, so no outsider read either yet */
                         if (gmask[cand] && gmask[join] && gmask[cand] != gmask[join]) continue;
                         if ((gwin[cand] || gwin[join]) && (gmask[cand] || gmask[join] || kind == 2)) continue;
-                        if (window && cand == src_group) continue;
                         gwin[join] |= gwin[cand];
                         parent[cand] = join;
                         prov_size[join] += prov_size[cand];

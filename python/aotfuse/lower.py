@@ -542,8 +542,7 @@ def _copy_of(src: fx.Node, val: torch.Tensor) -> tuple:
 _PURE_EXTERNS = _EMPTIES + (torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.new_zeros.default,
                              torch.ops.aten.new_ones.default, torch.ops.aten.new_full.default, torch.ops.aten.zeros.default,
                              torch.ops.aten.ones.default, torch.ops.aten.full.default, torch.ops.aten.slice_backward.default,
-                             torch.ops.aten.full_like.default, torch.ops.aten.new_full.default,
-                             torch.ops.aten.select_backward.default)
+                             torch.ops.aten.full_like.default, torch.ops.aten.select_backward.default)
 
 
 def _pure(node: fx.Node) -> bool:
