@@ -78,6 +78,7 @@ static void emit_scalar(af_strbuf *sb, const af_arg *a, af_dtype as) {
     if (wrap) af_strbuf_printf(sb, "%s(", wrap);
     if (isnan(x)) af_strbuf_printf(sb, "((float)NAN)");
     else if (isinf(x)) af_strbuf_printf(sb, "(%s(float)INFINITY)", x < 0 ? "-" : "");
+    else if (x == 0.0 && signbit(x)) af_strbuf_printf(sb, "(-0.0f)"); /* "-0" would be the integer 0 */
     else af_strbuf_printf(sb, "((float)%.17g)", x);
     if (wrap) af_strbuf_printf(sb, "))");
 }

@@ -670,10 +670,12 @@ def test_pads_that_crop_inside_are_not_composed():
     assert [op for op, _k, _g in lowered.program.node_groups()].count("aten::constant_pad_nd.default") == 2
 
 
-def test_fills_are_kernel_members_that_read_no_tensor():
+def test_fills_are_kernel_members_that_read_no_tensor(monkeypatch):
     """zeros_like / ones_like / full_like / new_zeros / new_ones / new_full of a contiguous result are
     aten.full, a pointwise member without a tensor read: Longformer's zeros assigned into a slice
-    become part of the kernels around them; a fill in another layout stays ATen's."""
+    become part of the kernels around them; a fill in another layout stays ATen's (with constant
+    folding off: folding would make it a constant, test_constant_folding.py)."""
+    monkeypatch.setenv("AOTFUSE_CONSTANT_FOLD", "0")
     def f(x, y):
         h = aten.mul.Tensor(x, 2.0)
         z = aten.clone.default(aten.zeros_like.default(h, memory_format=torch.contiguous_format))

@@ -9,6 +9,8 @@ AOTFUSE_BACKEND=name   which tensors get generated kernels: auto (default; C for
                        CUDA through NVRTC for CUDA tensors), c, cuda, or aten (none)
 AOTFUSE_NVRTC=path     the libnvrtc to use (else found beside torch, CUDA or the nvidia wheels)
 AOTFUSE_CACHE_DIR=dir  where compiled kernels are kept (default ~/.cache/aotfuse)
+AOTFUSE_CONSTANT_FOLD=0  compute the values no input reaches every run (default: once, when
+                       lowering; see constfold.py)
 AOTFUSE_FALLBACK_RANDOM=1  dropout with ATen's generator (eager's exact masks, a stored mask)
                        instead of aotfuse's fused counter-based one
 """
@@ -42,6 +44,10 @@ def check_inputs() -> bool:
 
 def fusion() -> bool:
     return os.environ.get("AOTFUSE_FUSION", "1") not in ("", "0") and backend() != "aten"
+
+
+def constant_fold() -> bool:
+    return os.environ.get("AOTFUSE_CONSTANT_FOLD", "1") not in ("", "0")
 
 
 def fallback_random() -> bool:

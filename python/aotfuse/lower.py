@@ -13,7 +13,7 @@ import torch
 from torch._prims_common import make_contiguous_strides_for
 import torch.fx as fx
 
-from . import _C, config
+from . import _C, config, constfold
 
 __all__ = ["lower", "missing_gradients", "build_graph", "GraphBuild", "Lowered", "UnsupportedError", "BackendUnavailable"]
 
@@ -753,6 +753,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None) -> Lo
     from .rng import share_seeds
 
     share_seeds(gm)  # an inference graph's dropouts (a training graph's were shared in its joint graph)
+    gm = constfold.fold(gm)
     b = build_graph(gm)
     fuse = config.fusion()
     if fuse:

@@ -1,0 +1,203 @@
+"""Constant folding (constfold.py): values no graph input reaches are computed once when lowering.
+
+Each test checks the values against eager (bit for bit: folding evaluates the same ATen ops) and
+what was folded: which ATen calls are gone, how many constants the program binds."""
+import copy
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import aotfuse
+from aotfuse.lower import lower
+from helpers import assert_close
+
+aten = torch.ops.aten
+
+
+def band_masks(x):
+    """Longformer's per-layer band masks: new_ones(...).tril().flip(...), twice (equal values),
+    applied with where; and Bert's extended attention mask from ones."""
+    n = x.shape[-1]
+    outs = []
+    for _ in range(2):
+        mask2d = aten.flip.default(aten.tril.default(aten.new_ones.default(x, [n, n])), [0])
+        mask = aten.expand.default(aten.unsqueeze.default(mask2d, 0), list(x.shape))
+        outs.append(aten.where.ScalarOther(aten._to_copy.default(mask, dtype=torch.bool), x, -1.0))
+    ext = aten.mul.Tensor(aten.rsub.Scalar(aten.ones.default([1, n], dtype=torch.float32), 1.0), -1e9)
+    return aten.add.Tensor(outs[0], outs[1]), aten.add.Tensor(x, ext)
+
+
+def test_band_masks_are_computed_once_and_kept_once():
+    x = torch.randn(3, 5, 5)
+    lowered = lower(make_fx(band_masks)(x))
+    for _ in range(2):
+        for i, (a, r) in enumerate(zip(lowered([x]), band_masks(x))):
+            assert_close(a, r, f"band mask output {i}", atol=0, rtol=0)
+    externs = lowered.extern_counts()
+    for op in ("aten::tril.default", "aten::flip.default", "aten::new_ones.default", "aten::ones.default"):
+        assert op not in externs, externs
+    # the two flipped masks are equal: one constant; the extended mask ((1 - 1) * -1e9 = -0.0 in
+    # every element) is uniform: an aten.full member, no constant
+    # (the masks as bool, expanded: what the where reads, 75 bytes)
+    assert len(lowered._constants) == 1, [tuple(c.shape) for c in lowered._constants]
+    assert tuple(lowered._constants[0].shape) == (3, 5, 5) and lowered._constants[0].dtype == torch.bool
+    assert "aten::full.default" in [op for op, _k, _g in lowered.program.node_groups()]
+
+
+def test_folding_off_computes_every_step(monkeypatch):
+    monkeypatch.setenv("AOTFUSE_CONSTANT_FOLD", "0")
+    x = torch.randn(3, 5, 5)
+    lowered = lower(make_fx(band_masks)(x))
+    assert not lowered._constants
+    assert lowered.extern_counts().get("aten::flip.default") == 2, lowered.extern_counts()
+    for a, r in zip(lowered([x]), band_masks(x)):
+        assert_close(a, r, "unfolded", atol=0, rtol=0)
+
+
+def test_uniform_values_keep_the_sign_of_zero():
+    # (1 - 1) * -1e9 is -0.0: a full member must write -0.0, which 1 / x tells from +0.0 (and a
+    # kernel's -0.0 literal must be a float: C's "-0" is the integer 0)
+    def f(x):
+        zero = aten.mul.Tensor(aten.rsub.Scalar(aten.ones.default([4], dtype=torch.float32), 1.0), -1e9)
+        mixed = aten.cat.default([zero, aten.zeros.default([4], dtype=torch.float32)])  # -0.0 and +0.0
+        return aten.div.Tensor(x, zero), aten.div.Tensor(1.0, mixed), aten.div.Tensor(1.0, aten.mul.Tensor(x, -0.0))
+
+    x = torch.ones(4)
+    lowered = lower(make_fx(f)(x))
+    a, b, c = lowered([x])
+    ra, rb, rc = f(x)
+    assert torch.equal(a, ra) and bool((a == -torch.inf).all()), a
+    assert torch.equal(c, rc) and bool((c == -torch.inf).all()), c  # a -0.0 scalar in a kernel
+    assert torch.equal(b, rb) and b[:4].eq(-torch.inf).all() and b[4:].eq(torch.inf).all(), b
+
+
+def test_outputs_are_never_shared_constants():
+    # a graph output computed from no input is made every call: the caller may write to it
+    def f(x):
+        return aten.add.Tensor(x, 1.0), aten.mul.Tensor(aten.arange.default(4, dtype=torch.float32), 2.0)
+
+    x = torch.randn(4)
+    lowered = lower(make_fx(f)(x))
+    first = lowered([x])[1]
+    first.add_(100.0)
+    second = lowered([x])[1]
+    assert first.data_ptr() != second.data_ptr()
+    assert_close(second, torch.arange(4.0) * 2.0, "constant output after the caller wrote the last one", atol=0, rtol=0)
+
+
+def test_random_and_input_dependent_values_are_not_folded():
+    def f(x):
+        noise = aten.rand.default([4], dtype=torch.float32, device=torch.device("cpu"), pin_memory=False)
+        return aten.add.Tensor(x, noise), aten.mul.Tensor(aten.exp.default(x), aten.arange.default(4, dtype=torch.float32))
+
+    x = torch.randn(4)
+    lowered = lower(make_fx(f)(x))
+    a1, b1 = lowered([x])
+    a2, b2 = lowered([x])
+    assert not torch.equal(a1, a2), "a random draw was folded into a constant"
+    assert_close(b1, torch.exp(x) * torch.arange(4.0), "input-dependent", atol=0, rtol=0)
+    assert torch.equal(b1, b2)
+    assert "aten::rand.default" in lowered.extern_counts()
+
+
+def test_views_of_constants_stay_views_and_big_values_are_not_kept():
+    def f(x, y):
+        table = aten.mul.Tensor(aten.arange.default(12, dtype=torch.float32), 0.5)
+        view = aten.t.default(aten.view.default(table, [3, 4]))                    # [4, 3], strides (1, 4)
+        big = aten.tril.default(aten.ones.default([600, 600], dtype=torch.float32))  # 1.44 MB > 1 MiB
+        return aten.add.Tensor(x, view), aten.mul.Tensor(y, big)
+
+    x, y = torch.randn(4, 3), torch.randn(600, 600)
+    lowered = lower(make_fx(f)(x, y))
+    for a, r in zip(lowered([x, y]), f(x, y)):
+        assert_close(a, r, "views and big", atol=0, rtol=0)
+    shapes = sorted(tuple(c.shape) for c in lowered._constants)
+    # the table is kept (the view reads it), the big mask is computed from a kept all-ones fill
+    assert shapes == [(12,)], shapes
+    assert "aten::tril.default" in lowered.extern_counts()
+
+
+def test_like_fills_read_only_the_layout():
+    """full_like(x, -inf) in x's (transposed) layout reads nothing of x: it folds; being one value
+    everywhere it is an aten.full member, permuted to the traced layout (Longformer's full_like of
+    a strided slice), so no memory is kept for it, whatever its size; with fusion off ATen's full
+    and permute make that layout too."""
+    def f(x):
+        xt = aten.t.default(x)
+        filled = aten.full_like.default(xt, -float("inf"), memory_format=torch.preserve_format)
+        band = aten.tril.default(filled, -1)
+        return aten.where.self(aten.isinf.default(band), xt, band), aten.add.Tensor(filled, xt)
+
+    g = f
+
+    for n in (5, 600):  # 600 x 600 fp32 is above the largest constant kept
+        x = torch.randn(n, n)
+        lowered = lower(make_fx(g)(x))
+        for _ in range(2):
+            for i, (a, r) in enumerate(zip(lowered([x]), g(x))):
+                assert a.stride() == r.stride(), (n, i, a.stride(), r.stride())
+                assert_close(a, r, f"full_like of a transposed input, {n}x{n}, output {i}", atol=0, rtol=0)
+        ops = [op for op, _k, _g in lowered.program.node_groups()]
+        assert "aten::full.default" in ops and "aten::full_like.default" not in ops, ops
+        if n == 5:
+            assert not lowered.extern_counts(), lowered.extern_counts()
+            assert sorted(str(c.dtype) for c in lowered._constants) == ["torch.bool", "torch.float32"]  # isinf(band), band
+        else:
+            # band (1.44 MB) is computed from the fill: tril stays; isinf(band) (360 kB) is kept
+            assert [c.dtype for c in lowered._constants] == [torch.bool], lowered._constants
+            assert lowered.extern_counts() == {"aten::tril.default": 1}, lowered.extern_counts()
+
+
+def test_uniform_values_in_other_layouts_without_fusion(monkeypatch):
+    monkeypatch.setenv("AOTFUSE_FUSION", "0")
+    x = torch.randn(6, 6)
+
+    def g(x):
+        filled = aten.full_like.default(aten.t.default(x), 2.0, memory_format=torch.preserve_format)
+        return aten.add.Tensor(filled, 1.0), aten.view.default(aten.t.default(aten.mul.Tensor(filled, x)), [36])
+
+    lowered = lower(make_fx(g)(x))
+    for a, r in zip(lowered([x]), g(x)):
+        assert a.stride() == r.stride()
+        assert_close(a, r, "ATen's full and permute", atol=0, rtol=0)
+
+
+class Masked(torch.nn.Module):
+    """A model whose mask is built from shapes every step (as Hugging Face models do without an
+    attention mask), trained through memory_efficient_fusion."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.v = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        n = x.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        bias = torch.zeros(n, n).masked_fill(~causal, float("-inf"))
+        scores = self.q(x) @ x.transpose(1, 2) / 4.0 + bias
+        return torch.softmax(scores, -1) @ self.v(x)
+
+
+@pytest.mark.parametrize("fold", ["1", "0"])
+def test_a_folded_model_trains_like_eager(monkeypatch, fold):
+    monkeypatch.setenv("AOTFUSE_CONSTANT_FOLD", fold)
+    torch.manual_seed(0)
+    model = Masked()
+    eager = copy.deepcopy(model)
+    compiled = aotfuse.memory_efficient_fusion(model)
+    x = torch.randn(2, 6, 16)
+    for step in range(2):
+        out_c, out_e = compiled(x), eager(x)
+        assert_close(out_c, out_e, f"step {step} output")
+        out_c.square().sum().backward()
+        out_e.square().sum().backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            assert_close(p.grad, q.grad, f"step {step} grad of {name}")
+    fwd = compiled._aotfuse_compiled.records[-1].programs["forward"]
+    externs = fwd.extern_counts()
+    if fold == "1":
+        assert "aten::tril.default" not in externs and "aten::masked_fill.Scalar" not in externs, externs
+        assert len(fwd._constants) == 1
+    else:
+        assert "aten::tril.default" in externs and not fwd._constants, externs
