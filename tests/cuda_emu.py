@@ -190,8 +190,8 @@ def recording_programs():
     graphs, runs = {}, []
     lower, call = lower_mod.lower, lower_mod.Lowered.__call__
 
-    def lowering(gm, example_inputs=None):
-        low = lower(gm, example_inputs)
+    def lowering(gm, example_inputs=None, saved_from=None):
+        low = lower(gm, example_inputs, saved_from)
         graphs[id(low)] = (low, gm)
         return low
 

@@ -119,19 +119,16 @@ def test_views_of_constants_stay_views_and_big_values_are_not_kept():
 
 
 def test_like_fills_read_only_the_layout():
-    """full_like(x, -inf) in x's (transposed) layout reads nothing of x: it folds; being one value
-    everywhere it is an aten.full member, permuted to the traced layout (Longformer's full_like of
-    a strided slice), so no memory is kept for it, whatever its size; with fusion off ATen's full
-    and permute make that layout too."""
-    def f(x):
+    """full_like(x, -inf) in x's (transposed) layout reads nothing of x: it folds, keeping its layout.
+    Small, it is a constant; too big to keep (Longformer's full_like of a strided slice at the seed's
+    size), it is an aten.full member permuted to the traced layout, which keeps no memory."""
+    def g(x):
         xt = aten.t.default(x)
         filled = aten.full_like.default(xt, -float("inf"), memory_format=torch.preserve_format)
         band = aten.tril.default(filled, -1)
         return aten.where.self(aten.isinf.default(band), xt, band), aten.add.Tensor(filled, xt)
 
-    g = f
-
-    for n in (5, 600):  # 600 x 600 fp32 is above the largest constant kept
+    for n in (5, 600):  # 600 x 600 fp32 (1.44 MB) is above the largest constant kept
         x = torch.randn(n, n)
         lowered = lower(make_fx(g)(x))
         for _ in range(2):
@@ -139,25 +136,63 @@ def test_like_fills_read_only_the_layout():
                 assert a.stride() == r.stride(), (n, i, a.stride(), r.stride())
                 assert_close(a, r, f"full_like of a transposed input, {n}x{n}, output {i}", atol=0, rtol=0)
         ops = [op for op, _k, _g in lowered.program.node_groups()]
-        assert "aten::full.default" in ops and "aten::full_like.default" not in ops, ops
-        if n == 5:
+        assert "aten::full_like.default" not in ops, ops
+        kept = {(str(c.dtype), c.stride()) for c in lowered._constants}
+        if n == 5:  # filled (transposed), band and isinf(band): all kept
             assert not lowered.extern_counts(), lowered.extern_counts()
-            assert sorted(str(c.dtype) for c in lowered._constants) == ["torch.bool", "torch.float32"]  # isinf(band), band
-        else:
-            # band (1.44 MB) is computed from the fill: tril stays; isinf(band) (360 kB) is kept
-            assert [c.dtype for c in lowered._constants] == [torch.bool], lowered._constants
+            assert kept == {("torch.float32", (1, 5)), ("torch.float32", (5, 1)), ("torch.bool", (5, 1))}, kept
+            assert "aten::full.default" not in ops
+        else:  # filled is a permuted fill; band (1.44 MB) is computed from it; isinf(band) (360 kB) is kept
+            assert "aten::full.default" in ops and "aten::permute.default" in ops, ops
+            assert kept == {("torch.bool", (600, 1))}, kept
             assert lowered.extern_counts() == {"aten::tril.default": 1}, lowered.extern_counts()
 
 
-def test_uniform_values_in_other_layouts_without_fusion(monkeypatch):
-    monkeypatch.setenv("AOTFUSE_FUSION", "0")
+def test_saved_values_may_be_constants():
+    """A forward's outputs after the user-visible ones are saved for its backward, which only reads
+    them: a mask computed from nothing is a constant there (Longformer's ending mask), and the
+    backward reads the saved constant instead of recomputing it."""
+    class Banded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(6, 6)
+
+        def forward(self, x):
+            mask = torch.ones(6, 6).tril().flip(0)
+            return (self.fc(x) * mask).sum(), mask * 2.0
+
+    torch.manual_seed(0)
+    model = Banded()
+    eager = copy.deepcopy(model)
+    compiled = aotfuse.memory_efficient_fusion(model)
     x = torch.randn(6, 6)
+    for step in range(2):
+        (loss_c, out_c), (loss_e, out_e) = compiled(x), eager(x)
+        assert_close(loss_c, loss_e, f"step {step} loss")
+        assert_close(out_c, out_e, f"step {step} output")
+        out_c.add_(1.0)  # the caller writes to its output: it must not be a shared constant
+        loss_c.backward()
+        loss_e.backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            assert_close(p.grad, q.grad, f"step {step} grad of {name}")
+    rec = compiled._aotfuse_compiled.records[-1]
+    fwd, bwd = rec.programs["forward"], rec.programs["backward"]
+    assert len(fwd._constants) == 1 and "aten::flip.default" not in fwd.extern_counts(), fwd.extern_counts()
+    assert "aten::flip.default" not in bwd.extern_counts() and not bwd._constants, bwd.extern_counts()
+
+
+def test_uniform_values_in_other_layouts_without_fusion(monkeypatch):
+    # a fill too big to keep, transposed: ATen's full and permute make the traced layout, which a
+    # view that needs it (t, then view) reads
+    monkeypatch.setenv("AOTFUSE_FUSION", "0")
+    x = torch.randn(600, 600)
 
     def g(x):
         filled = aten.full_like.default(aten.t.default(x), 2.0, memory_format=torch.preserve_format)
-        return aten.add.Tensor(filled, 1.0), aten.view.default(aten.t.default(aten.mul.Tensor(filled, x)), [36])
+        return aten.add.Tensor(filled, 1.0), aten.view.default(aten.t.default(aten.mul.Tensor(filled, x)), [360000])
 
     lowered = lower(make_fx(g)(x))
+    assert lowered.extern_counts().get("aten::full.default") == 1 and not lowered._constants, lowered.extern_counts()
     for a, r in zip(lowered([x]), g(x)):
         assert a.stride() == r.stride()
         assert_close(a, r, "ATen's full and permute", atol=0, rtol=0)

@@ -117,8 +117,8 @@ def test_dynamo_backend_gets_no_dense_zero_gradients_either(which):
     eager = copy.deepcopy(model)
     lowered, real = [], dyn.lower
 
-    def recording(gm, example_inputs=None):
-        lowered.append(real(gm, example_inputs))
+    def recording(gm, example_inputs=None, saved_from=None):
+        lowered.append(real(gm, example_inputs, saved_from))
         return lowered[-1]
 
     with mock.patch.object(dyn, "lower", recording):

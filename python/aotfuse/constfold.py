@@ -11,14 +11,16 @@ What stays a node:
   - anything reading a graph input's data (a `_like` fill reads only its input's shape, dtype
     and layout: it folds), random ops (`nondeterministic_seeded`), ops that write an argument or
     return no tensor (asserts), uninitialized allocations (`empty*`);
-  - graph outputs: a constant is one tensor shared by every call, which a caller could write to;
+  - graph outputs: a constant is one tensor shared by every call, which a caller could write to
+    (a forward's outputs saved for its backward excepted: the backward only reads them);
   - contiguous fills read by other nodes: lowering makes them `aten.full` members that read
     nothing, cheaper than a constant read from memory;
   - views: a constant is a fresh tensor, so a view stays a view of its (folded) base;
   - values above _MAX_BYTES: memory held for the program's life (fills in another layout, such as
     Longformer's `full_like` of a strided slice, excepted: they become fills, below).
 A constant holding one value everywhere (float or bool, dense) becomes `aten.full`, a kernel member
-that reads nothing, permuted where its layout is: no memory is kept. Equal constants are kept once.
+that reads nothing, where it is contiguous or too big to keep (then permuted to its layout, a kernel
+of its own): no memory is kept. Equal constants are kept once.
 AOTFUSE_CONSTANT_FOLD=0 turns folding off.
 """
 from __future__ import annotations
@@ -103,12 +105,19 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.storage_offset() == b.storage_offset())
 
 
-def fold(gm: fx.GraphModule) -> fx.GraphModule:
+def fold(gm: fx.GraphModule, saved_from: int | None = None) -> fx.GraphModule:
     """gm with its input-independent values computed (a new GraphModule), or gm itself when there
-    is nothing worth folding."""
+    is nothing worth folding. `saved_from`: the graph's outputs from that position on are saved
+    for a backward, which only reads them, so they may be constants (a forward saving a mask)."""
     if not config.constant_fold():
         return gm
     nodes = list(gm.graph.nodes)
+    visible: set = set()  # nodes some caller may write to: graph outputs before saved_from
+    for node in nodes:
+        if node.op == "output":
+            outs = node.args[0] if isinstance(node.args[0], (list, tuple)) else (node.args[0],)
+            cut = len(outs) if saved_from is None else saved_from
+            visible.update(o for o in outs[:cut] if isinstance(o, fx.Node))
     computable: set = set()  # reads no graph input's data
     for node in nodes:
         if node.op == "get_attr":
@@ -133,7 +142,7 @@ def fold(gm: fx.GraphModule) -> fx.GraphModule:
                 continue
             val = node.meta["val"]
             fill = _fill(node)
-            if any(u.op == "output" for u in node.users) or _is_view(node) or (fill and val.is_contiguous()) \
+            if node in visible or _is_view(node) or (fill and val.is_contiguous()) \
                     or (_nbytes(val) > _MAX_BYTES and not fill) or val.storage_offset() != 0 or not dense(val):
                 stays.add(node)
                 changed = True
@@ -233,7 +242,9 @@ def _rebuild(gm: fx.GraphModule, nodes: list, folded: set, constants: list, valu
     for node in constants:
         v = values[node]
         fill = _uniform_value(v)
-        if fill is not None:  # a kernel member that reads nothing, no memory kept
+        if fill is not None and (v.is_contiguous() or _nbytes(v) > _MAX_BYTES):
+            # a kernel member that reads nothing, no memory kept (permuted, it is a kernel of its
+            # own that the readers read through the permute: small ones are kept as constants)
             env[node] = _full_node(graph, node, fill)
             n_full += 1
             continue

@@ -17,9 +17,9 @@ from .partition import min_cut_rematerialization_partition
 __all__ = ["aotfuse_backend"]
 
 
-def _compile_or_fallback(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]):
+def _compile_or_fallback(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], saved_from: int | None = None):
     try:
-        return lower(gm, example_inputs)
+        return lower(gm, example_inputs, saved_from)
     except UnsupportedError as e:
         # Dynamo graphs can carry what the core does not take (symbolic shapes after a
         # recompile, say): that graph runs as torch's own FX code, correctly.
@@ -46,7 +46,7 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
         return min_cut_rematerialization_partition(joint, joint_inputs, **kw)
 
     def forward(fw: torch.fx.GraphModule, inputs: Sequence[Any]):
-        low = _compile_or_fallback(fw, inputs)
+        low = _compile_or_fallback(fw, inputs, state.get("num_fwd_outputs"))
         if isinstance(low, Lowered) and "num_fwd_outputs" in state:  # saved activations may be plain views
             low.program.set_plain_outputs(low.program_outputs_before(state["num_fwd_outputs"]))
         return _keep("forward", low)

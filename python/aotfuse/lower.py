@@ -748,12 +748,14 @@ def missing_gradients(gm: fx.GraphModule, missing: tuple) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None) -> Lowered:
-    """Lowers an ATen-level FX graph (as AOTAutograd produces) into a C program."""
+def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved_from: int | None = None) -> Lowered:
+    """Lowers an ATen-level FX graph (as AOTAutograd produces) into a C program. `saved_from`: a
+    forward's outputs from that position on are saved for its backward, never written (they may
+    be constants, constfold.fold)."""
     from .rng import share_seeds
 
     share_seeds(gm)  # an inference graph's dropouts (a training graph's were shared in its joint graph)
-    gm = constfold.fold(gm)
+    gm = constfold.fold(gm, saved_from)
     b = build_graph(gm)
     fuse = config.fusion()
     if fuse:

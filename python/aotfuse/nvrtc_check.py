@@ -39,9 +39,9 @@ def captured_graphs(fn: Any, *args: Any, **kwargs: Any) -> list[tuple[str, torch
 
     seen: list[tuple[str, torch.fx.GraphModule]] = []
 
-    def recording(gm, example_inputs=None):
+    def recording(gm, example_inputs=None, saved_from=None):
         seen.append((f"graph{len(seen)}", gm))
-        return lower_mod.lower(gm, example_inputs)
+        return lower_mod.lower(gm, example_inputs, saved_from)
 
     with mock.patch.object(compile_mod, "lower", recording), mock.patch.object(dynamo_mod, "lower", recording):
         out = fn(*args, **kwargs)
