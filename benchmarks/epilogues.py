@@ -41,13 +41,15 @@ def _median_ms(f, args, n=20, cuda=False):
     return sorted(ts)[n // 2] * 1e3
 
 
-def _cases(device: str, dtype: torch.dtype):
+def _cases(device: str, dtype: torch.dtype, shape: tuple[int, int] | None = None):
     g = torch.Generator().manual_seed(0)
 
     def randn(*shape):
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
-    if device == "cpu":
+    if shape is not None:
+        rows = cols = sm_rows = ls_rows = shape
+    elif device == "cpu":
         rows, cols = (512, 8192), (512, 8192)
         sm_rows = ls_rows = (512, 8192)
     else:  # the seed's Bert: 4 x 512 tokens, hidden 768, 12 heads, vocab 30522
@@ -78,17 +80,21 @@ def _cases(device: str, dtype: torch.dtype):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--shape", default=None, help="ROWSxCOLS for every case (default: 512x8192 on the CPU, "
+                    "the seed's Bert shapes on a GPU); small shapes show the host time a call costs")
     a = ap.parse_args(argv)
+    shape = tuple(int(v) for v in a.shape.lower().split("x")) if a.shape else None
     cuda = a.device == "cuda"
     torch.set_num_threads(1 if not cuda else torch.get_num_threads())
     dtypes = [torch.float32, torch.bfloat16] if cuda else [torch.float32]
     where = torch.cuda.get_device_name(0) if cuda else f"CPU, 1 thread, {platform.processor() or platform.machine()}"
     print(f"# Epilogue kernels vs ATen ({where})\n\ntorch {torch.__version__}; `python benchmarks/epilogues.py"
-          f"{' --device cuda' if cuda else ''}`; medians of 20 (CUDA-synchronized on the GPU)\n")
+          f"{' --device cuda' if cuda else ''}{' --shape ' + a.shape if a.shape else ''}`; medians of 20 "
+          "(CUDA-synchronized on the GPU)\n")
     print("| op | dtype | shape | ATen (ms) | aotfuse phased kernel (ms) | ATen / aotfuse | kernels | phases |")
     print("|---|---|---|---|---|---|---|---|")
     for dtype in dtypes:
-        for name, (fn, args) in _cases(a.device, dtype).items():
+        for name, (fn, args) in _cases(a.device, dtype, shape).items():
             low = lower(make_fx(fn, decomposition_table=default_decompositions(norms=True))(*args))
             ours = _median_ms(lambda *t: low(list(t)), args, cuda=cuda)
             aten_ms = _median_ms(fn, args, cuda=cuda)

@@ -139,3 +139,27 @@ def test_window_members_compile():
     for arch in ARCHS:
         kernels = compile_report(source, arch)
         assert len(kernels) >= len(launches) and all(k["registers"] for k in kernels), (arch, kernels)
+
+
+@needs_nvrtc
+def test_folded_constants_and_fills_compile():
+    """What constant folding leaves (constfold.py): constants as program inputs, full members, and a
+    fill too big to keep, permuted to its layout, read through the permute."""
+    from aotfuse import constfold
+    from test_constant_folding import band_masks
+
+    def f(x, y):
+        big = aten.full_like.default(aten.t.default(y), -2.0, memory_format=torch.preserve_format)  # 1.44 MB
+        return band_masks(x) + (aten.add.Tensor(big, aten.t.default(y)),)
+
+    gm = constfold.fold(make_fx(f)(torch.randn(3, 5, 5), torch.randn(600, 600)))
+    targets = [n.target for n in gm.graph.nodes]
+    # fills: the big one (permuted), the where's -1.0 (one node for both), the extended mask's -0.0
+    assert targets.count(aten.full.default) == 3 and aten.permute.default in targets and aten.flip.default not in targets
+    b = build_graph(gm, device="cuda:0")
+    assert len(b.constants) == 1
+    source, launches = _C.cuda_codegen(b.graph)
+    assert "aten::full.default" in source and "-0.0f" in source, source
+    for arch in ARCHS:
+        kernels = compile_report(source, arch)
+        assert len(kernels) >= len(launches) and all(k["registers"] for k in kernels), (arch, kernels)

@@ -13,8 +13,9 @@ What stays a node:
     return no tensor (asserts), uninitialized allocations (`empty*`);
   - graph outputs: a constant is one tensor shared by every call, which a caller could write to
     (a forward's outputs saved for its backward excepted: the backward only reads them);
-  - contiguous fills read by other nodes: lowering makes them `aten.full` members that read
-    nothing, cheaper than a constant read from memory;
+  - contiguous `_like` fills and `full` read by other nodes: lowering makes them `aten.full` members
+    that read nothing, cheaper than a constant read from memory (`zeros`, `ones`, `scalar_tensor`
+    fold, and become such members below);
   - views: a constant is a fresh tensor, so a view stays a view of its (folded) base;
   - values above _MAX_BYTES: memory held for the program's life (fills in another layout, such as
     Longformer's `full_like` of a strided slice, excepted: they become fills, below).
@@ -45,6 +46,8 @@ _MAX_EVAL_NUMEL = 1 << 24
 _META_ONLY = {aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.new_zeros.default,
               aten.new_ones.default, aten.new_full.default}
 _FILLS = _META_ONLY | {aten.zeros.default, aten.ones.default, aten.full.default, aten.scalar_tensor.default}
+# the fills lowering makes `aten.full` members of where their layout is contiguous (lower._replacements)
+_LOWERED_FILLS = _META_ONLY | {aten.full.default}
 _UNINITIALIZED = {aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
                   aten.new_empty.default, aten.new_empty_strided.default}
 
@@ -142,7 +145,7 @@ def fold(gm: fx.GraphModule, saved_from: int | None = None) -> fx.GraphModule:
                 continue
             val = node.meta["val"]
             fill = _fill(node)
-            if node in visible or _is_view(node) or (fill and val.is_contiguous()) \
+            if node in visible or _is_view(node) or (node.target in _LOWERED_FILLS and fill and val.is_contiguous()) \
                     or (_nbytes(val) > _MAX_BYTES and not fill) or val.storage_offset() != 0 or not dense(val):
                 stays.add(node)
                 changed = True
@@ -238,15 +241,17 @@ def _rebuild(gm: fx.GraphModule, nodes: list, folded: set, constants: list, valu
         if p.op == "placeholder":
             env[p] = graph.node_copy(p, lambda n: env[n])
     kept_values: list[tuple[torch.Tensor, fx.Node]] = []  # one get_attr per distinct value
-    n_full = 0
+    fills: dict = {}  # one node per distinct fill
     for node in constants:
         v = values[node]
         fill = _uniform_value(v)
         if fill is not None and (v.is_contiguous() or _nbytes(v) > _MAX_BYTES):
             # a kernel member that reads nothing, no memory kept (permuted, it is a kernel of its
             # own that the readers read through the permute: small ones are kept as constants)
-            env[node] = _full_node(graph, node, fill)
-            n_full += 1
+            key = (tuple(v.shape), v.stride(), v.dtype, v.device, repr(fill))  # repr: -0.0 is not 0.0
+            if key not in fills:
+                fills[key] = _full_node(graph, node, fill)
+            env[node] = fills[key]
             continue
         c = next((c for other, c in kept_values if _same_layout(other, v) and torch.equal(other, v)), None)
         if c is None:
@@ -266,9 +271,10 @@ def _rebuild(gm: fx.GraphModule, nodes: list, folded: set, constants: list, valu
         elif node in folded:
             continue
         env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.eliminate_dead_code()  # what only folded nodes read (the argument of a folded `_like` fill)
     graph.lint()
     out = fx.GraphModule(attrs, graph, class_name=gm.__class__.__name__)
     out.meta.update(getattr(gm, "meta", {}))
-    config.emit("lowering", f"constant folding: {len(constants)} values computed once: {n_full} fills, "
+    config.emit("lowering", f"constant folding: {len(constants)} values computed once: {len(fills)} fills, "
                 f"{len(kept_values)} distinct constants of {sum(_nbytes(v) for v, _n in kept_values)} bytes")
     return out

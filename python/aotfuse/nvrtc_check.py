@@ -34,14 +34,17 @@ def nvrtc_available() -> str | None:
 
 def captured_graphs(fn: Any, *args: Any, **kwargs: Any) -> list[tuple[str, torch.fx.GraphModule]]:
     """Runs fn once forward and backward (if its output needs grad) and returns every FX graph
-    aotfuse lowered on the way, whichever path took it (one capture, or Dynamo's pieces)."""
-    from . import compile as compile_mod, dynamo as dynamo_mod, lower as lower_mod
+    aotfuse lowered on the way, whichever path took it (one capture, or Dynamo's pieces), as the
+    program was built from it (constants folded: constfold.py)."""
+    from . import compile as compile_mod, constfold, dynamo as dynamo_mod, lower as lower_mod
 
     seen: list[tuple[str, torch.fx.GraphModule]] = []
 
     def recording(gm, example_inputs=None, saved_from=None):
-        seen.append((f"graph{len(seen)}", gm))
-        return lower_mod.lower(gm, example_inputs, saved_from)
+        low = lower_mod.lower(gm, example_inputs, saved_from)
+        # the graph the program was built from: after the seeds are shared and constants folded
+        seen.append((f"graph{len(seen)}", constfold.fold(gm, saved_from)))
+        return low
 
     with mock.patch.object(compile_mod, "lower", recording), mock.patch.object(dynamo_mod, "lower", recording):
         out = fn(*args, **kwargs)
