@@ -222,7 +222,7 @@ static int should_ban(const joint_ctx *c, const af_partition_options *o, int32_t
 static int64_t save_weight(const joint_ctx *c, int32_t v) {
     const af_value *val = af_graph_value(c->g, v);
     if (val->meta.type != AF_VALUE_TENSOR) return AF_FLOW_INF;
-    if (c->input_role[v] == AF_ROLE_CONSTANT) return 0;
+    if (c->input_role[v] == AF_ROLE_CONSTANT || c->input_role[v] == AF_ROLE_PARAM) return 0; /* held anyway */
     int64_t d = c->dist[v] < 1 ? 1 : c->dist[v] > 100 ? 100 : c->dist[v];
     double w = (double)af_tensor_meta_nbytes(&val->meta) * pow(1.1, (double)d);
     if (!is_materialized(c, v)) w *= 2;
@@ -374,7 +374,8 @@ int af_partition_default(const af_graph *g, const uint8_t *roles, int32_t num_fw
     /* a node the forward runs makes all of its outputs (native_layer_norm's mean and rstd too) */
     for (int32_t v = 0; v < c.nv; v++) {
         int32_t role = c.input_role[v], prod = af_graph_value(g, v)->producer;
-        stop[v] = (prod >= 0 ? node_fw_required(&c, prod) : 0) || role == AF_ROLE_PRIMAL || role == AF_ROLE_FWD_SEED;
+        stop[v] = (prod >= 0 ? node_fw_required(&c, prod) : 0) || role == AF_ROLE_PRIMAL || role == AF_ROLE_PARAM ||
+                  role == AF_ROLE_FWD_SEED;
     }
     st = finish(&c, stop, p);
 done:
@@ -430,7 +431,7 @@ int af_partition_min_cut(const af_graph *g, const uint8_t *roles, int32_t num_fw
             continue;
         }
         if (c.bw_required[v]) EDGE(vout, sink, AF_FLOW_INF); /* must be available to the backward */
-        if (role == AF_ROLE_PRIMAL || role == AF_ROLE_FWD_SEED || role == AF_ROLE_CONSTANT)
+        if (role == AF_ROLE_PRIMAL || role == AF_ROLE_PARAM || role == AF_ROLE_FWD_SEED || role == AF_ROLE_CONSTANT)
             EDGE(source, vin, AF_FLOW_INF);
         else if (role < 0 && node_ban[af_graph_value(g, v)->producer])
             EDGE(source, vin, AF_FLOW_INF);
@@ -475,7 +476,8 @@ int af_partition_check(const af_graph *g, const uint8_t *roles, int32_t nfwd, co
     }
     /* forward: forward inputs, then nodes in graph order */
     for (int32_t i = 0; i < af_graph_num_inputs(g); i++)
-        avail[af_graph_input(g, i)] = roles[i] == AF_ROLE_PRIMAL || roles[i] == AF_ROLE_FWD_SEED || roles[i] == AF_ROLE_CONSTANT;
+        avail[af_graph_input(g, i)] = roles[i] == AF_ROLE_PRIMAL || roles[i] == AF_ROLE_PARAM || roles[i] == AF_ROLE_FWD_SEED ||
+                                      roles[i] == AF_ROLE_CONSTANT;
     for (int32_t n = 0; n < nn; n++) {
         if (!p->in_forward[n]) continue;
         const af_node *node = af_graph_node(g, n);

@@ -227,3 +227,20 @@ def test_random_ops_are_not_recomputed(monkeypatch):
     bw = record.graphs["backward"]
     assert not any("dropout" in str(n.target) or "bernoulli" in str(n.target) or "rand" in str(n.target)
                    for n in bw.graph.nodes if n.op == "call_function")
+
+
+def test_parameters_are_free_to_save():
+    """A parameter lives anyway, so saving it costs nothing (torch's treat_parameters_as_free_to_save):
+    a linear layer's backward reads its weight, not the transposed view the forward made, which
+    the backward would have to make again as a tensor. Saved bytes are the same (a view has its
+    base's bytes); gradients match eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    compiled = check_module(model, x, steps=2)
+    rec = compiled._aotfuse_compiled.records[-1]
+    saved = [name for name, _shape, _dtype, _n in rec.saved]
+    # the second layer's weight (primals_3) is what the backward reads for the tanh's gradient
+    # (the first one's would serve only the input's, which needs none)
+    assert "primals_3" in saved, saved
+    assert not [s for s in saved if s.startswith(("t_", "permute"))] and "t" not in saved, saved  # no views of it

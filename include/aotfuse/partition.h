@@ -5,7 +5,8 @@
  *
  * af_partition_min_cut: min-cut rematerialization. Every value v becomes two flow vertices
  * v_in -> v_out whose capacity is what saving v costs (its bytes, biased toward values used
- * close to the backward, doubled when fusion would otherwise never materialize v). Edges to
+ * close to the backward, doubled when fusion would otherwise never materialize v; nothing for a
+ * parameter or buffer, which lives anyway, as torch's treat_parameters_as_free_to_save). Edges to
  * users are infinite; primal inputs and values that must not be recomputed (compute-heavy,
  * random, extern, big reductions, values materialized in the backward anyway, values far from
  * their backward use) hang off the source; what the backward computes from tangents hangs off
@@ -29,6 +30,7 @@ typedef enum {
     AF_ROLE_CONSTANT,    /* a tensor constant: available everywhere, never saved */
     AF_ROLE_FWD_SEED,    /* forward RNG seed/offset: forward only */
     AF_ROLE_BWD_SEED,    /* backward RNG seed/offset: backward only */
+    AF_ROLE_PARAM,       /* a primal that outlives the step (parameter, buffer): free to save */
     AF_ROLE_COUNT
 } af_input_role;
 

@@ -61,8 +61,12 @@ def _compile_with_core(record: _Record, stage: str, gm: torch.fx.GraphModule, ex
     return lowered
 
 
-def _recording_partition(record: _Record, partition_fn: Callable, lower_backward: bool, joint_module,
-                         joint_inputs, **kwargs):
+def _recording_partition(record: _Record, partition_fn: Callable, lower_backward: bool, num_params_buffers: int,
+                         joint_module, joint_inputs, **kwargs):
+    if getattr(partition_fn, "__module__", None) == "aotfuse.partition" and not kwargs.get("static_lifetime_input_indices"):
+        # aot_function marks no static inputs: the first num_params_buffers are the parameters and
+        # buffers (free to save, they live anyway); only our partitioners take the hint
+        kwargs["aotfuse_static_inputs"] = range(num_params_buffers)
     fw, bw = partition_fn(joint_module, joint_inputs, **kwargs)
     if lower_backward:
         # torch compiles the backward lazily, at the first backward call; lowering it here too
@@ -293,7 +297,7 @@ class CompiledFunction:
             fw_compiler=self.fw_compiler or functools.partial(ours, "forward"),
             bw_compiler=self.bw_compiler or functools.partial(ours, "backward"),
             partition_fn=functools.partial(_recording_partition, record, self.partition_fn,
-                                           self.bw_compiler is None),
+                                           self.bw_compiler is None, self.num_params_buffers),
             decompositions=self.decompositions,
             num_params_buffers=self.num_params_buffers,
             keep_inference_input_mutations=self.keep_inference_input_mutations,

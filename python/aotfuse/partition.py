@@ -22,7 +22,7 @@ from .rng import share_seeds
 
 __all__ = ["min_cut_rematerialization_partition", "default_partition", "PartitionStats"]
 
-ROLE_PRIMAL, ROLE_TANGENT, ROLE_CONSTANT, ROLE_FWD_SEED, ROLE_BWD_SEED = range(5)
+ROLE_PRIMAL, ROLE_TANGENT, ROLE_CONSTANT, ROLE_FWD_SEED, ROLE_BWD_SEED, ROLE_PARAM = range(6)
 
 
 class PartitionStats:
@@ -45,9 +45,11 @@ class PartitionStats:
         return "\n".join(lines)
 
 
-def _role(node: fx.Node) -> int:
+def _role(node: fx.Node, params: set) -> int:
     if node.op == "get_attr":
         return ROLE_CONSTANT
+    if node in params:
+        return ROLE_PARAM
     name = str(node.target)
     if name.startswith("tangents"):
         return ROLE_TANGENT
@@ -115,8 +117,19 @@ def _reorder(bw_module: fx.GraphModule, order: list[str]) -> None:
     bw_module.recompile()
 
 
+def _params(joint_module: fx.GraphModule, static: Any) -> set:
+    """The joint graph's primal placeholders at the forward input positions `static` (parameters
+    and buffers: AOTAutograd's static-lifetime inputs, or the first N for aot_function's N
+    parameters and buffers): free to save, since they live anyway."""
+    if not static:
+        return set()
+    primals = [n for n in joint_module.graph.nodes if n.op == "placeholder" and _role(n, set()) == ROLE_PRIMAL]
+    return {primals[i] for i in static if 0 <= i < len(primals)}
+
+
 def _partition(joint_module: fx.GraphModule, num_fwd_outputs: int, min_cut: bool,
-               static_lifetime_input_nodes: Any = None, **options: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+               static_lifetime_input_nodes: Any = None, static_inputs: Any = None,
+               **options: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
     joint_module.graph.eliminate_dead_code()
     if min_cut:
         # common subexpressions once, as torch's min-cut partitioner does before it cuts
@@ -126,7 +139,8 @@ def _partition(joint_module: fx.GraphModule, num_fwd_outputs: int, min_cut: bool
     _merge_duplicate_getitems(joint_module.graph)
     share_seeds(joint_module)  # one seed draw for all dropouts, before the seeds are saved
     build = build_graph(joint_module, exact=True)
-    roles = bytes(_role(n) for n in build.input_nodes)
+    params = _params(joint_module, static_inputs)
+    roles = bytes(_role(n, params) for n in build.input_nodes)
     # graph outputs skip None entries: count the forward's among the real ones
     nfwd = sum(1 for t in build.out_template[:num_fwd_outputs] if t is None)
     res = _C.partition(build.graph, roles, nfwd, min_cut=min_cut, **options)
@@ -164,14 +178,17 @@ def min_cut_rematerialization_partition(joint_module: fx.GraphModule, _joint_inp
     Example:
         >>> from torch._functorch.aot_autograd import aot_function
         >>> f = aot_function(fn, nop, partition_fn=aotfuse.min_cut_rematerialization_partition)
-    Options (keyword): max_dist_from_bw, reduction_ratio, ban_materialized_bw.
+    Options (keyword): max_dist_from_bw, reduction_ratio, ban_materialized_bw. Parameters and
+    buffers (static_lifetime_input_indices, or aotfuse_static_inputs) cost nothing to save.
     """
     options = {k: kwargs.pop(k) for k in ("max_dist_from_bw", "reduction_ratio", "ban_materialized_bw") if k in kwargs}
-    return _partition(joint_module, num_fwd_outputs, True, kwargs.get("static_lifetime_input_nodes"), **options)
+    return _partition(joint_module, num_fwd_outputs, True, kwargs.get("static_lifetime_input_nodes"),
+                      kwargs.get("aotfuse_static_inputs", static_lifetime_input_indices), **options)
 
 
 def default_partition(joint_module: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
                       static_lifetime_input_indices: Any = None, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
     """torch's partition_fn signature: the forward saves every value the backward reads;
     nothing is recomputed."""
-    return _partition(joint_module, num_fwd_outputs, False, kwargs.get("static_lifetime_input_nodes"))
+    return _partition(joint_module, num_fwd_outputs, False, kwargs.get("static_lifetime_input_nodes"),
+                      kwargs.get("aotfuse_static_inputs", static_lifetime_input_indices))

@@ -64,7 +64,7 @@ static void check_partition(const af_graph *g, const uint8_t *roles, int32_t nfw
             /* a saved input must be a forward input */
             int32_t i = 0;
             while (af_graph_input(g, i) != p->saved[s]) i++;
-            assert_true(roles[i] == AF_ROLE_PRIMAL || roles[i] == AF_ROLE_FWD_SEED);
+            assert_true(roles[i] == AF_ROLE_PRIMAL || roles[i] == AF_ROLE_PARAM || roles[i] == AF_ROLE_FWD_SEED);
         }
     }
 }
@@ -78,7 +78,7 @@ static void test_random_joint_graphs_are_split_validly(void **state) {
         uint8_t roles[16];
         int32_t n_primal = 1 + (int32_t)rnd(4), n_tangent = 1 + (int32_t)rnd(2);
         for (int32_t i = 0; i < n_primal; i++) {
-            roles[i] = AF_ROLE_PRIMAL;
+            roles[i] = rnd(2) ? AF_ROLE_PRIMAL : AF_ROLE_PARAM;
             vals[nvals++] = fw_vals[n_fw++] = input(g, NULL, 1 + rnd(64));
         }
         int32_t tangents[4];
@@ -154,6 +154,32 @@ static void test_pointwise_chain_is_recomputed(void **state) {
     af_partition_free(mc);
     af_partition_free(def);
     af_graph_free(g);
+}
+
+/* A parameter costs nothing to save (it lives anyway): the backward reads the weight itself, not
+ * the transposed view of it the forward made (which, closer to the backward, would cost less to
+ * save than a plain primal of the same bytes). */
+static void test_parameters_are_free_to_save(void **state) {
+    (void)state;
+    for (int as_param = 0; as_param < 2; as_param++) {
+        af_graph *g = NULL;
+        assert_int_equal(af_graph_new(&g), AF_OK);
+        int32_t x = input(g, "x", 64), w = input(g, "w", 64), t = input(g, "t", 64);
+        int32_t wt = add(g, "aten::view.default", w, -1, 64);  /* t(w) */
+        int32_t h = add(g, "aten::mm.default", x, wt, 64);
+        int32_t wtt = add(g, "aten::view.default", wt, -1, 64); /* t(t(w)) in the backward */
+        int32_t gx = add(g, "aten::mm.default", t, wtt, 64);
+        int32_t outs[2] = {h, gx};
+        assert_int_equal(af_graph_set_outputs(g, outs, 2), AF_OK);
+        uint8_t roles[3] = {AF_ROLE_PRIMAL, as_param ? AF_ROLE_PARAM : AF_ROLE_PRIMAL, AF_ROLE_TANGENT};
+        af_partition *mc = NULL;
+        assert_int_equal(af_partition_min_cut(g, roles, 1, NULL, &mc), AF_OK);
+        check_partition(g, roles, 1, mc);
+        assert_int_equal(mc->n_saved, 1);
+        assert_int_equal(mc->saved[0], as_param ? w : wt);
+        af_partition_free(mc);
+        af_graph_free(g);
+    }
 }
 
 /* Random ops and compute-heavy ops are never recomputed. */
@@ -240,6 +266,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_random_joint_graphs_are_split_validly),
         cmocka_unit_test(test_pointwise_chain_is_recomputed),
+        cmocka_unit_test(test_parameters_are_free_to_save),
         cmocka_unit_test(test_banned_ops_are_saved),
         cmocka_unit_test(test_multi_output_compute_node_is_not_rerun),
         cmocka_unit_test(test_bad_arguments),
