@@ -65,11 +65,10 @@ def _deterministic_pure(node: fx.Node) -> bool:
 
 
 def _is_view(node: fx.Node) -> bool:
-    try:
-        return _C.op_kind(f"{node.target.name()}" if "." in node.target.name()
-                          else f"{node.target.name()}.{node.target._overloadname}") == "view"
-    except Exception:  # noqa: BLE001 - an op the C table does not know is no view it folds
-        return False
+    """A view in the C core's op table (its value shares its input's memory)."""
+    from .lower import _op_name  # lower imports this module
+
+    return _C.op_kind(_op_name(node.target)) == "view"
 
 
 def _fill(node: fx.Node) -> bool:
