@@ -236,3 +236,38 @@ def test_a_folded_model_trains_like_eager(monkeypatch, fold):
         assert len(fwd._constants) == 1
     else:
         assert "aten::tril.default" in externs and not fwd._constants, externs
+
+
+def test_dynamo_pieces_fold_and_save_constants():
+    """torch.compile(backend="aotfuse") lowers each Dynamo graph through the same folding, its
+    forwards with saved_from (the saved mask is a constant there too)."""
+    import functools
+
+    from aotfuse.dynamo import aotfuse_backend
+
+    class Banded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(6, 6)
+
+        def forward(self, x):
+            mask = torch.ones(6, 6).tril().flip(0)
+            return (self.fc(x) * mask).sum()
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = Banded()
+    eager = copy.deepcopy(model)
+    lowered: list = []
+    compiled = torch.compile(model, backend=functools.partial(aotfuse_backend, collect=lowered), dynamic=False)
+    x = torch.randn(6, 6)
+    for step in range(2):
+        loss_c, loss_e = compiled(x), eager(x)
+        assert_close(loss_c, loss_e, f"step {step} loss")
+        loss_c.backward()
+        loss_e.backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            assert_close(p.grad, q.grad, f"step {step} grad of {name}")
+    forwards = [low for stage, low in lowered if stage == "forward"]
+    assert forwards and all("aten::flip.default" not in low.extern_counts() for low in forwards)
+    assert sum(len(low._constants) for low in forwards) == 1
