@@ -148,21 +148,27 @@ def test_like_fills_read_only_the_layout():
             assert lowered.extern_counts() == {"aten::tril.default": 1}, lowered.extern_counts()
 
 
+class Banded(torch.nn.Module):
+    """A linear layer times a band mask built from nothing (Longformer's), which the backward reads;
+    with_output: also returns a value computed from the mask alone."""
+
+    def __init__(self, with_output: bool):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 6)
+        self.with_output = with_output
+
+    def forward(self, x):
+        mask = torch.ones(6, 6).tril().flip(0)
+        loss = (self.fc(x) * mask).sum()
+        return (loss, mask * 2.0) if self.with_output else loss
+
+
 def test_saved_values_may_be_constants():
     """A forward's outputs after the user-visible ones are saved for its backward, which only reads
     them: a mask computed from nothing is a constant there (Longformer's ending mask), and the
     backward reads the saved constant instead of recomputing it."""
-    class Banded(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = torch.nn.Linear(6, 6)
-
-        def forward(self, x):
-            mask = torch.ones(6, 6).tril().flip(0)
-            return (self.fc(x) * mask).sum(), mask * 2.0
-
     torch.manual_seed(0)
-    model = Banded()
+    model = Banded(with_output=True)
     eager = copy.deepcopy(model)
     compiled = aotfuse.memory_efficient_fusion(model)
     x = torch.randn(6, 6)
@@ -245,18 +251,9 @@ def test_dynamo_pieces_fold_and_save_constants():
 
     from aotfuse.dynamo import aotfuse_backend
 
-    class Banded(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = torch.nn.Linear(6, 6)
-
-        def forward(self, x):
-            mask = torch.ones(6, 6).tril().flip(0)
-            return (self.fc(x) * mask).sum()
-
     torch.manual_seed(0)
     torch._dynamo.reset()
-    model = Banded()
+    model = Banded(with_output=False)
     eager = copy.deepcopy(model)
     lowered: list = []
     compiled = torch.compile(model, backend=functools.partial(aotfuse_backend, collect=lowered), dynamic=False)
