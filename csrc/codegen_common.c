@@ -119,16 +119,23 @@ static int popcount32(uint32_t x) {
 static void emit_window(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
                         const af_node *n, const af_window *w, const char *indent) {
     int32_t k = 0;
-    while (k < grp->n_inputs && grp->inputs[k] != w->source) k++;
+    while (w->source >= 0 && k < grp->n_inputs && grp->inputs[k] != w->source) k++;
     const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
     uint32_t all = window_guards(g, grp);
     int64_t shift = 0;
-    for (int32_t d = 0; d < iter->ndim; d++) shift += w->left[d] * ops[k].strides[d];
+    for (int32_t d = 0; w->source >= 0 && d < iter->ndim; d++) shift += w->left[d] * ops[k].strides[d];
     af_strbuf_printf(sb, "%sfloat v%d = (1", indent, (int)n->first_output);
     for (int32_t d = 0; d < iter->ndim; d++) {
         if (!((w->guard_mask >> d) & 1u)) continue;
         int32_t c = grp->n_inputs + grp->n_outputs + popcount32(all & ((1u << d) - 1u));
         af_strbuf_printf(sb, " && o%d >= %" PRId64 " && o%d < %" PRId64, (int)c, w->left[d], (int)c, w->left[d] + w->size[d]);
+    }
+    af_arg fill = {.kind = AF_ARG_FLOAT, .u.f = w->value};
+    if (w->source < 0) { /* box_fill: the value inside, base outside */
+        af_strbuf_printf(sb, ") ? ");
+        emit_scalar(sb, &fill, AF_DTYPE_FLOAT32);
+        af_strbuf_printf(sb, " : v%d; /* %s */\n", (int)w->base, n->op);
+        return;
     }
     char ptr[16], off[48];
     snprintf(ptr, sizeof ptr, "q%d", (int)k);
@@ -136,12 +143,8 @@ static void emit_window(af_strbuf *sb, const af_graph *g, const af_fusion_group 
     af_strbuf_printf(sb, ") ? ");
     af_cg_emit_load(sb, ops[k].dtype, ptr, off);
     af_strbuf_printf(sb, " : ");
-    if (w->base >= 0) {
-        af_strbuf_printf(sb, "v%d", (int)w->base);
-    } else {
-        af_arg fill = {.kind = AF_ARG_FLOAT, .u.f = w->value};
-        emit_scalar(sb, &fill, AF_DTYPE_FLOAT32);
-    }
+    if (w->base >= 0) af_strbuf_printf(sb, "v%d", (int)w->base);
+    else emit_scalar(sb, &fill, AF_DTYPE_FLOAT32);
     af_strbuf_printf(sb, "; /* %s */\n", n->op);
 }
 

@@ -79,18 +79,75 @@ static int scatter_window(const af_graph *g, const af_node *n, af_window *w) {
     return 1;
 }
 
+/* box_scatter(base, src, starts): src covers [starts[d], starts[d] + src.size[d]) on every dim d. */
+static int box_window(const af_graph *g, const af_node *n, af_window *w) {
+    const af_tensor_meta *out = &af_graph_value(g, n->first_output)->meta;
+    if (n->n_args != 3 || n->args[0].kind != AF_ARG_VALUE || n->args[1].kind != AF_ARG_VALUE || n->args[2].kind != AF_ARG_LIST ||
+        n->args[0].name || n->args[1].name || n->args[2].name)
+        return 0;
+    const af_tensor_meta *base = &af_graph_value(g, n->args[0].u.value)->meta, *in = &af_graph_value(g, n->args[1].u.value)->meta;
+    const af_arg *starts = &n->args[2];
+    if (base->type != AF_VALUE_TENSOR || in->type != AF_VALUE_TENSOR || base->dtype != out->dtype || in->dtype != out->dtype ||
+        !same_device(base->device, out->device) || !same_device(in->device, out->device) || base->ndim != out->ndim ||
+        in->ndim != out->ndim || out->ndim < 1 || starts->u.list.n != out->ndim)
+        return 0;
+    memset(w, 0, sizeof *w);
+    for (int32_t d = 0; d < out->ndim; d++) {
+        const af_arg *s = &starts->u.list.items[d];
+        if (s->kind != AF_ARG_INT || s->u.i < 0 || base->sizes[d] != out->sizes[d] || s->u.i + in->sizes[d] > out->sizes[d]) return 0;
+        w->left[d] = s->u.i;
+        w->size[d] = in->sizes[d];
+        if (in->sizes[d] < out->sizes[d]) w->guard_mask |= 1u << d;
+    }
+    w->source = n->args[1].u.value;
+    w->source_arg = 1;
+    w->base = n->args[0].u.value;
+    return 1;
+}
+
+/* box_fill(base, starts, sizes, value): value in the box [starts[d], starts[d] + sizes[d]), base elsewhere. */
+static int box_fill_window(const af_graph *g, const af_node *n, af_window *w) {
+    const af_tensor_meta *out = &af_graph_value(g, n->first_output)->meta;
+    if (n->n_args != 4 || n->args[0].kind != AF_ARG_VALUE || n->args[1].kind != AF_ARG_LIST || n->args[2].kind != AF_ARG_LIST ||
+        (n->args[3].kind != AF_ARG_FLOAT && n->args[3].kind != AF_ARG_INT) || n->args[0].name || n->args[1].name ||
+        n->args[2].name || n->args[3].name)
+        return 0;
+    const af_tensor_meta *base = &af_graph_value(g, n->args[0].u.value)->meta;
+    const af_arg *starts = &n->args[1], *sizes = &n->args[2];
+    if (base->type != AF_VALUE_TENSOR || base->dtype != out->dtype || !same_device(base->device, out->device) ||
+        base->ndim != out->ndim || out->ndim < 1 || starts->u.list.n != out->ndim || sizes->u.list.n != out->ndim)
+        return 0;
+    memset(w, 0, sizeof *w);
+    for (int32_t d = 0; d < out->ndim; d++) {
+        const af_arg *s = &starts->u.list.items[d], *z = &sizes->u.list.items[d];
+        if (s->kind != AF_ARG_INT || z->kind != AF_ARG_INT || s->u.i < 0 || z->u.i < 0 || base->sizes[d] != out->sizes[d] ||
+            s->u.i + z->u.i > out->sizes[d])
+            return 0;
+        w->left[d] = s->u.i;
+        w->size[d] = z->u.i;
+        if (z->u.i < out->sizes[d]) w->guard_mask |= 1u << d;
+    }
+    w->source = w->source_arg = -1;
+    w->base = n->args[0].u.value;
+    w->value = n->args[3].kind == AF_ARG_FLOAT ? n->args[3].u.f : (double)n->args[3].u.i;
+    return 1;
+}
+
 int af_fuse_window(const af_graph *g, int32_t index, af_window *w) {
     const af_node *n = af_graph_node(g, index);
-    if (!n || (n->op_id != AF_OP_CONSTANT_PAD_ND && n->op_id != AF_OP_SLICE_SCATTER) || n->n_outputs != 1) return 0;
-    if (n->op_id == AF_OP_SLICE_SCATTER) {
+    if (!n || n->n_outputs != 1) return 0;
+    if (n->op_id == AF_OP_SLICE_SCATTER || n->op_id == AF_OP_BOX_SCATTER || n->op_id == AF_OP_BOX_FILL) {
         const af_tensor_meta *out = &af_graph_value(g, n->first_output)->meta;
         if (out->type != AF_VALUE_TENSOR || !float_only(out->dtype) || !device_supported(out->device)) return 0;
         af_window sw;
-        if (!scatter_window(g, n, &sw)) return 0;
+        if (!(n->op_id == AF_OP_SLICE_SCATTER ? scatter_window(g, n, &sw)
+              : n->op_id == AF_OP_BOX_SCATTER ? box_window(g, n, &sw)
+                                              : box_fill_window(g, n, &sw)))
+            return 0;
         if (w) *w = sw;
         return 1;
     }
-    if (n->n_args < 2 || n->n_args > 3) return 0;
+    if (n->op_id != AF_OP_CONSTANT_PAD_ND || n->n_args < 2 || n->n_args > 3) return 0;
     const af_tensor_meta *out = &af_graph_value(g, n->first_output)->meta;
     if (out->type != AF_VALUE_TENSOR || !float_only(out->dtype) || !device_supported(out->device)) return 0;
     const af_arg *x = &n->args[0], *pad = &n->args[1];
@@ -129,7 +186,9 @@ int af_fuse_window(const af_graph *g, int32_t index, af_window *w) {
 int af_fuse_node_ok(const af_graph *g, int32_t index) {
     const af_node *n = af_graph_node(g, index);
     if (!n) return 0;
-    if (n->op_id == AF_OP_CONSTANT_PAD_ND || n->op_id == AF_OP_SLICE_SCATTER) return af_fuse_window(g, index, NULL);
+    if (n->op_id == AF_OP_CONSTANT_PAD_ND || n->op_id == AF_OP_SLICE_SCATTER || n->op_id == AF_OP_BOX_SCATTER ||
+        n->op_id == AF_OP_BOX_FILL)
+        return af_fuse_window(g, index, NULL);
     const af_op_info *info = af_op_get(n->op_id);
     if (n->op_id == AF_OP_FULL) { /* full(size, value, dtype=, layout=, device=, pin_memory=): a fill */
         const af_value *out = af_graph_value(g, n->first_output);
@@ -400,7 +459,7 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
         af_window win;
         int window = kind == 1 && af_fuse_window(g, i, &win);
         /* a window's source is read at other indices than the window's own: never in its group */
-        int32_t src_group = window && value_group[win.source] >= 0 ? find_root(parent, value_group[win.source]) : -1;
+        int32_t src_group = window && win.source >= 0 && value_group[win.source] >= 0 ? find_root(parent, value_group[win.source]) : -1;
         if (kind) {
             /* a reduction iterates over its input's shape; a pointwise node over its output's */
             const af_tensor_meta *shape = kind == 1 ? &af_graph_value(g, n->first_output)->meta

@@ -55,19 +55,21 @@ int af_fuse_node_ok(const af_graph *g, int32_t node);
 int af_fuse_reduction_ok(const af_graph *g, int32_t node, uint32_t *mask);
 
 /* A window member (`aten.constant_pad_nd(x, pad, value)`, what the lowering also makes of
- * `slice_backward`; `aten.slice_scatter(base, x, dim, start, end)` with step 1): element i of its
+ * `slice_backward`; `aten.slice_scatter(base, x, dim, start, end)` with step 1;
+ * `aotfuse.box_scatter(base, x, starts)`, a slice on every dim; `aotfuse.box_fill(base, starts,
+ * sizes, value)`, which has no source: the value inside the box, base[i] outside): element i of its
  * output is x[i - left] where that lies inside x, else the fill value (pad) or base[i] (scatter).
  * Its source x is always a group input (never a member: it iterates over its own, other shape);
  * a base is an ordinary operand. A group with a window member has no reductions. guard_mask: the
  * dims whose coordinate must be tested (padded on either side); dims only cropped need none. */
 typedef struct {
-    int32_t source;               /* value id of x */
-    int32_t source_arg;           /* x's argument index */
+    int32_t source;               /* value id of x (-1: box_fill) */
+    int32_t source_arg;           /* x's argument index (-1: box_fill) */
     int32_t base;                 /* value id of base, or -1 (a fill value) */
     int64_t left[AF_MAX_DIMS];    /* per output dim: left pad (negative: cropped) */
     int64_t size[AF_MAX_DIMS];    /* per output dim: x's size */
     uint32_t guard_mask;
-    double value;
+    double value;                 /* the fill value (pad: outside x; box_fill: inside the box) */
 } af_window;
 /* 1 and *w filled when node is a window member the code generators take (af_fuse_node_ok is 1 for
  * it too), else 0. */

@@ -14,6 +14,7 @@ from torch._prims_common import make_contiguous_strides_for
 import torch.fx as fx
 
 from . import _C, config, constfold
+from .scatter import box_of
 
 __all__ = ["lower", "missing_gradients", "build_graph", "GraphBuild", "Lowered", "UnsupportedError", "BackendUnavailable"]
 
@@ -396,6 +397,11 @@ def _replacements(gm: fx.GraphModule) -> tuple[dict, set]:
         if node.op != "call_function":
             continue
         val = node.meta.get("val")
+        if node.target in (torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default):
+            box = box_of(node)
+            if box is not None:
+                replace[node] = ("box", list(box), {})
+                continue
         if node.target is torch.ops.aten.copy.default and len(node.args) == 2 and not set(node.kwargs) - {"non_blocking"} \
                 and all(isinstance(a, fx.Node) for a in node.args) and node.args[0] is not node.args[1]:
             a, b = (x.meta.get("val") for x in node.args)
@@ -542,7 +548,9 @@ def _copy_of(src: fx.Node, val: torch.Tensor) -> tuple:
 _PURE_EXTERNS = _EMPTIES + (torch.ops.aten.lift_fresh_copy.default, torch.ops.aten.new_zeros.default,
                              torch.ops.aten.new_ones.default, torch.ops.aten.new_full.default, torch.ops.aten.zeros.default,
                              torch.ops.aten.ones.default, torch.ops.aten.full.default, torch.ops.aten.slice_backward.default,
-                             torch.ops.aten.full_like.default, torch.ops.aten.select_backward.default)
+                             torch.ops.aten.full_like.default, torch.ops.aten.select_backward.default,
+                             torch.ops.aten.select_scatter.default, torch.ops.aten.slice_scatter.default,
+                             torch.ops.aten.copy.default, torch.ops.aten.fill.Scalar, torch.ops.aten.fill.Tensor)
 
 
 def _pure(node: fx.Node) -> bool:
@@ -663,6 +671,29 @@ def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = Fal
                 else:
                     op = "aten::slice_scatter.default"
                     args = [_encode(base, env, where, dev), ("v", u)] + [("int", k) for k in (dim, index, index + 1)]
+                (out,) = g.add_node(op, args, [], [_meta(val, dev)])
+                env[node] = out
+                b._values([out], node)
+                b.ir_nodes.append(node)
+                continue
+            if node in replace and replace[node][0] == "box":  # unsqueeze views where the source lacks dims, then the box
+                base, src, starts, shape, fill, missing = replace[node][1]
+                box = ("list", [("int", k) for k in starts])
+                if src is None:
+                    op, args = "aotfuse::box_fill.default", [_encode(base, env, where, dev), box,
+                                                             ("list", [("int", k) for k in shape]), ("float", fill)]
+                else:
+                    x = src.meta["val"]
+                    sizes, strides, sid = list(x.shape), list(x.stride()), env[src]
+                    for d in missing:
+                        strides.insert(d, strides[d] * sizes[d] if d < len(sizes) else 1)
+                        sizes.insert(d, 1)
+                        meta = _meta(x, dev)[:4] + (tuple(sizes), tuple(strides), int(x.storage_offset()))
+                        (sid,) = g.add_node("aten::unsqueeze.default", [("v", sid), ("int", d)], [], [meta])
+                        b._values([sid], None)
+                        b.derived[sid] = (src, tuple(sizes))
+                        b.ir_nodes.append(node)
+                    op, args = "aotfuse::box_scatter.default", [_encode(base, env, where, dev), ("v", sid), box]
                 (out,) = g.add_node(op, args, [], [_meta(val, dev)])
                 env[node] = out
                 b._values([out], node)

@@ -207,6 +207,70 @@ static void test_windows(void **state) {
     af_graph_free(g);
 }
 
+/* Boxes: box_scatter(base, src, starts) reads src at the box's offset inside, base outside, on
+ * every dim it does not cover whole; box_fill(base, starts, sizes, value) has no source. Both join
+ * the group of the base that a member computes (base is read at the element's own index), the
+ * source stays an input; a box out of bounds or of another rank is no window. */
+static void test_boxes(void **state) {
+    (void)state;
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    af_tensor_meta m2 = f32(2); /* [4, 8] */
+    int64_t ssz[2] = {2, 3}, sst[2] = {3, 1};
+    af_tensor_meta sm = m2;
+    sm.sizes = ssz, sm.strides = sst;
+    int32_t x, y, base, b1, b2, bad;
+    assert_int_equal(af_graph_add_input(g, "x", &m2, &x), AF_OK);
+    assert_int_equal(af_graph_add_input(g, "y", &sm, &y), AF_OK);
+    base = node(g, "aten::exp.default", x, -1, 2); /* n0 */
+    af_arg starts[2] = {{.kind = AF_ARG_INT, .u.i = 1}, {.kind = AF_ARG_INT, .u.i = 4}};
+    af_arg box_args[3] = {{.kind = AF_ARG_VALUE, .u.value = base}, {.kind = AF_ARG_VALUE, .u.value = y},
+                          {.kind = AF_ARG_LIST, .u.list = {.n = 2, .items = starts}}};
+    assert_int_equal(af_graph_add_node(g, "aotfuse::box_scatter.default", box_args, 3, &m2, 1, &b1), AF_OK); /* n1 */
+    af_arg fstarts[2] = {{.kind = AF_ARG_INT, .u.i = 0}, {.kind = AF_ARG_INT, .u.i = 2}};
+    af_arg fsizes[2] = {{.kind = AF_ARG_INT, .u.i = 4}, {.kind = AF_ARG_INT, .u.i = 1}};
+    af_arg fill_args[4] = {{.kind = AF_ARG_VALUE, .u.value = b1}, {.kind = AF_ARG_LIST, .u.list = {.n = 2, .items = fstarts}},
+                           {.kind = AF_ARG_LIST, .u.list = {.n = 2, .items = fsizes}}, {.kind = AF_ARG_FLOAT, .u.f = -2.5}};
+    assert_int_equal(af_graph_add_node(g, "aotfuse::box_fill.default", fill_args, 4, &m2, 1, &b2), AF_OK); /* n2 */
+    af_arg far[2] = {{.kind = AF_ARG_INT, .u.i = 3}, {.kind = AF_ARG_INT, .u.i = 4}}; /* rows 3..4 of 4: outside */
+    af_arg bad_args[3] = {{.kind = AF_ARG_VALUE, .u.value = b2}, {.kind = AF_ARG_VALUE, .u.value = y},
+                          {.kind = AF_ARG_LIST, .u.list = {.n = 2, .items = far}}};
+    assert_int_equal(af_graph_add_node(g, "aotfuse::box_scatter.default", bad_args, 3, &m2, 1, &bad), AF_OK); /* n3 */
+    int32_t outs[2] = {b2, bad};
+    assert_int_equal(af_graph_set_outputs(g, outs, 2), AF_OK);
+    af_window w;
+    assert_int_equal(af_fuse_window(g, 1, &w), 1);
+    assert_int_equal(w.source, y);
+    assert_int_equal(w.source_arg, 1);
+    assert_int_equal(w.base, base);
+    assert_int_equal(w.left[0], 1);
+    assert_int_equal(w.left[1], 4);
+    assert_int_equal(w.size[0], 2);
+    assert_int_equal(w.size[1], 3);
+    assert_int_equal(w.guard_mask, 3u);
+    assert_int_equal(af_fuse_window(g, 2, &w), 1);
+    assert_int_equal(w.source, -1);
+    assert_int_equal(w.base, b1);
+    assert_int_equal(w.guard_mask, 2u); /* every row: only the column is tested */
+    assert_true(w.value == -2.5);
+    assert_int_equal(af_fuse_window(g, 3, &w), 0);
+    assert_int_equal(af_fuse_node_ok(g, 3), 0);
+    af_fusion_plan *plan;
+    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+    int32_t g0 = plan->group_of_node[0];
+    assert_true(g0 >= 0);
+    assert_int_equal(plan->group_of_node[1], g0);
+    assert_int_equal(plan->group_of_node[2], g0);
+    assert_int_equal(plan->group_of_node[3], -1);
+    char *src = NULL;
+    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
+    assert_non_null(strstr(src, "aotfuse::box_scatter"));
+    assert_non_null(strstr(src, "? ((float)-2.5) : v")); /* the fill inside, the base outside */
+    free(src);
+    af_fuse_plan_free(plan);
+    af_graph_free(g);
+}
+
 static void test_wide_group(void **state) {
     (void)state;
     af_graph *g;
@@ -236,6 +300,7 @@ int main(void) {
         cmocka_unit_test(test_random_nodes),
         cmocka_unit_test(test_wide_group),
         cmocka_unit_test(test_windows),
+        cmocka_unit_test(test_boxes),
     };
     return cmocka_run_group_tests_name("fuse", tests, NULL, NULL);
 }

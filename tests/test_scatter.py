@@ -1,0 +1,123 @@
+"""Nested slice assignments as one window (scatter.py, `aotfuse::box_scatter` / `aotfuse::box_fill`)."""
+import pytest
+import torch
+from torch._functorch.aot_autograd import aot_function
+
+import aotfuse
+from aotfuse.lower import lower
+from helpers import assert_close
+
+
+def _assign(x, y, z):
+    """Longformer's pattern: a band assembled by slice assignments, three levels deep, and regions zeroed."""
+    d = x * 1.5
+    d[:, :-1, :, 2:] = y[:, :, :, :4].exp()
+    d[:, -1, :, 3:] = z[:, 0, :, :3] * 2
+    d[:, 0, 1:3, 1:3] = z[:, 1, 1:, :2]
+    d[:, 2:4, 0] = 0
+    d[1, :, :, -1] = -2.5
+    return (d * 2,)
+
+
+def _inputs(dtype, requires_grad=False):
+    g = torch.Generator().manual_seed(0)
+    shapes = ((4, 8, 3, 6), (4, 7, 3, 5), (4, 2, 3, 5))
+    return [torch.randn(s, generator=g, dtype=dtype).requires_grad_(requires_grad) for s in shapes]
+
+
+def _lowered(fn, args):
+    """fn through AOTAutograd's functionalization, lowered by aotfuse (no partition: inference)."""
+    got = {}
+
+    def compiler(gm, example):
+        got["low"] = lower(gm, example)
+        return lambda *a: got["low"](list(a))
+
+    out = aot_function(fn, fw_compiler=compiler)(*args)
+    return out, got["low"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_nested_slice_assignments_are_one_kernel(dtype):
+    args = _inputs(dtype)
+    (out,), low = _lowered(_assign, args)
+    (ref,) = _assign(*args)
+    (ref64,) = _assign(*[a.double() for a in args])
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    assert_close(out.float(), ref.float(), f"slice assignments {dtype} vs eager", **tol)
+    assert_close(out.double(), ref64, f"slice assignments {dtype} vs float64", **{k: 4 * v for k, v in tol.items()})
+    ops = [op for op, _kind, _grp in low.program.node_groups()]
+    assert ops.count("aotfuse::box_scatter.default") == 3 and ops.count("aotfuse::box_fill.default") == 2, ops
+    # the levels' scatters, their bases' copies and the fills are not made
+    assert not any(op.split(".")[0] in ("aten::slice_scatter", "aten::select_scatter", "aten::copy", "aten::clone",
+                                        "aten::fill") for op in ops), ops
+    # one kernel for the band (the scale, three boxes, two fills, the last scale), one per computed source
+    assert low.program.num_kernels == 3 and low.program.num_steps == 3, low.program
+    box_group = {grp for op, _k, grp in low.program.node_groups() if op.startswith("aotfuse::box")}
+    assert len(box_group) == 1 and box_group != {-1}, low.program.node_groups()
+
+
+def test_slice_assignment_gradients_match_eager():
+    """The backward of the assignments zeroes the regions of the gradient (box_fill) and reads the
+    sources' gradients out of it; aotfuse's training step gives eager's gradients."""
+    def f(x, y, z):
+        return (_assign(x, y, z)[0].sin().sum(),)
+
+    fused = aotfuse.aot_function(f)
+    args = _inputs(torch.float32, requires_grad=True)
+    (loss,) = fused(*args)
+    loss.backward()
+    ref_args = _inputs(torch.float32, requires_grad=True)
+    (ref,) = f(*ref_args)
+    ref.backward()
+    assert_close(loss.detach(), ref.detach(), "loss")
+    for name, a, b in zip("xyz", args, ref_args):
+        assert_close(a.grad, b.grad, f"gradient of {name}")
+    rec = fused.records[-1]
+    bw_ops = [op for op, _k, _g in rec.programs["backward"].program.node_groups()]
+    assert "aotfuse::box_fill.default" in bw_ops, bw_ops
+
+
+def test_box_ops_own_implementation_and_errors():
+    base = torch.arange(24.0).reshape(2, 3, 4)
+    src = -torch.ones(1, 2, 2)
+    out = torch.ops.aotfuse.box_scatter(base, src, [1, 1, 2])
+    ref = base.clone()
+    ref[1:2, 1:3, 2:4] = src
+    assert torch.equal(out, ref) and torch.equal(base, torch.arange(24.0).reshape(2, 3, 4))
+    out = torch.ops.aotfuse.box_fill(base, [0, 2, 1], [2, 1, 2], 7.0)
+    ref = base.clone()
+    ref[:, 2:3, 1:3] = 7.0
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="outside base"):
+        torch.ops.aotfuse.box_scatter(base, src, [2, 0, 0])
+    with pytest.raises(ValueError, match="rank"):
+        torch.ops.aotfuse.box_fill(base, [0, 0], [1, 1], 0.0)
+
+
+def test_boxes_without_kernels_run_their_own_implementation(monkeypatch):
+    """AOTFUSE_FUSION=0: every node is an ATen call, the boxes too (their own implementation)."""
+    monkeypatch.setenv("AOTFUSE_FUSION", "0")
+    args = _inputs(torch.float32)
+    (out,), low = _lowered(_assign, args)
+    assert low.program.num_kernels == 0
+    assert low.extern_counts().get("aotfuse::box_scatter.default") == 3, low.extern_counts()
+    assert_close(out, _assign(*args)[0], "slice assignments without kernels", atol=1e-6, rtol=1e-6)
+
+
+def test_scatters_into_other_regions_stay_scatters():
+    """A scatter whose source scatters into another region of the base (not the one scattered back)
+    is no box: it stays two scatters, with eager's values."""
+    aten = torch.ops.aten
+
+    def f(x, y):
+        inner = aten.slice_scatter.default(aten.slice.Tensor(x, 1, 0, 4), y, 2, 1, 3)  # region [0, 4) of dim 1
+        return (aten.slice_scatter.default(x, inner, 1, 2, 6) * 3,)  # scattered back at [2, 6)
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, y = torch.randn(2, 8, 5), torch.randn(2, 4, 2)
+    low = lower(make_fx(f)(x, y))
+    ops = [op for op, _k, _g in low.program.node_groups()]
+    assert "aotfuse::box_scatter.default" not in ops and ops.count("aten::slice_scatter.default") == 2, ops
+    assert_close(low([x, y])[0], f(x, y)[0], "scatters into other regions", atol=1e-6, rtol=1e-6)
