@@ -385,6 +385,10 @@ def _replacements(gm: fx.GraphModule) -> tuple[dict, set]:
       - `aten.select_scatter(base, x, dim, i)` is `slice_scatter(base, unsqueeze(x, dim), dim, i, i + 1)`
         and `aten.select_backward(g, sizes, dim, i)` is `constant_pad_nd(unsqueeze(g, dim), ...)`:
         windows too (the unsqueeze is a view the kernel folds);
+      - a nest of slice/select scatters that write into the region of their base they are scattered
+        back to (nested slice assignments), or a scatter of a copy or a fill, is one
+        `aotfuse::box_scatter` / `aotfuse::box_fill` window (scatter.box_of), for float tensors on a
+        device with generated kernels (the window is a kernel member there);
       - `aten.slice_backward` (step 1: the gradient of a slice, zeros around it) is the same
         `aten.constant_pad_nd`, a window member of the kernels (fuse.h); a pad of a pad that only
         pads (never crops) with the same fill value is one pad of the inner one's source (Longformer's
@@ -397,8 +401,9 @@ def _replacements(gm: fx.GraphModule) -> tuple[dict, set]:
         if node.op != "call_function":
             continue
         val = node.meta.get("val")
-        if node.target in (torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default):
-            box = box_of(node)
+        if node.target in (torch.ops.aten.slice_scatter.default, torch.ops.aten.select_scatter.default) \
+                and isinstance(val, torch.Tensor) and val.dtype.is_floating_point and config.kernels_for(val.device):
+            box = box_of(node)  # a kernel member, never an ATen call (its own implementation is Python's)
             if box is not None:
                 replace[node] = ("box", list(box), {})
                 continue

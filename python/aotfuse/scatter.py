@@ -9,8 +9,9 @@ starts on each of the base's dims; lowering emits it as box_scatter, one window 
 core (fuse.h): src[i - starts] inside the box, base[i] elsewhere. The levels' bases (views of the
 outer base) and the copies are then read by nothing and not made.
 
-box_scatter's own implementation (used only where it is no kernel member: a kernel's fallback, a
-device without generated kernels) is ATen's: a copy of base with src copied into the box.
+Lowering makes boxes only of float tensors on a device with generated kernels, where they are
+kernel members; their own implementation (ATen's: a copy of base with src copied into the box, or
+the value filled in) runs only when a kernel falls back to ATen calls (an input of another layout).
 """
 from __future__ import annotations
 
