@@ -79,57 +79,41 @@ static int scatter_window(const af_graph *g, const af_node *n, af_window *w) {
     return 1;
 }
 
-/* box_scatter(base, src, starts): src covers [starts[d], starts[d] + src.size[d]) on every dim d. */
+/* A box on every dim: box_scatter(base, src, starts), src covering [starts[d], starts[d] +
+ * src.size[d]); box_fill(base, starts, sizes, value), the value covering [starts[d], starts[d] +
+ * sizes[d]). Base outside. */
 static int box_window(const af_graph *g, const af_node *n, af_window *w) {
+    int fill = n->op_id == AF_OP_BOX_FILL;
     const af_tensor_meta *out = &af_graph_value(g, n->first_output)->meta;
-    if (n->n_args != 3 || n->args[0].kind != AF_ARG_VALUE || n->args[1].kind != AF_ARG_VALUE || n->args[2].kind != AF_ARG_LIST ||
-        n->args[0].name || n->args[1].name || n->args[2].name)
-        return 0;
-    const af_tensor_meta *base = &af_graph_value(g, n->args[0].u.value)->meta, *in = &af_graph_value(g, n->args[1].u.value)->meta;
-    const af_arg *starts = &n->args[2];
-    if (base->type != AF_VALUE_TENSOR || in->type != AF_VALUE_TENSOR || base->dtype != out->dtype || in->dtype != out->dtype ||
-        !same_device(base->device, out->device) || !same_device(in->device, out->device) || base->ndim != out->ndim ||
-        in->ndim != out->ndim || out->ndim < 1 || starts->u.list.n != out->ndim)
-        return 0;
-    memset(w, 0, sizeof *w);
-    for (int32_t d = 0; d < out->ndim; d++) {
-        const af_arg *s = &starts->u.list.items[d];
-        if (s->kind != AF_ARG_INT || s->u.i < 0 || base->sizes[d] != out->sizes[d] || s->u.i + in->sizes[d] > out->sizes[d]) return 0;
-        w->left[d] = s->u.i;
-        w->size[d] = in->sizes[d];
-        if (in->sizes[d] < out->sizes[d]) w->guard_mask |= 1u << d;
-    }
-    w->source = n->args[1].u.value;
-    w->source_arg = 1;
-    w->base = n->args[0].u.value;
-    return 1;
-}
-
-/* box_fill(base, starts, sizes, value): value in the box [starts[d], starts[d] + sizes[d]), base elsewhere. */
-static int box_fill_window(const af_graph *g, const af_node *n, af_window *w) {
-    const af_tensor_meta *out = &af_graph_value(g, n->first_output)->meta;
-    if (n->n_args != 4 || n->args[0].kind != AF_ARG_VALUE || n->args[1].kind != AF_ARG_LIST || n->args[2].kind != AF_ARG_LIST ||
-        (n->args[3].kind != AF_ARG_FLOAT && n->args[3].kind != AF_ARG_INT) || n->args[0].name || n->args[1].name ||
-        n->args[2].name || n->args[3].name)
+    if (n->n_args != (fill ? 4 : 3) || n->args[0].kind != AF_ARG_VALUE) return 0;
+    for (int32_t a = 0; a < n->n_args; a++)
+        if (n->args[a].name) return 0;
+    const af_arg *starts = &n->args[fill ? 1 : 2], *sizes = fill ? &n->args[2] : NULL, *value = fill ? &n->args[3] : NULL;
+    if (starts->kind != AF_ARG_LIST || (sizes && sizes->kind != AF_ARG_LIST) ||
+        (value && value->kind != AF_ARG_FLOAT && value->kind != AF_ARG_INT) || (!fill && n->args[1].kind != AF_ARG_VALUE))
         return 0;
     const af_tensor_meta *base = &af_graph_value(g, n->args[0].u.value)->meta;
-    const af_arg *starts = &n->args[1], *sizes = &n->args[2];
+    const af_tensor_meta *src = fill ? NULL : &af_graph_value(g, n->args[1].u.value)->meta;
     if (base->type != AF_VALUE_TENSOR || base->dtype != out->dtype || !same_device(base->device, out->device) ||
-        base->ndim != out->ndim || out->ndim < 1 || starts->u.list.n != out->ndim || sizes->u.list.n != out->ndim)
+        base->ndim != out->ndim || out->ndim < 1 || starts->u.list.n != out->ndim || (sizes && sizes->u.list.n != out->ndim))
+        return 0;
+    if (src && (src->type != AF_VALUE_TENSOR || src->dtype != out->dtype || !same_device(src->device, out->device) ||
+                src->ndim != out->ndim))
         return 0;
     memset(w, 0, sizeof *w);
     for (int32_t d = 0; d < out->ndim; d++) {
-        const af_arg *s = &starts->u.list.items[d], *z = &sizes->u.list.items[d];
-        if (s->kind != AF_ARG_INT || z->kind != AF_ARG_INT || s->u.i < 0 || z->u.i < 0 || base->sizes[d] != out->sizes[d] ||
-            s->u.i + z->u.i > out->sizes[d])
-            return 0;
+        const af_arg *s = &starts->u.list.items[d], *z = sizes ? &sizes->u.list.items[d] : NULL;
+        if (s->kind != AF_ARG_INT || (z && z->kind != AF_ARG_INT)) return 0;
+        int64_t size = z ? z->u.i : src->sizes[d];
+        if (s->u.i < 0 || size < 0 || base->sizes[d] != out->sizes[d] || s->u.i + size > out->sizes[d]) return 0;
         w->left[d] = s->u.i;
-        w->size[d] = z->u.i;
-        if (z->u.i < out->sizes[d]) w->guard_mask |= 1u << d;
+        w->size[d] = size;
+        if (size < out->sizes[d]) w->guard_mask |= 1u << d;
     }
-    w->source = w->source_arg = -1;
+    w->source = fill ? -1 : n->args[1].u.value;
+    w->source_arg = fill ? -1 : 1;
     w->base = n->args[0].u.value;
-    w->value = n->args[3].kind == AF_ARG_FLOAT ? n->args[3].u.f : (double)n->args[3].u.i;
+    if (value) w->value = value->kind == AF_ARG_FLOAT ? value->u.f : (double)value->u.i;
     return 1;
 }
 
@@ -140,10 +124,7 @@ int af_fuse_window(const af_graph *g, int32_t index, af_window *w) {
         const af_tensor_meta *out = &af_graph_value(g, n->first_output)->meta;
         if (out->type != AF_VALUE_TENSOR || !float_only(out->dtype) || !device_supported(out->device)) return 0;
         af_window sw;
-        if (!(n->op_id == AF_OP_SLICE_SCATTER ? scatter_window(g, n, &sw)
-              : n->op_id == AF_OP_BOX_SCATTER ? box_window(g, n, &sw)
-                                              : box_fill_window(g, n, &sw)))
-            return 0;
+        if (!(n->op_id == AF_OP_SLICE_SCATTER ? scatter_window(g, n, &sw) : box_window(g, n, &sw))) return 0;
         if (w) *w = sw;
         return 1;
     }
