@@ -566,6 +566,22 @@ def _pure(node: fx.Node) -> bool:
     return node.target in _PURE_EXTERNS or _C.op_kind(_op_name(node.target)) in ("view", "pointwise", "reduction")
 
 
+def _unsqueezed(b: GraphBuild, src: fx.Node, dims: list[int], node: fx.Node, vid: int, dev: tuple | None) -> int:
+    """Value vid (src's) with a size-1 dim inserted at each of dims (ascending): unsqueeze views,
+    which the kernels reading them fold; each maps back to `node`."""
+    x = src.meta["val"]
+    sizes, strides = list(x.shape), list(x.stride())
+    for d in dims:
+        strides.insert(d, strides[d] * sizes[d] if d < len(sizes) else 1)
+        sizes.insert(d, 1)
+        meta = _meta(x, dev)[:4] + (tuple(sizes), tuple(strides), int(x.storage_offset()))
+        (vid,) = b.graph.add_node("aten::unsqueeze.default", [("v", vid), ("int", d)], [], [meta])
+        b._values([vid], None)
+        b.derived[vid] = (src, tuple(sizes))
+        b.ir_nodes.append(node)
+    return vid
+
+
 def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = False) -> GraphBuild:
     """One walk over an ATen-level FX graph (as AOTAutograd produces) into the C IR. Each node becomes
     one IR node, except (unless exact=True, which the partitioner needs to map its node order back
@@ -661,15 +677,7 @@ def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = Fal
                 continue
             if node in replace and replace[node][0] == "select_window":  # an unsqueeze view, then the window
                 base, src, dim, index = replace[node][1]
-                x = src.meta["val"]
-                sizes, strides = list(x.shape), list(x.stride())
-                sizes.insert(dim, 1)
-                strides.insert(dim, x.stride(dim) * x.shape[dim] if dim < x.dim() else 1)
-                meta = _meta(x, dev)[:4] + (tuple(sizes), tuple(strides), int(x.storage_offset()))
-                (u,) = g.add_node("aten::unsqueeze.default", [_encode(src, env, where, dev), ("int", dim)], [], [meta])
-                b._values([u], None)
-                b.derived[u] = (src, tuple(sizes))
-                b.ir_nodes.append(node)
+                u = _unsqueezed(b, src, [dim], node, env[src], dev)
                 if base is None:
                     pads = [0, 0] * (val.dim() - 1 - dim) + [index, val.shape[dim] - index - 1]
                     op, args = "aten::constant_pad_nd.default", [("v", u), _encode(pads, env, where, dev), ("float", 0.0)]
@@ -688,16 +696,7 @@ def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = Fal
                     op, args = "aotfuse::box_fill.default", [_encode(base, env, where, dev), box,
                                                              ("list", [("int", k) for k in shape]), ("float", fill)]
                 else:
-                    x = src.meta["val"]
-                    sizes, strides, sid = list(x.shape), list(x.stride()), env[src]
-                    for d in missing:
-                        strides.insert(d, strides[d] * sizes[d] if d < len(sizes) else 1)
-                        sizes.insert(d, 1)
-                        meta = _meta(x, dev)[:4] + (tuple(sizes), tuple(strides), int(x.storage_offset()))
-                        (sid,) = g.add_node("aten::unsqueeze.default", [("v", sid), ("int", d)], [], [meta])
-                        b._values([sid], None)
-                        b.derived[sid] = (src, tuple(sizes))
-                        b.ir_nodes.append(node)
+                    sid = _unsqueezed(b, src, missing, node, env[src], dev)
                     op, args = "aotfuse::box_scatter.default", [_encode(base, env, where, dev), ("v", sid), box]
                 (out,) = g.add_node(op, args, [], [_meta(val, dev)])
                 env[node] = out
