@@ -25,6 +25,21 @@ def _inputs(dtype, requires_grad=False):
     return [torch.randn(s, generator=g, dtype=dtype).requires_grad_(requires_grad) for s in shapes]
 
 
+def _functional_graph(fn, args):
+    """fn's graph as AOTAutograd functionalizes it (slice assignments as scatters of copies), with
+    its constants folded as lower() folds them (the assigned numbers become `full` nodes)."""
+    from aotfuse import constfold
+
+    got = {}
+
+    def compiler(gm, example):
+        got["gm"] = gm
+        return gm
+
+    aot_function(fn, fw_compiler=compiler)(*args)
+    return constfold.fold(got["gm"])
+
+
 def _lowered(fn, args):
     """fn through AOTAutograd's functionalization, lowered by aotfuse (no partition: inference)."""
     got = {}
@@ -139,3 +154,38 @@ def test_scatters_into_other_regions_stay_scatters():
     ops = [op for op, _k, _g in low.program.node_groups()]
     assert "aotfuse::box_scatter.default" not in ops and ops.count("aten::slice_scatter.default") == 2, ops
     assert_close(low([x, y])[0], f(x, y)[0], "scatters into other regions", atol=1e-6, rtol=1e-6)
+
+
+def test_boxes_compile_with_nvrtc():
+    """The boxes' CUDA kernels (guarded, shifted loads; a fill without a source) compile for sm_80
+    and sm_90 without spills."""
+    from aotfuse import _C
+    from aotfuse.lower import build_graph
+    from aotfuse.nvrtc_check import compile_report, nvrtc_available
+
+    why = nvrtc_available()
+    if why is not None:
+        pytest.skip(f"no NVRTC library here: {why}")
+    gm = _functional_graph(_assign, _inputs(torch.bfloat16))
+    source, launches = _C.cuda_codegen(build_graph(gm, device="cuda:0").graph)
+    assert "aotfuse::box_scatter" in source and "aotfuse::box_fill" in source, source
+    assert launches and all(l["kind"] == "pointwise" for l in launches), launches
+    for arch in (80, 90):
+        for k in compile_report(source, arch):
+            assert k["spill_stores"] == k["spill_loads"] == 0, (arch, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_boxes_in_emulated_cuda_kernels_match_eager(dtype):
+    """The generated CUDA kernels, run in the host emulation (tests/cuda_emu.py), give eager's
+    values for every group, the box group included."""
+    import cuda_emu
+
+    why = cuda_emu.unavailable()
+    if why is not None:
+        pytest.skip(f"no CUDA emulation here: {why}")
+    args = _inputs(dtype)
+    gm = _functional_graph(_assign, args)
+    ran = cuda_emu.check(gm, args, f"boxes {dtype}")
+    assert len(ran) == 3 and all(l["kind"] == "pointwise" for l in ran), ran
+    assert "aotfuse::box_fill" in cuda_emu.source_of(gm)
