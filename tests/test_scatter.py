@@ -189,3 +189,27 @@ def test_boxes_in_emulated_cuda_kernels_match_eager(dtype):
     ran = cuda_emu.check(gm, args, f"boxes {dtype}")
     assert len(ran) == 3 and all(l["kind"] == "pointwise" for l in ran), ran
     assert "aotfuse::box_fill" in cuda_emu.source_of(gm)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_boxes_on_cuda_train_like_eager(dtype):
+    """On a GPU: the nested assignments' forward (boxes) and backward (box fills) in CUDA kernels,
+    with eager's loss and gradients."""
+    def f(x, y, z):
+        return (_assign(x, y, z)[0].sin().sum(),)
+
+    args = [a.cuda().requires_grad_() for a in _inputs(dtype)]
+    ref_args = [a.detach().clone().requires_grad_() for a in args]
+    fused = aotfuse.aot_function(f)
+    (loss,) = fused(*args)
+    loss.backward()
+    (ref,) = f(*ref_args)
+    ref.backward()
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
+    assert_close(loss.detach().float(), ref.detach().float(), f"loss {dtype}", **tol)
+    for name, a, b in zip("xyz", args, ref_args):
+        assert_close(a.grad.float(), b.grad.float(), f"gradient of {name} {dtype}", **tol)
+    programs = fused.records[-1].programs
+    assert "aotfuse::box_scatter" in (programs["forward"].program.cuda_source or "")
+    assert "aotfuse::box_fill" in (programs["backward"].program.cuda_source or "")
