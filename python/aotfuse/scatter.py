@@ -145,30 +145,32 @@ def _plain_source(src: Any, dtype: torch.dtype) -> tuple[Any, bool]:
     return src, False
 
 
-_FILL_ARG = {aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2}
-_FILL_CONST = {aten.zeros.default: 0.0, aten.zeros_like.default: 0.0, aten.new_zeros.default: 0.0,
-               aten.ones.default: 1.0, aten.ones_like.default: 1.0, aten.new_ones.default: 1.0}
+_FILL_CONST = {aten.zeros.default: 0.0, aten.ones.default: 1.0}
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _fill_value(node: Any) -> float | None:
-    """The number a fill node (`full`, `zeros_like`, ...) writes everywhere, or None."""
+    """The number a fill node (`full`, `zeros`, a `_like` fill, `fill`) writes everywhere, or None."""
+    from .lower import _FILLS, _fill_value as like_value  # lower imports this module
+
     if not isinstance(node, fx.Node) or node.op != "call_function":
         return None
     if node.target in _FILL_CONST:
         return _FILL_CONST[node.target]
+    if node.target in _FILLS:
+        return _number(like_value(node))
+    if node.target is aten.full.default and len(node.args) >= 2:
+        return _number(node.args[1])
+    if node.target is aten.fill.Scalar and len(node.args) == 2:
+        return _number(node.args[1])
     if node.target is aten.fill.Tensor and len(node.args) == 2:  # fill(x, value tensor): a 0-dim full
         v = node.args[1]
         if isinstance(v, fx.Node) and v.target is aten.full.default and list(v.args[0]) == []:
             return _fill_value(v)
-        return None
-    if node.target is aten.fill.Scalar and len(node.args) == 2:
-        value = node.args[1]
-        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-    at = _FILL_ARG.get(node.target)
-    if at is None:
-        return None
-    value = node.args[at] if len(node.args) > at else node.kwargs.get("fill_value")
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    return None
 
 
 def box_of(node: fx.Node) -> tuple | None:
