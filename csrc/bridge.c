@@ -224,6 +224,9 @@ struct af_extern {
     PyObject *args_const;    /* the whole tuple, when no positional arg holds a value */
     PyObject *kwargs_const;  /* the kwargs dict, when no keyword arg holds a value */
     int kw_dynamic;          /* some keyword arg holds a value */
+    int may_alias;           /* its schema annotates an alias (a view, or a mutated argument) */
+    PyObject *out_fn;        /* its out= overload's C callable (same arguments, then one written tensor), or NULL */
+    PyObject *out_kw;        /* that written argument's name */
 };
 
 static int arg_has_value(const af_arg *a) {
@@ -276,8 +279,107 @@ static PyObject *arg_to_py(const af_arg *a, af_obj *const *values) {
     }
 }
 
-/* torch.ops.<ns>.<name>.<overload>, or its C callable `_op` when it has one. */
-static PyObject *resolve_op(const char *qualified) {
+/* Whether an OpOverload's schema annotates an alias anywhere (a return viewing an argument, a
+ * mutated argument): 1 also when it has no readable schema. */
+static int schema_may_alias(PyObject *op) {
+    static const char *const lists[2] = {"returns", "arguments"};
+    PyObject *schema = PyObject_GetAttrString(op, "_schema");
+    int aliases = schema == NULL;
+    for (int l = 0; l < 2 && !aliases; l++) {
+        PyObject *seq = PyObject_GetAttrString(schema, lists[l]);
+        PyObject *fast = seq ? PySequence_Fast(seq, "a schema's arguments") : NULL;
+        aliases = fast == NULL;
+        for (Py_ssize_t i = 0; fast && i < PySequence_Fast_GET_SIZE(fast) && !aliases; i++) {
+            PyObject *info = PyObject_GetAttrString(PySequence_Fast_GET_ITEM(fast, i), "alias_info");
+            aliases = info != Py_None;
+            Py_XDECREF(info);
+        }
+        Py_XDECREF(fast);
+        Py_XDECREF(seq);
+    }
+    Py_XDECREF(schema);
+    PyErr_Clear();
+    return aliases;
+}
+
+/* A schema's arguments as a fast sequence (new reference), or NULL (no error left set). */
+static PyObject *schema_args(PyObject *op) {
+    PyObject *schema = PyObject_GetAttrString(op, "_schema");
+    PyObject *args = schema ? PyObject_GetAttrString(schema, "arguments") : NULL;
+    PyObject *fast = args ? PySequence_Fast(args, "a schema's arguments") : NULL;
+    Py_XDECREF(args);
+    Py_XDECREF(schema);
+    if (!fast) PyErr_Clear();
+    return fast;
+}
+
+/* Whether argument objects a and b have equal names. */
+static int same_name(PyObject *a, PyObject *b) {
+    PyObject *x = PyObject_GetAttrString(a, "name"), *y = PyObject_GetAttrString(b, "name");
+    int eq = x && y && PyObject_RichCompareBool(x, y, Py_EQ) == 1;
+    Py_XDECREF(x);
+    Py_XDECREF(y);
+    PyErr_Clear();
+    return eq;
+}
+
+/* The out= overload of op in packet: the same arguments (by name, in order) and then one
+ * keyword-only tensor it writes; its C callable with *kw the keyword's name, or NULL. Only for an
+ * op returning one tensor and annotating no alias. */
+static PyObject *resolve_out_variant(PyObject *packet, PyObject *op, PyObject **kw) {
+    PyObject *found = NULL, *fargs = schema_args(op), *schema = PyObject_GetAttrString(op, "_schema");
+    PyObject *rets = schema ? PyObject_GetAttrString(schema, "returns") : NULL;
+    PyObject *names = packet ? PyObject_CallMethod(packet, "overloads", NULL) : NULL;
+    PyObject *fnames = names ? PySequence_Fast(names, "overloads") : NULL;
+    Py_XDECREF(schema);
+    int one_tensor = 0;
+    if (rets && PySequence_Check(rets) && PySequence_Size(rets) == 1) {
+        PyObject *r = PySequence_GetItem(rets, 0), *type = r ? PyObject_GetAttrString(r, "type") : NULL;
+        PyObject *str = type ? PyObject_Str(type) : NULL;
+        one_tensor = str && PyUnicode_CompareWithASCIIString(str, "Tensor") == 0;
+        Py_XDECREF(str);
+        Py_XDECREF(type);
+        Py_XDECREF(r);
+    }
+    Py_ssize_t nf = fargs ? PySequence_Fast_GET_SIZE(fargs) : -1;
+    for (Py_ssize_t i = 0; one_tensor && fargs && fnames && !found && i < PySequence_Fast_GET_SIZE(fnames); i++) {
+        PyObject *cand = PyObject_GetAttr(packet, PySequence_Fast_GET_ITEM(fnames, i));
+        PyObject *cargs = cand ? schema_args(cand) : NULL;
+        int ok = cargs && PySequence_Fast_GET_SIZE(cargs) == nf + 1;
+        for (Py_ssize_t k = 0; ok && k < nf; k++) ok = same_name(PySequence_Fast_GET_ITEM(fargs, k), PySequence_Fast_GET_ITEM(cargs, k));
+        if (ok) {
+            PyObject *last = PySequence_Fast_GET_ITEM(cargs, nf), *info = PyObject_GetAttrString(last, "alias_info");
+            PyObject *write = info && info != Py_None ? PyObject_GetAttrString(info, "is_write") : NULL;
+            PyObject *kwonly = PyObject_GetAttrString(last, "kwarg_only");
+            ok = write == Py_True && kwonly == Py_True;
+            Py_XDECREF(write);
+            Py_XDECREF(info);
+            Py_XDECREF(kwonly);
+            PyObject *c_op = ok ? PyObject_GetAttrString(cand, "_op") : NULL;
+            if (c_op && PyCallable_Check(c_op) && (*kw = PyObject_GetAttrString(last, "name")) && PyUnicode_Check(*kw)) {
+                PyUnicode_InternInPlace(kw);
+                found = c_op;
+                c_op = NULL;
+            } else {
+                Py_CLEAR(*kw);
+            }
+            Py_XDECREF(c_op);
+        }
+        Py_XDECREF(cargs);
+        Py_XDECREF(cand);
+        PyErr_Clear();
+    }
+    Py_XDECREF(fnames);
+    Py_XDECREF(names);
+    Py_XDECREF(rets);
+    Py_XDECREF(fargs);
+    PyErr_Clear();
+    return found;
+}
+
+/* torch.ops.<ns>.<name>.<overload>, or its C callable `_op` when it has one; e->may_alias from its
+ * schema, e->out_fn and e->out_kw its out= overload where it has one. */
+static PyObject *resolve_op(const char *qualified, af_extern *e) {
     char ns[128], name[256], overload[128] = "default";
     const char *sep = strstr(qualified, "::");
     if (!sep || (size_t)(sep - qualified) >= sizeof ns) {
@@ -299,8 +401,13 @@ static PyObject *resolve_op(const char *qualified) {
     PyObject *packet = nsobj ? PyObject_GetAttrString(nsobj, name) : NULL;
     PyObject *op = packet ? PyObject_GetAttrString(packet, overload) : NULL;
     Py_XDECREF(nsobj);
+    if (!op) {
+        Py_XDECREF(packet);
+        return NULL;
+    }
+    e->may_alias = schema_may_alias(op);
+    if (!e->may_alias) e->out_fn = resolve_out_variant(packet, op, &e->out_kw);
     Py_XDECREF(packet);
-    if (!op) return NULL;
     PyObject *c_op = PyObject_GetAttrString(op, "_op");
     if (c_op && PyCallable_Check(c_op)) {
         Py_DECREF(op);
@@ -314,6 +421,8 @@ static PyObject *resolve_op(const char *qualified) {
 void af_extern_free(af_extern *e) {
     if (!e) return;
     Py_XDECREF(e->fn);
+    Py_XDECREF(e->out_fn);
+    Py_XDECREF(e->out_kw);
     if (e->pos_const)
         for (int32_t i = 0; i < e->n_pos; i++) Py_XDECREF(e->pos_const[i]);
     PyMem_Free(e->pos_const);
@@ -331,7 +440,7 @@ int af_extern_new(const af_graph *g, int32_t node_index, af_extern **out) {
     if (!e) return af_error_set(AF_ERR_NOMEM, "out of memory resolving %s", n->op);
     e->graph = g;
     e->node_index = node_index;
-    e->fn = resolve_op(n->op);
+    e->fn = resolve_op(n->op, e);
     if (!e->fn) {
         st = bridge_fail(n->op);
         goto error;
@@ -405,14 +514,19 @@ static int extern_fail(const af_node *n, int32_t node_index) {
     return st;
 }
 
-int af_extern_call(af_extern *e, af_obj *const *values, af_obj **outs) {
+int af_extern_may_alias(const af_extern *e) { return !e || e->may_alias; }
+
+int af_obj_sole_ref(const af_obj *o) { return o && Py_REFCNT((PyObject *)o) == 1; }
+
+/* The call's positional and keyword arguments (new references; kwargs may be NULL). */
+static int extern_args(af_extern *e, af_obj *const *values, PyObject **args_out, PyObject **kwargs_out) {
     const af_node *n = af_graph_node(e->graph, e->node_index);
-    PyObject *args = NULL, *kwargs = NULL, *res = NULL;
+    PyObject *args = NULL, *kwargs = NULL;
     if (e->args_const) {
         args = e->args_const;
         Py_INCREF(args);
     } else {
-        if (!(args = PyTuple_New(e->n_pos))) return extern_fail(n, e->node_index);
+        if (!(args = PyTuple_New(e->n_pos))) return -1;
         for (int32_t i = 0; i < e->n_pos; i++) {
             PyObject *o = e->pos_const[i];
             if (o) Py_INCREF(o);
@@ -434,6 +548,40 @@ int af_extern_call(af_extern *e, af_obj *const *values, af_obj **outs) {
         kwargs = e->kwargs_const;
         Py_XINCREF(kwargs);
     }
+    *args_out = args;
+    *kwargs_out = kwargs;
+    return 0;
+error:
+    Py_XDECREF(args);
+    Py_XDECREF(kwargs);
+    return -1;
+}
+
+int af_extern_can_write_into(const af_extern *e) { return e && e->out_fn != NULL; }
+
+int af_extern_call_into(af_extern *e, af_obj *const *values, af_obj *into, af_obj **out) {
+    const af_node *n = af_graph_node(e->graph, e->node_index);
+    if (!e->out_fn || n->n_outputs != 1) return af_error_set(AF_ERR_INVALID, "%s has no out= overload", n->op);
+    PyObject *args = NULL, *kwargs = NULL, *kw = NULL, *res = NULL;
+    if (extern_args(e, values, &args, &kwargs) < 0) return extern_fail(n, e->node_index);
+    kw = kwargs ? PyDict_Copy(kwargs) : PyDict_New();
+    if (kw && PyDict_SetItem(kw, e->out_kw, (PyObject *)into) == 0) res = PyObject_Call(e->out_fn, args, kw);
+    Py_XDECREF(args);
+    Py_XDECREF(kwargs);
+    Py_XDECREF(kw);
+    if (!res || res != (PyObject *)into) { /* refused (autograd, say): the plain call will say why, if it fails too */
+        Py_XDECREF(res);
+        PyErr_Clear();
+        return AF_BRIDGE_NOT_INTO;
+    }
+    *out = (af_obj *)res;
+    return AF_OK;
+}
+
+int af_extern_call(af_extern *e, af_obj *const *values, af_obj **outs) {
+    const af_node *n = af_graph_node(e->graph, e->node_index);
+    PyObject *args = NULL, *kwargs = NULL, *res = NULL;
+    if (extern_args(e, values, &args, &kwargs) < 0) return extern_fail(n, e->node_index);
     res = PyObject_Call(e->fn, args, kwargs);
     if (!res) goto error;
     Py_CLEAR(args);

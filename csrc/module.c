@@ -422,13 +422,16 @@ typedef struct {
 } ProgramObject;
 
 static PyObject *Program_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"graph", "fuse", "min_group", "devices", NULL};
+    static char *kwlist[] = {"graph", "fuse", "min_group", "devices", "reuse", NULL};
     GraphObject *graph;
     af_program_options opts = {.fuse = 0, .min_group = 2};
     const char *devices = "all";
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|pis", kwlist, &GraphType, &graph, &opts.fuse, &opts.min_group, &devices) ||
+    int reuse = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|pisp", kwlist, &GraphType, &graph, &opts.fuse, &opts.min_group, &devices,
+                                     &reuse) ||
         !graph_alive(graph))
         return NULL;
+    opts.no_reuse = !reuse;
     if (strcmp(devices, "cpu") == 0) opts.device_types = 1u << AF_DEVICE_CPU;
     else if (strcmp(devices, "cuda") == 0) opts.device_types = 1u << AF_DEVICE_CUDA;
     else if (strcmp(devices, "all") == 0) opts.device_types = 0;
@@ -569,6 +572,10 @@ static PyObject *Program_get_num(ProgramObject *self, void *which) {
     case 4: return PyLong_FromLongLong(af_program_kernel_fallbacks(self->p));
     case 5: return PyBool_FromLong(af_program_cache_hit(self->p));
     case 6: return PyLong_FromLong(af_program_num_steps(self->p));
+    case 9: return PyLong_FromLong(af_program_buffer_reuses(self->p));
+    case 10: return PyLong_FromLongLong(af_program_reuses_refused(self->p));
+    case 11: return PyLong_FromLongLong(af_program_reused_bytes(self->p));
+    case 12: return PyLong_FromLongLong(af_program_fresh_bytes(self->p));
     case 8: {
         const char *src = af_program_cuda_source(self->p);
         if (!src) Py_RETURN_NONE;
@@ -617,7 +624,33 @@ static PyObject *Program_node_steps(ProgramObject *self, PyObject *unused) {
     return list;
 }
 
+/* 'kernel' for a value a kernel makes, else its producer's op */
+static const char *made_by(const af_program *p, int32_t v) {
+    const af_graph *g = af_program_graph(p);
+    int32_t node = af_graph_value(g, v)->producer;
+    if (node < 0) return "input";
+    return af_program_node_group(p, node) >= 0 ? "kernel" : af_graph_node(g, node)->op;
+}
+
+/* [(value, donor value, made by, donor made by), ...]: the planned buffer reuses */
+static PyObject *Program_buffer_donors(ProgramObject *self, PyObject *unused) {
+    (void)unused;
+    int32_t n = af_graph_num_values(af_program_graph(self->p));
+    PyObject *list = PyList_New(0);
+    for (int32_t v = 0; list && v < n; v++) {
+        int32_t d = af_program_donor(self->p, v);
+        if (d < 0) continue;
+        PyObject *t = Py_BuildValue("(iiss)", (int)v, (int)d, made_by(self->p, v), made_by(self->p, d));
+        if (!t || PyList_Append(list, t) < 0) Py_CLEAR(list);
+        Py_XDECREF(t);
+    }
+    return list;
+}
+
 static PyMethodDef Program_methods[] = {
+    {"buffer_donors", (PyCFunction)Program_buffer_donors, METH_NOARGS,
+     "[(value, donor value, made by, donor made by), ...]: results that take the tensor of a value dead by "
+     "then (buffer reuse); made by: 'kernel' or the extern's op"},
     {"set_plain_outputs", (PyCFunction)Program_set_plain_outputs, METH_O,
      "set_plain_outputs(first): outputs from index first on (saved activations, gradients) may be views "
      "made without ATen's dispatcher; earlier ones (by default all) stay ATen's views"},
@@ -642,6 +675,10 @@ static PyGetSetDef Program_getset[] = {
     {"source", (getter)Program_get_num, NULL, "the generated C source, or None", (void *)7},
     {"cuda_source", (getter)Program_get_num, NULL, "the generated CUDA source, or None", (void *)8},
     {"num_outputs", (getter)Program_get_num, NULL, "number of outputs", (void *)2},
+    {"buffer_reuses", (getter)Program_get_num, NULL, "kernel outputs planned to take a dead intermediate's tensor", (void *)9},
+    {"reuses_refused", (getter)Program_get_num, NULL, "runs' donors found held elsewhere (freshly allocated instead)", (void *)10},
+    {"reused_bytes", (getter)Program_get_num, NULL, "bytes per run of the results planned to take a dead value's tensor", (void *)11},
+    {"fresh_bytes", (getter)Program_get_num, NULL, "bytes per run of the step results allocated fresh", (void *)12},
     {"check_inputs", NULL, (setter)Program_set_check_inputs, "check inputs against the graph on each run", NULL},
     {"profiling", NULL, (setter)Program_set_profiling, "accumulate each step's host time (see profile())", NULL},
     {NULL, NULL, NULL, NULL, NULL}};

@@ -67,6 +67,18 @@ struct af_program {
      * nothing; its slot holds its root's tensor, and the views reading it reinterpret that root. */
     int8_t *held;            /* per node: 1 a held view; NULL until planned */
     int32_t *hold_root;      /* per value: the value whose tensor its slot holds (itself unless held) */
+    /* Buffer reuse (planned with the steps): a kernel output may take the tensor of an
+     * intermediate whose storage died at an earlier step (it and every view of it read for the
+     * last time, none an output), instead of a fresh allocation: the same tensor when the layouts
+     * agree, else a reinterpretation of its (dense, equally long) storage. The dead value is kept
+     * from its last use to that step only where the program's peak does not grow. */
+    int32_t *donor;          /* per value: the dead value whose tensor this kernel output takes, or -1 */
+    uint8_t *donated;        /* per value: kept past its last use for the output that takes it */
+    int8_t *reuse_state;     /* per value: 0 donor not yet checked, 1 checked, -1 its layout differs (never reused) */
+    int32_t n_reuses;        /* planned */
+    int64_t reused_bytes;    /* planned: bytes of the results that take a donor's tensor */
+    int64_t fresh_bytes;     /* planned: bytes of the results (kernel outputs, extern results not views) allocated */
+    int64_t reuses_refused;  /* runs in which a donor was found held elsewhere (released, not reused) */
     int64_t *step_ns;        /* per step: host time (profiling on), NULL when off */
     int64_t profiled_runs;
     int64_t fallbacks;
@@ -148,6 +160,9 @@ void af_program_free(af_program *p) {
     free(p->operands_checked);
     free(p->held);
     free(p->hold_root);
+    free(p->donor);
+    free(p->donated);
+    free(p->reuse_state);
     free(p->release);
     free(p->release_start);
     free(p->input_ids);
@@ -343,6 +358,170 @@ static int plan_views(af_program *p) {
     return AF_OK;
 }
 
+/* Bytes of a dense tensor (numel * itemsize: its elements fill their span, none shared), or -1
+ * when meta is not one, or has no elements. */
+static int64_t dense_bytes(const af_tensor_meta *m) {
+    if (m->type != AF_VALUE_TENSOR) return -1;
+    int64_t numel = 1, span = 1;
+    for (int32_t d = 0; d < m->ndim; d++) {
+        if (m->sizes[d] <= 0 || (m->sizes[d] > 1 && m->strides[d] <= 0)) return -1;
+        numel *= m->sizes[d];
+        if (m->sizes[d] > 1) span += (m->sizes[d] - 1) * m->strides[d];
+    }
+    if (span != numel) return -1;
+    /* equal span and count: dense when no two elements meet, i.e. the strides of the dims longer
+     * than 1, smallest first, are each the product of the sizes inside */
+    int64_t block = 1;
+    for (int32_t k = 0; k < m->ndim; k++) {
+        int32_t found = -1;
+        for (int32_t d = 0; d < m->ndim && found < 0; d++)
+            if (m->sizes[d] > 1 && m->strides[d] == block) found = d;
+        if (found < 0) break;
+        block *= m->sizes[found];
+    }
+    return block == numel ? numel * af_dtype_itemsize(m->dtype) : -1;
+}
+
+static int same_meta(const af_tensor_meta *a, const af_tensor_meta *b) {
+    if (a->dtype != b->dtype || a->ndim != b->ndim || a->storage_offset != b->storage_offset) return 0;
+    for (int32_t d = 0; d < a->ndim; d++)
+        if (a->sizes[d] != b->sizes[d] || a->strides[d] != b->strides[d]) return 0;
+    return 1;
+}
+
+static void taint_args(const af_arg *a, const int32_t *root, uint8_t *bad) {
+    if (a->kind == AF_ARG_VALUE) {
+        bad[root[a->u.value]] = 1;
+    } else if (a->kind == AF_ARG_LIST) {
+        for (int32_t j = 0; j < a->u.list.n; j++) taint_args(&a->u.list.items[j], root, bad);
+    }
+}
+
+typedef struct {
+    int32_t free_step, value;
+} af_donor;
+
+static int later_freed_first(const void *a, const void *b) {
+    const af_donor *x = a, *y = b;
+    if (x->free_step != y->free_step) return x->free_step > y->free_step ? -1 : 1;
+    return x->value < y->value ? -1 : x->value > y->value;
+}
+
+/* Plans buffer reuse (see af_program's donor). Storages: a view shares its input's; an extern
+ * whose schema annotates an alias may share its arguments' (those storages are never reused); a
+ * storage is free after the last release of a value on it. Each kernel output, and each result
+ * of an extern with an out= overload, in step order, takes the latest-freed matching storage whose keeping until then leaves the program's peak
+ * (the bytes of the storages alive at each step) where it was. */
+static int plan_reuse(af_program *p, const int32_t *step_of_node, int reuse) {
+    const af_graph *g = p->graph;
+    int32_t nv = af_graph_num_values(g), nn = af_graph_num_nodes(g), ns = p->n_steps, n_donors = 0;
+    if (ns == 0) return AF_OK;
+    int32_t *root = malloc(((size_t)nv + 1) * sizeof(int32_t)), *free_at = malloc(((size_t)nv + 1) * sizeof(int32_t));
+    af_donor *donors = malloc(((size_t)nv + 1) * sizeof *donors);
+    int64_t *live = calloc((size_t)ns + 1, sizeof(int64_t));
+    uint8_t *bad = calloc((size_t)nv + 1, 1), *kept = calloc((size_t)nv + 1, 1);
+    p->donor = malloc(((size_t)nv + 1) * sizeof(int32_t));
+    p->donated = calloc((size_t)nv + 1, 1);
+    p->reuse_state = calloc((size_t)nv + 1, 1);
+    int st = AF_OK;
+    if (!root || !free_at || !donors || !live || !bad || !kept || !p->donor || !p->donated || !p->reuse_state) {
+        st = af_error_set(AF_ERR_NOMEM, "out of memory planning buffer reuse");
+        goto done;
+    }
+    for (int32_t v = 0; v < nv; v++) {
+        root[v] = v;
+        free_at[v] = -1;
+        p->donor[v] = -1;
+    }
+    for (int32_t k = 0; k < af_graph_num_inputs(g); k++) bad[af_graph_input(g, k)] = 1;
+    for (int32_t i = 0; i < nn; i++) {
+        const af_node *n = af_graph_node(g, i);
+        if (p->plan && p->plan->group_of_node[i] >= 0) continue; /* a kernel member: its outputs are new tensors */
+        int view = af_op_get(n->op_id)->kind == AF_KIND_VIEW && n->n_outputs == 1 && n->n_args >= 1 &&
+                   n->args[0].kind == AF_ARG_VALUE && !n->args[0].name;
+        if (view) {
+            root[n->first_output] = root[n->args[0].u.value];
+        } else if (af_extern_may_alias(p->externs[i])) {
+            int32_t first = -1;
+            for (int32_t a = 0; a < n->n_args; a++) {
+                if (first < 0 && n->args[a].kind == AF_ARG_VALUE) first = root[n->args[a].u.value];
+                taint_args(&n->args[a], root, bad);
+            }
+            for (int32_t o = 0; o < n->n_outputs; o++) {
+                if (first >= 0) root[n->first_output + o] = first;
+                bad[n->first_output + o] = 1;
+            }
+        }
+    }
+    for (int32_t s = 0; s < ns; s++)
+        for (int32_t r = p->release_start[s]; r < p->release_start[s + 1]; r++) {
+            int32_t v = root[p->release[r]];
+            if (s > free_at[v]) free_at[v] = s;
+        }
+    for (int32_t o = 0; o < af_graph_num_outputs(g); o++) { /* alive to the end */
+        bad[root[af_graph_output(g, o)]] = 1;
+        free_at[root[af_graph_output(g, o)]] = ns - 1;
+    }
+    int64_t peak = 0;
+    for (int32_t v = 0; v < nv; v++) {
+        const af_value *val = af_graph_value(g, v);
+        int32_t s0 = root[v] == v && val->producer >= 0 ? step_of_node[val->producer] : -1;
+        int64_t b = af_tensor_meta_nbytes(&val->meta);
+        if (s0 < 0 || b <= 0) continue;
+        int32_t s1 = free_at[v] < s0 ? s0 : free_at[v];
+        for (int32_t s = s0; s <= s1; s++) live[s] += b;
+        if (!bad[v] && free_at[v] >= s0 && free_at[v] < ns - 1 && dense_bytes(&val->meta) > 0)
+            donors[n_donors++] = (af_donor){.free_step = free_at[v], .value = v};
+    }
+    for (int32_t s = 0; s < ns; s++)
+        if (live[s] > peak) peak = live[s];
+    qsort(donors, (size_t)n_donors, sizeof *donors, later_freed_first);
+    for (int32_t t = 0; t < ns && reuse; t++) {
+        const af_fusion_group *grp = p->steps[t].group >= 0 ? &p->plan->groups[p->steps[t].group] : NULL;
+        const af_node *n = grp ? NULL : af_graph_node(g, p->steps[t].node);
+        if (n && (n->n_outputs != 1 || af_op_get(n->op_id)->kind == AF_KIND_VIEW || /* _unsafe_view has an out= copy */
+                  !af_extern_can_write_into(p->externs[p->steps[t].node])))
+            continue;
+        for (int32_t k = 0; k < (grp ? grp->n_outputs : 1); k++) {
+            int32_t v = grp ? grp->outputs[k] : n->first_output;
+            const af_tensor_meta *m = &af_graph_value(g, v)->meta;
+            if (m->type != AF_VALUE_TENSOR || m->storage_offset != 0) continue;
+            int64_t want = dense_bytes(m);
+            for (int32_t j = 0; j < n_donors; j++) {
+                int32_t f = donors[j].free_step, d = donors[j].value;
+                if (f >= t || kept[d]) continue;
+                const af_tensor_meta *dm = &af_graph_value(g, d)->meta;
+                if (dm->dtype != m->dtype || dm->device.type != m->device.type || dm->device.index != m->device.index ||
+                    dm->storage_offset != 0 || (!same_meta(dm, m) && (want < 0 || dense_bytes(dm) != want)))
+                    continue;
+                int64_t b = af_tensor_meta_nbytes(dm), high = 0;
+                for (int32_t s = f + 1; s < t; s++)
+                    if (live[s] > high) high = live[s];
+                if (high + b > peak) continue;
+                for (int32_t s = f + 1; s < t; s++) live[s] += b;
+                kept[d] = p->donated[d] = 1;
+                p->donor[v] = d;
+                p->n_reuses++;
+                p->reused_bytes += b;
+                break;
+            }
+        }
+    }
+    for (int32_t v = 0; v < nv; v++) {
+        const af_value *val = af_graph_value(g, v);
+        if (root[v] == v && !bad[v] && val->producer >= 0 && step_of_node[val->producer] >= 0 && p->donor[v] < 0)
+            p->fresh_bytes += af_tensor_meta_nbytes(&val->meta);
+    }
+done:
+    free(root);
+    free(free_at);
+    free(donors);
+    free(live);
+    free(bad);
+    free(kept);
+    return st;
+}
+
 int af_program_new(af_graph *g, const af_program_options *opts, af_program **out) {
     if (!g || !out) return af_error_set(AF_ERR_INVALID, "af_program_new: NULL argument");
     af_program_options o = {0};
@@ -396,6 +575,7 @@ int af_program_new(af_graph *g, const af_program_options *opts, af_program **out
     if ((st = plan_releases(p, step_of_node))) goto error;
     for (int32_t i = 0; i < nn; i++)
         if ((st = af_extern_new(g, i, &p->externs[i]))) goto error;
+    if ((st = plan_reuse(p, step_of_node, !o.no_reuse))) goto error;
     free(step_of_node);
     *out = p;
     return AF_OK;
@@ -410,6 +590,13 @@ const af_graph *af_program_graph(const af_program *p) { return p ? p->graph : NU
 int32_t af_program_num_kernels(const af_program *p) { return p && p->plan && (p->module || p->cuda_module) ? p->plan->n_groups : 0; }
 const char *af_program_cuda_source(const af_program *p) { return p ? p->cuda_source : NULL; }
 int64_t af_program_kernel_fallbacks(const af_program *p) { return p ? p->fallbacks : 0; }
+int32_t af_program_buffer_reuses(const af_program *p) { return p ? p->n_reuses : 0; }
+int64_t af_program_reuses_refused(const af_program *p) { return p ? p->reuses_refused : 0; }
+int64_t af_program_reused_bytes(const af_program *p) { return p ? p->reused_bytes : 0; }
+int64_t af_program_fresh_bytes(const af_program *p) { return p ? p->fresh_bytes : 0; }
+int32_t af_program_donor(const af_program *p, int32_t value) {
+    return p && p->donor && value >= 0 && value < af_graph_num_values(p->graph) ? p->donor[value] : -1;
+}
 int af_program_cache_hit(const af_program *p) { return p ? p->cache_hit : 0; }
 const char *af_program_source(const af_program *p) { return p ? p->source : NULL; }
 int32_t af_program_num_steps(const af_program *p) { return p ? p->n_steps : 0; }
@@ -564,6 +751,63 @@ static int check_folded_views(af_program *p, int32_t gi) {
     return st;
 }
 
+/* Kernel output v takes its donor's tensor (planned by plan_reuse), if the donor is still held
+ * here only: the tensor itself when the layouts agree, else a reinterpretation of its storage.
+ * The first run checks the donor's layout against its metadata; one that differs is never used. */
+static int take_donor(af_program *p, int32_t v, const af_tensor_meta *m) {
+    int32_t d = p->donor[v];
+    af_obj *t = p->values[d];
+    if (!t) return AF_OK;
+    p->values[d] = NULL;
+    const af_tensor_meta *dm = &af_graph_value(p->graph, d)->meta;
+    int st = AF_OK;
+    if (p->reuse_state[v] == 0) {
+        void *ptr = NULL;
+        st = af_bridge_tensor_data(&t, &dm, 1, &ptr);
+        if (st == AF_BRIDGE_LAYOUT_MISMATCH) p->reuse_state[v] = -1, st = AF_OK;
+        else if (st == AF_OK) p->reuse_state[v] = 1;
+    }
+    if (st == AF_OK && p->reuse_state[v] > 0 && p->check_inputs) {
+        if (!af_obj_sole_ref(t)) {
+            p->reuses_refused++;
+        } else if (same_meta(dm, m)) {
+            p->values[v] = t; /* the slot's reference moves */
+            return AF_OK;
+        } else {
+            st = af_bridge_reinterpret(t, m, 0, &p->values[v]);
+        }
+    }
+    af_obj_release(t);
+    return st;
+}
+
+/* An extern step whose result takes a donor: the op's out= overload writes into the donor's
+ * tensor; the plain call where there is none left, or the overload refuses (then always). */
+static int run_extern_into(af_program *p, int32_t i) {
+    int32_t v = af_graph_node(p->graph, i)->first_output;
+    int st = take_donor(p, v, &af_graph_value(p->graph, v)->meta);
+    if (st) return st;
+    af_obj *into = p->values[v];
+    if (into) {
+        p->values[v] = NULL;
+        st = af_extern_call_into(p->externs[i], p->values, into, &p->values[v]);
+        af_obj_release(into);
+        if (st != AF_BRIDGE_NOT_INTO) return st;
+        p->reuse_state[v] = -1;
+    }
+    return af_extern_call(p->externs[i], p->values, &p->values[v]);
+}
+
+/* Releases the donors a group's outputs would have taken (its nodes ran as extern calls). */
+static void drop_donors(af_program *p, const af_fusion_group *grp) {
+    for (int32_t k = 0; p->donor && k < grp->n_outputs; k++) {
+        int32_t d = p->donor[grp->outputs[k]];
+        if (d < 0) continue;
+        af_obj_release(p->values[d]);
+        p->values[d] = NULL;
+    }
+}
+
 /* A kernel step; on a layout mismatch its nodes run as extern calls instead. */
 static int run_kernel(af_program *p, int32_t gi) {
     const af_fusion_group *grp = &p->plan->groups[gi];
@@ -581,7 +825,8 @@ static int run_kernel(af_program *p, int32_t gi) {
         for (int32_t k = 0; k < no; k++) {
             int32_t v = grp->outputs[k];
             const af_tensor_meta *m = &af_graph_value(p->graph, v)->meta;
-            if ((st = af_bridge_empty_cached(m, &p->empty_args[v], &p->values[v]))) return st;
+            if (p->donor && p->donor[v] >= 0 && (st = take_donor(p, v, m))) return st;
+            if (!p->values[v] && (st = af_bridge_empty_cached(m, &p->empty_args[v], &p->values[v]))) return st;
             p->kernel_objs[ni + k] = p->values[v];
             p->kernel_metas[ni + k] = m;
         }
@@ -605,6 +850,7 @@ static int run_kernel(af_program *p, int32_t gi) {
     if (st == AF_BRIDGE_LAYOUT_MISMATCH) {
         /* run the members one by one; values only the kernel would have held are dropped after */
         p->fallbacks++;
+        drop_donors(p, grp);
         for (int32_t k = 0; k < ni; k++)
             if (p->fold_root[grp->inputs[k]] >= 0 && (st = materialize_view(p, grp->inputs[k]))) {
                 drop_folded_views(p, grp);
@@ -778,6 +1024,8 @@ static int run_program(af_program *p, af_obj *const *inputs, int32_t n_inputs, a
             if (p->held && p->held[i] && p->check_inputs) { /* the slot holds its root's tensor */
                 p->values[n->first_output] = p->values[n->args[0].u.value];
                 af_obj_retain(p->values[n->first_output]);
+            } else if (p->donor && n->n_outputs == 1 && p->donor[n->first_output] >= 0) {
+                st = run_extern_into(p, i);
             } else {
                 st = p->view_state[i] > 0 && p->check_inputs ? run_view(p, i)
                                                              : af_extern_call(p->externs[i], p->values, &p->values[n->first_output]);
@@ -797,6 +1045,7 @@ static int run_program(af_program *p, af_obj *const *inputs, int32_t n_inputs, a
             return st;
         }
         for (int32_t r = p->release_start[s]; r < p->release_start[s + 1]; r++) {
+            if (p->donated && p->donated[p->release[r]]) continue; /* kept for the output taking it */
             af_obj_release(p->values[p->release[r]]);
             p->values[p->release[r]] = NULL;
         }

@@ -31,14 +31,29 @@ int af_bridge_shim_found(int i);
 
 void af_obj_retain(af_obj *o);
 void af_obj_release(af_obj *o); /* NULL allowed */
+/* Whether the caller's reference is the only one to o (no other holder of this object; views of
+ * its storage are other objects, which this does not see). */
+int af_obj_sole_ref(const af_obj *o);
 
 /* Resolves node `node_index` of `g` into *out (owned by the caller, freed by af_extern_free). */
 int af_extern_new(const af_graph *g, int32_t node_index, af_extern **out);
 void af_extern_free(af_extern *e); /* NULL allowed */
+/* Whether the extern's results may share storage with its arguments, or it writes an argument:
+ * its schema annotates an alias (views, in-place ops; also 1 for an op without a schema). */
+int af_extern_may_alias(const af_extern *e);
 
 /* Calls the extern on `values` (indexed by value id; those it reads must be set) and writes
  * its node's n_outputs results into outs as new references. On error outs is untouched. */
 int af_extern_call(af_extern *e, af_obj *const *values, af_obj **outs);
+
+/* Whether the extern (one tensor result) has an out= overload: the same arguments and one
+ * written tensor. af_extern_call_into calls it, writing into `into` (a tensor with the result's
+ * exact layout, nothing else reading it): AF_OK with *out a new reference to `into`, or
+ * AF_BRIDGE_NOT_INTO (> 0, not an error; no Python error left set) when the overload refused,
+ * e.g. under autograd; the caller then makes the plain call. */
+#define AF_BRIDGE_NOT_INTO 2
+int af_extern_can_write_into(const af_extern *e);
+int af_extern_call_into(af_extern *e, af_obj *const *values, af_obj *into, af_obj **out);
 
 /* Checks that each objs[i] is a tensor matching metas[i] exactly (dtype, device, sizes,
  * strides), reading metadata through the C shim. `names` label the error. */

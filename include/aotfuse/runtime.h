@@ -26,6 +26,7 @@ typedef struct {
     int32_t min_group;      /* smallest group worth a kernel (default 2) */
     uint32_t device_types;  /* bit per af_device_type whose tensors get kernels (C for CPU, CUDA
                                through NVRTC); 0: both. A graph on two CUDA devices gets no CUDA kernels. */
+    int no_reuse;           /* every kernel output a fresh allocation (default: buffer reuse, below) */
 } af_program_options;
 
 /* Verifies g, plans it and resolves its steps. opts may be NULL (no fusion). On success the
@@ -40,6 +41,19 @@ int af_program_cache_hit(const af_program *p);
 const char *af_program_source(const af_program *p);
 const char *af_program_cuda_source(const af_program *p); /* NULL without CUDA kernels */
 int32_t af_program_num_steps(const af_program *p);
+/* Buffer reuse: a kernel output may take the tensor of an intermediate whose storage died at an
+ * earlier step (it and every view of it read for the last time; no output, input, or argument of
+ * an aliasing extern), where keeping it until then leaves the program's peak bytes as they were:
+ * no allocation then (on the CPU, no fresh pages). The planned count, and the times a donor was
+ * found held elsewhere at run time (released instead: a fresh allocation). */
+int32_t af_program_buffer_reuses(const af_program *p);
+int64_t af_program_reuses_refused(const af_program *p);
+/* Planned bytes per run: results taking a donor's tensor; results of steps allocated fresh
+ * (kernel outputs and extern results with their own storage; tainted ones not counted). */
+int64_t af_program_reused_bytes(const af_program *p);
+int64_t af_program_fresh_bytes(const af_program *p);
+/* The value whose tensor `value` takes, or -1. */
+int32_t af_program_donor(const af_program *p, int32_t value);
 int32_t af_program_node_group(const af_program *p, int32_t node); /* its fusion group, or -1 */
 /* How a node runs: "kernel" (a fused kernel's member), "aten" (an ATen call), "folded" (a view
  * only kernels read: nothing runs, they read its root with its strides), "view" (a view made

@@ -13,6 +13,8 @@ AOTFUSE_CONSTANT_FOLD=0  compute the values no input reaches every run (default:
                        lowering; see constfold.py)
 AOTFUSE_FALLBACK_RANDOM=1  dropout with ATen's generator (eager's exact masks, a stored mask)
                        instead of aotfuse's fused counter-based one
+AOTFUSE_REUSE_BUFFERS=0  every kernel output freshly allocated (default: a kernel output may take
+                       the tensor of an intermediate that died earlier in the program)
 """
 from __future__ import annotations
 
@@ -48,6 +50,10 @@ def fusion() -> bool:
 
 def constant_fold() -> bool:
     return os.environ.get("AOTFUSE_CONSTANT_FOLD", "1") not in ("", "0")
+
+
+def reuse_buffers() -> bool:
+    return os.environ.get("AOTFUSE_REUSE_BUFFERS", "1") not in ("", "0")
 
 
 def fallback_random() -> bool:

@@ -796,7 +796,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
     if fuse:
         _add_nvrtc_search_dirs()
     try:
-        program = _C.Program(b.graph, fuse=fuse, devices=config.kernel_devices())
+        program = _C.Program(b.graph, fuse=fuse, devices=config.kernel_devices(), reuse=config.reuse_buffers())
     except _C.Error as e:
         if "cannot be built here" in str(e) or "C compiler" in str(e):
             raise BackendUnavailable(str(e)) from e
@@ -809,7 +809,9 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
         for op, _kind, group in program.node_groups():
             if group >= 0:
                 groups.setdefault(group, []).append(op)
-        config.emit("fusion", f"{program.num_kernels} kernels, {program.num_steps} steps for {program.num_nodes} nodes"
+        config.emit("fusion", f"{program.num_kernels} kernels, {program.num_steps} steps for {program.num_nodes} nodes; "
+                    f"{program.buffer_reuses} results take dead tensors ({program.reused_bytes / 1e6:.1f} MB a run, "
+                    f"{program.fresh_bytes / 1e6:.1f} MB of intermediates allocated)"
                     + "".join(f"\n  kernel {k}: {', '.join(v)}" for k, v in sorted(groups.items())))
         for src in (program.source, program.cuda_source):
             if src:

@@ -1,0 +1,128 @@
+"""Buffer reuse: a kernel output, or the result of an extern with an out= overload, takes the
+tensor of an intermediate whose storage died earlier in the program (it and every view of it read
+for the last time, none an output or an input, none passed to an op that may alias), instead of a
+fresh allocation, where keeping the dead tensor until then leaves the program's peak where it was.
+Results must be exactly those of the same program without reuse."""
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from aotfuse import _C
+from aotfuse.bench import _cpu_peak
+from aotfuse.lower import build_graph, lower
+from helpers import assert_close
+
+aten = torch.ops.aten
+
+
+def _program(fn, *args, reuse=True):
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    return _C.Program(build_graph(gm).graph, fuse=True, reuse=reuse)
+
+
+def _chain(x, w):
+    a = aten.mul.Tensor(aten.relu.default(aten.mm.default(x, w)), 2.0)
+    b = aten.add.Tensor(aten.sin.default(aten.mm.default(a, w)), 1.0)
+    c = aten.mul.Tensor(aten.cos.default(aten.mm.default(b, w)), 3.0)
+    d = aten.sub.Tensor(aten.exp.default(aten.mm.default(c, w)), 1.0)
+    return (aten.sum.default(d),)
+
+
+def _chain_inputs():
+    torch.manual_seed(0)
+    return torch.randn(64, 64) / 8, torch.randn(64, 64) / 8
+
+
+def test_kernel_outputs_and_extern_results_take_dead_tensors():
+    x, w = _chain_inputs()
+    prog, plain = _program(_chain, x, w), _program(_chain, x, w, reuse=False)
+    assert plain.buffer_reuses == 0 and plain.buffer_donors() == []
+    donors = prog.buffer_donors()
+    assert prog.buffer_reuses == len(donors) >= 4, donors
+    takers = {how for _v, _d, how, _dhow in donors}
+    assert "kernel" in takers and "aten::mm.default" in takers, donors  # kernels and out= externs both take
+    assert prog.reused_bytes > 0 and prog.reused_bytes + prog.fresh_bytes == plain.fresh_bytes
+    for run in range(3):  # the first run checks each donor's layout; later runs reuse without checks
+        got, want = prog.run([x, w]), plain.run([x, w])
+        assert torch.equal(got[0], want[0]), f"run {run}: reuse changed the result"
+    ref = _chain(x.double(), w.double())[0]
+    assert_close(got[0].double(), ref, "chain vs float64", atol=1e-4, rtol=1e-5)
+    assert prog.reuses_refused == 0 and prog.kernel_fallbacks == 0
+
+
+def test_values_with_live_views_outputs_or_aliasing_readers_are_never_donors():
+    def f(x, w):
+        y = aten.mm.default(x, w)
+        kept = aten.view.default(aten.mul.Tensor(y, 2.0), [16, 256])  # an output's storage: never reused
+        s = aten.add.Tensor(y, 1.0)
+        part = aten.split.Tensor(s, 64)[0]  # may alias s (it does: one part, all of s): s is never reused
+        t = aten.mul.Tensor(aten.mm.default(aten.sin.default(s), w), 3.0)
+        u = aten.exp.default(aten.mm.default(aten.relu.default(t), w))
+        v = aten.cos.default(aten.mm.default(aten.tanh.default(u), w))
+        return kept, aten.sum.default(v), part
+
+    x, w = _chain_inputs()
+    prog = _program(f, x, w)
+    donors = prog.buffer_donors()
+    donor_ops = {dhow for _v, _d, _how, dhow in donors}
+    assert "aten::split.Tensor" not in donor_ops and "aten::view.default" not in donor_ops, donors
+    first = prog.run([x, w])
+    kept0 = first[0].clone()
+    for _ in range(3):  # later runs must not write into what earlier runs returned
+        out = prog.run([x, w])
+    assert torch.equal(first[0], kept0), "a returned tensor was reused by a later run"
+    assert prog.reuses_refused == 0, "the plan gave away a tensor still held (the run-time check refused it)"
+    ref = f(x, w)
+    for o, r, what in zip(out, ref, ("view output", "sum", "split part")):
+        assert_close(o, r, what)
+
+
+def test_reuse_does_not_raise_the_peak():
+    def f(x, w):
+        h = x
+        for _ in range(6):
+            h = aten.mul.Tensor(aten.tanh.default(aten.mm.default(h, w)), 0.5)
+        return (aten.sum.default(h),)
+
+    x, w = torch.randn(512, 512), torch.randn(512, 512) / 16
+    prog, plain = _program(f, x, w), _program(f, x, w, reuse=False)
+    for p in (prog, plain):
+        p.run([x, w])
+    peak, peak_plain = _cpu_peak(lambda: prog.run([x, w])), _cpu_peak(lambda: plain.run([x, w]))
+    assert prog.buffer_reuses >= 6
+    assert peak <= peak_plain, f"peak with reuse {peak} > without {peak_plain}"
+    assert torch.equal(prog.run([x, w])[0], plain.run([x, w])[0])
+
+
+def test_an_out_overload_that_refuses_falls_back_to_the_plain_call():
+    x, w = _chain_inputs()
+    prog = _program(_chain, x, w)
+    assert any(how == "aten::mm.default" for _v, _d, how, _dh in prog.buffer_donors())
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with torch.enable_grad():  # out= refuses inputs that need grad: the plain mm runs
+        for _ in range(2):
+            got = prog.run([xg, wg])
+            assert_close(got[0].detach(), _chain(x, w)[0], "chain with grad-requiring inputs")
+    assert torch.equal(prog.run([x, w])[0].detach(), _program(_chain, x, w, reuse=False).run([x, w])[0])
+
+
+def test_reuse_can_be_turned_off(monkeypatch):
+    x, w = _chain_inputs()
+    gm = make_fx(_chain, tracing_mode="fake")(x, w)
+    assert lower(gm, [x, w]).program.buffer_reuses > 0
+    monkeypatch.setenv("AOTFUSE_REUSE_BUFFERS", "0")
+    low = lower(gm, [x, w])
+    assert low.program.buffer_reuses == 0 and low.program.buffer_donors() == []
+
+
+@pytest.mark.cuda
+def test_reuse_on_cuda_matches_no_reuse():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU on this machine")
+    x, w = (t.cuda() for t in _chain_inputs())
+    prog, plain = _program(_chain, x, w), _program(_chain, x, w, reuse=False)
+    assert prog.buffer_reuses >= 4
+    for _ in range(3):
+        assert torch.equal(prog.run([x, w])[0], plain.run([x, w])[0])
+    assert_close(prog.run([x, w])[0].cpu().double(), _chain(x.cpu().double(), w.cpu().double())[0], "cuda chain vs float64",
+                 atol=1e-3, rtol=1e-4)
