@@ -410,8 +410,10 @@ static int later_freed_first(const void *a, const void *b) {
 /* Plans buffer reuse (see af_program's donor). Storages: a view shares its input's; an extern
  * whose schema annotates an alias may share its arguments' (those storages are never reused); a
  * storage is free after the last release of a value on it. Each kernel output, and each result
- * of an extern with an out= overload, in step order, takes the latest-freed matching storage whose keeping until then leaves the program's peak
- * (the bytes of the storages alive at each step) where it was. */
+ * of an extern with an out= overload, in step order, takes the latest-freed matching storage
+ * whose keeping until then leaves the program's peak (the bytes of the storages alive at each
+ * step) where it was; at most REUSE_TRIES matching storages are weighed per result. */
+#define REUSE_TRIES 16
 static int plan_reuse(af_program *p, const int32_t *step_of_node, int reuse) {
     const af_graph *g = p->graph;
     int32_t nv = af_graph_num_values(g), nn = af_graph_num_nodes(g), ns = p->n_steps, n_donors = 0;
@@ -487,7 +489,7 @@ static int plan_reuse(af_program *p, const int32_t *step_of_node, int reuse) {
             const af_tensor_meta *m = &af_graph_value(g, v)->meta;
             if (m->type != AF_VALUE_TENSOR || m->storage_offset != 0) continue;
             int64_t want = dense_bytes(m);
-            for (int32_t j = 0; j < n_donors; j++) {
+            for (int32_t j = 0, tries = 0; j < n_donors && tries < REUSE_TRIES; j++) {
                 int32_t f = donors[j].free_step, d = donors[j].value;
                 if (f >= t || kept[d]) continue;
                 const af_tensor_meta *dm = &af_graph_value(g, d)->meta;
@@ -495,6 +497,7 @@ static int plan_reuse(af_program *p, const int32_t *step_of_node, int reuse) {
                     dm->storage_offset != 0 || (!same_meta(dm, m) && (want < 0 || dense_bytes(dm) != want)))
                     continue;
                 int64_t b = af_tensor_meta_nbytes(dm), high = 0;
+                tries++;
                 for (int32_t s = f + 1; s < t; s++)
                     if (live[s] > high) high = live[s];
                 if (high + b > peak) continue;
