@@ -576,6 +576,7 @@ static PyObject *Program_get_num(ProgramObject *self, void *which) {
     case 10: return PyLong_FromLongLong(af_program_reuses_refused(self->p));
     case 11: return PyLong_FromLongLong(af_program_reused_bytes(self->p));
     case 12: return PyLong_FromLongLong(af_program_fresh_bytes(self->p));
+    case 13: return PyLong_FromLongLong(af_program_reuses_taken(self->p));
     case 8: {
         const char *src = af_program_cuda_source(self->p);
         if (!src) Py_RETURN_NONE;
@@ -677,6 +678,7 @@ static PyGetSetDef Program_getset[] = {
     {"num_outputs", (getter)Program_get_num, NULL, "number of outputs", (void *)2},
     {"buffer_reuses", (getter)Program_get_num, NULL, "kernel outputs planned to take a dead intermediate's tensor", (void *)9},
     {"reuses_refused", (getter)Program_get_num, NULL, "runs' donors found held elsewhere (freshly allocated instead)", (void *)10},
+    {"reuses_taken", (getter)Program_get_num, NULL, "results that took their donor's tensor, over all runs so far", (void *)13},
     {"reused_bytes", (getter)Program_get_num, NULL, "bytes per run of the results planned to take a dead value's tensor", (void *)11},
     {"fresh_bytes", (getter)Program_get_num, NULL, "bytes per run of the step results allocated fresh", (void *)12},
     {"check_inputs", NULL, (setter)Program_set_check_inputs, "check inputs against the graph on each run", NULL},

@@ -79,6 +79,7 @@ struct af_program {
     int64_t reused_bytes;    /* planned: bytes of the results that take a donor's tensor */
     int64_t fresh_bytes;     /* planned: bytes of the results (kernel outputs, extern results not views) allocated */
     int64_t reuses_refused;  /* runs in which a donor was found held elsewhere (released, not reused) */
+    int64_t reuses_taken;    /* results that took their donor's tensor, over all runs */
     int64_t *step_ns;        /* per step: host time (profiling on), NULL when off */
     int64_t profiled_runs;
     int64_t fallbacks;
@@ -596,6 +597,7 @@ const char *af_program_cuda_source(const af_program *p) { return p ? p->cuda_sou
 int64_t af_program_kernel_fallbacks(const af_program *p) { return p ? p->fallbacks : 0; }
 int32_t af_program_buffer_reuses(const af_program *p) { return p ? p->n_reuses : 0; }
 int64_t af_program_reuses_refused(const af_program *p) { return p ? p->reuses_refused : 0; }
+int64_t af_program_reuses_taken(const af_program *p) { return p ? p->reuses_taken : 0; }
 int64_t af_program_reused_bytes(const af_program *p) { return p ? p->reused_bytes : 0; }
 int64_t af_program_fresh_bytes(const af_program *p) { return p ? p->fresh_bytes : 0; }
 int32_t af_program_donor(const af_program *p, int32_t value) {
@@ -776,9 +778,10 @@ static int take_donor(af_program *p, int32_t v, const af_tensor_meta *m) {
             p->reuses_refused++;
         } else if (same_layout(dm, m, 1)) {
             p->values[v] = t; /* the slot's reference moves */
+            p->reuses_taken++;
             return AF_OK;
-        } else {
-            st = af_bridge_reinterpret(t, m, 0, &p->values[v]);
+        } else if ((st = af_bridge_reinterpret(t, m, 0, &p->values[v])) == AF_OK) {
+            p->reuses_taken++;
         }
     }
     af_obj_release(t);

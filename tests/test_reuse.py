@@ -48,6 +48,7 @@ def test_kernel_outputs_and_extern_results_take_dead_tensors():
     ref = _chain(x.double(), w.double())[0]
     assert_close(got[0].double(), ref, "chain vs float64", atol=1e-4, rtol=1e-5)
     assert prog.reuses_refused == 0 and prog.kernel_fallbacks == 0
+    assert prog.reuses_taken == 3 * prog.buffer_reuses, "every planned reuse happens in every run"
 
 
 def test_values_with_live_views_outputs_or_aliasing_readers_are_never_donors():
@@ -104,6 +105,19 @@ def test_an_out_overload_that_refuses_falls_back_to_the_plain_call():
             got = prog.run([xg, wg])
             assert_close(got[0].detach(), _chain(x, w)[0], "chain with grad-requiring inputs")
     assert torch.equal(prog.run([x, w])[0].detach(), _program(_chain, x, w, reuse=False).run([x, w])[0])
+
+
+def test_without_input_checks_runs_allocate_fresh():
+    """AOTFUSE_CHECK_INPUTS=0: layouts are not known to repeat, so no run takes a donor."""
+    x, w = _chain_inputs()
+    prog, plain = _program(_chain, x, w), _program(_chain, x, w, reuse=False)
+    prog.check_inputs = False
+    for _ in range(2):
+        assert torch.equal(prog.run([x, w])[0], plain.run([x, w])[0])
+    assert prog.buffer_reuses > 0 and prog.reuses_taken == 0 and prog.reuses_refused == 0
+    prog.check_inputs = True
+    prog.run([x, w])
+    assert prog.reuses_taken == prog.buffer_reuses
 
 
 def test_reuse_can_be_turned_off(monkeypatch):

@@ -6,7 +6,9 @@
  * offset, with its strides); others are torch reinterpretations, checked against ATen's view on
  * the first run.
  * Each intermediate is released right after the last step that reads it, so peak memory is what
- * the program needs, not what the graph holds; values inside a kernel never exist.
+ * the program needs, not what the graph holds; values inside a kernel never exist. A kernel output
+ * or an out= extern result may instead take the tensor of an intermediate dead by then (buffer
+ * reuse, planned so that the program's peak stays where it was).
  * Before a kernel runs, its inputs' layouts are checked against what it was compiled for; on a
  * mismatch that call runs the group's nodes as extern calls instead (counted, never wrong).
  * CUDA kernels launch on torch's current stream of their device, read once per run; their outputs
@@ -48,6 +50,7 @@ int32_t af_program_num_steps(const af_program *p);
  * found held elsewhere at run time (released instead: a fresh allocation). */
 int32_t af_program_buffer_reuses(const af_program *p);
 int64_t af_program_reuses_refused(const af_program *p);
+int64_t af_program_reuses_taken(const af_program *p); /* results that took their donor, over all runs */
 /* Planned bytes per run: results taking a donor's tensor; results of steps allocated fresh
  * (kernel outputs and extern results with their own storage; tainted ones not counted). */
 int64_t af_program_reused_bytes(const af_program *p);
