@@ -680,7 +680,7 @@ static PyGetSetDef Program_getset[] = {
     {"reuses_refused", (getter)Program_get_num, NULL, "runs' donors found held elsewhere (freshly allocated instead)", (void *)10},
     {"reuses_taken", (getter)Program_get_num, NULL, "results that took their donor's tensor, over all runs so far", (void *)13},
     {"reused_bytes", (getter)Program_get_num, NULL, "bytes per run of the results planned to take a dead value's tensor", (void *)11},
-    {"fresh_bytes", (getter)Program_get_num, NULL, "bytes per run of the step results allocated fresh", (void *)12},
+    {"fresh_bytes", (getter)Program_get_num, NULL, "bytes per run of the intermediates (not outputs) allocated fresh", (void *)12},
     {"check_inputs", NULL, (setter)Program_set_check_inputs, "check inputs against the graph on each run", NULL},
     {"profiling", NULL, (setter)Program_set_profiling, "accumulate each step's host time (see profile())", NULL},
     {NULL, NULL, NULL, NULL, NULL}};

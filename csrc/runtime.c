@@ -77,7 +77,7 @@ struct af_program {
     int8_t *reuse_state;     /* per value: 0 donor not yet checked, 1 checked, -1 its layout differs (never reused) */
     int32_t n_reuses;        /* planned */
     int64_t reused_bytes;    /* planned: bytes of the results that take a donor's tensor */
-    int64_t fresh_bytes;     /* planned: bytes of the results (kernel outputs, extern results not views) allocated */
+    int64_t fresh_bytes;     /* planned: bytes of the intermediates (no outputs) allocated fresh: see af_program_fresh_bytes */
     int64_t reuses_refused;  /* runs in which a donor was found held elsewhere (released, not reused) */
     int64_t reuses_taken;    /* results that took their donor's tensor, over all runs */
     int64_t *step_ns;        /* per step: host time (profiling on), NULL when off */

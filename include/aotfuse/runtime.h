@@ -51,8 +51,9 @@ int32_t af_program_num_steps(const af_program *p);
 int32_t af_program_buffer_reuses(const af_program *p);
 int64_t af_program_reuses_refused(const af_program *p);
 int64_t af_program_reuses_taken(const af_program *p); /* results that took their donor, over all runs */
-/* Planned bytes per run: results taking a donor's tensor; results of steps allocated fresh
- * (kernel outputs and extern results with their own storage; tainted ones not counted). */
+/* Planned bytes per run: results taking a donor's tensor; intermediates allocated fresh (kernel
+ * outputs and extern results on storages of their own that are not program outputs, nor touched by
+ * an aliasing op, and take no donor). */
 int64_t af_program_reused_bytes(const af_program *p);
 int64_t af_program_fresh_bytes(const af_program *p);
 /* The value whose tensor `value` takes, or -1. */
