@@ -227,6 +227,7 @@ struct af_extern {
     int may_alias;           /* its schema annotates an alias (a view, or a mutated argument) */
     PyObject *out_fn;        /* its out= overload's C callable (same arguments, then one written tensor), or NULL */
     PyObject *out_kw;        /* that written argument's name */
+    PyObject *kwargs_into;   /* the out= call's kwargs when no keyword arg holds a value (out_kw set per call) */
 };
 
 static int arg_has_value(const af_arg *a) {
@@ -279,15 +280,25 @@ static PyObject *arg_to_py(const af_arg *a, af_obj *const *values) {
     }
 }
 
+/* An OpOverload's schema's "arguments" or "returns" as a fast sequence (new reference), or NULL
+ * (no error left set). */
+static PyObject *schema_list(PyObject *op, const char *which) {
+    PyObject *schema = PyObject_GetAttrString(op, "_schema");
+    PyObject *list = schema ? PyObject_GetAttrString(schema, which) : NULL;
+    PyObject *fast = list ? PySequence_Fast(list, "a schema's arguments") : NULL;
+    Py_XDECREF(list);
+    Py_XDECREF(schema);
+    if (!fast) PyErr_Clear();
+    return fast;
+}
+
 /* Whether an OpOverload's schema annotates an alias anywhere (a return viewing an argument, a
  * mutated argument): 1 also when it has no readable schema. */
 static int schema_may_alias(PyObject *op) {
     static const char *const lists[2] = {"returns", "arguments"};
-    PyObject *schema = PyObject_GetAttrString(op, "_schema");
-    int aliases = schema == NULL;
+    int aliases = 0;
     for (int l = 0; l < 2 && !aliases; l++) {
-        PyObject *seq = PyObject_GetAttrString(schema, lists[l]);
-        PyObject *fast = seq ? PySequence_Fast(seq, "a schema's arguments") : NULL;
+        PyObject *fast = schema_list(op, lists[l]);
         aliases = fast == NULL;
         for (Py_ssize_t i = 0; fast && i < PySequence_Fast_GET_SIZE(fast) && !aliases; i++) {
             PyObject *info = PyObject_GetAttrString(PySequence_Fast_GET_ITEM(fast, i), "alias_info");
@@ -295,22 +306,9 @@ static int schema_may_alias(PyObject *op) {
             Py_XDECREF(info);
         }
         Py_XDECREF(fast);
-        Py_XDECREF(seq);
     }
-    Py_XDECREF(schema);
     PyErr_Clear();
     return aliases;
-}
-
-/* A schema's arguments as a fast sequence (new reference), or NULL (no error left set). */
-static PyObject *schema_args(PyObject *op) {
-    PyObject *schema = PyObject_GetAttrString(op, "_schema");
-    PyObject *args = schema ? PyObject_GetAttrString(schema, "arguments") : NULL;
-    PyObject *fast = args ? PySequence_Fast(args, "a schema's arguments") : NULL;
-    Py_XDECREF(args);
-    Py_XDECREF(schema);
-    if (!fast) PyErr_Clear();
-    return fast;
 }
 
 /* Whether argument objects a and b have equal names. */
@@ -327,24 +325,21 @@ static int same_name(PyObject *a, PyObject *b) {
  * keyword-only tensor it writes; its C callable with *kw the keyword's name, or NULL. Only for an
  * op returning one tensor and annotating no alias. */
 static PyObject *resolve_out_variant(PyObject *packet, PyObject *op, PyObject **kw) {
-    PyObject *found = NULL, *fargs = schema_args(op), *schema = PyObject_GetAttrString(op, "_schema");
-    PyObject *rets = schema ? PyObject_GetAttrString(schema, "returns") : NULL;
+    PyObject *found = NULL, *fargs = schema_list(op, "arguments"), *rets = schema_list(op, "returns");
     PyObject *names = packet ? PyObject_CallMethod(packet, "overloads", NULL) : NULL;
     PyObject *fnames = names ? PySequence_Fast(names, "overloads") : NULL;
-    Py_XDECREF(schema);
     int one_tensor = 0;
-    if (rets && PySequence_Check(rets) && PySequence_Size(rets) == 1) {
-        PyObject *r = PySequence_GetItem(rets, 0), *type = r ? PyObject_GetAttrString(r, "type") : NULL;
+    if (rets && PySequence_Fast_GET_SIZE(rets) == 1) {
+        PyObject *type = PyObject_GetAttrString(PySequence_Fast_GET_ITEM(rets, 0), "type");
         PyObject *str = type ? PyObject_Str(type) : NULL;
         one_tensor = str && PyUnicode_CompareWithASCIIString(str, "Tensor") == 0;
         Py_XDECREF(str);
         Py_XDECREF(type);
-        Py_XDECREF(r);
     }
     Py_ssize_t nf = fargs ? PySequence_Fast_GET_SIZE(fargs) : -1;
     for (Py_ssize_t i = 0; one_tensor && fargs && fnames && !found && i < PySequence_Fast_GET_SIZE(fnames); i++) {
         PyObject *cand = PyObject_GetAttr(packet, PySequence_Fast_GET_ITEM(fnames, i));
-        PyObject *cargs = cand ? schema_args(cand) : NULL;
+        PyObject *cargs = cand ? schema_list(cand, "arguments") : NULL;
         int ok = cargs && PySequence_Fast_GET_SIZE(cargs) == nf + 1;
         for (Py_ssize_t k = 0; ok && k < nf; k++) ok = same_name(PySequence_Fast_GET_ITEM(fargs, k), PySequence_Fast_GET_ITEM(cargs, k));
         if (ok) {
@@ -423,6 +418,7 @@ void af_extern_free(af_extern *e) {
     Py_XDECREF(e->fn);
     Py_XDECREF(e->out_fn);
     Py_XDECREF(e->out_kw);
+    Py_XDECREF(e->kwargs_into);
     if (e->pos_const)
         for (int32_t i = 0; i < e->n_pos; i++) Py_XDECREF(e->pos_const[i]);
     PyMem_Free(e->pos_const);
@@ -564,8 +560,19 @@ int af_extern_call_into(af_extern *e, af_obj *const *values, af_obj *into, af_ob
     if (!e->out_fn || n->n_outputs != 1) return af_error_set(AF_ERR_INVALID, "%s has no out= overload", n->op);
     PyObject *args = NULL, *kwargs = NULL, *kw = NULL, *res = NULL;
     if (extern_args(e, values, &args, &kwargs) < 0) return extern_fail(n, e->node_index);
-    kw = kwargs ? PyDict_Copy(kwargs) : PyDict_New();
-    if (kw && PyDict_SetItem(kw, e->out_kw, (PyObject *)into) == 0) res = PyObject_Call(e->out_fn, args, kw);
+    if (e->kw_dynamic) { /* a dict of this call's own */
+        kw = kwargs;
+        kwargs = NULL;
+    } else { /* built once: the constant kwargs, and the written tensor set for the call only */
+        if (!e->kwargs_into) e->kwargs_into = e->kwargs_const ? PyDict_Copy(e->kwargs_const) : PyDict_New();
+        kw = e->kwargs_into;
+        Py_XINCREF(kw);
+    }
+    if (kw && PyDict_SetItem(kw, e->out_kw, (PyObject *)into) == 0) {
+        res = PyObject_Call(e->out_fn, args, kw);
+        if (!res) PyErr_Clear(); /* refused: see below */
+        if (PyDict_DelItem(kw, e->out_kw) < 0) PyErr_Clear(); /* the dict does not keep the tensor */
+    }
     Py_XDECREF(args);
     Py_XDECREF(kwargs);
     Py_XDECREF(kw);

@@ -441,9 +441,7 @@ static int plan_reuse(af_program *p, const int32_t *step_of_node, int reuse) {
     for (int32_t i = 0; i < nn; i++) {
         const af_node *n = af_graph_node(g, i);
         if (p->plan && p->plan->group_of_node[i] >= 0) continue; /* a kernel member: its outputs are new tensors */
-        int view = af_op_get(n->op_id)->kind == AF_KIND_VIEW && n->n_outputs == 1 && n->n_args >= 1 &&
-                   n->args[0].kind == AF_ARG_VALUE && !n->args[0].name;
-        if (view) {
+        if (plain_view(g, i, NULL)) { /* on its input's storage */
             root[n->first_output] = root[n->args[0].u.value];
         } else if (af_extern_may_alias(p->externs[i])) {
             int32_t first = -1;
