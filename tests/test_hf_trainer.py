@@ -127,6 +127,22 @@ def test_aot_with_an_attention_mask(tmp_path):
     torch.testing.assert_close(torch.tensor(losses["aot"]), torch.tensor(losses["none"]), atol=ATOL, rtol=RTOL)
 
 
+def test_aot_with_bf16_mixed_precision(tmp_path):
+    """--bf16 trains under CPU autocast: the fused run is captured under it and matches plain
+    training within bfloat16's tolerance."""
+    losses = {}
+    for fusion in ("none", "aot"):
+        args = _parse(tmp_path / fusion, "--fusion", fusion, "--max_steps", "2", "--save_strategy", "no", "--bf16")
+        assert args.bf16
+        trainer = Trainer(model=_model(), args=args, train_dataset=_Random(8, 1))
+        trainer.train()
+        losses[fusion] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    compiled = trainer.fused_model(trainer.model_wrapped)._aotfuse_compiled
+    assert compiled.compile_count >= 1
+    assert len(losses["aot"]) == len(losses["none"]) == 2
+    torch.testing.assert_close(torch.tensor(losses["aot"]), torch.tensor(losses["none"]), atol=1e-2, rtol=1e-1)
+
+
 def test_fusion_choices_are_enforced(tmp_path):
     with pytest.raises(SystemExit):
         _parse(tmp_path, "--fusion", "bogus")

@@ -146,8 +146,10 @@ except ImportError:  # pragma: no cover (older or stripped torch builds)
 
 
 def _global_state() -> tuple:
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled("cpu"),
-            torch.is_autocast_enabled("cuda"))
+    cpu, cuda = torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda")
+    # the autocast dtype too: a program traced under bfloat16 autocast is not one for float16
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), cpu and torch.get_autocast_dtype("cpu"),
+            cuda and torch.get_autocast_dtype("cuda"))
 
 
 class _LastCall:

@@ -582,6 +582,65 @@ def _unsqueezed(b: GraphBuild, src: fx.Node, dims: list[int], node: fx.Node, vid
     return vid
 
 
+_aten = torch.ops.aten
+# ATen's CPU norms, given a float16/bfloat16 input and a float32 weight or bias (what autocast
+# makes), keep their saved mean and rstd in float32, while torch's meta functions, which the traced
+# metadata comes from, say the input's dtype. Per op: (weight and bias argument positions, the
+# statistics' output positions) of a forward; (input, weight, bias, statistics argument positions)
+# of a backward reading them.
+_MIXED_NORM_FORWARDS = {
+    _aten.native_layer_norm.default: ((2, 3), (1, 2)),
+    _aten.native_group_norm.default: ((1, 2), (1, 2)),
+    _aten.native_batch_norm.default: ((1, 2), (1, 2)),
+    _aten._native_batch_norm_legit_functional.default: ((1, 2), (1, 2)),
+    _aten._native_batch_norm_legit.default: ((1, 2), (1, 2)),
+    _aten._native_batch_norm_legit.no_stats: ((1, 2), (1, 2)),
+}
+_MIXED_NORM_BACKWARDS = {
+    _aten.native_layer_norm_backward.default: (1, (5, 6), (3, 4)),
+    _aten.native_group_norm_backward.default: (1, (4,), (2, 3)),
+    _aten.native_batch_norm_backward.default: (1, (2,), (5, 6)),
+}
+
+
+def _mixed_norm(x: Any, params: Sequence[Any]) -> bool:
+    """Whether a CPU norm of input x with these weight/bias arguments runs in ATen's mixed-type mode."""
+    return isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16) and \
+        any(isinstance(w, torch.Tensor) and w.dtype != x.dtype for w in params)
+
+
+def _real_dtypes(gm: fx.GraphModule) -> dict:
+    """{node: {output index (a placeholder: 0): dtype}} where a value's dtype at run time is not its
+    traced one: the float32 statistics of mixed-type CPU norms (_MIXED_NORM_FORWARDS), in the
+    forward that computes them and, as placeholders, in the backward that reads them."""
+    def val(a: Any) -> Any:
+        return a.meta.get("val") if isinstance(a, fx.Node) else None
+
+    fixes: dict = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in _MIXED_NORM_FORWARDS:
+            params, stats = _MIXED_NORM_FORWARDS[node.target]
+            outs = node.meta.get("val")
+            if _mixed_norm(val(node.args[0]), [val(node.args[i]) for i in params if i < len(node.args)]) and \
+                    isinstance(outs, (list, tuple)):
+                fixes[node] = {k: torch.float32 for k in stats if k < len(outs) and outs[k].dtype != torch.float32}
+        elif node.target in _MIXED_NORM_BACKWARDS:
+            x, params, stats = _MIXED_NORM_BACKWARDS[node.target]
+            if _mixed_norm(val(node.args[x]), [val(node.args[i]) for i in params if i < len(node.args)]):
+                for i in stats:
+                    a = node.args[i] if i < len(node.args) else None
+                    if isinstance(a, fx.Node) and a.op == "placeholder" and isinstance(val(a), torch.Tensor) and \
+                            val(a).dtype != torch.float32:
+                        fixes[a] = {0: torch.float32}
+    return {n: f for n, f in fixes.items() if f}
+
+
+def _with_dtype(meta: tuple, dtype: torch.dtype | None) -> tuple:
+    return meta if dtype is None or meta[0] != "tensor" else (meta[0], _DTYPE_NAMES[dtype]) + meta[2:]
+
+
 def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = False) -> GraphBuild:
     """One walk over an ATen-level FX graph (as AOTAutograd produces) into the C IR. Each node becomes
     one IR node, except (unless exact=True, which the partitioner needs to map its node order back
@@ -604,12 +663,13 @@ def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = Fal
     early = {} if exact else _reductions_through_reshapes(gm, dev[0] if dev else None)
     reduced_early: dict[fx.Node, int] = {}  # reduction -> the value of its early form
     replace, unread = ({}, set()) if exact else _replacements(gm)
+    real = _real_dtypes(gm) if dev is None or dev[0] == "cpu" else {}
     for node in gm.graph.nodes:
         where = f"node {node.name} ({node.target})"
         if node.op == "placeholder":
             if b.constants:
                 raise UnsupportedError(f"{where}: a placeholder after a constant")
-            env[node] = g.add_input(node.name, _meta(node.meta.get("val"), dev))
+            env[node] = g.add_input(node.name, _with_dtype(_meta(node.meta.get("val"), dev), real.get(node, {}).get(0)))
             b._values([env[node]], node)
             b.input_nodes.append(node)
         elif node.op == "get_attr":
@@ -710,7 +770,8 @@ def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = Fal
             else:
                 op, args, kwargs = _call(node, env, where, dev)
             multi = isinstance(val, (list, tuple))
-            metas = [_meta(v, dev) for v in val] if multi else [_meta(val, dev)]
+            fix = real.get(node, {})
+            metas = [_with_dtype(_meta(v, dev), fix.get(k)) for k, v in enumerate(val)] if multi else [_meta(val, dev)]
             ids = g.add_node(op, args, kwargs, metas)
             env[node] = ids if multi else ids[0]
             b._values(ids, None if multi else node)

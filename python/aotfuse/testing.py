@@ -113,6 +113,7 @@ class Report:
     checked: int = 0  # tensors compared
     worst_fp64: float = 0.0  # max over comparisons of aotfuse_err / allowed (<= 1 passes)
     worst_fp64_what: str = ""
+    autocast: bool = False  # dtype is the autocast dtype (parameters in float32 or as given)
 
     @property
     def ok(self) -> bool:
@@ -124,7 +125,7 @@ class Report:
             raise AssertionError("\n" + str(self))
 
     def __str__(self) -> str:
-        dt = str(self.dtype).replace("torch.", "")
+        dt = str(self.dtype).replace("torch.", "") + (" autocast" if self.autocast else "")
         lines = [f"{self.model} {dt}, {self.steps} steps: {self.checked} tensors compared, "
                  f"{len(self.mismatches)} mismatches, {len(self.notes)} notes; worst aotfuse error vs "
                  f"fp64 = {self.worst_fp64:.2f} of allowed ({self.worst_fp64_what or '-'}; k={self.ref_multiple:g})"]
@@ -328,7 +329,7 @@ def _backward(outs: dict[str, torch.Tensor], cots: dict[str, torch.Tensor]) -> N
 def compare_models(make_model: Callable[[], nn.Module] | nn.Module, make_inputs: Callable[[], Any] | Any, *,
                    dtype: torch.dtype = torch.float32, steps: int = 3, name: str | None = None,
                    compile_fn: Callable[[nn.Module], Callable] | None = None, lr: float = 1e-3,
-                   ref_multiple: float = REF_MULTIPLE) -> Report:
+                   ref_multiple: float = REF_MULTIPLE, autocast: torch.dtype | None = None) -> Report:
     """Trains eager, compiled and float64 copies of a model for `steps` SGD steps on the same inputs
     and compares outputs, gradients by parameter name, and parameters and buffers after each update.
 
@@ -339,6 +340,9 @@ def compare_models(make_model: Callable[[], nn.Module] | nn.Module, make_inputs:
     compile_fn: module -> callable that trains that module's own parameters; defaults to
         aotfuse.memory_efficient_fusion. E.g. lambda m: torch.compile(m, backend="aotfuse").
     ref_multiple: k of the float64 criterion (see the module docstring).
+    autocast: mixed precision: eager and the compiled copy run their forwards under
+        torch.autocast(<the model's device>, dtype=autocast) with `dtype` parameters (the float64
+        reference runs without it), and the tolerances are those of the autocast dtype.
 
     The backward pass of each copy is the sum over differentiable output tensors of <output,
     cotangent>: 1 for scalars (a loss), otherwise a fixed random tensor divided by its numel (the
@@ -356,6 +360,8 @@ def compare_models(make_model: Callable[[], nn.Module] | nn.Module, make_inputs:
     """
     if dtype not in TOLERANCES:
         raise ValueError(f"dtype must be one of {list(TOLERANCES)}, got {dtype}")
+    if autocast is not None and autocast not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"autocast must be torch.float16 or torch.bfloat16, got {autocast}")
     if compile_fn is None:
         from .compile import memory_efficient_fusion as compile_fn
     # the caller's RNG state is left as it was (make_model may seed; each step reseeds)
@@ -365,22 +371,24 @@ def compare_models(make_model: Callable[[], nn.Module] | nn.Module, make_inputs:
         if not isinstance(base, nn.Module):
             raise TypeError(f"make_model must give an nn.Module, got {type(base).__name__}")
         inputs = make_inputs() if callable(make_inputs) and not isinstance(make_inputs, torch.Tensor) else make_inputs
-        report = Report(name or type(base).__name__, dtype, steps, ref_multiple)
-        _train_and_compare(base, inputs, compile_fn, lr, steps, _Checker(report, dtype, ref_multiple))
+        report = Report(name or type(base).__name__, autocast or dtype, steps, ref_multiple, autocast=autocast is not None)
+        _train_and_compare(base, inputs, compile_fn, lr, steps, _Checker(report, autocast or dtype, ref_multiple),
+                           dtype, autocast)
     return report
 
 
 def _train_and_compare(base: nn.Module, inputs: Any, compile_fn: Callable, lr: float, steps: int,
-                       check: _Checker) -> None:
-    eager = copy.deepcopy(base).to(check.dtype)
+                       check: _Checker, dtype: torch.dtype, autocast: torch.dtype | None) -> None:
+    eager = copy.deepcopy(base).to(dtype)
     ref = copy.deepcopy(eager).double()  # the same (rounded) weights, computed in float64
     compiled_base = copy.deepcopy(eager)
     compiled = compile_fn(compiled_base)
     # (module whose parameters train, what is called)
     copies = {"eager": (eager, eager), "aotfuse": (compiled_base, compiled), "ref": (ref, ref)}
-    ins = {tag: _split_inputs(_cast_inputs(inputs, torch.float64 if tag == "ref" else check.dtype))
+    ins = {tag: _split_inputs(_cast_inputs(inputs, torch.float64 if tag == "ref" else dtype))
            for tag in copies}
     opts = {tag: torch.optim.SGD(mod.parameters(), lr=lr) for tag, (mod, _) in copies.items()}
+    device = next((p.device.type for p in eager.parameters()), "cpu")
 
     for step in range(steps):
         outs, trees = {}, {}
@@ -388,7 +396,8 @@ def _train_and_compare(base: nn.Module, inputs: Any, compile_fn: Callable, lr: f
             opts[tag].zero_grad(set_to_none=True)
             torch.manual_seed(_SEED + step)  # the same dropout masks, where the RNG is used alike
             args, kwargs = ins[tag]
-            trees[tag] = fn(*args, **kwargs)
+            with torch.autocast(device, dtype=autocast, enabled=autocast is not None and tag != "ref"):
+                trees[tag] = fn(*args, **kwargs)
             outs[tag] = _named_tensors(trees[tag])
         if type(trees["aotfuse"]) is not type(trees["eager"]):
             check.structure(step, "output", f"aotfuse returned {type(trees['aotfuse']).__name__}, eager "
