@@ -400,6 +400,55 @@ static int materialize_reads(af_fusion_plan *plan, const af_arg *a, const int32_
     return contains(grp->outputs, grp->n_outputs, a->u.value) ? AF_OK : push(&grp->outputs, &grp->n_outputs, a->u.value);
 }
 
+/* Recomputed producers. A reduction under another mask than its input's group (a layer norm's
+ * weight gradient, a column sum of `g * xhat`, where xhat and the product sit in the norm's row
+ * kernel) would otherwise run alone on a materialized input. Instead its group recomputes the
+ * input from what that group reads: the pointwise members of group `root` that x depends on (the
+ * cone) are evaluated again in the reduction's kernel, which reads the cone's leaves. Allowed where
+ * the cone is small, every member plain (no reduction results, windows or random numbers) and it
+ * reads at most AF_CLONE_FULL_LEAVES tensors of x's size (each read replacing x's write and read).
+ * Fills cone (graph order not required) and returns its size, or 0. */
+#define AF_CLONE_MAX 8
+#define AF_CLONE_LEAVES 8
+#define AF_CLONE_FULL_LEAVES 2
+static int32_t recompute_cone(const af_graph *g, int32_t x, int32_t root, const int32_t *value_group, int32_t *parent,
+                              const uint8_t *is_reduced, int32_t *cone) {
+    int32_t n_cone = 0, n_leaves = 0, full = 0, stack[AF_CLONE_MAX + 1], top = 0;
+    int32_t leaves[AF_CLONE_LEAVES];
+    const af_tensor_meta *xm = &af_graph_value(g, x)->meta;
+    int64_t numel = 1;
+    for (int32_t d = 0; d < xm->ndim; d++) numel *= xm->sizes[d];
+    stack[top++] = x;
+    while (top > 0) {
+        int32_t v = stack[--top], prod = af_graph_value(g, v)->producer;
+        if (prod < 0 || is_reduced[v] || !af_fuse_node_ok(g, prod) || af_fuse_window(g, prod, NULL) ||
+            af_graph_node(g, prod)->op_id == AF_OP_RNG_UNIFORM || n_cone >= AF_CLONE_MAX)
+            return 0;
+        cone[n_cone++] = prod;
+        const af_node *n = af_graph_node(g, prod);
+        for (int32_t a = 0; a < n->n_args; a++) {
+            if (n->args[a].kind != AF_ARG_VALUE) continue;
+            int32_t u = n->args[a].u.value, gu = value_group[u] >= 0 ? find_root(parent, value_group[u]) : -1;
+            if (gu == root) { /* a member: recomputed too, once */
+                int seen = contains(stack, top, u);
+                for (int32_t k = 0; k < n_cone && !seen; k++) seen = af_graph_node(g, cone[k])->first_output == u;
+                if (seen) continue;
+                if (top > AF_CLONE_MAX) return 0;
+                stack[top++] = u;
+                continue;
+            }
+            if (contains(leaves, n_leaves, u)) continue;
+            if (n_leaves >= AF_CLONE_LEAVES) return 0;
+            leaves[n_leaves++] = u;
+            const af_tensor_meta *um = &af_graph_value(g, u)->meta;
+            int64_t un = 1;
+            for (int32_t d = 0; d < um->ndim; d++) un *= um->sizes[d];
+            if (un >= numel && ++full > AF_CLONE_FULL_LEAVES) return 0;
+        }
+    }
+    return n_cone;
+}
+
 int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_plan **out) {
     if (!g || !out) return af_error_set(AF_ERR_INVALID, "af_fuse_plan_new: NULL argument");
     int32_t min_nodes = opts && opts->min_nodes > 0 ? opts->min_nodes : 2;
@@ -417,9 +466,12 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
     uint32_t *gmask = calloc((size_t)nn + 1, sizeof(uint32_t));
     uint8_t *is_reduced = calloc((size_t)nv + 1, 1);
     uint8_t *gwin = calloc((size_t)nn + 1, 1); /* per provisional group: has a window member (then no reductions) */
+    /* per provisional group: recomputed members (nodes of another group, see recompute_cone) */
+    int32_t **clones = calloc((size_t)nn + 1, sizeof(int32_t *)), *n_clones = calloc((size_t)nn + 1, sizeof(int32_t));
+    int32_t *stamp = malloc(((size_t)nn + 1) * sizeof(int32_t));
     int st = AF_OK;
     if (!plan || !value_group || !closed || !prov_of_node || !prov_size || !is_output || !parent || !last_reader || !gshape ||
-        !gmask || !is_reduced || !gwin) {
+        !gmask || !is_reduced || !gwin || !clones || !n_clones || !stamp) {
         st = af_error_set(AF_ERR_NOMEM, "out of memory planning fusion");
         goto done;
     }
@@ -495,6 +547,39 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
                 }
                 if (join >= 0) break;
             }
+            if (join < 0 && kind == 2 && !is_output[n->args[0].u.value]) {
+                int32_t x = n->args[0].u.value, gx = value_group[x] >= 0 ? find_root(parent, value_group[x]) : -1;
+                int32_t cone[AF_CLONE_MAX];
+                int32_t nc = gx >= 0 && gmask[gx] && gmask[gx] != mask && !gwin[gx] && !is_reduced[x]
+                                 ? recompute_cone(g, x, gx, value_group, parent, is_reduced, cone)
+                                 : 0;
+                if (nc > 0) {
+                    join = n_prov++;
+                    parent[join] = join;
+                    gshape[join] = shape;
+                    gmask[join] = 0;
+                    if (!(clones[join] = malloc((size_t)nc * sizeof(int32_t)))) {
+                        st = af_error_set(AF_ERR_NOMEM, "out of memory planning fusion");
+                        goto done;
+                    }
+                    memcpy(clones[join], cone, (size_t)nc * sizeof(int32_t));
+                    n_clones[join] = nc;
+                    prov_size[join] += nc;
+                    /* the cone's leaves: read by this group now (closing their groups); they and
+                     * the cone's values are its siblings' way in (a bias sum of the same gradient) */
+                    for (int32_t k = 0; k < nc; k++) {
+                        const af_node *c = af_graph_node(g, cone[k]);
+                        last_reader[c->first_output] = join; /* its own values too: a sum of one joins */
+                        for (int32_t a = 0; a < c->n_args; a++) {
+                            if (c->args[a].kind != AF_ARG_VALUE) continue;
+                            int32_t u = c->args[a].u.value, gu = value_group[u] >= 0 ? find_root(parent, value_group[u]) : -1;
+                            if (gu == gx) continue;
+                            if (gu >= 0) closed[gu] = 1;
+                            last_reader[u] = join;
+                        }
+                    }
+                }
+            }
             if (join < 0) {
                 join = n_prov++;
                 parent[join] = join;
@@ -510,9 +595,16 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
             prov_size[join]++;
             value_group[n->first_output] = join;
         }
-        /* reads by this node close every other group it reads from */
-        for (int32_t a = 0; a < n->n_args; a++)
-            mark_reads(&n->args[a], value_group, parent, prov_of_node[i] >= 0 ? find_root(parent, prov_of_node[i]) : -1, closed);
+        /* reads by this node close every other group it reads from (not one whose members its
+         * group recomputes: those values are its own) */
+        for (int32_t a = 0; a < n->n_args; a++) {
+            int32_t reader = prov_of_node[i] >= 0 ? find_root(parent, prov_of_node[i]) : -1;
+            if (reader >= 0 && n_clones[reader] && n->args[a].kind == AF_ARG_VALUE &&
+                af_graph_value(g, n->args[a].u.value)->producer >= 0 &&
+                contains(clones[reader], n_clones[reader], af_graph_value(g, n->args[a].u.value)->producer))
+                continue;
+            mark_reads(&n->args[a], value_group, parent, reader, closed);
+        }
         if (prov_of_node[i] >= 0)
             for (int32_t a = 0; a < n->n_args; a++)
                 if (n->args[a].kind == AF_ARG_VALUE) last_reader[n->args[a].u.value] = prov_of_node[i];
@@ -570,21 +662,41 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
             if (grp->iter_value < 0) grp->iter_value = n->args[0].u.value;
         }
     }
+    /* recomputed members join their group's node list, kept in graph order */
+    for (int32_t q = 0; q < n_prov && !st; q++) {
+        int32_t gi = n_clones[q] ? dense[find_root(parent, q)] : -1;
+        if (gi < 0) continue;
+        af_fusion_group *grp = &plan->groups[gi];
+        for (int32_t k = 0; k < n_clones[q] && !st; k++) {
+            int32_t c = clones[q][k];
+            if (plan->group_of_node[c] == gi || contains(grp->nodes, grp->n_nodes, c)) continue;
+            if ((st = push(&grp->nodes, &grp->n_nodes, c))) break;
+            for (int32_t m = grp->n_nodes - 1; m > 0 && grp->nodes[m - 1] > grp->nodes[m]; m--) {
+                int32_t t = grp->nodes[m];
+                grp->nodes[m] = grp->nodes[m - 1];
+                grp->nodes[m - 1] = t;
+            }
+        }
+    }
     free(dense);
     if (st) goto done;
     for (int32_t v = 0; v < nv; v++) {
         int32_t p = af_graph_value(g, v)->producer;
         value_group[v] = p >= 0 ? plan->group_of_node[p] : -1;
     }
-    /* inputs: tensor args from outside; outputs: members read outside or returned */
+    /* inputs: tensor args from outside (produced by no node of the group's list); outputs: values
+     * of a group's own members read by a node outside that list, or returned */
+    for (int32_t i = 0; i < nn; i++) stamp[i] = -1;
     for (int32_t gi = 0; gi < plan->n_groups && !st; gi++) {
         af_fusion_group *grp = &plan->groups[gi];
+        for (int32_t k = 0; k < grp->n_nodes; k++) stamp[grp->nodes[k]] = gi;
         for (int32_t k = 0; k < grp->n_nodes && !st; k++) {
             const af_node *n = af_graph_node(g, grp->nodes[k]);
             for (int32_t a = 0; a < n->n_args && !st; a++) {
                 if (n->args[a].kind != AF_ARG_VALUE) continue;
-                int32_t v = n->args[a].u.value;
-                if (value_group[v] != gi && !contains(grp->inputs, grp->n_inputs, v)) st = push(&grp->inputs, &grp->n_inputs, v);
+                int32_t v = n->args[a].u.value, prod = af_graph_value(g, v)->producer;
+                if ((prod < 0 || stamp[prod] != gi) && !contains(grp->inputs, grp->n_inputs, v))
+                    st = push(&grp->inputs, &grp->n_inputs, v);
             }
         }
     }
@@ -595,8 +707,17 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
         }
     for (int32_t i = 0; i < nn && !st; i++) {
         const af_node *n = af_graph_node(g, i);
-        for (int32_t a = 0; a < n->n_args && !st; a++)
-            st = materialize_reads(plan, &n->args[a], value_group, plan->group_of_node[i]);
+        int32_t gi = plan->group_of_node[i];
+        const af_fusion_group *reader = gi >= 0 ? &plan->groups[gi] : NULL;
+        for (int32_t a = 0; a < n->n_args && !st; a++) {
+            const af_arg *arg = &n->args[a];
+            /* a value its own group recomputes is no read from outside */
+            if (reader && arg->kind == AF_ARG_VALUE && af_graph_value(g, arg->u.value)->producer >= 0 &&
+                plan->group_of_node[af_graph_value(g, arg->u.value)->producer] != gi &&
+                contains(reader->nodes, reader->n_nodes, af_graph_value(g, arg->u.value)->producer))
+                continue;
+            st = materialize_reads(plan, arg, value_group, gi);
+        }
     }
 done:
     free(value_group);
@@ -610,6 +731,10 @@ done:
     free(gmask);
     free(is_reduced);
     free(gwin);
+    for (int32_t q = 0; clones && q < nn; q++) free(clones[q]);
+    free(clones);
+    free(n_clones);
+    free(stamp);
     if (st) {
         af_fuse_plan_free(plan);
         return st;

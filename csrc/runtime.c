@@ -861,9 +861,21 @@ static int run_kernel(af_program *p, int32_t gi) {
                 drop_folded_views(p, grp);
                 return st;
             }
+        /* a recomputed member (another group's node) whose value exists is read as it is, and
+         * left as it was; one computed here is dropped after, like the kernel's own temporaries */
+        uint8_t *existed = calloc((size_t)grp->n_nodes + 1, 1);
+        if (!existed) {
+            drop_folded_views(p, grp);
+            return af_error_set(AF_ERR_NOMEM, "out of memory running a kernel's nodes");
+        }
         for (int32_t m = 0; m < grp->n_nodes; m++) {
             const af_node *n = af_graph_node(p->graph, grp->nodes[m]);
+            if (p->plan->group_of_node[grp->nodes[m]] != gi && p->values[n->first_output]) {
+                existed[m] = 1;
+                continue;
+            }
             if ((st = af_extern_call(p->externs[grp->nodes[m]], p->values, &p->values[n->first_output]))) {
+                free(existed);
                 drop_folded_views(p, grp);
                 return st;
             }
@@ -871,13 +883,14 @@ static int run_kernel(af_program *p, int32_t gi) {
         drop_folded_views(p, grp);
         for (int32_t m = 0; m < grp->n_nodes; m++) {
             int32_t v = af_graph_node(p->graph, grp->nodes[m])->first_output;
-            int keep = 0;
+            int keep = existed[m];
             for (int32_t k = 0; k < no && !keep; k++) keep = grp->outputs[k] == v;
             if (!keep) {
                 af_obj_release(p->values[v]);
                 p->values[v] = NULL;
             }
         }
+        free(existed);
         return AF_OK;
     }
     if (st) return st;

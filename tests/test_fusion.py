@@ -559,6 +559,79 @@ def test_layer_norm_backward_decomposition_is_one_kernel_for_the_input_gradient(
     externs = lowered.extern_counts()
     assert not any(op.startswith(("aten::div", "aten::mul", "aten::native_layer_norm")) for op in externs), externs
     assert "phases)" in lowered.program.source
+    if affine:
+        # the weight and bias gradients (column sums of go * x_hat and go, x_hat in the row kernel)
+        # are one column kernel that recomputes x_hat and the product: no ATen sum, and the row
+        # kernel stores the input gradient only
+        # (bf16: the upcasts of mean, rstd and the weight and the two downcasts are small lone kernels)
+        assert externs == {}, externs
+        assert "(2 column reductions)" in lowered.program.source
+        assert "(2 reductions, 2 phases), 5 inputs, 1 outputs" in lowered.program.source
+        assert lowered.program.num_kernels == (2 if dtype == torch.float32 else 7)
+
+
+def _column_sum_of_row_kernel_value(x, w):
+    """A row softmax-like kernel beside a column sum of one of its intermediate values."""
+    h = (x - x.amax(-1, keepdim=True)).exp()
+    y = h / h.sum(-1, keepdim=True)
+    z = (x * w).tanh()  # in the row kernel's group (a sibling reading x)
+    return y, z.sum(0)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda-emulated"])
+def test_a_column_sum_recomputes_its_producers_from_a_row_kernel(device):
+    """A reduction under another mask than its input's kernel recomputes the input (the cone of
+    pointwise members it depends on) in its own kernel instead of running as an ATen call on a
+    stored intermediate; the values match eager and a float64 reference."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(64, 40, generator=g), torch.randn(40, generator=g)
+    gm = make_fx(_column_sum_of_row_kernel_value)(x, w)
+    if device == "cpu":
+        lowered = lower(gm)
+        y, s = lowered([x, w])
+        assert lowered.extern_counts() == {}, lowered.extern_counts()
+        assert lowered.program.num_kernels == 2 and "(1 column reductions)" in lowered.program.source
+        ry, rs = _column_sum_of_row_kernel_value(x, w)
+        ey, es = _column_sum_of_row_kernel_value(x.double(), w.double())
+        assert_close(y, ry, "row kernel output")
+        assert_close(s, rs, "column sum")
+        assert (s.double() - es).abs().max() <= 4 * (rs.double() - es).abs().max() + 1e-5
+        return
+    import cuda_emu
+
+    if cuda_emu.unavailable():
+        pytest.skip(cuda_emu.unavailable())
+    ran = cuda_emu.check(gm, (x, w), "recomputed producers")
+    assert sorted(l["kind"] for l in ran) == ["columns", "rows"], ran
+
+
+def test_recomputed_members_fall_back_with_their_kernel():
+    """A kernel whose operand has another layout than planned runs its nodes as ATen calls; a
+    recomputed member (another kernel's node) is computed there too, and leaves the other
+    kernel's values alone."""
+    def meta(shape, strides):
+        return ("tensor", "float32", "cpu", -1, shape, strides, 0)
+
+    g = _C.Graph()
+    x = g.add_input("x", meta((4, 6), (6, 1)))
+    # declared contiguous, returned transposed by ATen: every kernel reading t falls back
+    (t,) = g.add_node("aten::t.default", [("v", x)], [], [meta((6, 4), (4, 1))])
+    (m,) = g.add_node("aten::amax.default", [("v", t), ("list", [("int", 1)]), ("bool", True)], [], [meta((6, 1), (1, 1))])
+    (d,) = g.add_node("aten::sub.Tensor", [("v", t), ("v", m)], [], [meta((6, 4), (4, 1))])
+    (e,) = g.add_node("aten::exp.default", [("v", d)], [], [meta((6, 4), (4, 1))])
+    (c,) = g.add_node("aten::mul.Tensor", [("v", t), ("float", 2.0)], [], [meta((6, 4), (4, 1))])
+    (s,) = g.add_node("aten::sum.dim_IntList", [("v", c), ("list", [("int", 0)])], [], [meta((4,), (1,))])
+    g.set_outputs([e, s])
+    prog = _C.Program(g, fuse=True)
+    assert prog.num_kernels == 2
+    groups = prog.node_groups()
+    assert groups[4][2] != groups[5][2] and groups[5][2] >= 0  # the mul is the row kernel's; the sum's kernel recomputes it
+    xv = torch.randn(4, 6)
+    for _ in range(2):
+        ev, sv = prog.run([xv])
+        assert_close(ev, (xv.t() - xv.t().amax(1, keepdim=True)).exp(), "row kernel's value")
+        assert_close(sv, (xv.t() * 2).sum(0), "column sum")
+    assert prog.kernel_fallbacks == 4
 
 
 def test_cats_with_empty_parts_and_splits_make_no_aten_call_of_their_own():

@@ -8,6 +8,11 @@
  * The group runs where its last member stood; a group is closed to new members as soon as a node
  * outside it reads one of its values, which keeps the step order acyclic.
  *
+ * Recomputed members: a reduction under other dims than its input's group (a column sum of a row
+ * kernel's member) may list that group's pointwise members it depends on among its own nodes and
+ * evaluate them again from their inputs (fuse.c, recompute_cone). Such a node belongs to the other
+ * group (group_of_node); a group's inputs are the values no node of its list produces.
+ *
  * Window members (af_fuse_window: padding) read their one source at shifted, guarded indices.
  *
  * Every tensor a member touches lives on one device (type and index), CPU or CUDA: a group is
@@ -23,7 +28,7 @@
 
 typedef struct {
     int32_t n_nodes;
-    int32_t *nodes;    /* member node indices, in graph order */
+    int32_t *nodes;    /* member node indices, in graph order (recomputed members included) */
     int32_t n_inputs;
     int32_t *inputs;   /* value ids read from outside (tensors) */
     int32_t n_outputs;

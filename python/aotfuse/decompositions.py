@@ -205,12 +205,17 @@ def _layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, 
         row_gx = aten.div.Tensor(aten.sum.dim_IntList(aten.mul.Tensor(g, x_hat), inner, True), n)
         d = aten.sub.Tensor(aten.sub.Tensor(g, row_g), aten.mul.Tensor(x_hat, row_gx))
         grad_input = to(aten.mul.Tensor(d, rstd), input.dtype)
+    # both column sums before either is converted: a conversion reading one closes its kernel,
+    # and the other sum joins it (one kernel recomputing x_hat, see fuse.c's recompute_cone)
+    gw = gb = None
     if output_mask[1] and weight is not None:
         gw = aten.mul.Tensor(go, x_hat)
         gw = aten.sum.dim_IntList(gw, outer, False) if outer else gw
-        grad_weight = to(gw, weight.dtype)
     if output_mask[2] and bias is not None:
         gb = aten.sum.dim_IntList(go, outer, False) if outer else go
+    if gw is not None:
+        grad_weight = to(gw, weight.dtype)
+    if gb is not None:
         grad_bias = to(gb, bias.dtype)
     return grad_input, grad_weight, grad_bias
 

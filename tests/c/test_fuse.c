@@ -293,6 +293,61 @@ static void test_wide_group(void **state) {
     af_graph_free(g);
 }
 
+/* A column sum of a row kernel's member recomputes it in its own kernel (recomputed members):
+ * x [4, 8]; row kernel: e = exp(x - amax(x, 1)), c = x * 0.5 beside it; s = sum(c, 0) and
+ * t = sum(x, 0) make one column kernel that reads x and recomputes c, which the row kernel then
+ * does not store. */
+static void test_recomputed_members(void **state) {
+    (void)state;
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    af_tensor_meta m2 = f32(2), m1 = f32(1), mr = f32(2);
+    int64_t rs[2] = {4, 1}, rt[2] = {1, 1};
+    mr.sizes = rs;
+    mr.strides = rt;
+    int32_t x, m, s, t;
+    assert_int_equal(af_graph_add_input(g, "x", &m2, &x), AF_OK);
+    af_arg d1[1] = {{.kind = AF_ARG_INT, .u.i = 1}}, d0[1] = {{.kind = AF_ARG_INT, .u.i = 0}};
+    af_arg amax_args[3] = {{.kind = AF_ARG_VALUE, .u.value = x}, {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = d1}},
+                           {.kind = AF_ARG_BOOL, .u.i = 1}};
+    assert_int_equal(af_graph_add_node(g, "aten::amax.default", amax_args, 3, &mr, 1, &m), AF_OK); /* n0 */
+    int32_t d = node(g, "aten::sub.Tensor", x, m, 2);                                             /* n1 */
+    int32_t e = node(g, "aten::exp.default", d, -1, 2);                                           /* n2 */
+    int32_t c = node(g, "aten::mul.Tensor", x, -1, 2);                                            /* n3 */
+    af_arg sum_c[2] = {{.kind = AF_ARG_VALUE, .u.value = c}, {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = d0}}};
+    assert_int_equal(af_graph_add_node(g, "aten::sum.dim_IntList", sum_c, 2, &m1, 1, &s), AF_OK); /* n4 */
+    af_arg sum_x[2] = {{.kind = AF_ARG_VALUE, .u.value = x}, {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = d0}}};
+    assert_int_equal(af_graph_add_node(g, "aten::sum.dim_IntList", sum_x, 2, &m1, 1, &t), AF_OK); /* n5 */
+    int32_t outs[3] = {e, s, t};
+    assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
+    af_fusion_plan *plan;
+    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+    assert_int_equal(plan->n_groups, 2);
+    int32_t row = plan->group_of_node[0], col = plan->group_of_node[4];
+    assert_true(row >= 0 && col >= 0 && row != col);
+    for (int32_t i = 0; i < 4; i++) assert_int_equal(plan->group_of_node[i], row);
+    assert_int_equal(plan->group_of_node[5], col);
+    /* the column kernel: its own sums and the recomputed c, in graph order; reads x only */
+    const af_fusion_group *cg = &plan->groups[col], *rg = &plan->groups[row];
+    assert_int_equal(cg->n_nodes, 3);
+    assert_int_equal(cg->nodes[0], 3);
+    assert_int_equal(cg->nodes[1], 4);
+    assert_int_equal(cg->nodes[2], 5);
+    assert_int_equal(cg->n_inputs, 1);
+    assert_int_equal(cg->inputs[0], x);
+    assert_int_equal(cg->n_outputs, 2);
+    assert_int_equal(cg->last_node, 5);
+    /* the row kernel stores e only: c is nobody's input now */
+    assert_int_equal(rg->n_outputs, 1);
+    assert_int_equal(rg->outputs[0], e);
+    char *src = NULL;
+    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
+    assert_non_null(strstr(src, "(2 column reductions), 1 inputs, 2 outputs"));
+    free(src);
+    af_fuse_plan_free(plan);
+    af_graph_free(g);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chain_siblings_and_closing),
@@ -301,6 +356,7 @@ int main(void) {
         cmocka_unit_test(test_wide_group),
         cmocka_unit_test(test_windows),
         cmocka_unit_test(test_boxes),
+        cmocka_unit_test(test_recomputed_members),
     };
     return cmocka_run_group_tests_name("fuse", tests, NULL, NULL);
 }
