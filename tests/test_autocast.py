@@ -101,3 +101,21 @@ def test_gpt2_under_fp16_autocast():
     report = compare_models(model_factory("gpt2"), lambda: make_inputs(mask=True), autocast=torch.float16, steps=2)
     report.assert_ok()
     assert report.checked > 100, report
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", AUTOCASTS, ids=["bf16", "fp16"])
+def test_norms_under_cuda_autocast(dtype):
+    """CUDA autocast: the statistics' traced and real dtypes agree there (both float32); the
+    captured casts and the generated kernels around the norms match eager on the GPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU on this machine")
+    for norm in ("layer", "group", "batch"):
+        def make():
+            torch.manual_seed(0)
+            return NormNet(norm).cuda()
+
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1)).cuda()
+        report = compare_models(make, lambda: (x,), autocast=dtype, steps=2, name=f"NormNet({norm}) cuda")
+        report.assert_ok()
+        assert report.checked >= 10, report
