@@ -31,6 +31,12 @@ static int same_device(af_device a, af_device b) { return a.type == b.type && a.
 
 static int float_only(af_dtype d);
 
+static int64_t numel_of(const af_tensor_meta *m) {
+    int64_t n = 1;
+    for (int32_t d = 0; d < m->ndim; d++) n *= m->sizes[d];
+    return n;
+}
+
 /* slice_scatter(base, x, dim=0, start=None, end=None, step=1) with step 1 as a window. */
 static int scatter_window(const af_graph *g, const af_node *n, af_window *w) {
     const af_tensor_meta *out = &af_graph_value(g, n->first_output)->meta;
@@ -243,9 +249,7 @@ int af_fuse_reduction_ok(const af_graph *g, int32_t index, uint32_t *mask_out) {
     const af_tensor_meta *in = &af_graph_value(g, n->args[0].u.value)->meta;
     if (in->type != AF_VALUE_TENSOR || !float_only(in->dtype) || !same_device(in->device, out->meta.device) || in->ndim > 30)
         return 0;
-    int64_t numel = 1;
-    for (int32_t d = 0; d < in->ndim; d++) numel *= in->sizes[d];
-    if (numel == 0) return 0;
+    if (numel_of(in) == 0) return 0;
     uint32_t mask = 0;
     int keepdim = 0, have_dims = 0;
     for (int32_t a = 1; a < n->n_args; a++) {
@@ -415,9 +419,7 @@ static int32_t recompute_cone(const af_graph *g, int32_t x, int32_t root, const 
                               const uint8_t *is_reduced, int32_t *cone) {
     int32_t n_cone = 0, n_leaves = 0, full = 0, stack[AF_CLONE_MAX + 1], top = 0;
     int32_t leaves[AF_CLONE_LEAVES];
-    const af_tensor_meta *xm = &af_graph_value(g, x)->meta;
-    int64_t numel = 1;
-    for (int32_t d = 0; d < xm->ndim; d++) numel *= xm->sizes[d];
+    const int64_t numel = numel_of(&af_graph_value(g, x)->meta);
     stack[top++] = x;
     while (top > 0) {
         int32_t v = stack[--top], prod = af_graph_value(g, v)->producer;
@@ -440,10 +442,7 @@ static int32_t recompute_cone(const af_graph *g, int32_t x, int32_t root, const 
             if (contains(leaves, n_leaves, u)) continue;
             if (n_leaves >= AF_CLONE_LEAVES) return 0;
             leaves[n_leaves++] = u;
-            const af_tensor_meta *um = &af_graph_value(g, u)->meta;
-            int64_t un = 1;
-            for (int32_t d = 0; d < um->ndim; d++) un *= um->sizes[d];
-            if (un >= numel && ++full > AF_CLONE_FULL_LEAVES) return 0;
+            if (numel_of(&af_graph_value(g, u)->meta) >= numel && ++full > AF_CLONE_FULL_LEAVES) return 0;
         }
     }
     return n_cone;
@@ -597,12 +596,10 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
         }
         /* reads by this node close every other group it reads from (not one whose members its
          * group recomputes: those values are its own) */
+        int32_t reader = prov_of_node[i] >= 0 ? find_root(parent, prov_of_node[i]) : -1;
         for (int32_t a = 0; a < n->n_args; a++) {
-            int32_t reader = prov_of_node[i] >= 0 ? find_root(parent, prov_of_node[i]) : -1;
-            if (reader >= 0 && n_clones[reader] && n->args[a].kind == AF_ARG_VALUE &&
-                af_graph_value(g, n->args[a].u.value)->producer >= 0 &&
-                contains(clones[reader], n_clones[reader], af_graph_value(g, n->args[a].u.value)->producer))
-                continue;
+            int32_t prod = n->args[a].kind == AF_ARG_VALUE ? af_graph_value(g, n->args[a].u.value)->producer : -1;
+            if (reader >= 0 && n_clones[reader] && prod >= 0 && contains(clones[reader], n_clones[reader], prod)) continue;
             mark_reads(&n->args[a], value_group, parent, reader, closed);
         }
         if (prov_of_node[i] >= 0)
@@ -711,10 +708,9 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
         const af_fusion_group *reader = gi >= 0 ? &plan->groups[gi] : NULL;
         for (int32_t a = 0; a < n->n_args && !st; a++) {
             const af_arg *arg = &n->args[a];
+            int32_t prod = arg->kind == AF_ARG_VALUE ? af_graph_value(g, arg->u.value)->producer : -1;
             /* a value its own group recomputes is no read from outside */
-            if (reader && arg->kind == AF_ARG_VALUE && af_graph_value(g, arg->u.value)->producer >= 0 &&
-                plan->group_of_node[af_graph_value(g, arg->u.value)->producer] != gi &&
-                contains(reader->nodes, reader->n_nodes, af_graph_value(g, arg->u.value)->producer))
+            if (reader && prod >= 0 && plan->group_of_node[prod] != gi && contains(reader->nodes, reader->n_nodes, prod))
                 continue;
             st = materialize_reads(plan, arg, value_group, gi);
         }
