@@ -712,6 +712,20 @@ static PyObject *bridge_info(PyObject *m, PyObject *unused) {
     return d;
 }
 
+static PyObject *fast_bindings(PyObject *m, PyObject *unused) {
+    (void)m;
+    (void)unused;
+    PyObject *l = PyList_New(0);
+    const char *op, *binding;
+    int out;
+    for (int i = 0; l && (op = af_bridge_fast_binding(i, &binding, &out)); i++) {
+        PyObject *t = Py_BuildValue("(ssO)", op, binding, out ? Py_True : Py_False);
+        if (!t || PyList_Append(l, t) < 0) Py_CLEAR(l);
+        Py_XDECREF(t);
+    }
+    return l;
+}
+
 static PyObject *op_kind(PyObject *m, PyObject *arg) {
     (void)m;
     const char *name = PyUnicode_AsUTF8(arg);
@@ -893,6 +907,7 @@ static PyMethodDef module_methods[] = {
     {"partition", (PyCFunction)(void (*)(void))partition, METH_VARARGS | METH_KEYWORDS,
      "partition(graph, roles: bytes, num_fwd_outputs, min_cut=True, ...) -> dict"},
     {"bridge_info", bridge_info, METH_NOARGS, "{shim function: found in this torch}"},
+    {"fast_bindings", fast_bindings, METH_NOARGS, "[(ATen overload, the torch.<name> binding extern calls use for it, whether out= calls use it too)]"},
     {"op_kind", op_kind, METH_O, "op_kind('aten::add.Tensor') -> 'pointwise'"},
     {"cuda_codegen", (PyCFunction)(void (*)(void))cuda_codegen, METH_VARARGS | METH_KEYWORDS,
      "cuda_codegen(graph, sm_count=132, min_group=2) -> (CUDA source, [launch per group])"},

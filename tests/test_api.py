@@ -263,7 +263,8 @@ def test_tied_parameters():
     assert_close(compiled.emb.weight.grad, model.emb.weight.grad, "tied weight grad")
 
 
-@pytest.mark.parametrize("change", ["replace", "untie", "retie_behind_hooks", "new_submodule", "delete"])
+@pytest.mark.parametrize("change", ["replace", "untie", "retie_behind_hooks", "new_submodule", "prebuilt_submodule",
+                                    "nested_parameter", "delete"])
 def test_parameters_are_read_fresh_after_the_module_changes(change):
     """The compiled module caches where its tensors live (no tree walk per call) but sees every
     change: a replaced parameter, weights untied or tied again, a new submodule, a deleted one."""
@@ -290,6 +291,14 @@ def test_parameters_are_read_fresh_after_the_module_changes(change):
         model.b._parameters["weight"] = nn.Parameter(model.a.weight.detach().clone() * 3)  # no hook fires
     elif change == "new_submodule":
         model.extra = nn.Linear(4, 4)
+    elif change == "prebuilt_submodule":  # its parameters were registered before it joined the tree
+        extra = nn.Linear(4, 4)
+        extra.bias = nn.Parameter(torch.full((4,), -2.0))
+        model.extra = extra
+    elif change == "nested_parameter":  # on a submodule that joined after the first call
+        model.extra = nn.Linear(4, 4, bias=False)
+        compiled(x)
+        model.extra.bias = nn.Parameter(torch.full((4,), 7.0))
     else:
         del model.b.bias  # no hook fires either
         model.b.register_parameter("bias", None)
@@ -302,6 +311,27 @@ def test_parameters_are_read_fresh_after_the_module_changes(change):
     ref.sum().backward()
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         assert_close(p.grad, q.grad, f"grad of {name} after {change}")
+
+
+def test_modules_outside_the_compiled_tree_keep_its_tensor_cache():
+    """Building a module elsewhere (Hugging Face's forwards build a CrossEntropyLoss per call; a second
+    model) registers tensors through the same global hooks: that must not make every compiled call walk
+    its module tree again, while a registration inside the tree must."""
+    from aotfuse import compile as compile_mod
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    compiled = aotfuse.memory_efficient_fusion(model)
+    x = torch.randn(3, 4)
+    compiled(x)
+    compiled(x)
+    version = compile_mod._structure_version[0]
+    nn.CrossEntropyLoss()
+    nn.Linear(4, 4).register_buffer("extra", torch.ones(1))
+    assert compile_mod._structure_version[0] == version
+    assert_close(compiled(x), model(x), "output after modules built elsewhere")
+    model[1].bias = nn.Parameter(torch.zeros(2))
+    assert compile_mod._structure_version[0] != version
+    assert_close(compiled(x), model(x), "output after a new bias")
 
 
 def test_functorch_style_compilers_and_partition():

@@ -29,6 +29,11 @@ int af_bridge_shim_count(void);
 const char *af_bridge_shim_name(int i);
 int af_bridge_shim_found(int i);
 
+/* The ATen overloads extern calls reach through their torch.<name> Python binding instead of the
+ * overload's boxed callable (bridge.c, fast_bindings): i-th entry's overload name, its binding's
+ * name in *binding, and in *out whether out= calls use the binding too; NULL past the end. */
+const char *af_bridge_fast_binding(int i, const char **binding, int *out);
+
 void af_obj_retain(af_obj *o);
 void af_obj_release(af_obj *o); /* NULL allowed */
 /* Whether the caller's reference is the only one to o (no other holder of this object; views of
