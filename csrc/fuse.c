@@ -379,12 +379,19 @@ static int reads_reduction_of(const af_graph *g, const af_node *n, int kind, con
     return 0;
 }
 
-static void mark_reads(const af_arg *a, const int32_t *value_group, int32_t *parent, int32_t reader_group, uint8_t *closed) {
+static void close_group(uint8_t *closed, const int32_t *dep, int32_t *parent, int32_t q);
+static int depends_on(const int32_t *dep, int32_t *parent, int32_t q, int32_t r);
+
+/* A read from another group closes it (and what it runs after), except a read by a group that runs
+ * after it anyway (its dep). */
+static void mark_reads(const af_arg *a, const int32_t *value_group, int32_t *parent, int32_t reader_group, uint8_t *closed,
+                       const int32_t *dep) {
     if (a->kind == AF_ARG_VALUE) {
-        int32_t gidx = value_group[a->u.value];
-        if (gidx >= 0 && find_root(parent, gidx) != reader_group) closed[find_root(parent, gidx)] = 1;
+        int32_t gidx = value_group[a->u.value], r = gidx >= 0 ? find_root(parent, gidx) : -1;
+        if (r >= 0 && r != reader_group && !(reader_group >= 0 && depends_on(dep, parent, reader_group, r)))
+            close_group(closed, dep, parent, r);
     } else if (a->kind == AF_ARG_LIST) {
-        for (int32_t i = 0; i < a->u.list.n; i++) mark_reads(&a->u.list.items[i], value_group, parent, reader_group, closed);
+        for (int32_t i = 0; i < a->u.list.n; i++) mark_reads(&a->u.list.items[i], value_group, parent, reader_group, closed, dep);
     }
 }
 
@@ -411,41 +418,122 @@ static int materialize_reads(af_fusion_plan *plan, const af_arg *a, const int32_
  * cone) are evaluated again in the reduction's kernel, which reads the cone's leaves. Allowed where
  * the cone is small, every member plain (no reduction results, windows or random numbers) and it
  * reads at most AF_CLONE_FULL_LEAVES tensors of x's size (each read replacing x's write and read).
- * Fills cone (graph order not required) and returns its size, or 0. */
+ * Where recomputing all of it is not allowed, a member whose own cone is too big (a gradient summed
+ * from four matmuls, or masked by dropout) may be read instead, materialized by `root` (then the
+ * reduction's kernel runs after root's: see `dep` in af_fuse_plan_new). */
 #define AF_CLONE_MAX 8
 #define AF_CLONE_LEAVES 8
 #define AF_CLONE_FULL_LEAVES 2
+typedef struct {
+    const af_graph *g;
+    int32_t root;
+    const int32_t *value_group;
+    int32_t *parent;
+    const uint8_t *is_reduced;
+    int64_t numel;
+    int reads_ok; /* members of root may be leaves (read materialized) */
+    const uint8_t *outside; /* per value: read by a node outside its group so far (stored anyway) */
+    int x_stored;           /* x is stored anyway: read no other member (it would be one more tensor) */
+    int32_t cone[AF_CLONE_MAX], n_cone;
+    int32_t leaves[AF_CLONE_LEAVES], n_leaves, full, n_reads;
+} af_cone;
+
+static int cone_computes(const af_cone *c, int32_t v) {
+    for (int32_t k = 0; k < c->n_cone; k++)
+        if (af_graph_node(c->g, c->cone[k])->first_output == v) return 1;
+    return 0;
+}
+
+static int cone_leaf(af_cone *c, int32_t u, int member) {
+    if (contains(c->leaves, c->n_leaves, u)) return 1;
+    if (c->n_leaves >= AF_CLONE_LEAVES) return 0;
+    if (numel_of(&af_graph_value(c->g, u)->meta) >= c->numel && ++c->full > AF_CLONE_FULL_LEAVES) return 0;
+    c->leaves[c->n_leaves++] = u;
+    c->n_reads += member;
+    return 1;
+}
+
+/* Recomputes member value v in the cone (its producer and, recursively, the members it reads; a
+ * member that does not fit is read instead where c->reads_ok). Returns 0 where v cannot be. */
+static int cone_add(af_cone *c, int32_t v) {
+    if (cone_computes(c, v)) return 1;
+    const af_graph *g = c->g;
+    int32_t prod = af_graph_value(g, v)->producer;
+    if (prod < 0 || c->is_reduced[v] || !af_fuse_node_ok(g, prod) || af_fuse_window(g, prod, NULL) ||
+        af_graph_node(g, prod)->op_id == AF_OP_RNG_UNIFORM || c->n_cone >= AF_CLONE_MAX)
+        return 0;
+    c->cone[c->n_cone++] = prod;
+    const af_node *n = af_graph_node(g, prod);
+    for (int32_t a = 0; a < n->n_args; a++) {
+        if (n->args[a].kind != AF_ARG_VALUE) continue;
+        int32_t u = n->args[a].u.value, gu = c->value_group[u] >= 0 ? find_root(c->parent, c->value_group[u]) : -1;
+        if (gu != c->root) {
+            if (!cone_leaf(c, u, 0)) return 0;
+            continue;
+        }
+        if (contains(c->leaves, c->n_leaves, u)) continue;
+        af_cone before = *c;
+        int recomputed = cone_add(c, u);
+        if (!c->reads_ok) {
+            if (!recomputed) return 0;
+            continue;
+        }
+        /* recompute u, or read it: whichever reads fewer tensors of x's size (recompute on a tie:
+         * reading costs root a write) */
+        af_cone rec = *c;
+        *c = before;
+        int read = !c->is_reduced[u] && (c->outside[u] || !c->x_stored) && cone_leaf(c, u, 1);
+        if (recomputed && (!read || rec.full <= c->full)) *c = rec;
+        else if (!read) return 0;
+    }
+    return 1;
+}
+
+/* Fills cone (graph order not required) and returns its size, or 0; *n_reads: how many of its
+ * leaves are members of root, read materialized (0 where recomputing everything fits). A member is
+ * read only where that stores no tensor more than before: it is stored anyway (`outside`), or x is
+ * not (then the member's store replaces x's). */
 static int32_t recompute_cone(const af_graph *g, int32_t x, int32_t root, const int32_t *value_group, int32_t *parent,
-                              const uint8_t *is_reduced, int32_t *cone) {
-    int32_t n_cone = 0, n_leaves = 0, full = 0, stack[AF_CLONE_MAX + 1], top = 0;
-    int32_t leaves[AF_CLONE_LEAVES];
-    const int64_t numel = numel_of(&af_graph_value(g, x)->meta);
-    stack[top++] = x;
-    while (top > 0) {
-        int32_t v = stack[--top], prod = af_graph_value(g, v)->producer;
-        if (prod < 0 || is_reduced[v] || !af_fuse_node_ok(g, prod) || af_fuse_window(g, prod, NULL) ||
-            af_graph_node(g, prod)->op_id == AF_OP_RNG_UNIFORM || n_cone >= AF_CLONE_MAX)
-            return 0;
-        cone[n_cone++] = prod;
-        const af_node *n = af_graph_node(g, prod);
-        for (int32_t a = 0; a < n->n_args; a++) {
-            if (n->args[a].kind != AF_ARG_VALUE) continue;
-            int32_t u = n->args[a].u.value, gu = value_group[u] >= 0 ? find_root(parent, value_group[u]) : -1;
-            if (gu == root) { /* a member: recomputed too, once */
-                int seen = contains(stack, top, u);
-                for (int32_t k = 0; k < n_cone && !seen; k++) seen = af_graph_node(g, cone[k])->first_output == u;
-                if (seen) continue;
-                if (top > AF_CLONE_MAX) return 0;
-                stack[top++] = u;
-                continue;
-            }
-            if (contains(leaves, n_leaves, u)) continue;
-            if (n_leaves >= AF_CLONE_LEAVES) return 0;
-            leaves[n_leaves++] = u;
-            if (numel_of(&af_graph_value(g, u)->meta) >= numel && ++full > AF_CLONE_FULL_LEAVES) return 0;
+                              const uint8_t *is_reduced, const uint8_t *outside, int32_t *cone, int32_t *n_reads) {
+    for (int reads_ok = 0; reads_ok < 2; reads_ok++) {
+        af_cone c = {.g = g, .root = root, .value_group = value_group, .parent = parent, .is_reduced = is_reduced,
+                     .numel = numel_of(&af_graph_value(g, x)->meta), .reads_ok = reads_ok, .outside = outside,
+                     .x_stored = outside[x]};
+        if (cone_add(&c, x)) {
+            memcpy(cone, c.cone, (size_t)c.n_cone * sizeof(int32_t));
+            *n_reads = c.n_reads;
+            return c.n_cone;
         }
     }
-    return n_cone;
+    return 0;
+}
+
+/* Group q (a root) runs after group d's kernel where d is its dep (it reads values d materializes
+ * while d may still grow): closing q closes its deps, so that nothing reads q before they end. */
+static void close_group(uint8_t *closed, const int32_t *dep, int32_t *parent, int32_t q) {
+    for (int32_t k = 0; q >= 0 && k < 64; k++) {
+        closed[q] = 1;
+        q = dep[q] >= 0 ? find_root(parent, dep[q]) : -1;
+    }
+}
+
+/* Whether group q (a root) runs after group r's kernel through deps: then r may not take a node
+ * reading q (a cycle). */
+static int depends_on(const int32_t *dep, int32_t *parent, int32_t q, int32_t r) {
+    for (int32_t k = 0; q >= 0 && k < 64; k++) {
+        q = dep[q] >= 0 ? find_root(parent, dep[q]) : -1;
+        if (q == r) return 1;
+    }
+    return 0;
+}
+
+/* Whether node n reads a value of a group that depends on group r. */
+static int reads_dependent_of(const af_node *n, const int32_t *value_group, const int32_t *dep, int32_t *parent, int32_t r) {
+    for (int32_t a = 0; a < n->n_args; a++) {
+        if (n->args[a].kind != AF_ARG_VALUE || value_group[n->args[a].u.value] < 0) continue;
+        if (depends_on(dep, parent, find_root(parent, value_group[n->args[a].u.value]), r)) return 1;
+    }
+    return 0;
 }
 
 int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_plan **out) {
@@ -468,13 +556,18 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
     /* per provisional group: recomputed members (nodes of another group, see recompute_cone) */
     int32_t **clones = calloc((size_t)nn + 1, sizeof(int32_t *)), *n_clones = calloc((size_t)nn + 1, sizeof(int32_t));
     int32_t *stamp = malloc(((size_t)nn + 1) * sizeof(int32_t));
+    /* per provisional group: the group whose materialized values it reads while that one may still
+     * grow (recompute_cone's reads), or -1; it then runs after that group's kernel */
+    int32_t *dep = malloc(((size_t)nn + 1) * sizeof(int32_t));
+    uint8_t *outside = calloc((size_t)nv + 1, 1); /* per value: read by a node outside its group so far */
     int st = AF_OK;
     if (!plan || !value_group || !closed || !prov_of_node || !prov_size || !is_output || !parent || !last_reader || !gshape ||
-        !gmask || !is_reduced || !gwin || !clones || !n_clones || !stamp) {
+        !gmask || !is_reduced || !gwin || !clones || !n_clones || !stamp || !dep || !outside) {
         st = af_error_set(AF_ERR_NOMEM, "out of memory planning fusion");
         goto done;
     }
     for (int32_t v = 0; v < nv; v++) value_group[v] = last_reader[v] = -1;
+    for (int32_t i = 0; i < nn; i++) dep[i] = -1;
     for (int32_t o = 0; o < af_graph_num_outputs(g); o++) is_output[af_graph_output(g, o)] = 1;
 
     /* Provisional groups, greedily in graph order, as a union-find forest. A fusible node joins
@@ -532,12 +625,14 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
                     if (pass == 1 && join >= 0) continue;
                     if (kind == 2 && gmask[cand] && gmask[cand] != mask) continue;
                     if (reads_reduction_of(g, n, kind, shape, value_group, is_reduced, parent, cand, gmask[cand])) continue;
+                    if (reads_dependent_of(n, value_group, dep, parent, cand)) continue;
                     /* a merge must not bring an epilogue's reduction under another mask */
                     if (join >= 0 && cand != join && gmask[cand] && gmask[join] && gmask[cand] != gmask[join]) continue;
                     if (join < 0) join = cand;
                     else if (cand != join) { /* merge: both open, so no outsider read either yet */
                         if (gmask[cand] && gmask[join] && gmask[cand] != gmask[join]) continue;
                         if ((gwin[cand] || gwin[join]) && (gmask[cand] || gmask[join] || kind == 2)) continue;
+                        if (dep[cand] >= 0 || dep[join] >= 0) continue; /* a group running after another stays apart */
                         gwin[join] |= gwin[cand];
                         parent[cand] = join;
                         prov_size[join] += prov_size[cand];
@@ -548,15 +643,16 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
             }
             if (join < 0 && kind == 2 && !is_output[n->args[0].u.value]) {
                 int32_t x = n->args[0].u.value, gx = value_group[x] >= 0 ? find_root(parent, value_group[x]) : -1;
-                int32_t cone[AF_CLONE_MAX];
+                int32_t cone[AF_CLONE_MAX], n_reads = 0;
                 int32_t nc = gx >= 0 && gmask[gx] && gmask[gx] != mask && !gwin[gx] && !is_reduced[x]
-                                 ? recompute_cone(g, x, gx, value_group, parent, is_reduced, cone)
+                                 ? recompute_cone(g, x, gx, value_group, parent, is_reduced, outside, cone, &n_reads)
                                  : 0;
                 if (nc > 0) {
                     join = n_prov++;
                     parent[join] = join;
                     gshape[join] = shape;
                     gmask[join] = 0;
+                    dep[join] = n_reads ? gx : -1;
                     if (!(clones[join] = malloc((size_t)nc * sizeof(int32_t)))) {
                         st = af_error_set(AF_ERR_NOMEM, "out of memory planning fusion");
                         goto done;
@@ -572,9 +668,11 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
                         for (int32_t a = 0; a < c->n_args; a++) {
                             if (c->args[a].kind != AF_ARG_VALUE) continue;
                             int32_t u = c->args[a].u.value, gu = value_group[u] >= 0 ? find_root(parent, value_group[u]) : -1;
-                            if (gu == gx) continue;
-                            if (gu >= 0) closed[gu] = 1;
-                            last_reader[u] = join;
+                            int recomputed = 0;
+                            for (int32_t j = 0; j < nc && !recomputed; j++) recomputed = af_graph_node(g, cone[j])->first_output == u;
+                            if (recomputed) continue;
+                            if (gu >= 0 && gu != gx) close_group(closed, dep, parent, gu);
+                            last_reader[u] = join; /* a read member of gx too: a sum of it joins */
                         }
                     }
                 }
@@ -600,7 +698,10 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
         for (int32_t a = 0; a < n->n_args; a++) {
             int32_t prod = n->args[a].kind == AF_ARG_VALUE ? af_graph_value(g, n->args[a].u.value)->producer : -1;
             if (reader >= 0 && n_clones[reader] && prod >= 0 && contains(clones[reader], n_clones[reader], prod)) continue;
-            mark_reads(&n->args[a], value_group, parent, reader, closed);
+            mark_reads(&n->args[a], value_group, parent, reader, closed, dep);
+            if (n->args[a].kind == AF_ARG_VALUE && value_group[n->args[a].u.value] >= 0 &&
+                find_root(parent, value_group[n->args[a].u.value]) != reader)
+                outside[n->args[a].u.value] = 1;
         }
         if (prov_of_node[i] >= 0)
             for (int32_t a = 0; a < n->n_args; a++)
@@ -715,6 +816,30 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
             st = materialize_reads(plan, arg, value_group, gi);
         }
     }
+    /* a group reading another group's member (a recompute's read: nothing else reads it) gets it
+     * as that group's output; and runs after whatever makes its inputs (deps run late) */
+    for (int32_t gi = 0; gi < plan->n_groups && !st; gi++) {
+        const af_fusion_group *grp = &plan->groups[gi];
+        for (int32_t k = 0; k < grp->n_inputs && !st; k++) {
+            int32_t v = grp->inputs[k], pg = value_group[v];
+            if (pg >= 0 && pg != gi && !contains(plan->groups[pg].outputs, plan->groups[pg].n_outputs, v))
+                st = push(&plan->groups[pg].outputs, &plan->groups[pg].n_outputs, v);
+        }
+    }
+    for (int changed = 1, round = 0; changed && !st && round <= plan->n_groups; round++) {
+        changed = 0;
+        for (int32_t gi = 0; gi < plan->n_groups; gi++) {
+            af_fusion_group *grp = &plan->groups[gi];
+            for (int32_t k = 0; k < grp->n_inputs; k++) {
+                int32_t prod = af_graph_value(g, grp->inputs[k])->producer;
+                int32_t at = prod < 0 ? -1 : value_group[grp->inputs[k]] >= 0 ? plan->groups[value_group[grp->inputs[k]]].last_node : prod;
+                if (at > grp->last_node) {
+                    grp->last_node = at;
+                    changed = 1;
+                }
+            }
+        }
+    }
 done:
     free(value_group);
     free(closed);
@@ -731,6 +856,8 @@ done:
     free(clones);
     free(n_clones);
     free(stamp);
+    free(dep);
+    free(outside);
     if (st) {
         af_fuse_plan_free(plan);
         return st;

@@ -556,18 +556,41 @@ int af_program_new(af_graph *g, const af_program_options *opts, af_program **out
     }
     if (o.fuse && (st = build_kernels(p, &o))) goto error;
     if ((st = plan_views(p))) goto error;
+    /* groups that run after a node not their own (fuse.c's deps), listed at that node */
+    int32_t ngr = p->plan ? p->plan->n_groups : 0;
+    int32_t *late_head = malloc(((size_t)nn + 1) * sizeof(int32_t)), *late_next = malloc(((size_t)ngr + 1) * sizeof(int32_t));
+    if (!late_head || !late_next) {
+        free(late_head);
+        free(late_next);
+        st = af_error_set(AF_ERR_NOMEM, "out of memory allocating a program");
+        goto error;
+    }
+    for (int32_t i = 0; i < nn; i++) late_head[i] = -1;
+    for (int32_t gi = ngr - 1; gi >= 0; gi--) {
+        int32_t at = p->plan->groups[gi].last_node;
+        late_next[gi] = -1;
+        if (at >= 0 && at < nn && p->plan->group_of_node[at] != gi) {
+            late_next[gi] = late_head[at];
+            late_head[at] = gi;
+        }
+    }
     for (int32_t i = 0; i < nn; i++) {
         int32_t gi = p->plan ? p->plan->group_of_node[i] : -1;
         step_of_node[i] = -1;
         const af_node *n = af_graph_node(g, i);
-        if (n->n_outputs == 1 && p->fold_root[n->first_output] >= 0) continue; /* folded into its kernels */
-        if (gi < 0) {
+        if (n->n_outputs == 1 && p->fold_root[n->first_output] >= 0) {
+            /* folded into its kernels: no step */
+        } else if (gi < 0) {
             step_of_node[i] = p->n_steps;
             p->steps[p->n_steps++] = (af_step){.node = i, .group = -1};
         } else if (p->plan->groups[gi].last_node == i) {
             p->steps[p->n_steps++] = (af_step){.node = -1, .group = gi};
         }
+        for (int32_t late = late_head[i]; late >= 0; late = late_next[late])
+            p->steps[p->n_steps++] = (af_step){.node = -1, .group = late};
     }
+    free(late_head);
+    free(late_next);
     if (p->plan) /* a kernel's outputs come from its step */
         for (int32_t s = 0; s < p->n_steps; s++)
             if (p->steps[s].group >= 0) {

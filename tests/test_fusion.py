@@ -605,6 +605,48 @@ def test_a_column_sum_recomputes_its_producers_from_a_row_kernel(device):
     assert sorted(l["kind"] for l in ran) == ["columns", "rows"], ran
 
 
+def _column_sums_of_a_summed_gradient(a, b, c, d, xhat, rstd, w):
+    """A layer norm's backward as Bert's gets it: the incoming gradient summed from four tensors
+    (too many to recompute beside x_hat), its weight and bias sums between the row sums and dx."""
+    go = a + b + c + d
+    g = go * w
+    row_g = g.sum(-1, keepdim=True) / 32
+    row_gx = (g * xhat).sum(-1, keepdim=True) / 32
+    gw = (go * xhat).sum([0, 1])
+    gb = go.sum([0, 1])
+    dx = (g - row_g - xhat * row_gx) * rstd
+    return dx, gw * 2, gb
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda-emulated"])
+def test_a_column_sum_reads_what_it_cannot_recompute(device):
+    """Where recomputing a column sum's input would read too many tensors, the column kernel reads
+    the gradient the row kernel stores, and runs after that kernel (which still takes dx, a node
+    after the sums): two kernels (and the scaling), no ATen sum; values match eager and float64."""
+    gen = torch.Generator().manual_seed(5)
+    args = [torch.randn(4, 8, 32, generator=gen) for _ in range(5)] + [torch.rand(4, 8, 1, generator=gen) + 0.5,
+                                                                        torch.randn(32, generator=gen)]
+    gm = make_fx(_column_sums_of_a_summed_gradient)(*args)
+    if device == "cpu":
+        lowered = lower(gm)
+        assert lowered.extern_counts() == {}, lowered.extern_counts()
+        assert lowered.program.num_kernels == 3 and "(2 column reductions), 2 inputs" in lowered.program.source
+        ref = _column_sums_of_a_summed_gradient(*args)
+        exact = _column_sums_of_a_summed_gradient(*[t.double() for t in args])
+        for _ in range(2):
+            got = lowered(list(args))
+            for name, o, r, e in zip(("dx", "gw", "gb"), got, ref, exact):
+                assert_close(o, r, name)
+                assert (o.double() - e).abs().max() <= 4 * (r.double() - e).abs().max() + 1e-5, name
+        return
+    import cuda_emu
+
+    if cuda_emu.unavailable():
+        pytest.skip(cuda_emu.unavailable())
+    ran = cuda_emu.check(gm, tuple(args), "column sums reading a stored gradient")
+    assert sorted(l["kind"] for l in ran) == ["columns", "pointwise", "rows"], ran
+
+
 def test_recomputed_members_fall_back_with_their_kernel():
     """A kernel whose operand has another layout than planned runs its nodes as ATen calls; a
     recomputed member (another kernel's node) is computed there too, and leaves the other
@@ -632,6 +674,38 @@ def test_recomputed_members_fall_back_with_their_kernel():
         assert_close(ev, (xv.t() - xv.t().amax(1, keepdim=True)).exp(), "row kernel's value")
         assert_close(sv, (xv.t() * 2).sum(0), "column sum")
     assert prog.kernel_fallbacks == 4
+
+
+def test_a_value_read_by_a_later_kernel_survives_its_kernels_fallback():
+    """The row kernel falls back to ATen calls (an operand with another layout than planned); the
+    gradient it stores for the column kernel (which reads it instead of recomputing it) is still
+    there, and both results are right."""
+    def meta(shape, strides):
+        return ("tensor", "float32", "cpu", -1, shape, strides, 0)
+
+    g = _C.Graph()
+    a, b, c = (g.add_input(n, meta((6, 4), (4, 1))) for n in "abc")
+    xh, w = g.add_input("xh", meta((6, 4), (4, 1))), g.add_input("w", meta((4, 6), (6, 1)))
+    (t,) = g.add_node("aten::t.default", [("v", w)], [], [meta((6, 4), (4, 1))])  # ATen's is transposed
+    (go1,) = g.add_node("aten::add.Tensor", [("v", a), ("v", b)], [], [meta((6, 4), (4, 1))])
+    (go,) = g.add_node("aten::add.Tensor", [("v", go1), ("v", c)], [], [meta((6, 4), (4, 1))])
+    (r,) = g.add_node("aten::sum.dim_IntList", [("v", go), ("list", [("int", 1)]), ("bool", True)], [],
+                      [meta((6, 1), (1, 1))])
+    (p,) = g.add_node("aten::mul.Tensor", [("v", go), ("v", xh)], [], [meta((6, 4), (4, 1))])
+    (s,) = g.add_node("aten::sum.dim_IntList", [("v", p), ("list", [("int", 0)])], [], [meta((4,), (1,))])
+    (d,) = g.add_node("aten::sub.Tensor", [("v", go), ("v", r)], [], [meta((6, 4), (4, 1))])
+    (dx,) = g.add_node("aten::mul.Tensor", [("v", d), ("v", t)], [], [meta((6, 4), (4, 1))])
+    g.set_outputs([dx, s])
+    prog = _C.Program(g, fuse=True)
+    groups = [grp for _op, _kind, grp in prog.node_groups()]
+    assert prog.num_kernels == 2 and groups[4] == groups[1] == groups[7] != groups[5] >= 0, groups
+    av, bv, cv, xv, wv = torch.randn(6, 4), torch.randn(6, 4), torch.randn(6, 4), torch.randn(6, 4), torch.randn(4, 6)
+    gov = av + bv + cv
+    for _ in range(2):
+        dv, sv = prog.run([av, bv, cv, xv, wv])
+        assert_close(dv, (gov - gov.sum(1, keepdim=True)) * wv.t(), "row kernel's value (ATen calls)")
+        assert_close(sv, (gov * xv).sum(0), "column sum over the stored gradient")
+    assert prog.kernel_fallbacks == 2  # the row kernel, each run; the column kernel ran
 
 
 def test_cats_with_empty_parts_and_splits_make_no_aten_call_of_their_own():

@@ -33,7 +33,8 @@ typedef struct {
     int32_t *inputs;   /* value ids read from outside (tensors) */
     int32_t n_outputs;
     int32_t *outputs;  /* member values that are materialized */
-    int32_t last_node; /* where the group runs */
+    int32_t last_node; /* where the group runs: after this node (its last member, or the last node of a
+                        * group whose values it reads while that group still grew: fuse.c's deps) */
     int32_t iter_value; /* a value whose shape is the iteration shape */
     uint32_t reduce_mask; /* iteration dims the reductions reduce (bit d = dim d); 0 without reductions */
     int32_t n_reductions;

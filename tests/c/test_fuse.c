@@ -348,6 +348,64 @@ static void test_recomputed_members(void **state) {
     af_graph_free(g);
 }
 
+/* A column sum whose input's producers are too many to recompute (a gradient summed from three
+ * tensors) reads that gradient materialized by the row kernel instead, and its kernel runs after
+ * the row kernel even though the row kernel took a node after the sums. */
+static void test_recompute_reads_a_materialized_member(void **state) {
+    (void)state;
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    af_tensor_meta m2 = f32(2), m1 = f32(1), mr = f32(2);
+    int64_t rs[2] = {4, 1}, rt[2] = {1, 1};
+    mr.sizes = rs;
+    mr.strides = rt;
+    int32_t a, b, c, xh, r, s, t;
+    assert_int_equal(af_graph_add_input(g, "a", &m2, &a), AF_OK);
+    assert_int_equal(af_graph_add_input(g, "b", &m2, &b), AF_OK);
+    assert_int_equal(af_graph_add_input(g, "c", &m2, &c), AF_OK);
+    assert_int_equal(af_graph_add_input(g, "xh", &m2, &xh), AF_OK);
+    int32_t go1 = node(g, "aten::add.Tensor", a, b, 2); /* n0 */
+    int32_t go = node(g, "aten::add.Tensor", go1, c, 2); /* n1 */
+    af_arg d1[1] = {{.kind = AF_ARG_INT, .u.i = 1}}, d0[1] = {{.kind = AF_ARG_INT, .u.i = 0}};
+    af_arg row_args[3] = {{.kind = AF_ARG_VALUE, .u.value = go}, {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = d1}},
+                          {.kind = AF_ARG_BOOL, .u.i = 1}};
+    assert_int_equal(af_graph_add_node(g, "aten::sum.dim_IntList", row_args, 3, &mr, 1, &r), AF_OK); /* n2 */
+    int32_t pr = node(g, "aten::mul.Tensor", go, xh, 2);                                            /* n3 */
+    af_arg sum_p[2] = {{.kind = AF_ARG_VALUE, .u.value = pr}, {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = d0}}};
+    assert_int_equal(af_graph_add_node(g, "aten::sum.dim_IntList", sum_p, 2, &m1, 1, &s), AF_OK); /* n4 */
+    af_arg sum_go[2] = {{.kind = AF_ARG_VALUE, .u.value = go}, {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = d0}}};
+    assert_int_equal(af_graph_add_node(g, "aten::sum.dim_IntList", sum_go, 2, &m1, 1, &t), AF_OK); /* n5 */
+    int32_t dx = node(g, "aten::sub.Tensor", go, r, 2);                                            /* n6: after the sums */
+    int32_t outs[3] = {dx, s, t};
+    assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
+    af_fusion_plan *plan;
+    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+    assert_int_equal(plan->n_groups, 2);
+    int32_t row = plan->group_of_node[0], col = plan->group_of_node[4];
+    assert_true(row >= 0 && col >= 0 && row != col);
+    for (int32_t i = 0; i < 4; i++) assert_int_equal(plan->group_of_node[i], row);
+    assert_int_equal(plan->group_of_node[5], col);
+    assert_int_equal(plan->group_of_node[6], row); /* the row kernel still took dx */
+    const af_fusion_group *cg = &plan->groups[col], *rg = &plan->groups[row];
+    /* the column kernel recomputes the product only, reading go (materialized) and xh */
+    assert_int_equal(cg->n_nodes, 3);
+    assert_int_equal(cg->nodes[0], 3);
+    assert_int_equal(cg->n_inputs, 2);
+    assert_true((cg->inputs[0] == go && cg->inputs[1] == xh) || (cg->inputs[0] == xh && cg->inputs[1] == go));
+    int stores_go = 0;
+    for (int32_t k = 0; k < rg->n_outputs; k++) stores_go |= rg->outputs[k] == go;
+    assert_true(stores_go);
+    /* it runs after the row kernel, which runs at dx */
+    assert_int_equal(rg->last_node, 6);
+    assert_int_equal(cg->last_node, 6);
+    char *src = NULL;
+    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
+    assert_non_null(strstr(src, "(2 column reductions), 2 inputs, 2 outputs"));
+    free(src);
+    af_fuse_plan_free(plan);
+    af_graph_free(g);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chain_siblings_and_closing),
@@ -357,6 +415,7 @@ int main(void) {
         cmocka_unit_test(test_windows),
         cmocka_unit_test(test_boxes),
         cmocka_unit_test(test_recomputed_members),
+        cmocka_unit_test(test_recompute_reads_a_materialized_member),
     };
     return cmocka_run_group_tests_name("fuse", tests, NULL, NULL);
 }
