@@ -36,6 +36,16 @@ static int32_t node(af_graph *g, const char *op, int32_t a, int32_t b, int nd) {
     return out;
 }
 
+/* The generated C holds `text`; frees the plan and the graph. */
+static void assert_source_has_then_free(af_graph *g, af_fusion_plan *plan, const char *text) {
+    char *src = NULL;
+    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
+    assert_non_null(strstr(src, text));
+    free(src);
+    af_fuse_plan_free(plan);
+    af_graph_free(g);
+}
+
 static void test_chain_siblings_and_closing(void **state) {
     (void)state;
     af_graph *g;
@@ -285,40 +295,36 @@ static void test_wide_group(void **state) {
     assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
     assert_int_equal(plan->n_groups, 1);
     assert_int_equal(plan->groups[0].n_inputs, 40);
-    char *src = NULL;
-    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
-    assert_non_null(strstr(src, "q40["));
-    free(src);
-    af_fuse_plan_free(plan);
-    af_graph_free(g);
+    assert_source_has_then_free(g, plan, "q40[");
 }
 
 /* A column sum of a row kernel's member recomputes it in its own kernel (recomputed members):
  * x [4, 8]; row kernel: e = exp(x - amax(x, 1)), c = x * 0.5 beside it; s = sum(c, 0) and
  * t = sum(x, 0) make one column kernel that reads x and recomputes c, which the row kernel then
  * does not store. */
-static void test_recomputed_members(void **state) {
-    (void)state;
-    af_graph *g;
-    assert_int_equal(af_graph_new(&g), AF_OK);
-    af_tensor_meta m2 = f32(2), m1 = f32(1), mr = f32(2);
-    int64_t rs[2] = {4, 1}, rt[2] = {1, 1};
-    mr.sizes = rs;
-    mr.strides = rt;
-    int32_t x, m, s, t;
-    assert_int_equal(af_graph_add_input(g, "x", &m2, &x), AF_OK);
-    af_arg d1[1] = {{.kind = AF_ARG_INT, .u.i = 1}}, d0[1] = {{.kind = AF_ARG_INT, .u.i = 0}};
-    af_arg amax_args[3] = {{.kind = AF_ARG_VALUE, .u.value = x}, {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = d1}},
-                           {.kind = AF_ARG_BOOL, .u.i = 1}};
-    assert_int_equal(af_graph_add_node(g, "aten::amax.default", amax_args, 3, &mr, 1, &m), AF_OK); /* n0 */
-    int32_t d = node(g, "aten::sub.Tensor", x, m, 2);                                             /* n1 */
-    int32_t e = node(g, "aten::exp.default", d, -1, 2);                                           /* n2 */
-    int32_t c = node(g, "aten::mul.Tensor", x, -1, 2);                                            /* n3 */
-    af_arg sum_c[2] = {{.kind = AF_ARG_VALUE, .u.value = c}, {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = d0}}};
-    assert_int_equal(af_graph_add_node(g, "aten::sum.dim_IntList", sum_c, 2, &m1, 1, &s), AF_OK); /* n4 */
-    af_arg sum_x[2] = {{.kind = AF_ARG_VALUE, .u.value = x}, {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = d0}}};
-    assert_int_equal(af_graph_add_node(g, "aten::sum.dim_IntList", sum_x, 2, &m1, 1, &t), AF_OK); /* n5 */
-    int32_t outs[3] = {e, s, t};
+/* A reduction `op`(v, [dim], keepdim) with output meta m; its value. */
+static int32_t reduce(af_graph *g, const char *op, int32_t v, int64_t dim, int keepdim, const af_tensor_meta *m) {
+    af_arg dims[1] = {{.kind = AF_ARG_INT, .u.i = dim}};
+    af_arg args[3] = {{.kind = AF_ARG_VALUE, .u.value = v}, {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = dims}},
+                      {.kind = AF_ARG_BOOL, .u.i = keepdim}};
+    int32_t out = -1;
+    assert_int_equal(af_graph_add_node(g, op, args, keepdim ? 3 : 2, m, 1, &out), AF_OK);
+    return out;
+}
+
+static int64_t RS[2] = {4, 1}, RT[2] = {1, 1};
+
+/* A [4, 1] row statistic. */
+static af_tensor_meta row_meta(void) {
+    af_tensor_meta m = f32(2);
+    m.sizes = RS;
+    m.strides = RT;
+    return m;
+}
+
+/* Sets the graph's three outputs and plans it: two kernels, nodes 0-3 in the row kernel, the
+ * column sums (nodes 4 and 5) in the other. */
+static af_fusion_plan *plan_row_and_column(af_graph *g, const int32_t *outs) {
     assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
     af_fusion_plan *plan;
     assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
@@ -327,6 +333,25 @@ static void test_recomputed_members(void **state) {
     assert_true(row >= 0 && col >= 0 && row != col);
     for (int32_t i = 0; i < 4; i++) assert_int_equal(plan->group_of_node[i], row);
     assert_int_equal(plan->group_of_node[5], col);
+    return plan;
+}
+
+static void test_recomputed_members(void **state) {
+    (void)state;
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    af_tensor_meta m2 = f32(2), m1 = f32(1), mr = row_meta();
+    int32_t x;
+    assert_int_equal(af_graph_add_input(g, "x", &m2, &x), AF_OK);
+    int32_t m = reduce(g, "aten::amax.default", x, 1, 1, &mr); /* n0 */
+    int32_t d = node(g, "aten::sub.Tensor", x, m, 2);          /* n1 */
+    int32_t e = node(g, "aten::exp.default", d, -1, 2);        /* n2 */
+    int32_t c = node(g, "aten::mul.Tensor", x, -1, 2);         /* n3 */
+    int32_t s = reduce(g, "aten::sum.dim_IntList", c, 0, 0, &m1); /* n4 */
+    int32_t t = reduce(g, "aten::sum.dim_IntList", x, 0, 0, &m1); /* n5 */
+    int32_t outs[3] = {e, s, t};
+    af_fusion_plan *plan = plan_row_and_column(g, outs);
+    int32_t row = plan->group_of_node[0], col = plan->group_of_node[4];
     /* the column kernel: its own sums and the recomputed c, in graph order; reads x only */
     const af_fusion_group *cg = &plan->groups[col], *rg = &plan->groups[row];
     assert_int_equal(cg->n_nodes, 3);
@@ -340,12 +365,7 @@ static void test_recomputed_members(void **state) {
     /* the row kernel stores e only: c is nobody's input now */
     assert_int_equal(rg->n_outputs, 1);
     assert_int_equal(rg->outputs[0], e);
-    char *src = NULL;
-    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
-    assert_non_null(strstr(src, "(2 column reductions), 1 inputs, 2 outputs"));
-    free(src);
-    af_fuse_plan_free(plan);
-    af_graph_free(g);
+    assert_source_has_then_free(g, plan, "(2 column reductions), 1 inputs, 2 outputs");
 }
 
 /* A column sum whose input's producers are too many to recompute (a gradient summed from three
@@ -355,36 +375,21 @@ static void test_recompute_reads_a_materialized_member(void **state) {
     (void)state;
     af_graph *g;
     assert_int_equal(af_graph_new(&g), AF_OK);
-    af_tensor_meta m2 = f32(2), m1 = f32(1), mr = f32(2);
-    int64_t rs[2] = {4, 1}, rt[2] = {1, 1};
-    mr.sizes = rs;
-    mr.strides = rt;
-    int32_t a, b, c, xh, r, s, t;
-    assert_int_equal(af_graph_add_input(g, "a", &m2, &a), AF_OK);
-    assert_int_equal(af_graph_add_input(g, "b", &m2, &b), AF_OK);
-    assert_int_equal(af_graph_add_input(g, "c", &m2, &c), AF_OK);
-    assert_int_equal(af_graph_add_input(g, "xh", &m2, &xh), AF_OK);
-    int32_t go1 = node(g, "aten::add.Tensor", a, b, 2); /* n0 */
-    int32_t go = node(g, "aten::add.Tensor", go1, c, 2); /* n1 */
-    af_arg d1[1] = {{.kind = AF_ARG_INT, .u.i = 1}}, d0[1] = {{.kind = AF_ARG_INT, .u.i = 0}};
-    af_arg row_args[3] = {{.kind = AF_ARG_VALUE, .u.value = go}, {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = d1}},
-                          {.kind = AF_ARG_BOOL, .u.i = 1}};
-    assert_int_equal(af_graph_add_node(g, "aten::sum.dim_IntList", row_args, 3, &mr, 1, &r), AF_OK); /* n2 */
-    int32_t pr = node(g, "aten::mul.Tensor", go, xh, 2);                                            /* n3 */
-    af_arg sum_p[2] = {{.kind = AF_ARG_VALUE, .u.value = pr}, {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = d0}}};
-    assert_int_equal(af_graph_add_node(g, "aten::sum.dim_IntList", sum_p, 2, &m1, 1, &s), AF_OK); /* n4 */
-    af_arg sum_go[2] = {{.kind = AF_ARG_VALUE, .u.value = go}, {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = d0}}};
-    assert_int_equal(af_graph_add_node(g, "aten::sum.dim_IntList", sum_go, 2, &m1, 1, &t), AF_OK); /* n5 */
-    int32_t dx = node(g, "aten::sub.Tensor", go, r, 2);                                            /* n6: after the sums */
+    af_tensor_meta m2 = f32(2), m1 = f32(1), mr = row_meta();
+    int32_t in[4];
+    const char *names[4] = {"a", "b", "c", "xh"};
+    for (int k = 0; k < 4; k++) assert_int_equal(af_graph_add_input(g, names[k], &m2, &in[k]), AF_OK);
+    int32_t xh = in[3];
+    int32_t go1 = node(g, "aten::add.Tensor", in[0], in[1], 2);    /* n0 */
+    int32_t go = node(g, "aten::add.Tensor", go1, in[2], 2);       /* n1 */
+    int32_t r = reduce(g, "aten::sum.dim_IntList", go, 1, 1, &mr); /* n2 */
+    int32_t pr = node(g, "aten::mul.Tensor", go, xh, 2);           /* n3 */
+    int32_t s = reduce(g, "aten::sum.dim_IntList", pr, 0, 0, &m1); /* n4 */
+    int32_t t = reduce(g, "aten::sum.dim_IntList", go, 0, 0, &m1); /* n5 */
+    int32_t dx = node(g, "aten::sub.Tensor", go, r, 2);            /* n6: after the sums */
     int32_t outs[3] = {dx, s, t};
-    assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
-    af_fusion_plan *plan;
-    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
-    assert_int_equal(plan->n_groups, 2);
+    af_fusion_plan *plan = plan_row_and_column(g, outs);
     int32_t row = plan->group_of_node[0], col = plan->group_of_node[4];
-    assert_true(row >= 0 && col >= 0 && row != col);
-    for (int32_t i = 0; i < 4; i++) assert_int_equal(plan->group_of_node[i], row);
-    assert_int_equal(plan->group_of_node[5], col);
     assert_int_equal(plan->group_of_node[6], row); /* the row kernel still took dx */
     const af_fusion_group *cg = &plan->groups[col], *rg = &plan->groups[row];
     /* the column kernel recomputes the product only, reading go (materialized) and xh */
@@ -398,12 +403,7 @@ static void test_recompute_reads_a_materialized_member(void **state) {
     /* it runs after the row kernel, which runs at dx */
     assert_int_equal(rg->last_node, 6);
     assert_int_equal(cg->last_node, 6);
-    char *src = NULL;
-    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
-    assert_non_null(strstr(src, "(2 column reductions), 2 inputs, 2 outputs"));
-    free(src);
-    af_fuse_plan_free(plan);
-    af_graph_free(g);
+    assert_source_has_then_free(g, plan, "(2 column reductions), 2 inputs, 2 outputs");
 }
 
 int main(void) {
