@@ -95,6 +95,7 @@ static struct {
      * current device, torch._C._cuda_getDevice()); looked up at first use, NULL if absent */
     PyObject *empty_cpu, *empty_cuda, *cuda_get_device;
     int empty_looked_up;
+    PyObject *variable_functions; /* torch._C._VariableFunctions (fast_bindings), looked up at first use */
 } py;
 
 static int bridge_fail(const char *what) {
@@ -415,11 +416,12 @@ static PyObject *fast_binding(const char *qualified, int *out) {
     for (size_t i = 0; i < sizeof fast_bindings / sizeof fast_bindings[0]; i++) {
         if (strcmp(qualified, fast_bindings[i].op) != 0) continue;
         *out = fast_bindings[i].out;
-        PyObject *vf = PyObject_GetAttrString(py.torch, "_C");
-        PyObject *fns = vf ? PyObject_GetAttrString(vf, "_VariableFunctions") : NULL;
-        PyObject *fn = fns ? PyObject_GetAttrString(fns, fast_bindings[i].binding) : NULL;
-        Py_XDECREF(fns);
-        Py_XDECREF(vf);
+        if (!py.variable_functions) { /* torch._C._VariableFunctions, looked up once */
+            PyObject *c = PyObject_GetAttrString(py.torch, "_C");
+            py.variable_functions = c ? PyObject_GetAttrString(c, "_VariableFunctions") : NULL;
+            Py_XDECREF(c);
+        }
+        PyObject *fn = py.variable_functions ? PyObject_GetAttrString(py.variable_functions, fast_bindings[i].binding) : NULL;
         if (!fn || !PyCallable_Check(fn)) {
             Py_XDECREF(fn);
             PyErr_Clear();

@@ -438,11 +438,14 @@ typedef struct {
     int32_t leaves[AF_CLONE_LEAVES], n_leaves, full, n_reads;
 } af_cone;
 
-static int cone_computes(const af_cone *c, int32_t v) {
-    for (int32_t k = 0; k < c->n_cone; k++)
-        if (af_graph_node(c->g, c->cone[k])->first_output == v) return 1;
+/* Whether one of the n nodes in cone computes value v. */
+static int cone_has_value(const af_graph *g, const int32_t *cone, int32_t n, int32_t v) {
+    for (int32_t k = 0; k < n; k++)
+        if (af_graph_node(g, cone[k])->first_output == v) return 1;
     return 0;
 }
+
+static int cone_computes(const af_cone *c, int32_t v) { return cone_has_value(c->g, c->cone, c->n_cone, v); }
 
 static int cone_leaf(af_cone *c, int32_t u, int member) {
     if (contains(c->leaves, c->n_leaves, u)) return 1;
@@ -508,10 +511,14 @@ static int32_t recompute_cone(const af_graph *g, int32_t x, int32_t root, const 
     return 0;
 }
 
+/* Dep chains are acyclic (a dep is older than its group, and no node reading a group joins its
+ * dep); walks over them stop after this many steps regardless. */
+#define AF_DEP_WALK_MAX 64
+
 /* Group q (a root) runs after group d's kernel where d is its dep (it reads values d materializes
  * while d may still grow): closing q closes its deps, so that nothing reads q before they end. */
 static void close_group(uint8_t *closed, const int32_t *dep, int32_t *parent, int32_t q) {
-    for (int32_t k = 0; q >= 0 && k < 64; k++) {
+    for (int32_t k = 0; q >= 0 && k < AF_DEP_WALK_MAX; k++) {
         closed[q] = 1;
         q = dep[q] >= 0 ? find_root(parent, dep[q]) : -1;
     }
@@ -520,7 +527,7 @@ static void close_group(uint8_t *closed, const int32_t *dep, int32_t *parent, in
 /* Whether group q (a root) runs after group r's kernel through deps: then r may not take a node
  * reading q (a cycle). */
 static int depends_on(const int32_t *dep, int32_t *parent, int32_t q, int32_t r) {
-    for (int32_t k = 0; q >= 0 && k < 64; k++) {
+    for (int32_t k = 0; q >= 0 && k < AF_DEP_WALK_MAX; k++) {
         q = dep[q] >= 0 ? find_root(parent, dep[q]) : -1;
         if (q == r) return 1;
     }
@@ -668,9 +675,7 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
                         for (int32_t a = 0; a < c->n_args; a++) {
                             if (c->args[a].kind != AF_ARG_VALUE) continue;
                             int32_t u = c->args[a].u.value, gu = value_group[u] >= 0 ? find_root(parent, value_group[u]) : -1;
-                            int recomputed = 0;
-                            for (int32_t j = 0; j < nc && !recomputed; j++) recomputed = af_graph_node(g, cone[j])->first_output == u;
-                            if (recomputed) continue;
+                            if (cone_has_value(g, cone, nc, u)) continue;
                             if (gu >= 0 && gu != gx) close_group(closed, dep, parent, gu);
                             last_reader[u] = join; /* a read member of gx too: a sum of it joins */
                         }
