@@ -45,6 +45,42 @@ def test_fallback_dynamo_splits_the_graph_and_is_right():
     torch._dynamo.reset()
 
 
+class _Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * 2 if y.sum() > 0 else y - 1
+
+
+@pytest.mark.parametrize("fallback", ["eager", "dynamo"])
+def test_a_modules_fallback_runs_the_module_itself(fallback, monkeypatch):
+    """A module that cannot be captured runs as itself (its own tensors, eagerly or under Dynamo),
+    not through functional_call, which swaps every tensor in and out on each call."""
+    torch.manual_seed(0)
+    model, ref = _Branchy(), _Branchy()
+    ref.load_state_dict(model.state_dict())
+    compiled = aotfuse.memory_efficient_fusion(model, fallback=fallback)
+    calls = []
+    real = torch.func.functional_call
+    monkeypatch.setattr(torch.func, "functional_call", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for sign in (1.0, -1.0, 1.0):
+            x = torch.full((3, 4), sign)
+            model.zero_grad(), ref.zero_grad()
+            out = compiled(x)
+            expect = ref(x)
+            torch.testing.assert_close(out, expect)
+            out.sum().backward(), expect.sum().backward()
+            torch.testing.assert_close(model.lin.weight.grad, ref.lin.weight.grad)
+            calls_after_capture = len(calls)
+    assert calls_after_capture <= 1  # the one capture attempt, then never again
+    torch._dynamo.reset()
+
+
 def test_bad_fallback_value():
     with pytest.raises(ValueError):
         aotfuse.aot_function(lambda x: x, fallback="maybe")
