@@ -78,6 +78,14 @@ def test_a_modules_fallback_runs_the_module_itself(fallback, monkeypatch):
             torch.testing.assert_close(model.lin.weight.grad, ref.lin.weight.grad)
             calls_after_capture = len(calls)
     assert calls_after_capture <= 1  # the one capture attempt, then never again
+    assert compiled._aotfuse_compiled.module_fallback is not None  # later calls skip the tensor walk
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x in (torch.ones(5, 4), -torch.ones(2, 4)):  # other signatures, in eval mode too
+            torch.testing.assert_close(compiled(x), ref(x))
+            compiled.eval(), ref.eval()
+            torch.testing.assert_close(compiled(x), ref(x))
+            compiled.train(), ref.train()
     torch._dynamo.reset()
 
 

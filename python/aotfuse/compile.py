@@ -199,13 +199,18 @@ def _hashable(x: Any) -> bool:
 
 
 class _Entry:
-    __slots__ = ("compiled", "tensor_idx", "record", "fallback")
+    __slots__ = ("compiled", "tensor_idx", "record", "fallback", "fallback_target")
 
     def __init__(self, compiled, tensor_idx, record):
         self.compiled = compiled
         self.tensor_idx = tensor_idx
         self.record = record
         self.fallback: Callable | None = None  # set when this signature could not be captured
+        self.fallback_target: Callable | None = None  # fallback without the skipped leading arguments
+
+
+def _without_leading(target: Callable, n: int, *args: Any, **kwargs: Any) -> Any:
+    return target(*args[n:], **kwargs)
 
 
 class CompiledFunction:
@@ -218,8 +223,14 @@ class CompiledFunction:
             raise ValueError(f"fallback must be one of {_FALLBACKS}, got {fallback!r}")
         self.fn = fn
         # what a signature that cannot be captured runs (eagerly or under Dynamo): fn itself, or what
-        # aot_module sets (the module's own forward, not fn's functional_call around it)
+        # aot_module sets: the module itself, called without the fallback_skip leading arguments (its
+        # tensors), so no call pays functional_call's swapping of every tensor in and out
         self.fallback_fn: Callable = fn
+        self.fallback_skip = 0
+        # aot_module's shortcut past the tensor walk and the lookup: (the user arguments' signature,
+        # what runs them) after a call of a module fell back; cleared with the cache
+        self.module_fallback: tuple | None = None
+        self.last_entry: _Entry | None = None  # the entry the latest call ran (None: eagerly, cache full)
         self.fw_compiler = fw_compiler
         self.bw_compiler = bw_compiler
         self.inference_compiler = inference_compiler
@@ -244,6 +255,7 @@ class CompiledFunction:
         return self._call((args, kwargs), ())
 
     def _call(self, tree: Any, extra: tuple) -> Any:
+        self.last_entry = None
         leaves, spec = tree_flatten(tree)
         last = self._last
         if last is not None and last.matches(leaves, spec, extra):
@@ -258,7 +270,9 @@ class CompiledFunction:
             if entry is None:  # cache full: this signature runs eagerly
                 args, kwargs = tree
                 return self.fn(*args, **kwargs)
+            self.last_entry = entry
             return self._first_run(entry, leaves, tree)
+        self.last_entry = entry
         if entry.fallback is not None:
             args, kwargs = tree
             return entry.fallback(*args, **kwargs)
@@ -330,7 +344,10 @@ class CompiledFunction:
                 how = "eagerly" if self.fallback == "eager" else "through torch.compile(backend='aotfuse')"
                 warnings.warn(f"aotfuse: could not capture {self.name} as one graph, running it {how}. Cause: "
                               f"{reason.splitlines()[0] if reason else type(e).__name__}", stacklevel=4)
-                entry.fallback = self.fallback_fn if self.fallback == "eager" else self._dynamo()
+                target = self.fallback_fn if self.fallback == "eager" else self._dynamo()
+                entry.fallback_target = target
+                entry.fallback = (functools.partial(_without_leading, target, self.fallback_skip)
+                                  if self.fallback_skip else target)
                 args, kwargs = tree
                 return entry.fallback(*args, **kwargs)
             hint = ("its kernels cannot be built on this machine; AOTFUSE_BACKEND=aten runs without them"
@@ -358,6 +375,7 @@ class CompiledFunction:
     def cache_clear(self) -> None:
         self._cache.clear()
         self._last = None
+        self.module_fallback = None
         self._warned_full = False
 
     @property
@@ -470,9 +488,19 @@ class AOTModule(nn.Module):
         compiled = self._aotfuse_compiled
         if config.disabled():
             return mod(*args, **kwargs)
+        shortcut = compiled.module_fallback
+        if shortcut is not None:  # these arguments fell back before: no tensor walk, no lookup
+            leaves, spec = tree_flatten((args, kwargs))
+            if _signature(leaves, spec, (mod.training,)) == shortcut[0]:
+                return shortcut[1](*args, **kwargs)
         # each tensor once: functional_call re-ties tied weights (HF embeddings and LM heads)
         params, buffers = self._tensors()
-        return compiled._call(((params, buffers) + args, kwargs), (mod.training,))
+        out = compiled._call(((params, buffers) + args, kwargs), (mod.training,))
+        entry = compiled.last_entry
+        if entry is not None and entry.fallback is not None:
+            leaves, spec = tree_flatten((args, kwargs))
+            compiled.module_fallback = (_signature(leaves, spec, (mod.training,)), entry.fallback_target)
+        return out
 
     def _tensors(self) -> tuple[dict, dict]:
         """dict(named_parameters()), dict(named_buffers()) of the module, without walking it while
@@ -509,16 +537,12 @@ def aot_module(mod: nn.Module, *args: Any, **kwargs: Any) -> AOTModule:
     def functional_call(params: dict, buffers: dict, *a: Any, **k: Any) -> Any:
         return torch.func.functional_call(mod, {**params, **buffers}, a, k)
 
-    def own_tensors_call(params: dict, buffers: dict, *a: Any, **k: Any) -> Any:
-        # AOTModule passes the module's own tensors: a fallback calls the module as it is, which
-        # spares every call functional_call's swapping of each tensor in and out (about 2 ms a
-        # step for Longformer under Dynamo)
-        return mod(*a, **k)
-
-    functional_call.__qualname__ = own_tensors_call.__qualname__ = type(mod).__name__
+    functional_call.__qualname__ = type(mod).__name__
     n = len(list(mod.named_parameters())) + len(list(mod.named_buffers()))
     compiled = aot_function(functional_call, *args, num_params_buffers=n, **kwargs)
-    compiled.fallback_fn = own_tensors_call
+    # AOTModule passes the module's own tensors: a fallback calls the module itself (functional_call
+    # would swap each of them in and out on every call: 2 ms of a host-size Longformer step)
+    compiled.fallback_fn, compiled.fallback_skip = mod, 2
     return AOTModule(mod, compiled)
 
 
