@@ -934,6 +934,15 @@ int af_bridge_empty(const af_tensor_meta *m, af_obj **out) {
     return st;
 }
 
+int af_bridge_copy_into(af_obj *dst, af_obj *src) {
+    int st = af_bridge_init();
+    if (st) return st;
+    PyObject *r = PyObject_CallMethod((PyObject *)dst, "copy_", "O", (PyObject *)src);
+    if (!r) return bridge_fail("copying a tensor into the layout the graph gives it (Tensor.copy_)");
+    Py_DECREF(r);
+    return AF_OK;
+}
+
 int af_bridge_cuda_stream(int32_t device, void **stream) {
     int st = af_bridge_init();
     if (st) return st;

@@ -422,16 +422,17 @@ typedef struct {
 } ProgramObject;
 
 static PyObject *Program_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"graph", "fuse", "min_group", "devices", "reuse", NULL};
+    static char *kwlist[] = {"graph", "fuse", "min_group", "devices", "reuse", "sink", NULL};
     GraphObject *graph;
     af_program_options opts = {.fuse = 0, .min_group = 2};
     const char *devices = "all";
-    int reuse = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|pisp", kwlist, &GraphType, &graph, &opts.fuse, &opts.min_group, &devices,
-                                     &reuse) ||
+    int reuse = 1, sink = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|pispp", kwlist, &GraphType, &graph, &opts.fuse, &opts.min_group, &devices,
+                                     &reuse, &sink) ||
         !graph_alive(graph))
         return NULL;
     opts.no_reuse = !reuse;
+    opts.no_sink = !sink;
     if (strcmp(devices, "cpu") == 0) opts.device_types = 1u << AF_DEVICE_CPU;
     else if (strcmp(devices, "cuda") == 0) opts.device_types = 1u << AF_DEVICE_CUDA;
     else if (strcmp(devices, "all") == 0) opts.device_types = 0;
@@ -577,6 +578,7 @@ static PyObject *Program_get_num(ProgramObject *self, void *which) {
     case 11: return PyLong_FromLongLong(af_program_reused_bytes(self->p));
     case 12: return PyLong_FromLongLong(af_program_fresh_bytes(self->p));
     case 13: return PyLong_FromLongLong(af_program_reuses_taken(self->p));
+    case 14: return PyLong_FromLong(af_program_copies_sunk(self->p));
     case 8: {
         const char *src = af_program_cuda_source(self->p);
         if (!src) Py_RETURN_NONE;
@@ -681,6 +683,7 @@ static PyGetSetDef Program_getset[] = {
     {"reuses_taken", (getter)Program_get_num, NULL, "results that took their donor's tensor, over all runs so far", (void *)13},
     {"reused_bytes", (getter)Program_get_num, NULL, "bytes per run of the results planned to take a dead value's tensor", (void *)11},
     {"fresh_bytes", (getter)Program_get_num, NULL, "bytes per run of the intermediates (not outputs) allocated fresh", (void *)12},
+    {"copies_sunk", (getter)Program_get_num, NULL, "copies of views of pointwise values computed from their sources", (void *)14},
     {"check_inputs", NULL, (setter)Program_set_check_inputs, "check inputs against the graph on each run", NULL},
     {"profiling", NULL, (setter)Program_set_profiling, "accumulate each step's host time (see profile())", NULL},
     {NULL, NULL, NULL, NULL, NULL}};

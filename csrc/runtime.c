@@ -76,6 +76,10 @@ struct af_program {
     uint8_t *donated;        /* per value: kept past its last use for the output that takes it */
     int8_t *reuse_state;     /* per value: 0 donor not yet checked, 1 checked, -1 its layout differs (never reused) */
     int32_t n_reuses;        /* planned */
+    int32_t n_sunk;          /* copies af_sink_copies rewrote */
+    uint8_t *pin_state;      /* per value: 0, or a base of as_strided views, which must have its graph
+                              * layout: 1 unchecked, 2 checked (has it), 3 given it by a copy each run */
+    int32_t n_pinned;
     int64_t reused_bytes;    /* planned: bytes of the results that take a donor's tensor */
     int64_t fresh_bytes;     /* planned: bytes of the intermediates (no outputs) allocated fresh: see af_program_fresh_bytes */
     int64_t reuses_refused;  /* runs in which a donor was found held elsewhere (released, not reused) */
@@ -160,6 +164,7 @@ void af_program_free(af_program *p) {
     free(p->fold_state);
     free(p->operands_checked);
     free(p->held);
+    free(p->pin_state);
     free(p->hold_root);
     free(p->donor);
     free(p->donated);
@@ -291,6 +296,8 @@ static int plain_view(const af_graph *g, int32_t i, const uint8_t *is_output) {
 /* Which views fold into the kernels reading them (fold_root, fold_delta) and which run as checked
  * reinterpretations (view_state 0); in reverse order, since a view folds when every reader is a
  * kernel or a view that folds. */
+static int plan_pins(af_program *p);
+
 static int plan_views(af_program *p) {
     const af_graph *g = p->graph;
     int32_t nn = af_graph_num_nodes(g), nv = af_graph_num_values(g);
@@ -532,9 +539,19 @@ int af_program_new(af_graph *g, const af_program_options *opts, af_program **out
     int st = af_graph_verify(g);
     if (st) return st;
     if ((st = af_bridge_init())) return st;
+    af_graph *given = g, *sunk = NULL;
+    int32_t n_sunk = 0;
+    uint32_t kernel_devices = o.device_types ? o.device_types : AF_FUSE_ALL_DEVICES;
+    if (cuda_device_of(g) < 0) kernel_devices &= ~(1u << AF_DEVICE_CUDA); /* as build_kernels */
+    if (o.fuse && !o.no_sink && (st = af_sink_copies(g, kernel_devices, &sunk, &n_sunk))) return st;
+    if (sunk) g = sunk;
     af_program *p = calloc(1, sizeof *p);
-    if (!p) return af_error_set(AF_ERR_NOMEM, "out of memory allocating a program");
+    if (!p) {
+        af_graph_free(sunk);
+        return af_error_set(AF_ERR_NOMEM, "out of memory allocating a program");
+    }
     p->graph = g;
+    p->n_sunk = n_sunk;
     p->check_inputs = 1;
     int32_t nn = af_graph_num_nodes(g), nv = af_graph_num_values(g), ni = af_graph_num_inputs(g);
     int32_t *step_of_node = malloc(((size_t)nn + 1) * sizeof(int32_t));
@@ -556,6 +573,7 @@ int af_program_new(af_graph *g, const af_program_options *opts, af_program **out
     }
     if (o.fuse && (st = build_kernels(p, &o))) goto error;
     if ((st = plan_views(p))) goto error;
+    if ((st = plan_pins(p))) goto error;
     /* groups that run after a node not their own (fuse.c's deps), listed at that node */
     int32_t ngr = p->plan ? p->plan->n_groups : 0;
     int32_t *late_head = malloc(((size_t)nn + 1) * sizeof(int32_t)), *late_next = malloc(((size_t)ngr + 1) * sizeof(int32_t));
@@ -603,12 +621,14 @@ int af_program_new(af_graph *g, const af_program_options *opts, af_program **out
         if ((st = af_extern_new(g, i, &p->externs[i]))) goto error;
     if ((st = plan_reuse(p, step_of_node, !o.no_reuse))) goto error;
     free(step_of_node);
+    if (sunk) af_graph_free(given); /* the program runs (and owns) the rewritten graph */
     *out = p;
     return AF_OK;
 error:
     free(step_of_node);
-    p->graph = NULL; /* still the caller's */
+    p->graph = NULL; /* the given graph is still the caller's */
     af_program_free(p);
+    af_graph_free(sunk);
     return st;
 }
 
@@ -617,6 +637,7 @@ int32_t af_program_num_kernels(const af_program *p) { return p && p->plan && (p-
 const char *af_program_cuda_source(const af_program *p) { return p ? p->cuda_source : NULL; }
 int64_t af_program_kernel_fallbacks(const af_program *p) { return p ? p->fallbacks : 0; }
 int32_t af_program_buffer_reuses(const af_program *p) { return p ? p->n_reuses : 0; }
+int32_t af_program_copies_sunk(const af_program *p) { return p ? p->n_sunk : 0; }
 int64_t af_program_reuses_refused(const af_program *p) { return p ? p->reuses_refused : 0; }
 int64_t af_program_reuses_taken(const af_program *p) { return p ? p->reuses_taken : 0; }
 int64_t af_program_reused_bytes(const af_program *p) { return p ? p->reused_bytes : 0; }
@@ -1017,6 +1038,71 @@ static int check_view(af_program *p, int32_t i) {
     return AF_OK;
 }
 
+/* as_strided reads its base's storage as the graph lays it out: the bases made by the program
+ * (a kernel's output, or an ATen call's where the kernel fell back or there is none) are checked
+ * against their metadata after the step making them, and given that layout by a copy where ATen
+ * made another (never seen in traced graphs; graphs whose metadata disagrees with ATen's views). */
+static int plan_pins(af_program *p) {
+    const af_graph *g = p->graph;
+    int32_t nn = af_graph_num_nodes(g);
+    for (int32_t i = 0; i < nn; i++) {
+        const af_node *n = af_graph_node(g, i);
+        if (n->op_id != AF_OP_AS_STRIDED || n->n_args < 1 || n->args[0].kind != AF_ARG_VALUE) continue;
+        int32_t r = n->args[0].u.value;
+        for (;;) { /* the view root */
+            int32_t q = af_graph_value(g, r)->producer;
+            const af_node *m = q >= 0 ? af_graph_node(g, q) : NULL;
+            if (!m || af_op_get(m->op_id)->kind != AF_KIND_VIEW || m->n_args < 1 || m->args[0].kind != AF_ARG_VALUE) break;
+            r = m->args[0].u.value;
+        }
+        if (af_graph_value(g, r)->producer < 0 || af_graph_value(g, r)->meta.type != AF_VALUE_TENSOR) continue; /* inputs: checked */
+        if (!p->pin_state && !(p->pin_state = calloc((size_t)af_graph_num_values(g) + 1, 1)))
+            return af_error_set(AF_ERR_NOMEM, "out of memory planning a program");
+        p->n_pinned += p->pin_state[r] == 0;
+        p->pin_state[r] = 1;
+    }
+    return AF_OK;
+}
+
+static int pin_layout(af_program *p, int32_t v) {
+    af_obj *t = p->values[v];
+    if (!t || p->pin_state[v] == 0 || p->pin_state[v] == 2) return AF_OK;
+    const af_tensor_meta *m = &af_graph_value(p->graph, v)->meta;
+    void *ptr = NULL;
+    int st = af_bridge_tensor_data(&t, &m, 1, &ptr);
+    if (st != AF_BRIDGE_LAYOUT_MISMATCH) {
+        if (!st && p->pin_state[v] == 1) p->pin_state[v] = 2;
+        return st;
+    }
+    af_obj *fresh = NULL;
+    if ((st = af_bridge_empty(m, &fresh)) || (st = af_bridge_copy_into(fresh, t))) {
+        af_obj_release(fresh);
+        return st;
+    }
+    af_obj_release(t);
+    p->values[v] = fresh;
+    p->pin_state[v] = 3;
+    return AF_OK;
+}
+
+/* After step s: its pinned results in their graph layout. */
+static int pin_step(af_program *p, int32_t s) {
+    if (p->steps[s].node >= 0) {
+        const af_node *n = af_graph_node(p->graph, p->steps[s].node);
+        for (int32_t k = 0; k < n->n_outputs; k++) {
+            int st = pin_layout(p, n->first_output + k);
+            if (st) return st;
+        }
+        return AF_OK;
+    }
+    const af_fusion_group *grp = &p->plan->groups[p->steps[s].group];
+    for (int32_t k = 0; k < grp->n_outputs; k++) {
+        int st = pin_layout(p, grp->outputs[k]);
+        if (st) return st;
+    }
+    return AF_OK;
+}
+
 static void release_owned(af_obj *const *inputs, int32_t n, int owned) {
     for (int32_t i = 0; owned && inputs && i < n; i++) af_obj_release(inputs[i]);
 }
@@ -1068,6 +1154,7 @@ static int run_program(af_program *p, af_obj *const *inputs, int32_t n_inputs, a
         } else {
             st = run_kernel(p, p->steps[s].group);
         }
+        if (!st && p->n_pinned) st = pin_step(p, s);
         if (p->step_ns) { /* host time: a CUDA step's is its launch, not its kernel */
             clock_gettime(CLOCK_MONOTONIC, &t1);
             p->step_ns[s] += (int64_t)(t1.tv_sec - t0.tv_sec) * 1000000000 + (t1.tv_nsec - t0.tv_nsec);

@@ -676,6 +676,33 @@ def test_recomputed_members_fall_back_with_their_kernel():
     assert prog.kernel_fallbacks == 4
 
 
+@pytest.mark.parametrize("fuse", [True, False])
+def test_an_as_strided_base_has_its_graph_layout_after_a_fallback(fuse):
+    """as_strided reads its base's storage as the graph lays it out. A kernel that falls back (its
+    operand t has another layout than planned) makes its value with ATen, in ATen's layout: the
+    runtime gives that base of an as_strided view the graph's layout (a copy), so the view, read
+    by the next kernel or by an ATen call, sees what the kernel would have written; without
+    kernels, the same."""
+    def meta(shape, strides):
+        return ("tensor", "float32", "cpu", -1, shape, strides, 0)
+
+    g = _C.Graph()
+    x = g.add_input("x", meta((4, 6), (6, 1)))
+    (t,) = g.add_node("aten::t.default", [("v", x)], [], [meta((6, 4), (4, 1))])  # ATen's is transposed
+    (e,) = g.add_node("aten::exp.default", [("v", t)], [], [meta((6, 4), (4, 1))])
+    (f,) = g.add_node("aten::as_strided.default", [("v", e), ("list", [("int", 24)]), ("list", [("int", 1)]), ("int", 0)], [],
+                      [meta((24,), (1,))])
+    (y,) = g.add_node("aten::neg.default", [("v", f)], [], [meta((24,), (1,))])
+    g.set_outputs([y])
+    prog = _C.Program(g, fuse=fuse, min_group=1)
+    xv = torch.randn(4, 6)
+    for _ in range(2):
+        (yv,) = prog.run([xv])
+        assert_close(yv, -xv.t().exp().contiguous().view(24), "the graph's flat view")
+    if fuse:
+        assert prog.num_kernels == 2 and prog.kernel_fallbacks == 2  # exp's kernel, each run
+
+
 def test_a_value_read_by_a_later_kernel_survives_its_kernels_fallback():
     """The row kernel falls back to ATen calls (an operand with another layout than planned); the
     gradient it stores for the column kernel (which reads it instead of recomputing it) is still
@@ -919,3 +946,58 @@ def test_random_windows_match_eager_exactly(seed):
                   if op.split(".")[0] in ("aten::constant_pad_nd", "aten::slice_scatter")]
     assert window_ops and all(grp >= 0 for op, _k, grp in lowered.program.node_groups()
                               if op.split(".")[0] in ("aten::constant_pad_nd", "aten::slice_scatter")), what
+
+
+def _windows_of_a_scaled_projection(proj, bias):
+    """Longformer's query chunking: a projection plus its bias, scaled (pointwise), split into heads
+    (views), cut into overlapping windows (as_strided) and copied for a bmm; and a plain transpose
+    copy of the same kind beside it (the heads of a second projection)."""
+    q = (proj.view(16, 2, 32) + bias) / 4.0
+    q = q.view(16, 2, 2, 16).transpose(0, 1).transpose(1, 2).reshape(4, 16, 16).view(4, 4, 4, 16)
+    stride = list(q.stride())
+    stride[1] //= 2
+    chunks = q.as_strided((4, 7, 4, 16), stride).contiguous().view(28, 4, 16)
+    k = (proj.view(16, 2, 32) * bias).tanh().transpose(0, 1).contiguous()
+    return torch.bmm(chunks, chunks.transpose(1, 2)), k.view(2, 16, 2, 16).sum(-1)
+
+
+@pytest.mark.parametrize("sink", [True, False])
+def test_a_copy_of_a_view_of_a_pointwise_value_is_computed_from_its_sources(sink, monkeypatch):
+    """A copy of overlapping windows of (proj + bias) / 4 (and one of a transposed tanh) is computed
+    from proj and bias through one as_strided view each (csrc/sink.c), in one kernel with the
+    pointwise nodes, instead of a kernel storing the value and a kernel copying its windows; the
+    values match eager and float64 (AOTFUSE_SINK_COPIES=0: the kernels as before)."""
+    monkeypatch.setenv("AOTFUSE_SINK_COPIES", "1" if sink else "0")
+    gen = torch.Generator().manual_seed(11)
+    args = [torch.randn(32, 32, generator=gen), torch.randn(32, generator=gen)]
+    gm = make_fx(_windows_of_a_scaled_projection)(*args)
+    lowered = lower(gm)
+    assert lowered.program.copies_sunk == (2 if sink else 0)
+    # with the copies computed from the sources: the windows' kernel and the tanh's (with its sum);
+    # without: the scaled value's kernel, its windows' copy, the tanh's and its transposed copy's
+    assert lowered.program.num_kernels == (2 if sink else 4), str(lowered.program)
+    assert "aten::clone" not in str(lowered.program) if sink else "aten::clone" in str(lowered.program)
+    ref = _windows_of_a_scaled_projection(*args)
+    exact = _windows_of_a_scaled_projection(*[t.double() for t in args])
+    for _ in range(2):
+        for name, o, r, e in zip(("scores", "heads"), lowered(list(args)), ref, exact):
+            assert_close(o, r, name)
+            assert (o.double() - e).abs().max() <= 4 * (r.double() - e).abs().max() + 1e-5, name
+    assert lowered.program.kernel_fallbacks == 0
+
+
+def test_a_sunk_copy_reads_sources_whose_layout_is_checked():
+    """A copy computed from its sources reads them through as_strided views, which take the graph's
+    layout of each source as given (also where the kernel falls back to ATen calls): so the sources
+    are ones whose layout the program checks, like this graph input, and an input of another
+    layout is refused with the layout in the error, never read wrongly."""
+    gen = torch.Generator().manual_seed(12)
+    args = [torch.randn(32, 32, generator=gen), torch.randn(32, generator=gen)]
+    gm = make_fx(_windows_of_a_scaled_projection)(*args)
+    lowered = lower(gm)
+    assert lowered.program.copies_sunk == 2
+    with pytest.raises(Exception, match="stride|layout"):  # an input of another layout is refused
+        lowered([args[0].t().contiguous().t(), args[1]])
+    ref = _windows_of_a_scaled_projection(*args)
+    for name, o, r in zip(("scores", "heads"), lowered(list(args)), ref):
+        assert_close(o, r, name)

@@ -84,6 +84,9 @@ int af_bridge_empty_cached(const af_tensor_meta *meta, af_obj **args, af_obj **o
 /* torch's current CUDA stream on `device` (the raw cudaStream_t; NULL is the default stream). */
 int af_bridge_cuda_stream(int32_t device, void **stream);
 
+/* dst.copy_(src): src's values into dst's layout. */
+int af_bridge_copy_into(af_obj *dst, af_obj *src);
+
 /* Views without the dispatcher (torch._C._dynamo.guards._reinterpret_tensor, as inductor's
  * generated code makes them): whether this torch has it; a new tensor on base's storage with m's
  * sizes and strides, its storage offset base's plus offset_delta elements. */

@@ -85,4 +85,18 @@ int af_fuse_window(const af_graph *g, int32_t node, af_window *w);
 int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_plan **out);
 void af_fuse_plan_free(af_fusion_plan *plan); /* NULL allowed */
 
+/* Copies of views of pointwise values, computed from their sources (csrc/sink.c). A copy
+ * clone(V(x)), V views and x a pointwise value of a few pointwise nodes over sources, reads x at
+ * indices no kernel computing x can give it, so it runs alone and x is stored for it. The
+ * rewritten graph computes it as those nodes over one as_strided view of each source (the element
+ * x's element at that index came from; over a finer shape where a dim of the copy crosses dims of
+ * x, then viewed back), which fuses like any pointwise chain, and drops the pointwise and view
+ * nodes nothing reads any more. Sources are values whose every view link from their root makes
+ * the layout the graph says (the runtime gives each root of an as_strided view its graph layout).
+ * Passes repeat until none rewrites a copy (chains of copies collapse). A copy returned by the
+ * graph is left alone, as is one whose nodes would not all be kernel members on device_types (a
+ * bit per af_device_type, as af_fuse_options; 0: every supported one). *out is a new graph (the caller's), or NULL when no copy qualifies;
+ * *n_sunk (may be NULL) counts the copies rewritten. */
+int af_sink_copies(const af_graph *g, uint32_t device_types, af_graph **out, int32_t *n_sunk);
+
 #endif

@@ -56,6 +56,10 @@ def reuse_buffers() -> bool:
     return os.environ.get("AOTFUSE_REUSE_BUFFERS", "1") not in ("", "0")
 
 
+def sink_copies() -> bool:
+    return os.environ.get("AOTFUSE_SINK_COPIES", "1") not in ("", "0")
+
+
 def fallback_random() -> bool:
     return os.environ.get("AOTFUSE_FALLBACK_RANDOM", "0") not in ("", "0")
 

@@ -1,0 +1,78 @@
+"""A/B of one aotfuse switch (an AOTFUSE_* environment variable) in one process: two compiled copies
+of a seed model, one lowered with the variable at its A value and one at its B value, trained in
+alternating steps (the order flips each repetition), so that the machine's drift hits both alike.
+
+    python benchmarks/ab_env.py --env AOTFUSE_SINK_COPIES --model LongformerForMaskedLM --size host
+
+prints each side's median step time, their ratio, and each side's loss after the last step (the
+two copies start from the same weights and take the same steps, so the losses agree to rounding).
+The variable is read when a program is lowered (each copy's first steps, Dynamo's pieces included),
+so it must be one read then (AOTFUSE_SINK_COPIES, AOTFUSE_REUSE_BUFFERS, AOTFUSE_CONSTANT_FOLD, ...).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+import aotfuse  # noqa: E402
+from aotfuse.bench import DTYPES, SIZES, build_model  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--env", required=True, help="the AOTFUSE_* variable to switch")
+    ap.add_argument("--a", default="1", help="its value for side A (default 1)")
+    ap.add_argument("--b", default="0", help="its value for side B (default 0)")
+    ap.add_argument("--model", default="BertForMaskedLM")
+    ap.add_argument("--size", default="host", choices=SIZES)
+    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    ap.add_argument("--repeats", type=int, default=200, help="timed steps per side")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, inputs, desc = build_model(args.model, args.size, DTYPES[args.dtype], "cpu")
+    saved = os.environ.get(args.env)
+    sides = {}
+    try:
+        for side, value in (("A", args.a), ("B", args.b)):
+            os.environ[args.env] = value
+            m = aotfuse.memory_efficient_fusion(copy.deepcopy(model), fallback="dynamo")
+            opt = torch.optim.SGD(m.parameters(), lr=1e-4)
+            for _ in range(args.warmup):  # lowers every program with the variable at this value
+                opt.zero_grad(set_to_none=True)
+                m(**inputs).loss.backward()
+                opt.step()
+            sides[side] = (m, opt)
+    finally:
+        if saved is None:
+            os.environ.pop(args.env, None)
+        else:
+            os.environ[args.env] = saved
+    times: dict[str, list[float]] = {s: [] for s in sides}
+    losses = {}
+    for rep in range(args.repeats):
+        for side in ("A", "B") if rep % 2 == 0 else ("B", "A"):
+            m, opt = sides[side]
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = m(**inputs).loss
+            loss.backward()
+            opt.step()
+            times[side].append(time.perf_counter() - t0)
+            losses[side] = loss.item()
+    print(f"{desc} | {args.dtype} | torch {torch.__version__} | {args.repeats} steps a side, {args.threads} thread(s)")
+    for side, value in (("A", args.a), ("B", args.b)):
+        print(f"  {args.env}={value}: step median {statistics.median(times[side]) * 1e3:.3f} ms, last loss {losses[side]:.6f}")
+    print(f"  A/B: {statistics.median(times['A']) / statistics.median(times['B']):.3f}")
+
+
+if __name__ == "__main__":
+    main()

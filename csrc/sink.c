@@ -1,0 +1,573 @@
+/* Copies of views of pointwise values, recomputed from their sources (see fuse.h, af_sink_copies).
+ *
+ * clone(V(x)), V a chain of views and x = f(a, b, ...) a pointwise value, reads x at remapped
+ * indices, which no kernel computing x can give it: it is a kernel of its own, and x is stored
+ * for it. Rewritten as f(A, B, ...), where A, B are single as_strided views of the sources giving,
+ * at each index of the copy, the source element x's element there was computed from, the copy is
+ * an ordinary pointwise group reading the sources, and x is not stored when nothing else reads it.
+ *
+ * The map: V's result is a strided view of x's storage (its metadata says how), and x is dense,
+ * so each copy index names one storage offset of x, hence one index of x, hence one element of
+ * each source (broadcast sources repeat). That index is linear in the copy's index when no dim of
+ * the copy carries across a dim of x; a copy dim that does (a merged batch-and-head dim, say) is
+ * split where it crosses, and the copy is computed over that finer shape and viewed back. */
+#include "aotfuse/fuse.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define SINK_MAX_CONE 12  /* pointwise nodes recomputed for one copy */
+#define SINK_MAX_LEAVES 8 /* sources one copy reads */
+#define SINK_MAX_PASSES 8 /* rounds of rewriting (a copy of a rewritten copy is rewritten in the next) */
+
+typedef struct {
+    int64_t size;
+    int32_t dim;  /* x's dim its steps move along, -1: none (a broadcast or size-1 dim) */
+    int64_t mult; /* steps of that dim per step of this one */
+} sink_piece;
+
+typedef struct {
+    int32_t clone;  /* the copy node */
+    int32_t ndim;   /* the finer shape the copy is computed over */
+    sink_piece pieces[AF_MAX_DIMS];
+    int64_t digit[AF_MAX_DIMS]; /* x's index at the copy's first element */
+    int32_t x;                  /* the pointwise value viewed */
+    int32_t n_cone;
+    int32_t cone[SINK_MAX_CONE]; /* node indices, graph order */
+    int32_t n_leaves;
+    int32_t leaves[SINK_MAX_LEAVES]; /* value ids */
+} sink_plan;
+
+static int value_arg(const af_arg *a) { return a->kind == AF_ARG_VALUE; }
+
+static int contiguous(const af_tensor_meta *m) {
+    int64_t want = 1;
+    for (int32_t d = m->ndim - 1; d >= 0; d--) {
+        if (m->sizes[d] != 1 && m->strides[d] != want) return 0;
+        want *= m->sizes[d];
+    }
+    return 1;
+}
+
+/* Whether v (a tensor) broadcasts to the shape of x on the same device. */
+static int broadcasts_to(const af_tensor_meta *v, const af_tensor_meta *x) {
+    if (v->type != AF_VALUE_TENSOR || v->ndim > x->ndim || v->device.type != x->device.type || v->device.index != x->device.index)
+        return 0;
+    for (int32_t d = 0; d < v->ndim; d++) {
+        int64_t s = v->sizes[d], t = x->sizes[d + x->ndim - v->ndim];
+        if (s != t && s != 1) return 0;
+    }
+    return 1;
+}
+
+/* An elementwise node recomputed as it is over other indices, and certainly in a kernel there
+ * (whose output has the layout its metadata says, which an ATen call on the new views need not
+ * give): a kernel member on a device with kernels, no index of its own (the random numbers), no
+ * shape argument (fills), one output with dims (a 0-dim value broadcasts, and promotes, unlike
+ * one with dims: it stays a source). */
+static int sinkable(const af_graph *g, int32_t i, uint32_t devices) {
+    const af_node *n = af_graph_node(g, i);
+    const af_op_info *info = af_op_get(n->op_id);
+    const af_tensor_meta *m = &af_graph_value(g, n->first_output)->meta;
+    if (info->kind != AF_KIND_POINTWISE || !info->c_expr || n->op_id == AF_OP_RNG_UNIFORM || n->op_id == AF_OP_FULL ||
+        n->n_outputs != 1 || m->type != AF_VALUE_TENSOR || m->ndim == 0 || !(devices & (1u << m->device.type)) ||
+        af_fuse_node_ok(g, i) != 1)
+        return 0;
+    for (int32_t a = 0; a < n->n_args; a++)
+        if (n->args[a].kind == AF_ARG_LIST) return 0;
+    return 1;
+}
+
+/* The value v's views come from: v itself unless a view made it. */
+static int32_t view_root(const af_graph *g, int32_t v) {
+    for (;;) {
+        int32_t p = af_graph_value(g, v)->producer;
+        if (p < 0) return v;
+        const af_node *n = af_graph_node(g, p);
+        if (af_op_get(n->op_id)->kind != AF_KIND_VIEW || n->n_args < 1 || !value_arg(&n->args[0])) return v;
+        v = n->args[0].u.value;
+    }
+}
+
+static int64_t numel_of(const af_tensor_meta *m) {
+    int64_t n = 1;
+    for (int32_t d = 0; d < m->ndim; d++) n *= m->sizes[d];
+    return n;
+}
+
+/* The dims of m that address anything (size > 1), as (size, stride) pairs; their count. */
+static int32_t moving_dims(const af_tensor_meta *m, int64_t *sz, int64_t *st) {
+    int32_t n = 0;
+    for (int32_t d = 0; d < m->ndim; d++)
+        if (m->sizes[d] != 1) sz[n] = m->sizes[d], st[n++] = m->strides[d];
+    return n;
+}
+
+/* Whether a and b address the same elements the same way (size-1 dims' strides aside). */
+static int same_addressing(const af_tensor_meta *a, const af_tensor_meta *b) {
+    if (a->ndim != b->ndim || a->storage_offset != b->storage_offset || a->dtype != b->dtype) return 0;
+    for (int32_t d = 0; d < a->ndim; d++)
+        if (a->sizes[d] != b->sizes[d] || (a->sizes[d] != 1 && a->strides[d] != b->strides[d])) return 0;
+    return 1;
+}
+
+static int int_arg(const af_node *n, int32_t k, int64_t dflt, int64_t *out) {
+    if (k >= n->n_args || n->args[k].kind == AF_ARG_NONE) return *out = dflt, 1;
+    if (n->args[k].kind != AF_ARG_INT || n->args[k].name) return 0;
+    return *out = n->args[k].u.i, 1;
+}
+
+/* Whether the view node n, given an input laid out as `in`, makes what its metadata `out` says
+ * (ATen's rule for that view), so that a source's declared layout can be trusted link by link. */
+static int view_link_ok(const af_node *n, const af_tensor_meta *in, const af_tensor_meta *out) {
+    int64_t sz[AF_MAX_DIMS], st[AF_MAX_DIMS], sz2[AF_MAX_DIMS], st2[AF_MAX_DIMS];
+    af_tensor_meta want = *in;
+    want.sizes = sz, want.strides = st;
+    if (in->ndim > AF_MAX_DIMS || out->ndim > AF_MAX_DIMS || in->dtype != out->dtype) return 0;
+    memcpy(sz, in->sizes, (size_t)in->ndim * sizeof(int64_t));
+    memcpy(st, in->strides, (size_t)in->ndim * sizeof(int64_t));
+    switch (n->op_id) {
+    case AF_OP_ALIAS: return same_addressing(in, out);
+    case AF_OP_VIEW:
+    case AF_OP_UNSAFE_VIEW: /* of a contiguous tensor: contiguous */
+        return contiguous(in) && contiguous(out) && numel_of(in) == numel_of(out) && in->storage_offset == out->storage_offset;
+    case AF_OP_SQUEEZE:
+    case AF_OP_UNSQUEEZE: { /* size-1 dims come or go, the others stay as they were */
+        int32_t a = moving_dims(in, sz, st), b = moving_dims(out, sz2, st2);
+        if (a != b || in->storage_offset != out->storage_offset) return 0;
+        for (int32_t d = 0; d < a; d++)
+            if (sz[d] != sz2[d] || st[d] != st2[d]) return 0;
+        return 1;
+    }
+    case AF_OP_T:
+    case AF_OP_TRANSPOSE:
+    case AF_OP_PERMUTE: {
+        int32_t perm[AF_MAX_DIMS];
+        for (int32_t d = 0; d < in->ndim; d++) perm[d] = d;
+        if (n->op_id == AF_OP_T && in->ndim == 2) perm[0] = 1, perm[1] = 0;
+        if (n->op_id == AF_OP_TRANSPOSE) {
+            int64_t d0, d1;
+            if (!int_arg(n, 1, 0, &d0) || !int_arg(n, 2, 0, &d1) || n->n_args != 3) return 0;
+            d0 += d0 < 0 ? in->ndim : 0, d1 += d1 < 0 ? in->ndim : 0;
+            if (d0 < 0 || d1 < 0 || d0 >= in->ndim || d1 >= in->ndim) return 0;
+            perm[d0] = (int32_t)d1, perm[d1] = (int32_t)d0;
+        }
+        if (n->op_id == AF_OP_PERMUTE) {
+            if (n->n_args != 2 || n->args[1].kind != AF_ARG_LIST || n->args[1].u.list.n != in->ndim) return 0;
+            for (int32_t d = 0; d < in->ndim; d++) {
+                const af_arg *a = &n->args[1].u.list.items[d];
+                if (a->kind != AF_ARG_INT || a->u.i < -in->ndim || a->u.i >= in->ndim) return 0;
+                perm[d] = (int32_t)(a->u.i < 0 ? a->u.i + in->ndim : a->u.i);
+            }
+        }
+        for (int32_t d = 0; d < in->ndim; d++) sz[d] = in->sizes[perm[d]], st[d] = in->strides[perm[d]];
+        return same_addressing(&want, out);
+    }
+    case AF_OP_SLICE: {
+        int64_t dim, start, end, step;
+        if (n->n_args > 5 || !int_arg(n, 1, 0, &dim) || !int_arg(n, 2, 0, &start) || !int_arg(n, 3, INT64_MAX, &end) ||
+            !int_arg(n, 4, 1, &step) || step < 1)
+            return 0;
+        dim += dim < 0 ? in->ndim : 0;
+        if (dim < 0 || dim >= in->ndim) return 0;
+        int64_t size = in->sizes[dim];
+        start += start < 0 ? size : 0, end += end < 0 ? size : 0;
+        start = start < 0 ? 0 : start > size ? size : start;
+        end = end < start ? start : end > size ? size : end;
+        sz[dim] = (end - start + step - 1) / step, st[dim] = in->strides[dim] * step;
+        want.storage_offset = in->storage_offset + start * in->strides[dim];
+        return same_addressing(&want, out);
+    }
+    case AF_OP_SELECT: {
+        int64_t dim, index;
+        if (n->n_args != 3 || !int_arg(n, 1, 0, &dim) || !int_arg(n, 2, 0, &index)) return 0;
+        dim += dim < 0 ? in->ndim : 0;
+        if (dim < 0 || dim >= in->ndim) return 0;
+        index += index < 0 ? in->sizes[dim] : 0;
+        if (index < 0 || index >= in->sizes[dim]) return 0;
+        want.storage_offset = in->storage_offset + index * in->strides[dim];
+        for (int32_t d = (int32_t)dim; d + 1 < in->ndim; d++) sz[d] = sz[d + 1], st[d] = st[d + 1];
+        want.ndim = in->ndim - 1;
+        return same_addressing(&want, out);
+    }
+    case AF_OP_EXPAND: { /* new or size-1 dims step 0 */
+        if (out->ndim < in->ndim) return 0;
+        for (int32_t d = 0; d < out->ndim; d++) {
+            int32_t di = d - (out->ndim - in->ndim);
+            int64_t s = di >= 0 ? in->sizes[di] : 1;
+            if (out->sizes[d] != 1 && out->strides[d] != (s == 1 ? 0 : in->strides[di])) return 0;
+            if (s != 1 && s != out->sizes[d]) return 0;
+        }
+        return in->storage_offset == out->storage_offset;
+    }
+    case AF_OP_AS_STRIDED: { /* the arguments, over the same storage */
+        if (n->n_args < 3 || n->args[1].kind != AF_ARG_LIST || n->args[2].kind != AF_ARG_LIST || n->args[1].u.list.n != out->ndim ||
+            n->args[2].u.list.n != out->ndim)
+            return 0;
+        int64_t offset;
+        if (!int_arg(n, 3, in->storage_offset, &offset) || offset != out->storage_offset) return 0;
+        for (int32_t d = 0; d < out->ndim; d++) {
+            const af_arg *a = &n->args[1].u.list.items[d], *b = &n->args[2].u.list.items[d];
+            if (a->kind != AF_ARG_INT || b->kind != AF_ARG_INT || a->u.i != out->sizes[d] ||
+                (out->sizes[d] != 1 && b->u.i != out->strides[d]))
+                return 0;
+        }
+        return 1;
+    }
+    default: return 0;
+    }
+}
+
+/* A source read through a new view (as_strided, which reads its storage as the graph says it is
+ * laid out): its tensor must have the layout of its metadata, also where a kernel falls back and
+ * ATen makes that view. Its root has it: a graph input is checked on entry, and the runtime gives
+ * every other base of an as_strided view its graph layout (runtime.c, plan_pins). So has the
+ * source, when every view link from the root makes the layout its metadata says (view_link_ok),
+ * and a one-element tensor. */
+static int plain_source(const af_graph *g, int32_t v, const af_tensor_meta *x) {
+    const af_tensor_meta *m = &af_graph_value(g, v)->meta;
+    if (!broadcasts_to(m, x)) return 0;
+    if (numel_of(m) == 1) return 1;
+    int32_t root = view_root(g, v);
+    for (int32_t w = v; w != root;) {
+        const af_node *n = af_graph_node(g, af_graph_value(g, w)->producer);
+        int32_t b = n->args[0].u.value;
+        if (!view_link_ok(n, &af_graph_value(g, b)->meta, &af_graph_value(g, w)->meta)) return 0;
+        w = b;
+    }
+    return 1;
+}
+
+static int add_unique(int32_t *set, int32_t *n, int32_t cap, int32_t x) {
+    for (int32_t k = 0; k < *n; k++)
+        if (set[k] == x) return 1;
+    if (*n == cap) return 0;
+    set[(*n)++] = x;
+    return 1;
+}
+
+static int by_index(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The pointwise nodes x is computed by and the sources they read (plan->cone, plan->leaves). */
+static int collect_cone(const af_graph *g, uint32_t devices, sink_plan *plan) {
+    const af_tensor_meta *x = &af_graph_value(g, plan->x)->meta;
+    plan->n_cone = plan->n_leaves = 0;
+    plan->cone[plan->n_cone++] = af_graph_value(g, plan->x)->producer;
+    for (int32_t k = 0; k < plan->n_cone; k++) {
+        const af_node *n = af_graph_node(g, plan->cone[k]);
+        for (int32_t a = 0; a < n->n_args; a++) {
+            if (!value_arg(&n->args[a])) continue;
+            int32_t v = n->args[a].u.value, p = af_graph_value(g, v)->producer;
+            if (af_graph_value(g, v)->meta.type != AF_VALUE_TENSOR || !broadcasts_to(&af_graph_value(g, v)->meta, x)) return 0;
+            if (p >= 0 && sinkable(g, p, devices)) {
+                if (!add_unique(plan->cone, &plan->n_cone, SINK_MAX_CONE, p)) return 0;
+            } else if (!plain_source(g, v, x) || !add_unique(plan->leaves, &plan->n_leaves, SINK_MAX_LEAVES, v)) {
+                return 0;
+            }
+        }
+    }
+    qsort(plan->cone, (size_t)plan->n_cone, sizeof(int32_t), by_index);
+    return 1;
+}
+
+/* The copy's dims as steps along x's dims (plan->pieces, plan->digit), or 0 when some dim
+ * would carry across one of x's and cannot be split where it does. */
+static int map_dims(const af_tensor_meta *x, const af_tensor_meta *in, sink_plan *plan) {
+    int32_t order[AF_MAX_DIMS], n_order = 0;
+    for (int32_t d = 0; d < x->ndim; d++)
+        if (x->sizes[d] > 1) order[n_order++] = d;
+    for (int32_t a = 1; a < n_order; a++) /* by stride, largest first */
+        for (int32_t b = a; b > 0 && x->strides[order[b]] > x->strides[order[b - 1]]; b--) {
+            int32_t t = order[b];
+            order[b] = order[b - 1];
+            order[b - 1] = t;
+        }
+    int64_t span = 1, numel = 1;
+    for (int32_t k = n_order - 1; k >= 0; k--) { /* dense: each stride the product of the later sizes */
+        if (x->strides[order[k]] != span) return 0;
+        span *= x->sizes[order[k]];
+    }
+    for (int32_t d = 0; d < x->ndim; d++) numel *= x->sizes[d];
+    int64_t flat = in->storage_offset - x->storage_offset;
+    if (n_order == 0 || flat < 0 || flat >= numel) return 0;
+    int64_t used[AF_MAX_DIMS] = {0};
+    for (int32_t d = 0; d < x->ndim; d++)
+        plan->digit[d] = x->sizes[d] > 1 ? flat / x->strides[d] % x->sizes[d] : 0, used[d] = plan->digit[d];
+    plan->ndim = 0;
+    for (int32_t k = 0; k < in->ndim; k++) {
+        sink_piece inner[AF_MAX_DIMS];
+        int32_t ni = 0;
+        int64_t n = in->sizes[k], st = in->strides[k];
+        if (n == 1 || st == 0) inner[ni++] = (sink_piece){n, -1, 0};
+        while (n > 1 && st != 0) {
+            if (st < 0 || ni == AF_MAX_DIMS) return 0;
+            int32_t d = -1;
+            for (int32_t j = 0; j < n_order && d < 0; j++)
+                if (st % x->strides[order[j]] == 0) d = order[j];
+            int64_t m = st / x->strides[d], size = x->sizes[d];
+            if (m >= size) return 0;
+            if (used[d] + (n - 1) * m < size) {
+                inner[ni++] = (sink_piece){n, d, m};
+                used[d] += (n - 1) * m;
+                break;
+            }
+            if (size % m || n % (size / m)) return 0;
+            inner[ni++] = (sink_piece){size / m, d, m};
+            used[d] += size - m;
+            n /= size / m;
+            st *= size / m;
+        }
+        if (plan->ndim + ni > AF_MAX_DIMS) return 0;
+        while (ni > 0) plan->pieces[plan->ndim++] = inner[--ni]; /* outer first */
+    }
+    for (int32_t d = 0; d < x->ndim; d++)
+        if (used[d] >= (x->sizes[d] > 1 ? x->sizes[d] : 1)) return 0; /* some dim would carry */
+    return 1;
+}
+
+/* Whether node c is clone(V(x)) with x pointwise, and how to compute it from x's sources. */
+static int plan_copy(const af_graph *g, int32_t c, const uint8_t *is_output, uint32_t devices, sink_plan *plan) {
+    const af_node *n = af_graph_node(g, c);
+    if (n->op_id != AF_OP_CLONE || is_output[n->first_output] || n->n_outputs != 1 || n->n_args < 1 || !value_arg(&n->args[0])) return 0;
+    const af_tensor_meta *out = &af_graph_value(g, n->first_output)->meta;
+    int32_t in = n->args[0].u.value, x = view_root(g, in);
+    const af_tensor_meta *inm = &af_graph_value(g, in)->meta, *xm = &af_graph_value(g, x)->meta;
+    int32_t p = af_graph_value(g, x)->producer;
+    if (x == in || p < 0 || !sinkable(g, p, devices) || out->type != AF_VALUE_TENSOR || !contiguous(out) || xm->dtype != inm->dtype ||
+        out->dtype != inm->dtype || out->ndim != inm->ndim)
+        return 0;
+    for (int32_t v = in; v != x; v = af_graph_node(g, af_graph_value(g, v)->producer)->args[0].u.value)
+        if (af_graph_value(g, v)->meta.dtype != xm->dtype) return 0; /* a view reinterpreting the dtype */
+    memset(plan, 0, sizeof *plan);
+    plan->clone = c;
+    plan->x = x;
+    return map_dims(xm, inm, plan) && collect_cone(g, devices, plan);
+}
+
+/* ---- the rewritten graph ---- */
+
+static void free_args(af_arg *a, int32_t n);
+
+static int copy_args(const af_arg *src, int32_t n, const int32_t *map, af_arg **out) {
+    *out = NULL;
+    if (n == 0) return AF_OK;
+    af_arg *a = calloc((size_t)n, sizeof *a);
+    if (!a) return af_error_set(AF_ERR_NOMEM, "out of memory rewriting copies");
+    for (int32_t k = 0; k < n; k++) {
+        a[k] = src[k];
+        if (src[k].kind == AF_ARG_VALUE) a[k].u.value = map[src[k].u.value];
+        if (src[k].kind == AF_ARG_LIST) {
+            af_arg *items = NULL;
+            int st = copy_args(src[k].u.list.items, src[k].u.list.n, map, &items);
+            if (st) {
+                free_args(a, k);
+                return st;
+            }
+            a[k].u.list.items = items;
+        }
+    }
+    *out = a;
+    return AF_OK;
+}
+
+static void free_args(af_arg *a, int32_t n) {
+    for (int32_t k = 0; a && k < n; k++)
+        if (a[k].kind == AF_ARG_LIST) free_args(a[k].u.list.items, a[k].u.list.n);
+    free(a);
+}
+
+static int add_copy_of(af_graph *out, const af_graph *g, int32_t i, int32_t *map) {
+    const af_node *n = af_graph_node(g, i);
+    af_tensor_meta metas[64];
+    if (n->n_outputs > 64) return af_error_set(AF_ERR_UNSUPPORTED, "node %s: more than 64 outputs", n->op);
+    for (int32_t k = 0; k < n->n_outputs; k++) metas[k] = af_graph_value(g, n->first_output + k)->meta;
+    af_arg *args = NULL;
+    int32_t first = -1;
+    int st = copy_args(n->args, n->n_args, map, &args);
+    if (!st) st = af_graph_add_node(out, n->op, args, n->n_args, metas, n->n_outputs, &first);
+    free_args(args, n->n_args);
+    for (int32_t k = 0; !st && k < n->n_outputs; k++) map[n->first_output + k] = first + k;
+    return st;
+}
+
+static int add_node1(af_graph *out, const char *op, const af_arg *args, int32_t n_args, const af_tensor_meta *m, int32_t *v) {
+    return af_graph_add_node(out, op, args, n_args, m, 1, v);
+}
+
+static af_arg int_list(af_arg *items, const int64_t *v, int32_t n) {
+    for (int32_t k = 0; k < n; k++) items[k] = (af_arg){.kind = AF_ARG_INT, .u.i = v[k]};
+    return (af_arg){.kind = AF_ARG_LIST, .u.list = {n, items}};
+}
+
+/* The copy's nodes: one as_strided view per source, the cone over the finer shape, a view back. */
+static int add_rewritten(af_graph *out, const af_graph *g, const sink_plan *plan, int32_t *map) {
+    const af_tensor_meta *x = &af_graph_value(g, plan->x)->meta;
+    const af_tensor_meta *copy = &af_graph_value(g, af_graph_node(g, plan->clone)->first_output)->meta;
+    int64_t sizes[AF_MAX_DIMS], strides[AF_MAX_DIMS], dense[AF_MAX_DIMS];
+    int32_t nd = plan->ndim;
+    for (int32_t k = 0; k < nd; k++) sizes[k] = plan->pieces[k].size;
+    for (int32_t k = nd - 1; k >= 0; k--) dense[k] = k == nd - 1 ? 1 : dense[k + 1] * sizes[k + 1];
+    int32_t *local = malloc((size_t)af_graph_num_values(g) * sizeof(int32_t));
+    if (!local) return af_error_set(AF_ERR_NOMEM, "out of memory rewriting copies");
+    memcpy(local, map, (size_t)af_graph_num_values(g) * sizeof(int32_t));
+    int st = AF_OK;
+    for (int32_t l = 0; l < plan->n_leaves && !st; l++) {
+        int32_t v = plan->leaves[l];
+        const af_tensor_meta *m = &af_graph_value(g, v)->meta;
+        if (m->ndim == 0) continue; /* read as it is: a 0-dim tensor broadcasts (and promotes) as before */
+        int64_t offset = m->storage_offset;
+        for (int32_t k = 0; k < nd; k++) {
+            int32_t d = plan->pieces[k].dim, dl = d < 0 ? -1 : d - (x->ndim - m->ndim);
+            strides[k] = dl >= 0 && m->sizes[dl] != 1 ? plan->pieces[k].mult * m->strides[dl] : 0;
+        }
+        for (int32_t d = 0; d < x->ndim; d++) {
+            int32_t dl = d - (x->ndim - m->ndim);
+            if (dl >= 0 && m->sizes[dl] != 1) offset += plan->digit[d] * m->strides[dl];
+        }
+        af_tensor_meta vm = *m;
+        vm.ndim = nd, vm.sizes = sizes, vm.strides = strides, vm.storage_offset = offset;
+        af_arg items[2][AF_MAX_DIMS];
+        af_arg args[4] = {{.kind = AF_ARG_VALUE, .u.value = map[v]}, int_list(items[0], sizes, nd), int_list(items[1], strides, nd),
+                          {.kind = AF_ARG_INT, .u.i = offset}};
+        st = add_node1(out, "aten::as_strided.default", args, 4, &vm, &local[v]);
+    }
+    int32_t last = -1;
+    for (int32_t c = 0; c < plan->n_cone && !st; c++) {
+        const af_node *n = af_graph_node(g, plan->cone[c]);
+        af_tensor_meta vm = af_graph_value(g, n->first_output)->meta;
+        vm.ndim = nd, vm.sizes = sizes, vm.strides = dense, vm.storage_offset = 0;
+        af_arg *args = NULL;
+        if (!(st = copy_args(n->args, n->n_args, local, &args))) st = add_node1(out, n->op, args, n->n_args, &vm, &last);
+        free_args(args, n->n_args);
+        local[n->first_output] = last;
+    }
+    int32_t result = last;
+    int same = nd == copy->ndim;
+    for (int32_t k = 0; same && k < nd; k++) same = sizes[k] == copy->sizes[k];
+    if (!st && !same) {
+        af_arg items[AF_MAX_DIMS];
+        af_arg args[2] = {{.kind = AF_ARG_VALUE, .u.value = last}, int_list(items, copy->sizes, copy->ndim)};
+        st = add_node1(out, "aten::view.default", args, 2, copy, &result);
+    }
+    free(local);
+    if (!st) map[af_graph_node(g, plan->clone)->first_output] = result;
+    return st;
+}
+
+static void mark_read(const af_graph *g, const af_arg *a, uint8_t *live) {
+    if (a->kind == AF_ARG_VALUE && af_graph_value(g, a->u.value)->producer >= 0) live[af_graph_value(g, a->u.value)->producer] = 1;
+    if (a->kind == AF_ARG_LIST)
+        for (int32_t k = 0; k < a->u.list.n; k++) mark_read(g, &a->u.list.items[k], live);
+}
+
+/* One pass over g: every copy that qualifies now, rewritten (*out NULL when none). */
+static int sink_pass(const af_graph *g, uint32_t devices, af_graph **out, int32_t *n_sunk) {
+    *out = NULL;
+    *n_sunk = 0;
+    int32_t nn = af_graph_num_nodes(g), nv = af_graph_num_values(g), found = 0;
+    int32_t *plan_of = malloc(((size_t)nn + 1) * sizeof(int32_t));
+    uint8_t *is_output = calloc((size_t)nv + 1, 1); /* a copy returned stays a fresh tensor */
+    sink_plan *plans = NULL, tmp;
+    if (!plan_of || !is_output) {
+        free(plan_of);
+        free(is_output);
+        return af_error_set(AF_ERR_NOMEM, "out of memory rewriting copies");
+    }
+    for (int32_t o = 0; o < af_graph_num_outputs(g); o++) is_output[af_graph_output(g, o)] = 1;
+    for (int32_t i = 0; i < nn; i++) {
+        plan_of[i] = -1;
+        if (!plan_copy(g, i, is_output, devices, &tmp)) continue;
+        sink_plan *grown = realloc(plans, ((size_t)found + 1) * sizeof *plans);
+        if (!grown) {
+            free(plan_of);
+            free(plans);
+            free(is_output);
+            return af_error_set(AF_ERR_NOMEM, "out of memory rewriting copies");
+        }
+        plans = grown;
+        plans[found] = tmp;
+        plan_of[i] = found++;
+    }
+    free(is_output);
+    if (found == 0) {
+        free(plan_of);
+        return AF_OK;
+    }
+    /* what the rewritten graph still computes: outputs, what is not pointwise or a view, and what
+     * those read (a rewritten copy reads its sources) */
+    uint8_t *live = calloc((size_t)nn + 1, 1);
+    int32_t *map = malloc(((size_t)nv + 1) * sizeof(int32_t));
+    af_graph *ng = NULL;
+    int st = live && map ? af_graph_new(&ng) : af_error_set(AF_ERR_NOMEM, "out of memory rewriting copies");
+    for (int32_t o = 0; !st && o < af_graph_num_outputs(g); o++) {
+        int32_t p = af_graph_value(g, af_graph_output(g, o))->producer;
+        if (p >= 0) live[p] = 1;
+    }
+    for (int32_t i = nn - 1; !st && i >= 0; i--) {
+        const af_node *n = af_graph_node(g, i);
+        af_op_kind kind = af_op_get(n->op_id)->kind;
+        if (kind != AF_KIND_POINTWISE && kind != AF_KIND_VIEW) live[i] = 1;
+        if (!live[i]) continue;
+        if (plan_of[i] >= 0) {
+            const sink_plan *pl = &plans[plan_of[i]];
+            for (int32_t l = 0; l < pl->n_leaves; l++) mark_read(g, &(af_arg){.kind = AF_ARG_VALUE, .u.value = pl->leaves[l]}, live);
+        } else {
+            for (int32_t a = 0; a < n->n_args; a++) mark_read(g, &n->args[a], live);
+        }
+    }
+    for (int32_t v = 0; !st && v < nv; v++) map[v] = -1;
+    for (int32_t k = 0; !st && k < af_graph_num_inputs(g); k++) {
+        const af_value *in = af_graph_value(g, af_graph_input(g, k));
+        st = af_graph_add_input(ng, in->name, &in->meta, &map[af_graph_input(g, k)]);
+    }
+    for (int32_t i = 0; !st && i < nn; i++) {
+        if (!live[i]) continue;
+        st = plan_of[i] >= 0 ? add_rewritten(ng, g, &plans[plan_of[i]], map) : add_copy_of(ng, g, i, map);
+    }
+    int32_t no = af_graph_num_outputs(g), *outs = malloc(((size_t)no + 1) * sizeof(int32_t));
+    if (!st && !outs) st = af_error_set(AF_ERR_NOMEM, "out of memory rewriting copies");
+    for (int32_t o = 0; !st && o < no; o++) outs[o] = map[af_graph_output(g, o)];
+    if (!st) st = af_graph_set_outputs(ng, outs, no);
+    if (!st) st = af_graph_verify(ng);
+    free(outs);
+    free(live);
+    free(map);
+    free(plan_of);
+    free(plans);
+    if (st) {
+        af_graph_free(ng);
+        return st;
+    }
+    *out = ng;
+    *n_sunk = found;
+    return AF_OK;
+}
+
+/* Passes until none rewrites a copy: a copy of a view of a rewritten copy qualifies in the next
+ * pass (its cone then ends at as_strided views of sources), so chains of copies collapse. */
+int af_sink_copies(const af_graph *g, uint32_t device_types, af_graph **out, int32_t *n_sunk) {
+    if (!g || !out) return af_error_set(AF_ERR_INVALID, "af_sink_copies: NULL argument");
+    *out = NULL;
+    if (n_sunk) *n_sunk = 0;
+    af_graph *owned = NULL;
+    int32_t total = 0;
+    for (int pass = 0; pass < SINK_MAX_PASSES; pass++) {
+        af_graph *next = NULL;
+        int32_t n = 0;
+        int st = sink_pass(owned ? owned : g, device_types ? device_types : AF_FUSE_ALL_DEVICES, &next, &n);
+        if (st) {
+            af_graph_free(owned);
+            return st;
+        }
+        if (!next) break;
+        af_graph_free(owned);
+        owned = next;
+        total += n;
+    }
+    *out = owned;
+    if (n_sunk) *n_sunk = total;
+    return AF_OK;
+}

@@ -1,0 +1,248 @@
+/* CMocka tests of csrc/sink.c: copies of views of pointwise values, computed from the sources
+ * through one as_strided view each (which views, which finer shape, what is dropped), and the
+ * copies left alone. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "aotfuse/fuse.h"
+
+static af_tensor_meta meta(int32_t nd, const int64_t *sizes, const int64_t *strides, int64_t offset) {
+    af_tensor_meta m = {0};
+    m.type = AF_VALUE_TENSOR;
+    m.dtype = AF_DTYPE_FLOAT32;
+    m.device.index = -1;
+    m.ndim = nd;
+    m.sizes = sizes;
+    m.strides = strides;
+    m.storage_offset = offset;
+    return m;
+}
+
+static int32_t add_node(af_graph *g, const char *op, const af_arg *args, int32_t n, af_tensor_meta m) {
+    int32_t out = -1;
+    assert_int_equal(af_graph_add_node(g, op, args, n, &m, 1, &out), AF_OK);
+    return out;
+}
+
+static af_arg val(int32_t v) { return (af_arg){.kind = AF_ARG_VALUE, .u.value = v}; }
+
+static af_arg ints(af_arg *items, const int64_t *v, int32_t n) {
+    for (int32_t k = 0; k < n; k++) items[k] = (af_arg){.kind = AF_ARG_INT, .u.i = v[k]};
+    return (af_arg){.kind = AF_ARG_LIST, .u.list = {n, items}};
+}
+
+static void assert_meta(const af_tensor_meta *m, int32_t nd, const int64_t *sizes, const int64_t *strides, int64_t offset) {
+    assert_int_equal(m->ndim, nd);
+    for (int32_t d = 0; d < nd; d++) {
+        assert_int_equal(m->sizes[d], sizes[d]);
+        assert_int_equal(m->strides[d], strides[d]);
+    }
+    assert_int_equal(m->storage_offset, offset);
+}
+
+static const af_node *node_at(const af_graph *g, int32_t i, const char *op) {
+    assert_true(i < af_graph_num_nodes(g));
+    const af_node *n = af_graph_node(g, i);
+    assert_string_equal(n->op, op);
+    return n;
+}
+
+/* x = a + b over [2, 2, 4]; copy = clone(permute(view(x, [4, 4]))): the copy's dim 1 steps 4
+ * elements of x, across x's dims 0 and 1, so the copy is computed over [4, 2, 2] from
+ * as_strided views of a and of b (broadcast along the last dim), then viewed back to [4, 4]. */
+static void test_a_permuted_copy_is_computed_from_the_sources(void **state) {
+    (void)state;
+    static const int64_t s3[3] = {2, 2, 4}, t3[3] = {8, 4, 1}, s1[1] = {4}, t1[1] = {1};
+    static const int64_t s44[2] = {4, 4}, t44[2] = {4, 1}, t44p[2] = {1, 4}, perm[2] = {1, 0};
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    int32_t a, b;
+    af_tensor_meta ma = meta(3, s3, t3, 0), mb = meta(1, s1, t1, 0);
+    assert_int_equal(af_graph_add_input(g, "a", &ma, &a), AF_OK);
+    assert_int_equal(af_graph_add_input(g, "b", &mb, &b), AF_OK);
+    af_arg items[2][4];
+    int32_t x = add_node(g, "aten::add.Tensor", (af_arg[]){val(a), val(b)}, 2, meta(3, s3, t3, 0));
+    int32_t v = add_node(g, "aten::view.default", (af_arg[]){val(x), ints(items[0], s44, 2)}, 2, meta(2, s44, t44, 0));
+    int32_t w = add_node(g, "aten::permute.default", (af_arg[]){val(v), ints(items[1], perm, 2)}, 2, meta(2, s44, t44p, 0));
+    int32_t c = add_node(g, "aten::clone.default", (af_arg[]){val(w)}, 1, meta(2, s44, t44, 0));
+    int32_t y = add_node(g, "aten::mul.Tensor", (af_arg[]){val(c), {.kind = AF_ARG_FLOAT, .u.f = 0.5}}, 2, meta(2, s44, t44, 0));
+    assert_int_equal(af_graph_set_outputs(g, &y, 1), AF_OK);
+
+    af_graph *out = NULL;
+    int32_t n = -1;
+    assert_int_equal(af_sink_copies(g, 1u << AF_DEVICE_CUDA, &out, &n), AF_OK); /* no CPU kernels: as it is */
+    assert_null(out);
+    assert_int_equal(af_sink_copies(g, 0, &out, &n), AF_OK);
+    assert_non_null(out);
+    assert_int_equal(n, 1);
+    /* x, its views and the copy are gone: two views, the add over [4, 2, 2], the view back, mul */
+    assert_int_equal(af_graph_num_nodes(out), 5);
+    static const int64_t r[3] = {4, 2, 2}, ra[3] = {1, 8, 4}, rb[3] = {1, 0, 0}, dense[3] = {4, 2, 1};
+    const af_node *va = node_at(out, 0, "aten::as_strided.default"), *vb = node_at(out, 1, "aten::as_strided.default");
+    assert_int_equal(va->args[0].u.value, af_graph_input(out, 0));
+    assert_int_equal(vb->args[0].u.value, af_graph_input(out, 1));
+    assert_meta(&af_graph_value(out, va->first_output)->meta, 3, r, ra, 0);
+    assert_meta(&af_graph_value(out, vb->first_output)->meta, 3, r, rb, 0);
+    assert_int_equal(va->args[2].u.list.items[1].u.i, 8); /* the arguments say what the metadata says */
+    const af_node *sum = node_at(out, 2, "aten::add.Tensor");
+    assert_int_equal(sum->args[0].u.value, va->first_output);
+    assert_int_equal(sum->args[1].u.value, vb->first_output);
+    assert_meta(&af_graph_value(out, sum->first_output)->meta, 3, r, dense, 0);
+    const af_node *back = node_at(out, 3, "aten::view.default");
+    assert_meta(&af_graph_value(out, back->first_output)->meta, 2, s44, t44, 0);
+    assert_int_equal(node_at(out, 4, "aten::mul.Tensor")->args[0].u.value, back->first_output);
+    assert_int_equal(af_graph_output(out, 0), af_graph_node(out, 4)->first_output);
+
+    /* the rewritten graph fuses: the add is one kernel with its two views folded */
+    af_fusion_plan *plan;
+    assert_int_equal(af_fuse_plan_new(out, &(af_fuse_options){.min_nodes = 1}, &plan), AF_OK);
+    assert_true(plan->group_of_node[2] >= 0);
+    assert_int_equal(plan->groups[plan->group_of_node[2]].n_inputs, 2);
+    af_fuse_plan_free(plan);
+    af_graph_free(out);
+    af_graph_free(g);
+}
+
+/* Overlapping windows (as_strided(x, [3, 8], [4, 1], 4)) of x = exp(a) * 2 over [20]: no dim carries, the
+ * copy keeps its shape (no view back) and reads a through the same windows. */
+static void test_overlapping_windows_keep_their_shape(void **state) {
+    (void)state;
+    static const int64_t s16[1] = {20}, t16[1] = {1}, s38[2] = {3, 8}, tw[2] = {4, 1}, t38[2] = {8, 1};
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    int32_t a;
+    af_tensor_meta ma = meta(1, s16, t16, 0);
+    assert_int_equal(af_graph_add_input(g, "a", &ma, &a), AF_OK);
+    af_arg items[2][2];
+    int32_t e = add_node(g, "aten::exp.default", (af_arg[]){val(a)}, 1, meta(1, s16, t16, 0));
+    int32_t x = add_node(g, "aten::mul.Tensor", (af_arg[]){val(e), {.kind = AF_ARG_INT, .u.i = 2}}, 2, meta(1, s16, t16, 0));
+    int32_t w = add_node(g, "aten::as_strided.default",
+                         (af_arg[]){val(x), ints(items[0], s38, 2), ints(items[1], tw, 2), {.kind = AF_ARG_INT, .u.i = 4}}, 4,
+                         meta(2, s38, tw, 4));
+    int32_t c = add_node(g, "aten::clone.default", (af_arg[]){val(w)}, 1, meta(2, s38, t38, 0));
+    int32_t y = add_node(g, "aten::neg.default", (af_arg[]){val(c)}, 1, meta(2, s38, t38, 0));
+    int32_t outs[2] = {y, x}; /* x is returned too: its nodes stay, and are recomputed for the copy */
+    assert_int_equal(af_graph_set_outputs(g, outs, 2), AF_OK);
+
+    af_graph *out = NULL;
+    assert_int_equal(af_sink_copies(g, 0, &out, NULL), AF_OK);
+    assert_non_null(out);
+    const char *ops[] = {"aten::exp.default", "aten::mul.Tensor", "aten::as_strided.default", "aten::exp.default",
+                         "aten::mul.Tensor", "aten::neg.default"};
+    assert_int_equal(af_graph_num_nodes(out), 6);
+    for (int32_t i = 0; i < 6; i++) node_at(out, i, ops[i]);
+    assert_meta(&af_graph_value(out, af_graph_node(out, 2)->first_output)->meta, 2, s38, tw, 4);
+    assert_int_equal(af_graph_node(out, 2)->args[0].u.value, af_graph_input(out, 0));
+    assert_meta(&af_graph_value(out, af_graph_node(out, 4)->first_output)->meta, 2, s38, t38, 0);
+    assert_int_equal(af_graph_node(out, 5)->args[0].u.value, af_graph_node(out, 4)->first_output);
+    af_graph_free(out);
+    af_graph_free(g);
+}
+
+/* Copies left alone: one the graph returns, one whose source is a view whose metadata is not
+ * the layout ATen makes (a transpose declared contiguous), one whose dim carries across x's dims where it cannot be
+ * split, and a copy of x itself (no view: it fuses with x already). */
+static void test_copies_left_alone(void **state) {
+    (void)state;
+    static const int64_t s35[2] = {3, 5}, t35[2] = {5, 1}, s53[2] = {5, 3}, t53[2] = {1, 5}, c53[2] = {3, 1};
+    static const int64_t s27[2] = {2, 7}, t27[2] = {7, 1}, perm[2] = {1, 0};
+    for (int which = 0; which < 4; which++) {
+        af_graph *g;
+        assert_int_equal(af_graph_new(&g), AF_OK);
+        int32_t a;
+        af_tensor_meta ma = meta(2, s35, t35, 0);
+        assert_int_equal(af_graph_add_input(g, "a", &ma, &a), AF_OK);
+        af_arg items[2][2];
+        int32_t src = a;
+        if (which == 1) { /* the source: t(t(a)), the inner one declared contiguous, which ATen's is not */
+            src = add_node(g, "aten::t.default", (af_arg[]){val(a)}, 1, meta(2, s53, c53, 0));
+            src = add_node(g, "aten::t.default", (af_arg[]){val(src)}, 1, meta(2, s35, t35, 0));
+        }
+        int32_t x = add_node(g, "aten::exp.default", (af_arg[]){val(src)}, 1, meta(2, s35, t35, 0)), c, y;
+        if (which == 2) {
+            int32_t w = add_node(g, "aten::as_strided.default",
+                                 (af_arg[]){val(x), ints(items[0], s27, 2), ints(items[1], t27, 2), {.kind = AF_ARG_INT}}, 4,
+                                 meta(2, s27, t27, 0));
+            c = add_node(g, "aten::clone.default", (af_arg[]){val(w)}, 1, meta(2, s27, t27, 0));
+            y = add_node(g, "aten::neg.default", (af_arg[]){val(c)}, 1, meta(2, s27, t27, 0));
+        } else if (which == 3) {
+            c = add_node(g, "aten::clone.default", (af_arg[]){val(x)}, 1, meta(2, s35, t35, 0));
+            y = add_node(g, "aten::neg.default", (af_arg[]){val(c)}, 1, meta(2, s35, t35, 0));
+        } else {
+            int32_t w = add_node(g, "aten::permute.default", (af_arg[]){val(x), ints(items[0], perm, 2)}, 2, meta(2, s53, t53, 0));
+            c = add_node(g, "aten::clone.default", (af_arg[]){val(w)}, 1, meta(2, s53, c53, 0));
+            y = which == 0 ? c : add_node(g, "aten::neg.default", (af_arg[]){val(c)}, 1, meta(2, s53, c53, 0));
+        }
+        assert_int_equal(af_graph_set_outputs(g, &y, 1), AF_OK);
+        af_graph *out = g; /* overwritten with NULL */
+        int32_t n = -1;
+        assert_int_equal(af_sink_copies(g, 0, &out, &n), AF_OK);
+        assert_null(out);
+        assert_int_equal(n, 0);
+        af_graph_free(g);
+    }
+}
+
+/* Copies of copies: clone(t(clone(t(-a)))) is -a computed from a. The first pass rewrites both
+ * copies (the outer one recomputing the inner one over a view of -a), the second the outer one
+ * again (a copy of a view of -a now): -a over a view of a, which is a itself. */
+static void test_copies_of_copies_collapse(void **state) {
+    (void)state;
+    static const int64_t s46[2] = {4, 6}, t46[2] = {6, 1}, s64[2] = {6, 4}, t64p[2] = {1, 6}, t64[2] = {4, 1}, t46p[2] = {1, 4};
+    static const int64_t perm[2] = {1, 0};
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    int32_t a;
+    af_tensor_meta ma = meta(2, s46, t46, 0);
+    assert_int_equal(af_graph_add_input(g, "a", &ma, &a), AF_OK);
+    af_arg items[2][2];
+    int32_t x = add_node(g, "aten::neg.default", (af_arg[]){val(a)}, 1, meta(2, s46, t46, 0));
+    int32_t p1 = add_node(g, "aten::permute.default", (af_arg[]){val(x), ints(items[0], perm, 2)}, 2, meta(2, s64, t64p, 0));
+    int32_t c1 = add_node(g, "aten::clone.default", (af_arg[]){val(p1)}, 1, meta(2, s64, t64, 0));
+    int32_t p2 = add_node(g, "aten::permute.default", (af_arg[]){val(c1), ints(items[1], perm, 2)}, 2, meta(2, s46, t46p, 0));
+    int32_t c2 = add_node(g, "aten::clone.default", (af_arg[]){val(p2)}, 1, meta(2, s46, t46, 0));
+    int32_t y = add_node(g, "aten::mul.Tensor", (af_arg[]){val(c2), {.kind = AF_ARG_INT, .u.i = 2}}, 2, meta(2, s46, t46, 0));
+    assert_int_equal(af_graph_set_outputs(g, &y, 1), AF_OK);
+    af_graph *out = NULL;
+    int32_t n = 0;
+    assert_int_equal(af_sink_copies(g, 0, &out, &n), AF_OK);
+    assert_non_null(out);
+    assert_int_equal(n, 3);
+    assert_int_equal(af_graph_num_nodes(out), 3);
+    const af_node *v = node_at(out, 0, "aten::as_strided.default");
+    assert_int_equal(v->args[0].u.value, af_graph_input(out, 0));
+    assert_meta(&af_graph_value(out, v->first_output)->meta, 2, s46, t46, 0);
+    assert_int_equal(node_at(out, 1, "aten::neg.default")->args[0].u.value, v->first_output);
+    node_at(out, 2, "aten::mul.Tensor");
+    af_graph_free(out);
+    af_graph_free(g);
+}
+
+static void test_bad_arguments(void **state) {
+    (void)state;
+    af_graph *out;
+    assert_int_equal(af_sink_copies(NULL, 0, &out, NULL), AF_ERR_INVALID);
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    assert_int_equal(af_sink_copies(g, 0, NULL, NULL), AF_ERR_INVALID);
+    assert_int_equal(af_sink_copies(g, 0, &out, NULL), AF_OK); /* nothing to rewrite */
+    assert_null(out);
+    af_graph_free(g);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_a_permuted_copy_is_computed_from_the_sources),
+        cmocka_unit_test(test_overlapping_windows_keep_their_shape),
+        cmocka_unit_test(test_copies_left_alone),
+        cmocka_unit_test(test_copies_of_copies_collapse),
+        cmocka_unit_test(test_bad_arguments),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
