@@ -4,8 +4,10 @@ alternating steps (the order flips each repetition), so that the machine's drift
 
     python benchmarks/ab_env.py --env AOTFUSE_SINK_COPIES --model LongformerForMaskedLM --size host
 
-prints each side's median step time, their ratio, and each side's loss after the last step (the
-two copies start from the same weights and take the same steps, so the losses agree to rounding).
+prints each side's median step time, their ratio, each side's peak CPU allocation over one step
+(torch's allocation events, as `python -m aotfuse.bench` measures it) and each side's loss after the
+last step (the two copies start from the same weights and take the same steps, so the losses agree to
+rounding).
 The variable is read when a program is lowered (each copy's first steps, Dynamo's pieces included),
 so it must be one read then (AOTFUSE_SINK_COPIES, AOTFUSE_REUSE_BUFFERS, AOTFUSE_CONSTANT_FOLD, ...).
 """
@@ -22,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import aotfuse  # noqa: E402
-from aotfuse.bench import DTYPES, SIZES, build_model  # noqa: E402
+from aotfuse.bench import DTYPES, SIZES, _cpu_peak, build_model  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,9 +70,18 @@ def main(argv: list[str] | None = None) -> None:
             opt.step()
             times[side].append(time.perf_counter() - t0)
             losses[side] = loss.item()
+    peaks = {}
+    for side, (m, opt) in sides.items():
+        def step() -> None:
+            opt.zero_grad(set_to_none=True)
+            m(**inputs).loss.backward()
+            opt.step()
+
+        peaks[side] = _cpu_peak(step)
     print(f"{desc} | {args.dtype} | torch {torch.__version__} | {args.repeats} steps a side, {args.threads} thread(s)")
     for side, value in (("A", args.a), ("B", args.b)):
-        print(f"  {args.env}={value}: step median {statistics.median(times[side]) * 1e3:.3f} ms, last loss {losses[side]:.6f}")
+        print(f"  {args.env}={value}: step median {statistics.median(times[side]) * 1e3:.3f} ms, peak "
+              f"{peaks[side] / 1e6:.3f} MB, last loss {losses[side]:.6f}")
     print(f"  A/B: {statistics.median(times['A']) / statistics.median(times['B']):.3f}")
 
 

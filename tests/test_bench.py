@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import os
 import pathlib
 
 import pytest
@@ -141,3 +142,23 @@ def test_profile_steps_lists_programs_and_kernels(capsys):
     out = capsys.readouterr().out
     assert "inside the C programs" in out and "fused kernels" in out, out
     assert "aotfuse: one step, self CPU time" in out and "eager: one step, self CPU time" in out, out
+
+
+def test_ab_env_times_both_sides_of_a_switch(capsys, monkeypatch):
+    """benchmarks/ab_env.py: two copies lowered with the switch at its two values, trained alike
+    (the same loss after the same steps), each side's time and peak printed; the variable is put
+    back as it was."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "ab_env.py"
+    spec = importlib.util.spec_from_file_location("ab_env", path)
+    ab_env = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab_env)
+    monkeypatch.delenv("AOTFUSE_SINK_COPIES", raising=False)
+    ab_env.main(["--env", "AOTFUSE_SINK_COPIES", "--model", "BertForMaskedLM", "--size", "host", "--repeats", "2",
+                 "--warmup", "1"])
+    out = capsys.readouterr().out
+    lines = {v: line for line in out.splitlines() for v in ("=1:", "=0:") if v in line}
+    assert set(lines) == {"=1:", "=0:"} and "A/B:" in out, out
+    losses = {v: float(line.rsplit("last loss ", 1)[1]) for v, line in lines.items()}
+    assert losses["=1:"] == pytest.approx(losses["=0:"], rel=1e-5), out
+    assert all("peak" in line and " ms" in line for line in lines.values()), out
+    assert "AOTFUSE_SINK_COPIES" not in os.environ
