@@ -811,25 +811,32 @@ static PyObject *id_list(const int32_t *ids, int32_t n) {
 
 static const char *const cuda_kind_names[] = {"none", "pointwise", "rows", "columns", "split_rows"};
 
-/* cuda_codegen(graph, sm_count=132, min_group=2) -> (source, [launch dict per group]): the CUDA a
+/* cuda_codegen(graph, sm_count=132, min_group=2, sink=False) -> (source, [launch dict per group]): the CUDA a
  * program would compile for the graph's CUDA groups, and per group its launch facts and operands
  * (value ids: inputs, then outputs, the kernel's parameter order); the graph is not consumed. */
 static PyObject *cuda_codegen(PyObject *m, PyObject *args, PyObject *kwds) {
     (void)m;
-    static char *kwlist[] = {"graph", "sm_count", "min_group", NULL};
+    static char *kwlist[] = {"graph", "sm_count", "min_group", "sink", NULL};
     GraphObject *graph;
-    int sm_count = 132, min_group = 2;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|ii", kwlist, &GraphType, &graph, &sm_count, &min_group) || !graph_alive(graph))
+    int sm_count = 132, min_group = 2, sink = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|iip", kwlist, &GraphType, &graph, &sm_count, &min_group, &sink) ||
+        !graph_alive(graph))
         return NULL;
     int st = af_graph_verify(graph->g);
     if (st) return raise_status(st);
+    af_graph *sunk = NULL; /* sink: the graph a program runs (copies of views computed from their sources) */
+    if (sink && (st = af_sink_copies(graph->g, 1u << AF_DEVICE_CUDA, &sunk, NULL))) return raise_status(st);
+    const af_graph *g = sunk ? sunk : graph->g;
     af_fuse_options fo = {.min_nodes = min_group, .device_types = 1u << AF_DEVICE_CUDA};
     af_fusion_plan *plan = NULL;
-    if ((st = af_fuse_plan_new(graph->g, &fo, &plan))) return raise_status(st);
+    if ((st = af_fuse_plan_new(g, &fo, &plan))) {
+        af_graph_free(sunk);
+        return raise_status(st);
+    }
     af_cuda_launch *launch = calloc((size_t)plan->n_groups + 1, sizeof *launch);
     char *source = NULL;
     if (!launch) st = af_error_set(AF_ERR_NOMEM, "out of memory");
-    else st = af_codegen_cuda(graph->g, plan, sm_count, &source, launch);
+    else st = af_codegen_cuda(g, plan, sm_count, &source, launch);
     PyObject *result = NULL, *list = st ? NULL : PyList_New(0);
     for (int32_t i = 0; list && i < plan->n_groups; i++) {
         const af_cuda_launch *l = &launch[i];
@@ -850,6 +857,7 @@ static PyObject *cuda_codegen(PyObject *m, PyObject *args, PyObject *kwds) {
     free(source);
     free(launch);
     af_fuse_plan_free(plan);
+    af_graph_free(sunk);
     return st ? raise_status(st) : result;
 }
 
@@ -913,7 +921,8 @@ static PyMethodDef module_methods[] = {
     {"fast_bindings", fast_bindings, METH_NOARGS, "[(ATen overload, the torch.<name> binding extern calls use for it, whether out= calls use it too)]"},
     {"op_kind", op_kind, METH_O, "op_kind('aten::add.Tensor') -> 'pointwise'"},
     {"cuda_codegen", (PyCFunction)(void (*)(void))cuda_codegen, METH_VARARGS | METH_KEYWORDS,
-     "cuda_codegen(graph, sm_count=132, min_group=2) -> (CUDA source, [launch per group])"},
+     "cuda_codegen(graph, sm_count=132, min_group=2, sink=False) -> (CUDA source, [launch per group]); sink: of the "
+     "graph with copies of views computed from their sources, as a program runs it (launch value ids are then that graph's)"},
     {"nvrtc_compile", (PyCFunction)(void (*)(void))nvrtc_compile, METH_VARARGS | METH_KEYWORDS,
      "nvrtc_compile(source, arch=90, ptx=False, verbose=False) -> (image, log)"},
     {"cuda_info", cuda_info, METH_VARARGS, "cuda_info(need_driver=False) -> NVRTC's path and version, or the error"},

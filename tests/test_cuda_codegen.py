@@ -163,3 +163,24 @@ def test_folded_constants_and_fills_compile():
     for arch in ARCHS:
         kernels = compile_report(source, arch)
         assert len(kernels) >= len(launches) and all(k["registers"] for k in kernels), (arch, kernels)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copies_of_views_computed_from_their_sources_compile(dtype):
+    """The CUDA a program compiles once copies of views are computed from their sources
+    (csrc/sink.c): the windows' copy and the transposed copy fuse with their pointwise nodes (two
+    kernels instead of four), and compile for sm_80 and sm_90 without spills."""
+    from test_fusion import _windows_of_a_scaled_projection
+
+    args = (torch.randn(32, 32, dtype=dtype), torch.randn(32, dtype=dtype))
+    gm = make_fx(_windows_of_a_scaled_projection, tracing_mode="fake")(*args)
+    graph = build_graph(gm, device="cuda:0").graph
+    source, launches = _C.cuda_codegen(graph, sink=True)
+    _, before = _C.cuda_codegen(graph)
+    assert len(launches) == 2 and len(before) == 4, (launches, before)
+    # before: two kernels of two pointwise nodes and two lone copies; after: the two pointwise pairs
+    assert [l["nodes"] for l in before].count(1) == 2 and [l["nodes"] for l in launches] == [2, 2], (launches, before)
+    for arch in ARCHS:
+        kernels = compile_report(source, arch)
+        assert kernels and all(k["spill_stores"] == k["spill_loads"] == 0 for k in kernels), (arch, kernels)

@@ -64,11 +64,12 @@ def captured_graphs(fn: Any, *args: Any, **kwargs: Any) -> list[tuple[str, torch
 
 
 def cuda_sources(gms: list[tuple[str, torch.fx.GraphModule]], sm_count: int = 132) -> list[tuple[str, str, list]]:
-    """(name, CUDA source, launch facts per group) for each graph, planned for cuda:0."""
+    """(name, CUDA source, launch facts per group) for each graph, planned for cuda:0 as a program
+    runs it (copies of views computed from their sources, csrc/sink.c)."""
     out = []
     for name, gm in gms:
         b = build_graph(gm, device="cuda:0")
-        source, launches = _C.cuda_codegen(b.graph, sm_count=sm_count)
+        source, launches = _C.cuda_codegen(b.graph, sm_count=sm_count, sink=config.sink_copies())
         out.append((name, source, launches))
     return out
 
