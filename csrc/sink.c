@@ -117,6 +117,37 @@ static int int_arg(const af_node *n, int32_t k, int64_t dflt, int64_t *out) {
     return *out = n->args[k].u.i, 1;
 }
 
+/* The strides ATen's view gives `in` reshaped to out's sizes (into st; size-1 dims get any), or 0
+ * where it has none (a new dim would cut across dims of `in` that do not step as one). */
+static int view_strides(const af_tensor_meta *in, const af_tensor_meta *out, int64_t *st) {
+    int32_t o = in->ndim - 1, k = out->ndim - 1;
+    while (k >= 0) {
+        if (out->sizes[k] == 1) {
+            st[k--] = 1;
+            continue;
+        }
+        while (o >= 0 && in->sizes[o] == 1) o--;
+        if (o < 0) return 0;
+        int32_t cur = o--;
+        int64_t chunk = in->sizes[cur], base = in->strides[cur], prod = 1;
+        for (;;) { /* the run of dims stepping as one: each stride the next one's span */
+            int32_t q = o;
+            while (q >= 0 && in->sizes[q] == 1) q--;
+            if (q < 0 || in->strides[q] != in->strides[cur] * in->sizes[cur]) break;
+            chunk *= in->sizes[q];
+            cur = q;
+            o = q - 1;
+        }
+        while (k >= 0 && prod < chunk) {
+            st[k] = base * prod;
+            prod *= out->sizes[k--];
+        }
+        if (prod != chunk) return 0;
+    }
+    while (o >= 0 && in->sizes[o] == 1) o--;
+    return o < 0;
+}
+
 /* Whether the view node n, given an input laid out as `in`, makes what its metadata `out` says
  * (ATen's rule for that view), so that a source's declared layout can be trusted link by link. */
 static int view_link_ok(const af_node *n, const af_tensor_meta *in, const af_tensor_meta *out) {
@@ -129,8 +160,11 @@ static int view_link_ok(const af_node *n, const af_tensor_meta *in, const af_ten
     switch (n->op_id) {
     case AF_OP_ALIAS: return same_addressing(in, out);
     case AF_OP_VIEW:
-    case AF_OP_UNSAFE_VIEW: /* of a contiguous tensor: contiguous */
-        return contiguous(in) && contiguous(out) && numel_of(in) == numel_of(out) && in->storage_offset == out->storage_offset;
+    case AF_OP_UNSAFE_VIEW: /* runs of in's dims that step as one, cut into out's dims */
+        if (out->ndim > AF_MAX_DIMS || numel_of(in) != numel_of(out) || numel_of(in) == 0 || !view_strides(in, out, st)) return 0;
+        want.ndim = out->ndim;
+        memcpy(sz, out->sizes, (size_t)out->ndim * sizeof(int64_t));
+        return same_addressing(&want, out);
     case AF_OP_SQUEEZE:
     case AF_OP_UNSQUEEZE: { /* size-1 dims come or go, the others stay as they were */
         int32_t a = moving_dims(in, sz, st), b = moving_dims(out, sz2, st2);
@@ -224,11 +258,7 @@ static int view_link_ok(const af_node *n, const af_tensor_meta *in, const af_ten
  * every other base of an as_strided view its graph layout (runtime.c, plan_pins). So has the
  * source, when every view link from the root makes the layout its metadata says (view_link_ok),
  * and a one-element tensor. */
-static int plain_source(const af_graph *g, int32_t v, const af_tensor_meta *x) {
-    const af_tensor_meta *m = &af_graph_value(g, v)->meta;
-    if (!broadcasts_to(m, x)) return 0;
-    if (numel_of(m) == 1) return 1;
-    int32_t root = view_root(g, v);
+static int views_as_declared(const af_graph *g, int32_t v, int32_t root) {
     for (int32_t w = v; w != root;) {
         const af_node *n = af_graph_node(g, af_graph_value(g, w)->producer);
         int32_t b = n->args[0].u.value;
@@ -236,6 +266,12 @@ static int plain_source(const af_graph *g, int32_t v, const af_tensor_meta *x) {
         w = b;
     }
     return 1;
+}
+
+static int plain_source(const af_graph *g, int32_t v, const af_tensor_meta *x) {
+    const af_tensor_meta *m = &af_graph_value(g, v)->meta;
+    if (!broadcasts_to(m, x)) return 0;
+    return numel_of(m) == 1 || views_as_declared(g, v, view_root(g, v));
 }
 
 static int add_unique(int32_t *set, int32_t *n, int32_t cap, int32_t x) {
@@ -336,11 +372,12 @@ static int plan_copy(const af_graph *g, int32_t c, const uint8_t *is_output, uin
     int32_t in = n->args[0].u.value, x = view_root(g, in);
     const af_tensor_meta *inm = &af_graph_value(g, in)->meta, *xm = &af_graph_value(g, x)->meta;
     int32_t p = af_graph_value(g, x)->producer;
-    if (x == in || p < 0 || !sinkable(g, p, devices) || out->type != AF_VALUE_TENSOR || !contiguous(out) || xm->dtype != inm->dtype ||
-        out->dtype != inm->dtype || out->ndim != inm->ndim)
+    /* the copy's index map is its input's metadata: it must be what ATen's views make of x (whose
+     * layout, a kernel's output, is its metadata's), else the copy stays a kernel that checks it;
+     * and a copy with dims (a 0-dim one would make its sources 0-dim, which promote otherwise) */
+    if (x == in || p < 0 || !sinkable(g, p, devices) || out->type != AF_VALUE_TENSOR || !contiguous(out) || out->dtype != inm->dtype ||
+        out->ndim != inm->ndim || inm->ndim == 0 || !views_as_declared(g, in, x))
         return 0;
-    for (int32_t v = in; v != x; v = af_graph_node(g, af_graph_value(g, v)->producer)->args[0].u.value)
-        if (af_graph_value(g, v)->meta.dtype != xm->dtype) return 0; /* a view reinterpreting the dtype */
     memset(plan, 0, sizeof *plan);
     plan->clone = c;
     plan->x = x;
