@@ -293,11 +293,11 @@ static int plain_view(const af_graph *g, int32_t i, const uint8_t *is_output) {
            out->device.type == in->device.type && out->device.index == in->device.index;
 }
 
+static int plan_pins(af_program *p);
+
 /* Which views fold into the kernels reading them (fold_root, fold_delta) and which run as checked
  * reinterpretations (view_state 0); in reverse order, since a view folds when every reader is a
  * kernel or a view that folds. */
-static int plan_pins(af_program *p);
-
 static int plan_views(af_program *p) {
     const af_graph *g = p->graph;
     int32_t nn = af_graph_num_nodes(g), nv = af_graph_num_values(g);

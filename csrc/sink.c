@@ -252,12 +252,7 @@ static int view_link_ok(const af_node *n, const af_tensor_meta *in, const af_ten
     }
 }
 
-/* A source read through a new view (as_strided, which reads its storage as the graph says it is
- * laid out): its tensor must have the layout of its metadata, also where a kernel falls back and
- * ATen makes that view. Its root has it: a graph input is checked on entry, and the runtime gives
- * every other base of an as_strided view its graph layout (runtime.c, plan_pins). So has the
- * source, when every view link from the root makes the layout its metadata says (view_link_ok),
- * and a one-element tensor. */
+/* Whether every view link from root to v makes the layout v's metadata says (view_link_ok). */
 static int views_as_declared(const af_graph *g, int32_t v, int32_t root) {
     for (int32_t w = v; w != root;) {
         const af_node *n = af_graph_node(g, af_graph_value(g, w)->producer);
@@ -268,6 +263,12 @@ static int views_as_declared(const af_graph *g, int32_t v, int32_t root) {
     return 1;
 }
 
+/* A source read through a new view (as_strided, which reads its storage as the graph says it is
+ * laid out): its tensor must have the layout of its metadata, also where a kernel falls back and
+ * ATen makes that view. Its root has it: a graph input is checked on entry, and the runtime gives
+ * every other base of an as_strided view its graph layout (runtime.c, plan_pins). So has the
+ * source, when every view link from the root makes the layout its metadata says (view_link_ok),
+ * and a one-element tensor. */
 static int plain_source(const af_graph *g, int32_t v, const af_tensor_meta *x) {
     const af_tensor_meta *m = &af_graph_value(g, v)->meta;
     if (!broadcasts_to(m, x)) return 0;

@@ -32,6 +32,16 @@ static int32_t add_node(af_graph *g, const char *op, const af_arg *args, int32_t
 
 static af_arg val(int32_t v) { return (af_arg){.kind = AF_ARG_VALUE, .u.value = v}; }
 
+/* A new graph with one input a (float32, the given layout); x = neg(a) when x is not NULL. */
+static af_graph *start_graph(int32_t nd, const int64_t *sizes, const int64_t *strides, int32_t *a, int32_t *x) {
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    af_tensor_meta m = meta(nd, sizes, strides, 0);
+    assert_int_equal(af_graph_add_input(g, "a", &m, a), AF_OK);
+    if (x) *x = add_node(g, "aten::neg.default", (af_arg[]){val(*a)}, 1, m);
+    return g;
+}
+
 static af_arg ints(af_arg *items, const int64_t *v, int32_t n) {
     for (int32_t k = 0; k < n; k++) items[k] = (af_arg){.kind = AF_ARG_INT, .u.i = v[k]};
     return (af_arg){.kind = AF_ARG_LIST, .u.list = {n, items}};
@@ -114,11 +124,8 @@ static void test_a_permuted_copy_is_computed_from_the_sources(void **state) {
 static void test_overlapping_windows_keep_their_shape(void **state) {
     (void)state;
     static const int64_t s16[1] = {20}, t16[1] = {1}, s38[2] = {3, 8}, tw[2] = {4, 1}, t38[2] = {8, 1};
-    af_graph *g;
-    assert_int_equal(af_graph_new(&g), AF_OK);
     int32_t a;
-    af_tensor_meta ma = meta(1, s16, t16, 0);
-    assert_int_equal(af_graph_add_input(g, "a", &ma, &a), AF_OK);
+    af_graph *g = start_graph(1, s16, t16, &a, NULL);
     af_arg items[2][2];
     int32_t e = add_node(g, "aten::exp.default", (af_arg[]){val(a)}, 1, meta(1, s16, t16, 0));
     int32_t x = add_node(g, "aten::mul.Tensor", (af_arg[]){val(e), {.kind = AF_ARG_INT, .u.i = 2}}, 2, meta(1, s16, t16, 0));
@@ -153,11 +160,8 @@ static void test_copies_left_alone(void **state) {
     static const int64_t s35[2] = {3, 5}, t35[2] = {5, 1}, s53[2] = {5, 3}, t53[2] = {1, 5}, c53[2] = {3, 1};
     static const int64_t s27[2] = {2, 7}, t27[2] = {7, 1}, perm[2] = {1, 0};
     for (int which = 0; which < 4; which++) {
-        af_graph *g;
-        assert_int_equal(af_graph_new(&g), AF_OK);
         int32_t a;
-        af_tensor_meta ma = meta(2, s35, t35, 0);
-        assert_int_equal(af_graph_add_input(g, "a", &ma, &a), AF_OK);
+        af_graph *g = start_graph(2, s35, t35, &a, NULL);
         af_arg items[2][2];
         int32_t src = a;
         if (which == 1) { /* the source: t(t(a)), the inner one declared contiguous, which ATen's is not */
@@ -196,13 +200,9 @@ static void test_copies_of_copies_collapse(void **state) {
     (void)state;
     static const int64_t s46[2] = {4, 6}, t46[2] = {6, 1}, s64[2] = {6, 4}, t64p[2] = {1, 6}, t64[2] = {4, 1}, t46p[2] = {1, 4};
     static const int64_t perm[2] = {1, 0};
-    af_graph *g;
-    assert_int_equal(af_graph_new(&g), AF_OK);
-    int32_t a;
-    af_tensor_meta ma = meta(2, s46, t46, 0);
-    assert_int_equal(af_graph_add_input(g, "a", &ma, &a), AF_OK);
+    int32_t a, x;
+    af_graph *g = start_graph(2, s46, t46, &a, &x);
     af_arg items[2][2];
-    int32_t x = add_node(g, "aten::neg.default", (af_arg[]){val(a)}, 1, meta(2, s46, t46, 0));
     int32_t p1 = add_node(g, "aten::permute.default", (af_arg[]){val(x), ints(items[0], perm, 2)}, 2, meta(2, s64, t64p, 0));
     int32_t c1 = add_node(g, "aten::clone.default", (af_arg[]){val(p1)}, 1, meta(2, s64, t64, 0));
     int32_t p2 = add_node(g, "aten::permute.default", (af_arg[]){val(c1), ints(items[1], perm, 2)}, 2, meta(2, s46, t46p, 0));
@@ -232,13 +232,9 @@ static void test_views_of_permuted_values_are_re_derived(void **state) {
     static const int64_t s3[3] = {2, 2, 4}, t3[3] = {8, 4, 1}, sp[3] = {4, 2, 2}, tp[3] = {1, 8, 4}, perm[3] = {2, 0, 1};
     static const int64_t s44[2] = {4, 4}, t44v[2] = {1, 4}, t44[2] = {4, 1}, r[3] = {4, 2, 2}, ra[3] = {1, 8, 4};
     for (int lie = 0; lie < 2; lie++) {
-        af_graph *g;
-        assert_int_equal(af_graph_new(&g), AF_OK);
-        int32_t a;
-        af_tensor_meta ma = meta(3, s3, t3, 0);
-        assert_int_equal(af_graph_add_input(g, "a", &ma, &a), AF_OK);
+        int32_t a, x;
+        af_graph *g = start_graph(3, s3, t3, &a, &x);
         af_arg items[2][3];
-        int32_t x = add_node(g, "aten::neg.default", (af_arg[]){val(a)}, 1, meta(3, s3, t3, 0));
         int32_t p = add_node(g, "aten::permute.default", (af_arg[]){val(x), ints(items[0], perm, 3)}, 2, meta(3, sp, tp, 0));
         int32_t v = add_node(g, "aten::view.default", (af_arg[]){val(p), ints(items[1], s44, 2)}, 2, meta(2, s44, lie ? t44 : t44v, 0));
         int32_t c = add_node(g, "aten::clone.default", (af_arg[]){val(v)}, 1, meta(2, s44, t44, 0));
