@@ -302,3 +302,20 @@ def test_window_members_and_fills_match_aten_on_cuda(dtype):
             assert a.is_cuda and a.shape == r.shape
             assert_close(a, r, f"{cases.__name__} {i} ({dtype})", atol=0, rtol=0)
         assert lowered.extern_counts() == {} and lowered.program.kernel_fallbacks == 0, lowered.extern_counts()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_copies_of_views_computed_from_their_sources_on_cuda(dtype):
+    """Longformer's chunked projection and a transposed copy (tests/test_fusion.py): computed from
+    their sources through as_strided views (csrc/sink.c) in CUDA kernels, the values ATen's."""
+    from test_fusion import _windows_of_a_scaled_projection
+
+    args = [torch.randn(32, 32, dtype=dtype).cuda(), torch.randn(32, dtype=dtype).cuda()]
+    lowered = _lowered(_windows_of_a_scaled_projection, args)
+    assert lowered.program.copies_sunk == 2 and lowered.program.num_kernels == 2
+    atol, rtol = TOL[dtype]
+    for _ in range(2):
+        for name, a, r in zip(("scores", "heads"), lowered(list(args)), _windows_of_a_scaled_projection(*args)):
+            assert a.is_cuda
+            assert_close(a, r, f"{name} ({dtype})", atol=atol * 10, rtol=rtol * 10)
+    assert lowered.program.kernel_fallbacks == 0
