@@ -31,11 +31,6 @@ static int same_device(af_device a, af_device b) { return a.type == b.type && a.
 
 static int float_only(af_dtype d);
 
-static int64_t numel_of(const af_tensor_meta *m) {
-    int64_t n = 1;
-    for (int32_t d = 0; d < m->ndim; d++) n *= m->sizes[d];
-    return n;
-}
 
 /* slice_scatter(base, x, dim=0, start=None, end=None, step=1) with step 1 as a window. */
 static int scatter_window(const af_graph *g, const af_node *n, af_window *w) {
@@ -249,7 +244,7 @@ int af_fuse_reduction_ok(const af_graph *g, int32_t index, uint32_t *mask_out) {
     const af_tensor_meta *in = &af_graph_value(g, n->args[0].u.value)->meta;
     if (in->type != AF_VALUE_TENSOR || !float_only(in->dtype) || !same_device(in->device, out->meta.device) || in->ndim > 30)
         return 0;
-    if (numel_of(in) == 0) return 0;
+    if (af_tensor_meta_numel(in) == 0) return 0;
     uint32_t mask = 0;
     int keepdim = 0, have_dims = 0;
     for (int32_t a = 1; a < n->n_args; a++) {
@@ -450,7 +445,7 @@ static int cone_computes(const af_cone *c, int32_t v) { return cone_has_value(c-
 static int cone_leaf(af_cone *c, int32_t u, int member) {
     if (contains(c->leaves, c->n_leaves, u)) return 1;
     if (c->n_leaves >= AF_CLONE_LEAVES) return 0;
-    if (numel_of(&af_graph_value(c->g, u)->meta) >= c->numel && ++c->full > AF_CLONE_FULL_LEAVES) return 0;
+    if (af_tensor_meta_numel(&af_graph_value(c->g, u)->meta) >= c->numel && ++c->full > AF_CLONE_FULL_LEAVES) return 0;
     c->leaves[c->n_leaves++] = u;
     c->n_reads += member;
     return 1;
@@ -500,7 +495,7 @@ static int32_t recompute_cone(const af_graph *g, int32_t x, int32_t root, const 
                               const uint8_t *is_reduced, const uint8_t *outside, int32_t *cone, int32_t *n_reads) {
     for (int reads_ok = 0; reads_ok < 2; reads_ok++) {
         af_cone c = {.g = g, .root = root, .value_group = value_group, .parent = parent, .is_reduced = is_reduced,
-                     .numel = numel_of(&af_graph_value(g, x)->meta), .reads_ok = reads_ok, .outside = outside,
+                     .numel = af_tensor_meta_numel(&af_graph_value(g, x)->meta), .reads_ok = reads_ok, .outside = outside,
                      .x_stored = outside[x]};
         if (cone_add(&c, x)) {
             memcpy(cone, c.cone, (size_t)c.n_cone * sizeof(int32_t));

@@ -148,6 +148,21 @@ int64_t af_tensor_meta_nbytes(const af_tensor_meta *m) {
     return n * af_dtype_itemsize(m->dtype);
 }
 
+int64_t af_tensor_meta_numel(const af_tensor_meta *m) {
+    int64_t n = 1;
+    for (int32_t d = 0; m && d < m->ndim; d++) n *= m->sizes[d];
+    return n;
+}
+
+int32_t af_graph_view_root(const af_graph *g, int32_t v) {
+    for (;;) {
+        const af_value *val = af_graph_value(g, v);
+        const af_node *n = val && val->producer >= 0 ? af_graph_node(g, val->producer) : NULL;
+        if (!n || af_op_get(n->op_id)->kind != AF_KIND_VIEW || n->n_args < 1 || n->args[0].kind != AF_ARG_VALUE) return v;
+        v = n->args[0].u.value;
+    }
+}
+
 /* ---- building ---- */
 
 static int meta_check(const af_tensor_meta *m, const char *what) {

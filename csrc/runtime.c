@@ -1048,13 +1048,7 @@ static int plan_pins(af_program *p) {
     for (int32_t i = 0; i < nn; i++) {
         const af_node *n = af_graph_node(g, i);
         if (n->op_id != AF_OP_AS_STRIDED || n->n_args < 1 || n->args[0].kind != AF_ARG_VALUE) continue;
-        int32_t r = n->args[0].u.value;
-        for (;;) { /* the view root */
-            int32_t q = af_graph_value(g, r)->producer;
-            const af_node *m = q >= 0 ? af_graph_node(g, q) : NULL;
-            if (!m || af_op_get(m->op_id)->kind != AF_KIND_VIEW || m->n_args < 1 || m->args[0].kind != AF_ARG_VALUE) break;
-            r = m->args[0].u.value;
-        }
+        int32_t r = af_graph_view_root(g, n->args[0].u.value);
         if (af_graph_value(g, r)->producer < 0 || af_graph_value(g, r)->meta.type != AF_VALUE_TENSOR) continue; /* inputs: checked */
         if (!p->pin_state && !(p->pin_state = calloc((size_t)af_graph_num_values(g) + 1, 1)))
             return af_error_set(AF_ERR_NOMEM, "out of memory planning a program");

@@ -78,23 +78,6 @@ static int sinkable(const af_graph *g, int32_t i, uint32_t devices) {
     return 1;
 }
 
-/* The value v's views come from: v itself unless a view made it. */
-static int32_t view_root(const af_graph *g, int32_t v) {
-    for (;;) {
-        int32_t p = af_graph_value(g, v)->producer;
-        if (p < 0) return v;
-        const af_node *n = af_graph_node(g, p);
-        if (af_op_get(n->op_id)->kind != AF_KIND_VIEW || n->n_args < 1 || !value_arg(&n->args[0])) return v;
-        v = n->args[0].u.value;
-    }
-}
-
-static int64_t numel_of(const af_tensor_meta *m) {
-    int64_t n = 1;
-    for (int32_t d = 0; d < m->ndim; d++) n *= m->sizes[d];
-    return n;
-}
-
 /* The dims of m that address anything (size > 1), as (size, stride) pairs; their count. */
 static int32_t moving_dims(const af_tensor_meta *m, int64_t *sz, int64_t *st) {
     int32_t n = 0;
@@ -161,7 +144,7 @@ static int view_link_ok(const af_node *n, const af_tensor_meta *in, const af_ten
     case AF_OP_ALIAS: return same_addressing(in, out);
     case AF_OP_VIEW:
     case AF_OP_UNSAFE_VIEW: /* runs of in's dims that step as one, cut into out's dims */
-        if (out->ndim > AF_MAX_DIMS || numel_of(in) != numel_of(out) || numel_of(in) == 0 || !view_strides(in, out, st)) return 0;
+        if (out->ndim > AF_MAX_DIMS || af_tensor_meta_numel(in) != af_tensor_meta_numel(out) || af_tensor_meta_numel(in) == 0 || !view_strides(in, out, st)) return 0;
         want.ndim = out->ndim;
         memcpy(sz, out->sizes, (size_t)out->ndim * sizeof(int64_t));
         return same_addressing(&want, out);
@@ -272,7 +255,7 @@ static int views_as_declared(const af_graph *g, int32_t v, int32_t root) {
 static int plain_source(const af_graph *g, int32_t v, const af_tensor_meta *x) {
     const af_tensor_meta *m = &af_graph_value(g, v)->meta;
     if (!broadcasts_to(m, x)) return 0;
-    return numel_of(m) == 1 || views_as_declared(g, v, view_root(g, v));
+    return af_tensor_meta_numel(m) == 1 || views_as_declared(g, v, af_graph_view_root(g, v));
 }
 
 static int add_unique(int32_t *set, int32_t *n, int32_t cap, int32_t x) {
@@ -370,7 +353,7 @@ static int plan_copy(const af_graph *g, int32_t c, const uint8_t *is_output, uin
     const af_node *n = af_graph_node(g, c);
     if (n->op_id != AF_OP_CLONE || is_output[n->first_output] || n->n_outputs != 1 || n->n_args < 1 || !value_arg(&n->args[0])) return 0;
     const af_tensor_meta *out = &af_graph_value(g, n->first_output)->meta;
-    int32_t in = n->args[0].u.value, x = view_root(g, in);
+    int32_t in = n->args[0].u.value, x = af_graph_view_root(g, in);
     const af_tensor_meta *inm = &af_graph_value(g, in)->meta, *xm = &af_graph_value(g, x)->meta;
     int32_t p = af_graph_value(g, x)->producer;
     /* the copy's index map is its input's metadata: it must be what ATen's views make of x (whose

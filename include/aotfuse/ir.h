@@ -140,6 +140,13 @@ const af_node *af_graph_node(const af_graph *g, int32_t index);
 int32_t af_graph_input(const af_graph *g, int32_t index);  /* value id of the index-th input */
 int32_t af_graph_output(const af_graph *g, int32_t index); /* value id of the index-th output */
 
+/* Elements of a tensor (the product of its sizes; 1 for a 0-dim tensor). */
+int64_t af_tensor_meta_numel(const af_tensor_meta *meta);
+
+/* The value v's views come from, up the chain of view nodes (their first argument): v itself
+ * when no view made it. */
+int32_t af_graph_view_root(const af_graph *g, int32_t v);
+
 /* Bytes of a tensor value's elements (numel * itemsize); 0 for non-tensors. */
 int64_t af_tensor_meta_nbytes(const af_tensor_meta *meta);
 

@@ -766,6 +766,34 @@ static void test_tensor_meta_nbytes(void **state) {
     af_tensor_meta other = meta_other();
     assert_int_equal(af_tensor_meta_nbytes(&other), 0);
     assert_int_equal(af_tensor_meta_nbytes(NULL), 0);
+
+    assert_int_equal(af_tensor_meta_numel(&m), 32);
+    assert_int_equal(af_tensor_meta_numel(&scalar), 1);
+    assert_int_equal(af_tensor_meta_numel(&empty), 0);
+    assert_int_equal(af_tensor_meta_numel(&expanded), 3000);
+}
+
+/* af_graph_view_root: up a chain of views to the value they view; a value no view made is its own. */
+static void test_view_root(void **state) {
+    (void)state;
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    af_tensor_meta m = meta_f32_4x8(), t = meta_f32_4x8();
+    static const int64_t sz_t[2] = {8, 4}, st_t[2] = {1, 8};
+    t.sizes = sz_t, t.strides = st_t;
+    int32_t x, e, v1, v2;
+    assert_int_equal(af_graph_add_input(g, "x", &m, &x), AF_OK);
+    af_arg arg = {.kind = AF_ARG_VALUE, .u.value = x};
+    assert_int_equal(af_graph_add_node(g, "aten::exp.default", &arg, 1, &m, 1, &e), AF_OK);
+    arg.u.value = e;
+    assert_int_equal(af_graph_add_node(g, "aten::t.default", &arg, 1, &t, 1, &v1), AF_OK);
+    arg.u.value = v1;
+    assert_int_equal(af_graph_add_node(g, "aten::alias.default", &arg, 1, &t, 1, &v2), AF_OK);
+    assert_int_equal(af_graph_view_root(g, v2), e);
+    assert_int_equal(af_graph_view_root(g, v1), e);
+    assert_int_equal(af_graph_view_root(g, e), e); /* exp is no view */
+    assert_int_equal(af_graph_view_root(g, x), x); /* an input */
+    af_graph_free(g);
 }
 
 static void test_dtype_names(void **state) {
@@ -1343,6 +1371,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_accessors, small_graph_setup, graph_teardown),
         cmocka_unit_test(test_op_table),
         cmocka_unit_test(test_tensor_meta_nbytes),
+        cmocka_unit_test(test_view_root),
         cmocka_unit_test(test_dtype_names),
         cmocka_unit_test(test_device_names),
         cmocka_unit_test(test_status),
