@@ -379,6 +379,27 @@ static PyObject *Graph_value_nbytes(GraphObject *self, PyObject *arg) {
     return PyLong_FromLongLong(af_tensor_meta_nbytes(&v->meta));
 }
 
+/* value_meta(id) -> (dtype name, sizes, strides, storage offset), or None for a non-tensor. */
+static PyObject *Graph_value_meta(GraphObject *self, PyObject *arg) {
+    if (!graph_alive(self)) return NULL;
+    long id = PyLong_AsLong(arg);
+    if (id == -1 && PyErr_Occurred()) return NULL;
+    const af_value *v = af_graph_value(self->g, (int32_t)id);
+    if (!v) return PyErr_Format(PyExc_IndexError, "no value %ld", id);
+    if (v->meta.type != AF_VALUE_TENSOR) Py_RETURN_NONE;
+    PyObject *sizes = PyTuple_New(v->meta.ndim), *strides = PyTuple_New(v->meta.ndim);
+    for (int32_t d = 0; sizes && strides && d < v->meta.ndim; d++) {
+        PyTuple_SET_ITEM(sizes, d, PyLong_FromLongLong(v->meta.sizes[d]));
+        PyTuple_SET_ITEM(strides, d, PyLong_FromLongLong(v->meta.strides[d]));
+    }
+    if (!sizes || !strides || PyErr_Occurred()) {
+        Py_XDECREF(sizes);
+        Py_XDECREF(strides);
+        return NULL;
+    }
+    return Py_BuildValue("(sNNL)", af_dtype_name(v->meta.dtype), sizes, strides, (long long)v->meta.storage_offset);
+}
+
 static PyObject *Graph_get_counts(GraphObject *self, void *which) {
     if (!graph_alive(self)) return NULL;
     intptr_t w = (intptr_t)which;
@@ -393,6 +414,7 @@ static PyMethodDef Graph_methods[] = {
     {"verify", (PyCFunction)Graph_verify, METH_NOARGS, "raise aotfuse._C.Error if the graph is malformed"},
     {"nodes", (PyCFunction)Graph_nodes, METH_NOARGS, "[(op, kind), ...]"},
     {"value_nbytes", (PyCFunction)Graph_value_nbytes, METH_O, "bytes of a tensor value"},
+    {"value_meta", (PyCFunction)Graph_value_meta, METH_O, "value_meta(id) -> (dtype, sizes, strides, storage offset) or None"},
     {NULL, NULL, 0, NULL}};
 
 static PyGetSetDef Graph_getset[] = {
@@ -825,7 +847,7 @@ static PyObject *cuda_codegen(PyObject *m, PyObject *args, PyObject *kwds) {
     int st = af_graph_verify(graph->g);
     if (st) return raise_status(st);
     af_graph *sunk = NULL; /* sink: the graph a program runs (copies of views computed from their sources) */
-    if (sink && (st = af_sink_copies(graph->g, 1u << AF_DEVICE_CUDA, &sunk, NULL))) return raise_status(st);
+    if (sink && (st = af_sink_copies(graph->g, 1u << AF_DEVICE_CUDA, &sunk, NULL, NULL))) return raise_status(st);
     const af_graph *g = sunk ? sunk : graph->g;
     af_fuse_options fo = {.min_nodes = min_group, .device_types = 1u << AF_DEVICE_CUDA};
     af_fusion_plan *plan = NULL;
@@ -859,6 +881,41 @@ static PyObject *cuda_codegen(PyObject *m, PyObject *args, PyObject *kwds) {
     af_fuse_plan_free(plan);
     af_graph_free(sunk);
     return st ? raise_status(st) : result;
+}
+
+/* sink_copies(graph, devices="all") -> (Graph or None, [origin per value]): the graph a program
+ * runs once copies of views are computed from their sources (fuse.h, af_sink_copies), None when no
+ * copy qualifies; per value of the new graph, the value of `graph` it stands for (-1: a recomputed
+ * intermediate). The given graph is not consumed. */
+static PyObject *sink_copies(PyObject *m, PyObject *args, PyObject *kwds) {
+    (void)m;
+    static char *kwlist[] = {"graph", "devices", NULL};
+    GraphObject *graph;
+    const char *devices = "all";
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|s", kwlist, &GraphType, &graph, &devices) || !graph_alive(graph)) return NULL;
+    uint32_t mask = strcmp(devices, "cpu") == 0 ? 1u << AF_DEVICE_CPU : strcmp(devices, "cuda") == 0 ? 1u << AF_DEVICE_CUDA : 0;
+    if (!mask && strcmp(devices, "all") != 0) return PyErr_Format(PyExc_ValueError, "devices must be 'all', 'cpu' or 'cuda'");
+    af_graph *sunk = NULL;
+    int32_t *origin = NULL;
+    int st = af_graph_verify(graph->g);
+    if (!st) st = af_sink_copies(graph->g, mask, &sunk, NULL, &origin);
+    if (st) return raise_status(st);
+    if (!sunk) return Py_BuildValue("(OO)", Py_None, Py_None);
+    GraphObject *out = (GraphObject *)GraphType.tp_alloc(&GraphType, 0);
+    PyObject *list = out ? PyList_New(af_graph_num_values(sunk)) : NULL;
+    for (int32_t v = 0; list && v < af_graph_num_values(sunk); v++) {
+        PyObject *o = PyLong_FromLong(origin[v]);
+        if (!o) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, v, o);
+    }
+    free(origin);
+    if (!list) {
+        Py_XDECREF(out);
+        af_graph_free(sunk);
+        return NULL;
+    }
+    out->g = sunk;
+    return Py_BuildValue("(NN)", (PyObject *)out, list);
 }
 
 /* nvrtc_compile(source, arch=90, ptx=False, verbose=False) -> (image bytes, log str) */
@@ -920,6 +977,8 @@ static PyMethodDef module_methods[] = {
     {"bridge_info", bridge_info, METH_NOARGS, "{shim function: found in this torch}"},
     {"fast_bindings", fast_bindings, METH_NOARGS, "[(ATen overload, the torch.<name> binding extern calls use for it, whether out= calls use it too)]"},
     {"op_kind", op_kind, METH_O, "op_kind('aten::add.Tensor') -> 'pointwise'"},
+    {"sink_copies", (PyCFunction)(void (*)(void))sink_copies, METH_VARARGS | METH_KEYWORDS,
+     "sink_copies(graph, devices='all') -> (Graph or None, [origin per value]): copies of views computed from their sources"},
     {"cuda_codegen", (PyCFunction)(void (*)(void))cuda_codegen, METH_VARARGS | METH_KEYWORDS,
      "cuda_codegen(graph, sm_count=132, min_group=2, sink=False) -> (CUDA source, [launch per group]); sink: of the "
      "graph with copies of views computed from their sources, as a program runs it (launch value ids are then that graph's)"},

@@ -423,8 +423,26 @@ static af_arg int_list(af_arg *items, const int64_t *v, int32_t n) {
     return (af_arg){.kind = AF_ARG_LIST, .u.list = {n, items}};
 }
 
-/* The copy's nodes: one as_strided view per source, the cone over the finer shape, a view back. */
-static int add_rewritten(af_graph *out, const af_graph *g, const sink_plan *plan, int32_t *map) {
+/* New values that stand for an old one with another layout: (new, old) pairs. */
+typedef struct {
+    int32_t *pairs;
+    int32_t n, cap;
+} sink_origins;
+
+static int add_origin(sink_origins *o, int32_t new_value, int32_t old_value) {
+    if (o->n == o->cap) {
+        int32_t cap = o->cap ? 2 * o->cap : 64, *grown = realloc(o->pairs, (size_t)cap * 2 * sizeof(int32_t));
+        if (!grown) return af_error_set(AF_ERR_NOMEM, "out of memory rewriting copies");
+        o->pairs = grown, o->cap = cap;
+    }
+    o->pairs[2 * o->n] = new_value, o->pairs[2 * o->n + 1] = old_value;
+    o->n++;
+    return AF_OK;
+}
+
+/* The copy's nodes: one as_strided view per source, the cone over the finer shape, a view back.
+ * The views stand for their sources, the cone's last value for the copy (origins). */
+static int add_rewritten(af_graph *out, const af_graph *g, const sink_plan *plan, int32_t *map, sink_origins *origins) {
     const af_tensor_meta *x = &af_graph_value(g, plan->x)->meta;
     const af_tensor_meta *copy = &af_graph_value(g, af_graph_node(g, plan->clone)->first_output)->meta;
     int64_t sizes[AF_MAX_DIMS], strides[AF_MAX_DIMS], dense[AF_MAX_DIMS];
@@ -454,6 +472,7 @@ static int add_rewritten(af_graph *out, const af_graph *g, const sink_plan *plan
         af_arg args[4] = {{.kind = AF_ARG_VALUE, .u.value = map[v]}, int_list(items[0], sizes, nd), int_list(items[1], strides, nd),
                           {.kind = AF_ARG_INT, .u.i = offset}};
         st = add_node1(out, "aten::as_strided.default", args, 4, &vm, &local[v]);
+        if (!st) st = add_origin(origins, local[v], v);
     }
     int32_t last = -1;
     for (int32_t c = 0; c < plan->n_cone && !st; c++) {
@@ -466,6 +485,7 @@ static int add_rewritten(af_graph *out, const af_graph *g, const sink_plan *plan
         local[n->first_output] = last;
     }
     int32_t result = last;
+    if (!st) st = add_origin(origins, last, af_graph_node(g, plan->clone)->first_output);
     int same = nd == copy->ndim;
     for (int32_t k = 0; same && k < nd; k++) same = sizes[k] == copy->sizes[k];
     if (!st && !same) {
@@ -484,10 +504,12 @@ static void mark_read(const af_graph *g, const af_arg *a, uint8_t *live) {
         for (int32_t k = 0; k < a->u.list.n; k++) mark_read(g, &a->u.list.items[k], live);
 }
 
-/* One pass over g: every copy that qualifies now, rewritten (*out NULL when none). */
-static int sink_pass(const af_graph *g, uint32_t devices, af_graph **out, int32_t *n_sunk) {
+/* One pass over g: every copy that qualifies now, rewritten (*out NULL when none); *origin: per
+ * value of *out, the value of g it stands for (-1: a recomputed intermediate). */
+static int sink_pass(const af_graph *g, uint32_t devices, af_graph **out, int32_t *n_sunk, int32_t **origin) {
     *out = NULL;
     *n_sunk = 0;
+    *origin = NULL;
     int32_t nn = af_graph_num_nodes(g), nv = af_graph_num_values(g), found = 0;
     int32_t *plan_of = malloc(((size_t)nn + 1) * sizeof(int32_t));
     uint8_t *is_output = calloc((size_t)nv + 1, 1); /* a copy returned stays a fresh tensor */
@@ -544,10 +566,19 @@ static int sink_pass(const af_graph *g, uint32_t devices, af_graph **out, int32_
         const af_value *in = af_graph_value(g, af_graph_input(g, k));
         st = af_graph_add_input(ng, in->name, &in->meta, &map[af_graph_input(g, k)]);
     }
+    sink_origins origins = {0};
     for (int32_t i = 0; !st && i < nn; i++) {
         if (!live[i]) continue;
-        st = plan_of[i] >= 0 ? add_rewritten(ng, g, &plans[plan_of[i]], map) : add_copy_of(ng, g, i, map);
+        st = plan_of[i] >= 0 ? add_rewritten(ng, g, &plans[plan_of[i]], map, &origins) : add_copy_of(ng, g, i, map);
     }
+    int32_t nv_new = st ? 0 : af_graph_num_values(ng);
+    int32_t *org = st ? NULL : malloc(((size_t)nv_new + 1) * sizeof(int32_t));
+    if (!st && !org) st = af_error_set(AF_ERR_NOMEM, "out of memory rewriting copies");
+    for (int32_t v = 0; !st && v < nv_new; v++) org[v] = -1;
+    for (int32_t v = 0; !st && v < nv; v++)
+        if (map[v] >= 0) org[map[v]] = v;
+    for (int32_t k = 0; !st && k < origins.n; k++) org[origins.pairs[2 * k]] = origins.pairs[2 * k + 1];
+    free(origins.pairs);
     int32_t no = af_graph_num_outputs(g), *outs = malloc(((size_t)no + 1) * sizeof(int32_t));
     if (!st && !outs) st = af_error_set(AF_ERR_NOMEM, "out of memory rewriting copies");
     for (int32_t o = 0; !st && o < no; o++) outs[o] = map[af_graph_output(g, o)];
@@ -560,35 +591,43 @@ static int sink_pass(const af_graph *g, uint32_t devices, af_graph **out, int32_
     free(plans);
     if (st) {
         af_graph_free(ng);
+        free(org);
         return st;
     }
     *out = ng;
     *n_sunk = found;
+    *origin = org;
     return AF_OK;
 }
 
 /* Passes until none rewrites a copy: a copy of a view of a rewritten copy qualifies in the next
  * pass (its cone then ends at as_strided views of sources), so chains of copies collapse. */
-int af_sink_copies(const af_graph *g, uint32_t device_types, af_graph **out, int32_t *n_sunk) {
+int af_sink_copies(const af_graph *g, uint32_t device_types, af_graph **out, int32_t *n_sunk, int32_t **origin) {
     if (!g || !out) return af_error_set(AF_ERR_INVALID, "af_sink_copies: NULL argument");
     *out = NULL;
     if (n_sunk) *n_sunk = 0;
+    if (origin) *origin = NULL;
     af_graph *owned = NULL;
-    int32_t total = 0;
+    int32_t total = 0, *org = NULL; /* per value of owned: g's value it stands for */
     for (int pass = 0; pass < SINK_MAX_PASSES; pass++) {
         af_graph *next = NULL;
-        int32_t n = 0;
-        int st = sink_pass(owned ? owned : g, device_types ? device_types : AF_FUSE_ALL_DEVICES, &next, &n);
+        int32_t n = 0, *step = NULL;
+        int st = sink_pass(owned ? owned : g, device_types ? device_types : AF_FUSE_ALL_DEVICES, &next, &n, &step);
         if (st) {
             af_graph_free(owned);
+            free(org);
             return st;
         }
         if (!next) break;
+        for (int32_t v = 0; org && v < af_graph_num_values(next); v++) step[v] = step[v] < 0 ? -1 : org[step[v]];
         af_graph_free(owned);
-        owned = next;
+        free(org);
+        owned = next, org = step;
         total += n;
     }
     *out = owned;
     if (n_sunk) *n_sunk = total;
+    if (origin) *origin = org;
+    else free(org);
     return AF_OK;
 }

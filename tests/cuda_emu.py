@@ -111,11 +111,13 @@ def eager_values(gm: fx.GraphModule, args) -> dict:
 
 
 def run_groups(gm: fx.GraphModule, args, sm_count: int = 1, vectorized: bool | None = None):
-    """Plans gm for cuda:0, runs every CUDA group in the emulation on eager's input values and
-    yields (group index, launch facts, [(FX node or a name, emulated, eager)] per output). vectorized:
+    """Plans gm for cuda:0 as a program would (copies of views computed from their sources:
+    `_C.sink_copies`), runs every CUDA group in the emulation on eager's input values and yields
+    (group index, launch facts, [(FX node or a name, emulated, eager)] per output). vectorized:
     None launches as the runtime would, True/False forces the variant (where it exists)."""
     b = build_graph(gm, device="cuda:0")
-    source, launches = _C.cuda_codegen(b.graph, sm_count=sm_count)
+    sunk, origin = _C.sink_copies(b.graph, devices="cuda")
+    source, launches = _C.cuda_codegen(sunk or b.graph, sm_count=sm_count)
     dll = _library(source)
     env = eager_values(gm, args)
 
@@ -124,11 +126,23 @@ def run_groups(gm: fx.GraphModule, args, sm_count: int = 1, vectorized: bool | N
         assert node is not None, f"value {vid} has no single FX node"
         return node
 
-    def value_of(vid):  # (eager value, graph meta)
+    def built_value(vid):  # (eager value, graph meta) of a value of build_graph's graph
         if vid in b.derived:  # a value build_graph made swapping a reshape and a conversion
             x, shape = b.derived[vid]
             return env[x].reshape(shape), x.meta["val"].reshape(shape)
         return env[node_of(vid)], node_of(vid).meta.get("val")
+
+    def value_of(vid):  # (eager value, graph meta) of a value of the graph planned
+        if sunk is None:
+            return built_value(vid)
+        assert origin[vid] >= 0, f"value {vid} is a recomputed intermediate, never a kernel operand"
+        t, meta = built_value(origin[vid])
+        dtype, sizes, strides, offset = sunk.value_meta(vid)
+        if (tuple(meta.shape), tuple(meta.stride()), meta.storage_offset()) == (sizes, strides, offset):
+            return t, meta
+        # a source's as_strided view, or the copy over a finer shape: the same storage, the new layout
+        return (torch.as_strided(t, sizes, strides, offset),
+                torch.empty_strided(sizes, strides, dtype=meta.dtype, device="meta"))
 
     for gi, l in enumerate(launches):
         if l["kind"] == "none":
@@ -160,7 +174,8 @@ def run_groups(gm: fx.GraphModule, args, sm_count: int = 1, vectorized: bool | N
                 assert aligned, f"group {gi}: the vectorized variant asked for unaligned operands"
             blocks = l["vec_blocks"] if use_v else l["blocks"]
             _launch(dll, name + ("_v" if use_v else ""), ops, _grid(blocks, l["threads"], sm_count), 1, l["threads"])
-        names = [b.value_nodes[vid] if vid not in b.derived else f"{b.derived[vid][0]} reshaped" for vid in l["outputs"]]
+        built = [vid if sunk is None else origin[vid] for vid in l["outputs"]]
+        names = [b.value_nodes[vid] if vid not in b.derived else f"{b.derived[vid][0]} reshaped" for vid in built]
         yield gi, l, [(n, o, e) for n, o, (e, _) in zip(names, outs, expected)]
 
 

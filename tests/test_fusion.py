@@ -986,6 +986,21 @@ def test_a_copy_of_a_view_of_a_pointwise_value_is_computed_from_its_sources(sink
     assert lowered.program.kernel_fallbacks == 0
 
 
+def test_copies_of_views_in_emulated_cuda_kernels():
+    """The CUDA kernels computing the copies from their sources (the graph a CUDA program runs,
+    which the emulation plans too), run in the host emulation: eager's values, in two kernels of
+    two pointwise nodes each (no lone copy)."""
+    import cuda_emu
+
+    if cuda_emu.unavailable():
+        pytest.skip(cuda_emu.unavailable())
+    gen = torch.Generator().manual_seed(13)
+    args = (torch.randn(32, 32, generator=gen), torch.randn(32, generator=gen))
+    gm = make_fx(_windows_of_a_scaled_projection)(*args)
+    ran = cuda_emu.check(gm, args, "copies of views computed from their sources")
+    assert [(l["kind"], l["nodes"]) for l in ran] == [("pointwise", 2), ("pointwise", 2)], ran
+
+
 def test_a_sunk_copy_reads_sources_whose_layout_is_checked():
     """A copy computed from its sources reads them through as_strided views, which take the graph's
     layout of each source as given (also where the kernel falls back to ATen calls): so the sources

@@ -95,8 +95,11 @@ void af_fuse_plan_free(af_fusion_plan *plan); /* NULL allowed */
  * the layout the graph says (the runtime gives each root of an as_strided view its graph layout).
  * Passes repeat until none rewrites a copy (chains of copies collapse). A copy returned by the
  * graph is left alone, as is one whose nodes would not all be kernel members on device_types (a
- * bit per af_device_type, as af_fuse_options; 0: every supported one). *out is a new graph (the caller's), or NULL when no copy qualifies;
- * *n_sunk (may be NULL) counts the copies rewritten. */
-int af_sink_copies(const af_graph *g, uint32_t device_types, af_graph **out, int32_t *n_sunk);
+ * bit per af_device_type, as af_fuse_options; 0: every supported one). *out is a new graph (the
+ * caller's), or NULL when no copy qualifies; *n_sunk (may be NULL) counts the copies rewritten;
+ * *origin (may be NULL; the caller frees it) gets, per value of *out, the value of g it stands for:
+ * itself for what was copied, the source for a source's view, the copy for the recomputed copy
+ * (over the finer shape, or viewed back), -1 for a recomputed intermediate. */
+int af_sink_copies(const af_graph *g, uint32_t device_types, af_graph **out, int32_t *n_sunk, int32_t **origin);
 
 #endif

@@ -86,10 +86,12 @@ static void test_a_permuted_copy_is_computed_from_the_sources(void **state) {
 
     af_graph *out = NULL;
     int32_t n = -1;
-    assert_int_equal(af_sink_copies(g, 1u << AF_DEVICE_CUDA, &out, &n), AF_OK); /* no CPU kernels: as it is */
+    assert_int_equal(af_sink_copies(g, 1u << AF_DEVICE_CUDA, &out, &n, NULL), AF_OK); /* no CPU kernels: as it is */
     assert_null(out);
-    assert_int_equal(af_sink_copies(g, 0, &out, &n), AF_OK);
+    int32_t *origin = NULL;
+    assert_int_equal(af_sink_copies(g, 0, &out, &n, &origin), AF_OK);
     assert_non_null(out);
+    assert_non_null(origin);
     assert_int_equal(n, 1);
     /* x, its views and the copy are gone: two views, the add over [4, 2, 2], the view back, mul */
     assert_int_equal(af_graph_num_nodes(out), 5);
@@ -108,6 +110,14 @@ static void test_a_permuted_copy_is_computed_from_the_sources(void **state) {
     assert_meta(&af_graph_value(out, back->first_output)->meta, 2, s44, t44, 0);
     assert_int_equal(node_at(out, 4, "aten::mul.Tensor")->args[0].u.value, back->first_output);
     assert_int_equal(af_graph_output(out, 0), af_graph_node(out, 4)->first_output);
+    /* what each new value stands for: a and b for their views, the copy for the add and its view */
+    assert_int_equal(origin[va->first_output], a);
+    assert_int_equal(origin[vb->first_output], b);
+    assert_int_equal(origin[sum->first_output], c);
+    assert_int_equal(origin[back->first_output], c);
+    assert_int_equal(origin[af_graph_output(out, 0)], y);
+    assert_int_equal(origin[af_graph_input(out, 1)], b);
+    free(origin);
 
     /* the rewritten graph fuses: the add is one kernel with its two views folded */
     af_fusion_plan *plan;
@@ -138,7 +148,7 @@ static void test_overlapping_windows_keep_their_shape(void **state) {
     assert_int_equal(af_graph_set_outputs(g, outs, 2), AF_OK);
 
     af_graph *out = NULL;
-    assert_int_equal(af_sink_copies(g, 0, &out, NULL), AF_OK);
+    assert_int_equal(af_sink_copies(g, 0, &out, NULL, NULL), AF_OK);
     assert_non_null(out);
     const char *ops[] = {"aten::exp.default", "aten::mul.Tensor", "aten::as_strided.default", "aten::exp.default",
                          "aten::mul.Tensor", "aten::neg.default"};
@@ -186,7 +196,7 @@ static void test_copies_left_alone(void **state) {
         assert_int_equal(af_graph_set_outputs(g, &y, 1), AF_OK);
         af_graph *out = g; /* overwritten with NULL */
         int32_t n = -1;
-        assert_int_equal(af_sink_copies(g, 0, &out, &n), AF_OK);
+        assert_int_equal(af_sink_copies(g, 0, &out, &n, NULL), AF_OK);
         assert_null(out);
         assert_int_equal(n, 0);
         af_graph_free(g);
@@ -210,8 +220,8 @@ static void test_copies_of_copies_collapse(void **state) {
     int32_t y = add_node(g, "aten::mul.Tensor", (af_arg[]){val(c2), {.kind = AF_ARG_INT, .u.i = 2}}, 2, meta(2, s46, t46, 0));
     assert_int_equal(af_graph_set_outputs(g, &y, 1), AF_OK);
     af_graph *out = NULL;
-    int32_t n = 0;
-    assert_int_equal(af_sink_copies(g, 0, &out, &n), AF_OK);
+    int32_t n = 0, *origin = NULL;
+    assert_int_equal(af_sink_copies(g, 0, &out, &n, &origin), AF_OK);
     assert_non_null(out);
     assert_int_equal(n, 3);
     assert_int_equal(af_graph_num_nodes(out), 3);
@@ -220,6 +230,11 @@ static void test_copies_of_copies_collapse(void **state) {
     assert_meta(&af_graph_value(out, v->first_output)->meta, 2, s46, t46, 0);
     assert_int_equal(node_at(out, 1, "aten::neg.default")->args[0].u.value, v->first_output);
     node_at(out, 2, "aten::mul.Tensor");
+    /* over three passes: the view stands for a, the recomputed neg for the outer copy */
+    assert_int_equal(origin[v->first_output], a);
+    assert_int_equal(origin[af_graph_node(out, 1)->first_output], c2);
+    assert_int_equal(origin[af_graph_node(out, 2)->first_output], y);
+    free(origin);
     af_graph_free(out);
     af_graph_free(g);
 }
@@ -241,7 +256,7 @@ static void test_views_of_permuted_values_are_re_derived(void **state) {
         int32_t y = add_node(g, "aten::mul.Tensor", (af_arg[]){val(c), {.kind = AF_ARG_INT, .u.i = 3}}, 2, meta(2, s44, t44, 0));
         assert_int_equal(af_graph_set_outputs(g, &y, 1), AF_OK);
         af_graph *out = NULL;
-        assert_int_equal(af_sink_copies(g, 0, &out, NULL), AF_OK);
+        assert_int_equal(af_sink_copies(g, 0, &out, NULL, NULL), AF_OK);
         if (lie) {
             assert_null(out);
         } else {
@@ -259,11 +274,11 @@ static void test_views_of_permuted_values_are_re_derived(void **state) {
 static void test_bad_arguments(void **state) {
     (void)state;
     af_graph *out;
-    assert_int_equal(af_sink_copies(NULL, 0, &out, NULL), AF_ERR_INVALID);
+    assert_int_equal(af_sink_copies(NULL, 0, &out, NULL, NULL), AF_ERR_INVALID);
     af_graph *g;
     assert_int_equal(af_graph_new(&g), AF_OK);
-    assert_int_equal(af_sink_copies(g, 0, NULL, NULL), AF_ERR_INVALID);
-    assert_int_equal(af_sink_copies(g, 0, &out, NULL), AF_OK); /* nothing to rewrite */
+    assert_int_equal(af_sink_copies(g, 0, NULL, NULL, NULL), AF_ERR_INVALID);
+    assert_int_equal(af_sink_copies(g, 0, &out, NULL, NULL), AF_OK); /* nothing to rewrite */
     assert_null(out);
     af_graph_free(g);
 }
