@@ -370,22 +370,24 @@ static PyObject *Graph_nodes(GraphObject *self, PyObject *unused) {
     return graph_alive(self) ? graph_nodes(self->g) : NULL;
 }
 
-static PyObject *Graph_value_nbytes(GraphObject *self, PyObject *arg) {
-    if (!graph_alive(self)) return NULL;
+/* The value of g whose id is the Python int arg, or NULL with a Python error set. */
+static const af_value *value_of_arg(const af_graph *g, PyObject *arg) {
     long id = PyLong_AsLong(arg);
     if (id == -1 && PyErr_Occurred()) return NULL;
-    const af_value *v = af_graph_value(self->g, (int32_t)id);
-    if (!v) return PyErr_Format(PyExc_IndexError, "no value %ld", id);
-    return PyLong_FromLongLong(af_tensor_meta_nbytes(&v->meta));
+    const af_value *v = af_graph_value(g, (int32_t)id);
+    if (!v) PyErr_Format(PyExc_IndexError, "no value %ld", id);
+    return v;
+}
+
+static PyObject *Graph_value_nbytes(GraphObject *self, PyObject *arg) {
+    const af_value *v = graph_alive(self) ? value_of_arg(self->g, arg) : NULL;
+    return v ? PyLong_FromLongLong(af_tensor_meta_nbytes(&v->meta)) : NULL;
 }
 
 /* value_meta(id) -> (dtype name, sizes, strides, storage offset), or None for a non-tensor. */
 static PyObject *Graph_value_meta(GraphObject *self, PyObject *arg) {
-    if (!graph_alive(self)) return NULL;
-    long id = PyLong_AsLong(arg);
-    if (id == -1 && PyErr_Occurred()) return NULL;
-    const af_value *v = af_graph_value(self->g, (int32_t)id);
-    if (!v) return PyErr_Format(PyExc_IndexError, "no value %ld", id);
+    const af_value *v = graph_alive(self) ? value_of_arg(self->g, arg) : NULL;
+    if (!v) return NULL;
     if (v->meta.type != AF_VALUE_TENSOR) Py_RETURN_NONE;
     PyObject *sizes = PyTuple_New(v->meta.ndim), *strides = PyTuple_New(v->meta.ndim);
     for (int32_t d = 0; sizes && strides && d < v->meta.ndim; d++) {
@@ -535,11 +537,8 @@ static PyObject *Program_nodes(ProgramObject *self, PyObject *unused) {
 }
 
 static PyObject *Program_value_nbytes(ProgramObject *self, PyObject *arg) {
-    long id = PyLong_AsLong(arg);
-    if (id == -1 && PyErr_Occurred()) return NULL;
-    const af_value *v = af_graph_value(af_program_graph(self->p), (int32_t)id);
-    if (!v) return PyErr_Format(PyExc_IndexError, "no value %ld", id);
-    return PyLong_FromLongLong(af_tensor_meta_nbytes(&v->meta));
+    const af_value *v = value_of_arg(af_program_graph(self->p), arg);
+    return v ? PyLong_FromLongLong(af_tensor_meta_nbytes(&v->meta)) : NULL;
 }
 
 static int Program_set_check_inputs(ProgramObject *self, PyObject *value, void *closure) {
@@ -833,28 +832,23 @@ static PyObject *id_list(const int32_t *ids, int32_t n) {
 
 static const char *const cuda_kind_names[] = {"none", "pointwise", "rows", "columns", "split_rows"};
 
-/* cuda_codegen(graph, sm_count=132, min_group=2, sink=False) -> (source, [launch dict per group]): the CUDA a
- * program would compile for the graph's CUDA groups, and per group its launch facts and operands
- * (value ids: inputs, then outputs, the kernel's parameter order); the graph is not consumed. */
+/* cuda_codegen(graph, sm_count=132, min_group=2) -> (source, [launch dict per group]): the CUDA a
+ * program would compile for the graph's CUDA groups (a program's graph: after sink_copies), and per
+ * group its launch facts and operands (value ids: inputs, then outputs, the kernel's parameter
+ * order); the graph is not consumed. */
 static PyObject *cuda_codegen(PyObject *m, PyObject *args, PyObject *kwds) {
     (void)m;
-    static char *kwlist[] = {"graph", "sm_count", "min_group", "sink", NULL};
+    static char *kwlist[] = {"graph", "sm_count", "min_group", NULL};
     GraphObject *graph;
-    int sm_count = 132, min_group = 2, sink = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|iip", kwlist, &GraphType, &graph, &sm_count, &min_group, &sink) ||
-        !graph_alive(graph))
+    int sm_count = 132, min_group = 2;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|ii", kwlist, &GraphType, &graph, &sm_count, &min_group) || !graph_alive(graph))
         return NULL;
     int st = af_graph_verify(graph->g);
     if (st) return raise_status(st);
-    af_graph *sunk = NULL; /* sink: the graph a program runs (copies of views computed from their sources) */
-    if (sink && (st = af_sink_copies(graph->g, 1u << AF_DEVICE_CUDA, &sunk, NULL, NULL))) return raise_status(st);
-    const af_graph *g = sunk ? sunk : graph->g;
+    const af_graph *g = graph->g;
     af_fuse_options fo = {.min_nodes = min_group, .device_types = 1u << AF_DEVICE_CUDA};
     af_fusion_plan *plan = NULL;
-    if ((st = af_fuse_plan_new(g, &fo, &plan))) {
-        af_graph_free(sunk);
-        return raise_status(st);
-    }
+    if ((st = af_fuse_plan_new(g, &fo, &plan))) return raise_status(st);
     af_cuda_launch *launch = calloc((size_t)plan->n_groups + 1, sizeof *launch);
     char *source = NULL;
     if (!launch) st = af_error_set(AF_ERR_NOMEM, "out of memory");
@@ -879,7 +873,6 @@ static PyObject *cuda_codegen(PyObject *m, PyObject *args, PyObject *kwds) {
     free(source);
     free(launch);
     af_fuse_plan_free(plan);
-    af_graph_free(sunk);
     return st ? raise_status(st) : result;
 }
 
@@ -980,8 +973,7 @@ static PyMethodDef module_methods[] = {
     {"sink_copies", (PyCFunction)(void (*)(void))sink_copies, METH_VARARGS | METH_KEYWORDS,
      "sink_copies(graph, devices='all') -> (Graph or None, [origin per value]): copies of views computed from their sources"},
     {"cuda_codegen", (PyCFunction)(void (*)(void))cuda_codegen, METH_VARARGS | METH_KEYWORDS,
-     "cuda_codegen(graph, sm_count=132, min_group=2, sink=False) -> (CUDA source, [launch per group]); sink: of the "
-     "graph with copies of views computed from their sources, as a program runs it (launch value ids are then that graph's)"},
+     "cuda_codegen(graph, sm_count=132, min_group=2) -> (CUDA source, [launch per group])"},
     {"nvrtc_compile", (PyCFunction)(void (*)(void))nvrtc_compile, METH_VARARGS | METH_KEYWORDS,
      "nvrtc_compile(source, arch=90, ptx=False, verbose=False) -> (image, log)"},
     {"cuda_info", cuda_info, METH_VARARGS, "cuda_info(need_driver=False) -> NVRTC's path and version, or the error"},

@@ -176,7 +176,8 @@ def test_copies_of_views_computed_from_their_sources_compile(dtype):
     args = (torch.randn(32, 32, dtype=dtype), torch.randn(32, dtype=dtype))
     gm = make_fx(_windows_of_a_scaled_projection, tracing_mode="fake")(*args)
     graph = build_graph(gm, device="cuda:0").graph
-    source, launches = _C.cuda_codegen(graph, sink=True)
+    sunk, _origin = _C.sink_copies(graph, devices="cuda")
+    source, launches = _C.cuda_codegen(sunk)
     _, before = _C.cuda_codegen(graph)
     assert len(launches) == 2 and len(before) == 4, (launches, before)
     # before: two kernels of two pointwise nodes and two lone copies; after: the two pointwise pairs

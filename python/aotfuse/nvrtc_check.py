@@ -69,7 +69,8 @@ def cuda_sources(gms: list[tuple[str, torch.fx.GraphModule]], sm_count: int = 13
     out = []
     for name, gm in gms:
         b = build_graph(gm, device="cuda:0")
-        source, launches = _C.cuda_codegen(b.graph, sm_count=sm_count, sink=config.sink_copies())
+        sunk, _origin = _C.sink_copies(b.graph, devices="cuda") if config.sink_copies() else (None, None)
+        source, launches = _C.cuda_codegen(sunk or b.graph, sm_count=sm_count)
         out.append((name, source, launches))
     return out
 
