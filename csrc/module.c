@@ -446,17 +446,18 @@ typedef struct {
 } ProgramObject;
 
 static PyObject *Program_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"graph", "fuse", "min_group", "devices", "reuse", "sink", NULL};
+    static char *kwlist[] = {"graph", "fuse", "min_group", "devices", "reuse", "sink", "sink_reads", NULL};
     GraphObject *graph;
     af_program_options opts = {.fuse = 0, .min_group = 2};
     const char *devices = "all";
-    int reuse = 1, sink = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|pispp", kwlist, &GraphType, &graph, &opts.fuse, &opts.min_group, &devices,
-                                     &reuse, &sink) ||
+    int reuse = 1, sink = 1, sink_reads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|pisppp", kwlist, &GraphType, &graph, &opts.fuse, &opts.min_group, &devices,
+                                     &reuse, &sink, &sink_reads) ||
         !graph_alive(graph))
         return NULL;
     opts.no_reuse = !reuse;
     opts.no_sink = !sink;
+    opts.no_sink_reads = !sink_reads;
     if (strcmp(devices, "cpu") == 0) opts.device_types = 1u << AF_DEVICE_CPU;
     else if (strcmp(devices, "cuda") == 0) opts.device_types = 1u << AF_DEVICE_CUDA;
     else if (strcmp(devices, "all") == 0) opts.device_types = 0;
@@ -704,7 +705,7 @@ static PyGetSetDef Program_getset[] = {
     {"reuses_taken", (getter)Program_get_num, NULL, "results that took their donor's tensor, over all runs so far", (void *)13},
     {"reused_bytes", (getter)Program_get_num, NULL, "bytes per run of the results planned to take a dead value's tensor", (void *)11},
     {"fresh_bytes", (getter)Program_get_num, NULL, "bytes per run of the intermediates (not outputs) allocated fresh", (void *)12},
-    {"copies_sunk", (getter)Program_get_num, NULL, "copies of views of pointwise values computed from their sources", (void *)14},
+    {"copies_sunk", (getter)Program_get_num, NULL, "copies of views of pointwise values, and kernel members' reads of them, computed from their sources", (void *)14},
     {"check_inputs", NULL, (setter)Program_set_check_inputs, "check inputs against the graph on each run", NULL},
     {"profiling", NULL, (setter)Program_set_profiling, "accumulate each step's host time (see profile())", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
@@ -876,22 +877,24 @@ static PyObject *cuda_codegen(PyObject *m, PyObject *args, PyObject *kwds) {
     return st ? raise_status(st) : result;
 }
 
-/* sink_copies(graph, devices="all") -> (Graph or None, [origin per value]): the graph a program
- * runs once copies of views are computed from their sources (fuse.h, af_sink_copies), None when no
- * copy qualifies; per value of the new graph, the value of `graph` it stands for (-1: a recomputed
+/* sink_copies(graph, devices="all", reads=True) -> (Graph or None, [origin per value]): the graph
+ * a program runs once copies of views (and, with reads, kernel members' reads of them) are computed
+ * from their sources (fuse.h, af_sink_copies), None when nothing qualifies; per value of the new graph, the value of `graph` it stands for (-1: a recomputed
  * intermediate). The given graph is not consumed. */
 static PyObject *sink_copies(PyObject *m, PyObject *args, PyObject *kwds) {
     (void)m;
-    static char *kwlist[] = {"graph", "devices", NULL};
+    static char *kwlist[] = {"graph", "devices", "reads", NULL};
     GraphObject *graph;
     const char *devices = "all";
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|s", kwlist, &GraphType, &graph, &devices) || !graph_alive(graph)) return NULL;
+    int reads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|sp", kwlist, &GraphType, &graph, &devices, &reads) || !graph_alive(graph))
+        return NULL;
     uint32_t mask = strcmp(devices, "cpu") == 0 ? 1u << AF_DEVICE_CPU : strcmp(devices, "cuda") == 0 ? 1u << AF_DEVICE_CUDA : 0;
     if (!mask && strcmp(devices, "all") != 0) return PyErr_Format(PyExc_ValueError, "devices must be 'all', 'cpu' or 'cuda'");
     af_graph *sunk = NULL;
     int32_t *origin = NULL;
     int st = af_graph_verify(graph->g);
-    if (!st) st = af_sink_copies(graph->g, mask, &sunk, NULL, &origin);
+    if (!st) st = af_sink_copies(graph->g, mask, reads, &sunk, NULL, &origin);
     if (st) return raise_status(st);
     if (!sunk) return Py_BuildValue("(OO)", Py_None, Py_None);
     GraphObject *out = (GraphObject *)GraphType.tp_alloc(&GraphType, 0);
@@ -971,7 +974,7 @@ static PyMethodDef module_methods[] = {
     {"fast_bindings", fast_bindings, METH_NOARGS, "[(ATen overload, the torch.<name> binding extern calls use for it, whether out= calls use it too)]"},
     {"op_kind", op_kind, METH_O, "op_kind('aten::add.Tensor') -> 'pointwise'"},
     {"sink_copies", (PyCFunction)(void (*)(void))sink_copies, METH_VARARGS | METH_KEYWORDS,
-     "sink_copies(graph, devices='all') -> (Graph or None, [origin per value]): copies of views computed from their sources"},
+     "sink_copies(graph, devices='all', reads=True) -> (Graph or None, [origin per value]): copies (and reads) of views computed from their sources"},
     {"cuda_codegen", (PyCFunction)(void (*)(void))cuda_codegen, METH_VARARGS | METH_KEYWORDS,
      "cuda_codegen(graph, sm_count=132, min_group=2) -> (CUDA source, [launch per group])"},
     {"nvrtc_compile", (PyCFunction)(void (*)(void))nvrtc_compile, METH_VARARGS | METH_KEYWORDS,

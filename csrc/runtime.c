@@ -76,7 +76,7 @@ struct af_program {
     uint8_t *donated;        /* per value: kept past its last use for the output that takes it */
     int8_t *reuse_state;     /* per value: 0 donor not yet checked, 1 checked, -1 its layout differs (never reused) */
     int32_t n_reuses;        /* planned */
-    int32_t n_sunk;          /* copies af_sink_copies rewrote */
+    int32_t n_sunk;          /* copies and reads af_sink_copies rewrote */
     uint8_t *pin_state;      /* per value: 0, or a base of as_strided views, which must have its graph
                               * layout: 1 unchecked, 2 checked (has it), 3 given it by a copy each run */
     int32_t n_pinned;
@@ -543,7 +543,7 @@ int af_program_new(af_graph *g, const af_program_options *opts, af_program **out
     int32_t n_sunk = 0;
     uint32_t kernel_devices = o.device_types ? o.device_types : AF_FUSE_ALL_DEVICES;
     if (cuda_device_of(g) < 0) kernel_devices &= ~(1u << AF_DEVICE_CUDA); /* as build_kernels */
-    if (o.fuse && !o.no_sink && (st = af_sink_copies(g, kernel_devices, &sunk, &n_sunk, NULL))) return st;
+    if (o.fuse && !o.no_sink && (st = af_sink_copies(g, kernel_devices, !o.no_sink_reads, &sunk, &n_sunk, NULL))) return st;
     if (sunk) g = sunk;
     af_program *p = calloc(1, sizeof *p);
     if (!p) {

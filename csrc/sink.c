@@ -10,7 +10,12 @@
  * so each copy index names one storage offset of x, hence one index of x, hence one element of
  * each source (broadcast sources repeat). That index is linear in the copy's index when no dim of
  * the copy carries across a dim of x; a copy dim that does (a merged batch-and-head dim, say) is
- * split where it crosses, and the copy is computed over that finer shape and viewed back. */
+ * split where it crosses, and the copy is computed over that finer shape and viewed back.
+ *
+ * Reads: any kernel member reading V(x) at its own index can take the same nodes instead of the
+ * view (plan_read), which pays where x then need not be stored at all (keep_profitable_reads).
+ * A read over a finer shape makes its reader run over that shape too (add_split_reader). And a
+ * window member's source that is a copy is read where the copy read (plan_bypass). */
 #include "aotfuse/fuse.h"
 
 #include <stdlib.h>
@@ -19,6 +24,7 @@
 #define SINK_MAX_CONE 12  /* pointwise nodes recomputed for one copy */
 #define SINK_MAX_LEAVES 8 /* sources one copy reads */
 #define SINK_MAX_PASSES 8 /* rounds of rewriting (a copy of a rewritten copy is rewritten in the next) */
+#define SINK_MAX_READS 8  /* views one kernel member reads that are recomputed for it */
 
 typedef struct {
     int64_t size;
@@ -27,8 +33,11 @@ typedef struct {
 } sink_piece;
 
 typedef struct {
-    int32_t clone;  /* the copy node */
-    int32_t ndim;   /* the finer shape the copy is computed over */
+    int32_t clone;   /* the copy node, or the kernel member reading the view (a read) */
+    int32_t operand; /* a read: the view it reads, given the recomputed value instead; -1: a copy */
+    int32_t split;   /* a read over a finer shape than the view's: its reader is computed over it too */
+    int32_t bypass;  /* a window member's source that is a copy: the value copied, read instead (no cone); else -1 */
+    int32_t ndim;    /* the finer shape the copy (or read) is computed over */
     sink_piece pieces[AF_MAX_DIMS];
     int64_t digit[AF_MAX_DIMS]; /* x's index at the copy's first element */
     int32_t x;                  /* the pointwise value viewed */
@@ -364,8 +373,112 @@ static int plan_copy(const af_graph *g, int32_t c, const uint8_t *is_output, uin
         return 0;
     memset(plan, 0, sizeof *plan);
     plan->clone = c;
+    plan->operand = -1;
+    plan->bypass = -1;
     plan->x = x;
     return map_dims(xm, inm, plan) && collect_cone(g, devices, plan);
+}
+
+/* Whether node c is a kernel member that reads views like any pointwise operand (at its own
+ * index); a window member's source (read at shifted indices) is not one of them (*skip_arg). */
+static int reads_views_pointwise(const af_graph *g, int32_t c, uint32_t devices, int32_t *skip_arg) {
+    const af_node *n = af_graph_node(g, c);
+    const af_tensor_meta *m = &af_graph_value(g, n->first_output)->meta;
+    af_window w;
+    *skip_arg = -1;
+    if (af_op_get(n->op_id)->kind != AF_KIND_POINTWISE || n->op_id == AF_OP_CLONE || n->op_id == AF_OP_RNG_UNIFORM ||
+        n->op_id == AF_OP_FULL || n->n_outputs != 1 || m->type != AF_VALUE_TENSOR || m->ndim == 0 ||
+        !(devices & (1u << m->device.type)) || af_fuse_node_ok(g, c) != 1)
+        return 0;
+    if (af_fuse_window(g, c, &w)) *skip_arg = w.source_arg;
+    return 1;
+}
+
+/* Whether kernel member c's operand `in` = V(x), x pointwise and `in` of c's shape, can be x's
+ * nodes over views of x's sources, computed in c's kernel for c alone (a read). Where a dim of
+ * `in` crosses dims of x, the nodes run over the finer shape (plan->split) and so must c
+ * (split_reader_ok). */
+static int plan_read(const af_graph *g, int32_t c, int32_t in, uint32_t devices, sink_plan *plan) {
+    const af_tensor_meta *out = &af_graph_value(g, af_graph_node(g, c)->first_output)->meta;
+    const af_tensor_meta *inm = &af_graph_value(g, in)->meta;
+    int32_t x = af_graph_view_root(g, in), p = af_graph_value(g, x)->producer;
+    if (x == in || p < 0 || !sinkable(g, p, devices) || inm->type != AF_VALUE_TENSOR || inm->ndim == 0 || inm->ndim != out->ndim ||
+        !views_as_declared(g, in, x))
+        return 0;
+    for (int32_t d = 0; d < inm->ndim; d++)
+        if (inm->sizes[d] != out->sizes[d]) return 0;
+    memset(plan, 0, sizeof *plan);
+    plan->clone = c;
+    plan->operand = in;
+    plan->bypass = -1;
+    plan->x = x;
+    if (!map_dims(&af_graph_value(g, x)->meta, inm, plan)) return 0;
+    plan->split = plan->ndim != inm->ndim;
+    for (int32_t d = 0; !plan->split && d < inm->ndim; d++) plan->split = plan->pieces[d].size != inm->sizes[d];
+    return collect_cone(g, devices, plan);
+}
+
+/* Per value: 1 when a kernel member that is no copy reads it as it is (it would share that
+ * member's kernel, which a view between them splits). */
+static uint8_t *fused_readers(const af_graph *g) {
+    int32_t nn = af_graph_num_nodes(g);
+    uint8_t *r = calloc((size_t)af_graph_num_values(g) + 1, 1);
+    for (int32_t i = 0; r && i < nn; i++) {
+        const af_node *n = af_graph_node(g, i);
+        if (n->op_id == AF_OP_CLONE || af_op_get(n->op_id)->kind == AF_KIND_VIEW || !af_fuse_node_ok(g, i)) continue;
+        for (int32_t a = 0; a < n->n_args; a++)
+            if (value_arg(&n->args[a])) r[n->args[a].u.value] = 1;
+    }
+    return r;
+}
+
+/* Whether c, reading plan's view over a finer shape, can be computed over that shape too and
+ * viewed back without splitting a kernel: no window member or list argument (nothing tied to
+ * c's shape), a contiguous output (the view back has c's layout) that no member shares c's
+ * kernel by (fused: fused_readers) and the graph does not return; every other tensor operand a
+ * source the new view of it can trust (plain_source) that is a kernel input anyway (a view, a
+ * graph input, what no kernel computes) or 0-dim. */
+static int split_reader_ok(const af_graph *g, int32_t c, int32_t in, const uint8_t *is_output, const uint8_t *fused) {
+    const af_node *n = af_graph_node(g, c);
+    const af_tensor_meta *out = &af_graph_value(g, n->first_output)->meta;
+    if (af_fuse_window(g, c, NULL) || is_output[n->first_output] || fused[n->first_output] || !contiguous(out)) return 0;
+    for (int32_t a = 0; a < n->n_args; a++) {
+        if (n->args[a].kind == AF_ARG_LIST) return 0;
+        if (!value_arg(&n->args[a]) || n->args[a].u.value == in) continue;
+        int32_t v = n->args[a].u.value, p = af_graph_value(g, v)->producer;
+        const af_tensor_meta *m = &af_graph_value(g, v)->meta;
+        if (m->type != AF_VALUE_TENSOR) return 0;
+        if (m->ndim == 0) continue;
+        if (!plain_source(g, v, out) || (p >= 0 && af_op_get(af_graph_node(g, p)->op_id)->kind != AF_KIND_VIEW && af_fuse_node_ok(g, p)))
+            return 0;
+    }
+    return 1;
+}
+
+/* Whether window member c's source (argument a, read at shifted indices, so never a member of
+ * c's kernel) is a copy, clone(u), that c can read as u: the copy is then a kernel of its own for
+ * nothing (a pad of a crop's copy, say). */
+static int plan_bypass(const af_graph *g, int32_t c, int32_t a, const uint8_t *is_output, sink_plan *plan) {
+    const af_node *n = af_graph_node(g, c);
+    if (a < 0 || a >= n->n_args || !value_arg(&n->args[a])) return 0;
+    int32_t s = n->args[a].u.value, p = af_graph_value(g, s)->producer;
+    const af_node *copy = p >= 0 ? af_graph_node(g, p) : NULL;
+    if (!copy || copy->op_id != AF_OP_CLONE || is_output[s] || copy->n_args < 1 || !value_arg(&copy->args[0])) return 0;
+    int32_t u = copy->args[0].u.value;
+    const af_tensor_meta *sm = &af_graph_value(g, s)->meta, *um = &af_graph_value(g, u)->meta;
+    if (um->type != AF_VALUE_TENSOR || um->dtype != sm->dtype || um->ndim != sm->ndim || um->ndim == 0 ||
+        um->device.type != sm->device.type || um->device.index != sm->device.index)
+        return 0;
+    for (int32_t d = 0; d < um->ndim; d++)
+        if (um->sizes[d] != sm->sizes[d]) return 0;
+    memset(plan, 0, sizeof *plan);
+    plan->clone = c;
+    plan->operand = s;
+    plan->bypass = u;
+    plan->x = s;
+    plan->n_leaves = 1;
+    plan->leaves[0] = u;
+    return 1;
 }
 
 /* ---- the rewritten graph ---- */
@@ -441,8 +554,10 @@ static int add_origin(sink_origins *o, int32_t new_value, int32_t old_value) {
 }
 
 /* The copy's nodes: one as_strided view per source, the cone over the finer shape, a view back.
- * The views stand for their sources, the cone's last value for the copy (origins). */
-static int add_rewritten(af_graph *out, const af_graph *g, const sink_plan *plan, int32_t *map, sink_origins *origins) {
+ * The views stand for their sources, the cone's last value for the copy (origins). A read's: the
+ * same without a view back; its last value (*read_value) stands for the view it replaces. */
+static int add_rewritten(af_graph *out, const af_graph *g, const sink_plan *plan, int32_t *map, sink_origins *origins,
+                         int32_t *read_value) {
     const af_tensor_meta *x = &af_graph_value(g, plan->x)->meta;
     const af_tensor_meta *copy = &af_graph_value(g, af_graph_node(g, plan->clone)->first_output)->meta;
     int64_t sizes[AF_MAX_DIMS], strides[AF_MAX_DIMS], dense[AF_MAX_DIMS];
@@ -485,6 +600,12 @@ static int add_rewritten(af_graph *out, const af_graph *g, const sink_plan *plan
         local[n->first_output] = last;
     }
     int32_t result = last;
+    free(local);
+    if (plan->operand >= 0) { /* a read: the value stands for the view, given to its reader alone */
+        if (!st) st = add_origin(origins, last, plan->operand);
+        if (!st) *read_value = last;
+        return st;
+    }
     if (!st) st = add_origin(origins, last, af_graph_node(g, plan->clone)->first_output);
     int same = nd == copy->ndim;
     for (int32_t k = 0; same && k < nd; k++) same = sizes[k] == copy->sizes[k];
@@ -493,58 +614,205 @@ static int add_rewritten(af_graph *out, const af_graph *g, const sink_plan *plan
         af_arg args[2] = {{.kind = AF_ARG_VALUE, .u.value = last}, int_list(items, copy->sizes, copy->ndim)};
         st = add_node1(out, "aten::view.default", args, 2, copy, &result);
     }
-    free(local);
     if (!st) map[af_graph_node(g, plan->clone)->first_output] = result;
     return st;
 }
 
-static void mark_read(const af_graph *g, const af_arg *a, uint8_t *live) {
-    if (a->kind == AF_ARG_VALUE && af_graph_value(g, a->u.value)->producer >= 0) live[af_graph_value(g, a->u.value)->producer] = 1;
-    if (a->kind == AF_ARG_LIST)
-        for (int32_t k = 0; k < a->u.list.n; k++) mark_read(g, &a->u.list.items[k], live);
+/* A reader whose read is split: the read's nodes over the finer shape, every other operand an
+ * as_strided view over it (its own strides, cut as the reader's dims are), the reader over it,
+ * and a view back to the reader's shape, which stands for the reader's value. */
+static int add_split_reader(af_graph *out, const af_graph *g, const sink_plan *plan, int32_t *map, sink_origins *origins) {
+    const af_node *n = af_graph_node(g, plan->clone);
+    const af_tensor_meta *cm = &af_graph_value(g, n->first_output)->meta;
+    int64_t sizes[AF_MAX_DIMS], strides[AF_MAX_DIMS], dense[AF_MAX_DIMS], inner[AF_MAX_DIMS];
+    int32_t nd = plan->ndim, dim_of[AF_MAX_DIMS], r = -1, result = -1;
+    /* the pieces of each of the reader's dims are consecutive, outer first (map_dims): per piece,
+     * the dim it cuts and how many elements of that dim one of its steps spans */
+    for (int32_t k = 0, d = 0, left = 1; k < nd; k++) {
+        int64_t rest = left ? cm->sizes[d] : inner[k - 1];
+        sizes[k] = plan->pieces[k].size;
+        dim_of[k] = d;
+        inner[k] = rest / sizes[k];
+        left = inner[k] == 1;
+        d += left;
+    }
+    for (int32_t k = nd - 1; k >= 0; k--) dense[k] = k == nd - 1 ? 1 : dense[k + 1] * sizes[k + 1];
+    int32_t *local = malloc((size_t)af_graph_num_values(g) * sizeof(int32_t));
+    if (!local) return af_error_set(AF_ERR_NOMEM, "out of memory rewriting copies");
+    memcpy(local, map, (size_t)af_graph_num_values(g) * sizeof(int32_t));
+    int st = add_rewritten(out, g, plan, map, origins, &r);
+    if (!st) local[plan->operand] = r;
+    for (int32_t a = 0; !st && a < n->n_args; a++) {
+        if (!value_arg(&n->args[a]) || n->args[a].u.value == plan->operand) continue;
+        int32_t v = n->args[a].u.value;
+        const af_tensor_meta *m = &af_graph_value(g, v)->meta;
+        if (m->ndim == 0 || local[v] != map[v]) continue; /* 0-dim: as it is; or already viewed */
+        for (int32_t k = 0; k < nd; k++) {
+            int32_t dl = dim_of[k] - (cm->ndim - m->ndim);
+            strides[k] = dl >= 0 && m->sizes[dl] != 1 ? m->strides[dl] * inner[k] : 0;
+        }
+        af_tensor_meta vm = *m;
+        vm.ndim = nd, vm.sizes = sizes, vm.strides = strides;
+        af_arg items[2][AF_MAX_DIMS];
+        af_arg args[4] = {{.kind = AF_ARG_VALUE, .u.value = map[v]}, int_list(items[0], sizes, nd), int_list(items[1], strides, nd),
+                          {.kind = AF_ARG_INT, .u.i = m->storage_offset}};
+        st = add_node1(out, "aten::as_strided.default", args, 4, &vm, &local[v]);
+        if (!st) st = add_origin(origins, local[v], v);
+    }
+    af_arg *args = NULL;
+    if (!st) st = copy_args(n->args, n->n_args, local, &args);
+    if (!st) {
+        af_tensor_meta vm = *cm;
+        vm.ndim = nd, vm.sizes = sizes, vm.strides = dense, vm.storage_offset = 0;
+        st = add_node1(out, n->op, args, n->n_args, &vm, &r);
+    }
+    free_args(args, n->n_args);
+    free(local);
+    if (!st) st = add_origin(origins, r, n->first_output);
+    if (!st) {
+        af_arg items[AF_MAX_DIMS];
+        af_arg vargs[2] = {{.kind = AF_ARG_VALUE, .u.value = r}, int_list(items, cm->sizes, cm->ndim)};
+        st = add_node1(out, "aten::view.default", vargs, 2, cm, &result);
+    }
+    if (!st) map[n->first_output] = result;
+    return st;
 }
 
-/* One pass over g: every copy that qualifies now, rewritten (*out NULL when none); *origin: per
+static void mark_read(const af_graph *g, const af_arg *a, uint8_t *live, const sink_plan *reads, int32_t n_reads) {
+    if (a->kind == AF_ARG_VALUE) {
+        for (int32_t k = 0; k < n_reads; k++)
+            if (reads[k].operand == a->u.value) { /* read through its recomputed value: its sources instead */
+                for (int32_t l = 0; l < reads[k].n_leaves; l++)
+                    mark_read(g, &(af_arg){.kind = AF_ARG_VALUE, .u.value = reads[k].leaves[l]}, live, NULL, 0);
+                return;
+            }
+        if (af_graph_value(g, a->u.value)->producer >= 0) live[af_graph_value(g, a->u.value)->producer] = 1;
+    }
+    if (a->kind == AF_ARG_LIST)
+        for (int32_t k = 0; k < a->u.list.n; k++) mark_read(g, &a->u.list.items[k], live, reads, n_reads);
+}
+
+/* Per value: how often a node that is no view reads it or a view of it (counted at its view
+ * root), and how many of those reads a plan rewrites (a copy of it, or a read planned). */
+static void count_reads(const af_graph *g, const af_arg *a, int32_t node, const sink_plan *mine, int32_t n_mine, int32_t *total,
+                        int32_t *covered) {
+    if (a->kind == AF_ARG_LIST)
+        for (int32_t k = 0; k < a->u.list.n; k++) count_reads(g, &a->u.list.items[k], node, mine, n_mine, total, covered);
+    if (a->kind != AF_ARG_VALUE) return;
+    int32_t r = af_graph_view_root(g, a->u.value);
+    total[r]++;
+    for (int32_t k = 0; k < n_mine; k++)
+        if (mine[k].operand == a->u.value || (mine[k].operand < 0 && mine[k].clone == node && r != a->u.value)) {
+            covered[r]++;
+            break;
+        }
+}
+
+/* Keeps the reads planned for x only where x is then no longer stored (every read of x or of a
+ * view of it is rewritten, and no graph output is either) and the kernels recomputing it read no
+ * more than storing and loading it did: n readers of L sources each against x's L, its store and
+ * its n loads. */
+static int32_t keep_profitable_reads(const af_graph *g, sink_plan *plans, int32_t n_plans, const int32_t *first, const int32_t *count) {
+    int32_t nv = af_graph_num_values(g), nn = af_graph_num_nodes(g), kept = 0;
+    int32_t *total = calloc((size_t)nv + 1, sizeof(int32_t)), *covered = calloc((size_t)nv + 1, sizeof(int32_t));
+    if (!total || !covered) {
+        free(total);
+        free(covered);
+        return -1;
+    }
+    for (int32_t i = 0; i < nn; i++) {
+        const af_node *n = af_graph_node(g, i);
+        if (af_op_get(n->op_id)->kind == AF_KIND_VIEW) continue;
+        for (int32_t a = 0; a < n->n_args; a++) count_reads(g, &n->args[a], i, plans + first[i], count[i], total, covered);
+    }
+    for (int32_t o = 0; o < af_graph_num_outputs(g); o++) total[af_graph_view_root(g, af_graph_output(g, o))] += 1 << 20;
+    for (int32_t k = 0; k < n_plans; k++) {
+        if (plans[k].operand < 0 || plans[k].bypass >= 0) continue; /* a bypass reads what it read, less a kernel */
+        int32_t x = plans[k].x, n = covered[x], leaves = plans[k].n_leaves;
+        if (total[x] == covered[x] && (int64_t)n * leaves <= leaves + 1 + n) {
+            kept++;
+            continue;
+        }
+        plans[k].operand = -2; /* dropped */
+    }
+    free(total);
+    free(covered);
+    return kept;
+}
+
+static int push_plan(sink_plan **plans, int32_t *n, int32_t *cap, const sink_plan *p) {
+    if (*n == *cap) {
+        int32_t c = *cap ? 2 * *cap : 64;
+        sink_plan *grown = realloc(*plans, (size_t)c * sizeof **plans);
+        if (!grown) return af_error_set(AF_ERR_NOMEM, "out of memory rewriting copies");
+        *plans = grown, *cap = c;
+    }
+    (*plans)[(*n)++] = *p;
+    return AF_OK;
+}
+
+/* One pass over g: every copy that qualifies now, and every kernel member's read of a view of
+ * a pointwise value that then need not be stored, rewritten (*out NULL when none); *origin: per
  * value of *out, the value of g it stands for (-1: a recomputed intermediate). */
-static int sink_pass(const af_graph *g, uint32_t devices, af_graph **out, int32_t *n_sunk, int32_t **origin) {
+static int sink_pass(const af_graph *g, uint32_t devices, int reads, af_graph **out, int32_t *n_sunk, int32_t **origin) {
     *out = NULL;
     *n_sunk = 0;
     *origin = NULL;
-    int32_t nn = af_graph_num_nodes(g), nv = af_graph_num_values(g), found = 0;
-    int32_t *plan_of = malloc(((size_t)nn + 1) * sizeof(int32_t));
+    int32_t nn = af_graph_num_nodes(g), nv = af_graph_num_values(g), n_plans = 0, cap = 0, found = 0;
+    int32_t *first = calloc((size_t)nn + 1, sizeof(int32_t)), *count = calloc((size_t)nn + 1, sizeof(int32_t));
     uint8_t *is_output = calloc((size_t)nv + 1, 1); /* a copy returned stays a fresh tensor */
+    uint8_t *fused = fused_readers(g);
     sink_plan *plans = NULL, tmp;
-    if (!plan_of || !is_output) {
-        free(plan_of);
-        free(is_output);
-        return af_error_set(AF_ERR_NOMEM, "out of memory rewriting copies");
-    }
-    for (int32_t o = 0; o < af_graph_num_outputs(g); o++) is_output[af_graph_output(g, o)] = 1;
-    for (int32_t i = 0; i < nn; i++) {
-        plan_of[i] = -1;
-        if (!plan_copy(g, i, is_output, devices, &tmp)) continue;
-        sink_plan *grown = realloc(plans, ((size_t)found + 1) * sizeof *plans);
-        if (!grown) {
-            free(plan_of);
-            free(plans);
-            free(is_output);
-            return af_error_set(AF_ERR_NOMEM, "out of memory rewriting copies");
+    int st = first && count && is_output && fused ? AF_OK : af_error_set(AF_ERR_NOMEM, "out of memory rewriting copies");
+    for (int32_t o = 0; !st && o < af_graph_num_outputs(g); o++) is_output[af_graph_output(g, o)] = 1;
+    for (int32_t i = 0; !st && i < nn; i++) {
+        const af_node *n = af_graph_node(g, i);
+        int32_t skip = -1;
+        first[i] = n_plans;
+        if (plan_copy(g, i, is_output, devices, &tmp)) { /* a copy is rewritten whole */
+            st = push_plan(&plans, &n_plans, &cap, &tmp);
+            count[i] = 1;
+            continue;
         }
-        plans = grown;
-        plans[found] = tmp;
-        plan_of[i] = found++;
+        if (!reads || !reads_views_pointwise(g, i, devices, &skip)) continue;
+        if (plan_bypass(g, i, skip, is_output, &tmp)) {
+            st = push_plan(&plans, &n_plans, &cap, &tmp);
+            count[i]++;
+        }
+        for (int32_t a = 0; !st && a < n->n_args && count[i] < SINK_MAX_READS; a++) {
+            if (a == skip || !value_arg(&n->args[a]) || !plan_read(g, i, n->args[a].u.value, devices, &tmp)) continue;
+            int dup = 0; /* one plan per view read, however often; a split read is its reader's only one */
+            for (int32_t k = first[i]; k < n_plans; k++) dup |= plans[k].operand == tmp.operand;
+            if (dup || (tmp.split && (count[i] > 0 || !split_reader_ok(g, i, tmp.operand, is_output, fused)))) continue;
+            st = push_plan(&plans, &n_plans, &cap, &tmp);
+            count[i]++;
+            if (tmp.split) break;
+        }
     }
+    free(fused);
     free(is_output);
-    if (found == 0) {
-        free(plan_of);
-        return AF_OK;
+    int32_t kept = st || n_plans == 0 ? 0 : keep_profitable_reads(g, plans, n_plans, first, count);
+    if (!st && kept < 0) st = af_error_set(AF_ERR_NOMEM, "out of memory rewriting copies");
+    for (int32_t k = 0; !st && k < n_plans; k++) found += plans[k].operand != -2;
+    if (st || found == 0) {
+        free(first);
+        free(count);
+        free(plans);
+        return st;
+    }
+    for (int32_t i = 0, w = 0; i < nn; i++) { /* drop the reads not kept */
+        int32_t f = first[i], c = count[i];
+        first[i] = w;
+        count[i] = 0;
+        for (int32_t k = f; k < f + c; k++)
+            if (plans[k].operand != -2) plans[w++] = plans[k], count[i]++;
     }
     /* what the rewritten graph still computes: outputs, what is not pointwise or a view, and what
-     * those read (a rewritten copy reads its sources) */
+     * those read (a rewritten copy reads its sources, a rewritten read its own) */
     uint8_t *live = calloc((size_t)nn + 1, 1);
-    int32_t *map = malloc(((size_t)nv + 1) * sizeof(int32_t));
+    int32_t *map = malloc(((size_t)nv + 1) * sizeof(int32_t)), saved[SINK_MAX_READS];
     af_graph *ng = NULL;
-    int st = live && map ? af_graph_new(&ng) : af_error_set(AF_ERR_NOMEM, "out of memory rewriting copies");
+    st = live && map ? af_graph_new(&ng) : af_error_set(AF_ERR_NOMEM, "out of memory rewriting copies");
     for (int32_t o = 0; !st && o < af_graph_num_outputs(g); o++) {
         int32_t p = af_graph_value(g, af_graph_output(g, o))->producer;
         if (p >= 0) live[p] = 1;
@@ -554,11 +822,11 @@ static int sink_pass(const af_graph *g, uint32_t devices, af_graph **out, int32_
         af_op_kind kind = af_op_get(n->op_id)->kind;
         if (kind != AF_KIND_POINTWISE && kind != AF_KIND_VIEW) live[i] = 1;
         if (!live[i]) continue;
-        if (plan_of[i] >= 0) {
-            const sink_plan *pl = &plans[plan_of[i]];
-            for (int32_t l = 0; l < pl->n_leaves; l++) mark_read(g, &(af_arg){.kind = AF_ARG_VALUE, .u.value = pl->leaves[l]}, live);
+        const sink_plan *mine = plans + first[i];
+        if (count[i] == 1 && mine->operand < 0) {
+            for (int32_t l = 0; l < mine->n_leaves; l++) mark_read(g, &(af_arg){.kind = AF_ARG_VALUE, .u.value = mine->leaves[l]}, live, NULL, 0);
         } else {
-            for (int32_t a = 0; a < n->n_args; a++) mark_read(g, &n->args[a], live);
+            for (int32_t a = 0; a < n->n_args; a++) mark_read(g, &n->args[a], live, mine, count[i]);
         }
     }
     for (int32_t v = 0; !st && v < nv; v++) map[v] = -1;
@@ -569,7 +837,24 @@ static int sink_pass(const af_graph *g, uint32_t devices, af_graph **out, int32_
     sink_origins origins = {0};
     for (int32_t i = 0; !st && i < nn; i++) {
         if (!live[i]) continue;
-        st = plan_of[i] >= 0 ? add_rewritten(ng, g, &plans[plan_of[i]], map, &origins) : add_copy_of(ng, g, i, map);
+        const sink_plan *mine = plans + first[i];
+        if (count[i] == 1 && mine->operand < 0) {
+            st = add_rewritten(ng, g, mine, map, &origins, NULL);
+            continue;
+        }
+        if (count[i] == 1 && mine->split) {
+            st = add_split_reader(ng, g, mine, map, &origins);
+            continue;
+        }
+        int32_t done = 0; /* the reader gets the recomputed values in place of its views, for itself only */
+        for (; !st && done < count[i]; done++) {
+            int32_t r = mine[done].bypass >= 0 ? map[mine[done].bypass] : -1;
+            if (mine[done].bypass < 0) st = add_rewritten(ng, g, &mine[done], map, &origins, &r);
+            saved[done] = map[mine[done].operand];
+            if (!st) map[mine[done].operand] = r;
+        }
+        if (!st) st = add_copy_of(ng, g, i, map);
+        while (done-- > 0) map[mine[done].operand] = saved[done];
     }
     int32_t nv_new = st ? 0 : af_graph_num_values(ng);
     int32_t *org = st ? NULL : malloc(((size_t)nv_new + 1) * sizeof(int32_t));
@@ -587,7 +872,8 @@ static int sink_pass(const af_graph *g, uint32_t devices, af_graph **out, int32_
     free(outs);
     free(live);
     free(map);
-    free(plan_of);
+    free(first);
+    free(count);
     free(plans);
     if (st) {
         af_graph_free(ng);
@@ -602,7 +888,7 @@ static int sink_pass(const af_graph *g, uint32_t devices, af_graph **out, int32_
 
 /* Passes until none rewrites a copy: a copy of a view of a rewritten copy qualifies in the next
  * pass (its cone then ends at as_strided views of sources), so chains of copies collapse. */
-int af_sink_copies(const af_graph *g, uint32_t device_types, af_graph **out, int32_t *n_sunk, int32_t **origin) {
+int af_sink_copies(const af_graph *g, uint32_t device_types, int reads, af_graph **out, int32_t *n_sunk, int32_t **origin) {
     if (!g || !out) return af_error_set(AF_ERR_INVALID, "af_sink_copies: NULL argument");
     *out = NULL;
     if (n_sunk) *n_sunk = 0;
@@ -612,7 +898,7 @@ int af_sink_copies(const af_graph *g, uint32_t device_types, af_graph **out, int
     for (int pass = 0; pass < SINK_MAX_PASSES; pass++) {
         af_graph *next = NULL;
         int32_t n = 0, *step = NULL;
-        int st = sink_pass(owned ? owned : g, device_types ? device_types : AF_FUSE_ALL_DEVICES, &next, &n, &step);
+        int st = sink_pass(owned ? owned : g, device_types ? device_types : AF_FUSE_ALL_DEVICES, reads, &next, &n, &step);
         if (st) {
             af_graph_free(owned);
             free(org);

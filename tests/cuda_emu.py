@@ -27,7 +27,7 @@ import tempfile
 import torch
 from torch import fx
 
-from aotfuse import _C
+from aotfuse import _C, config
 from aotfuse.lower import build_graph
 
 HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emu.h")
@@ -116,7 +116,7 @@ def run_groups(gm: fx.GraphModule, args, sm_count: int = 1, vectorized: bool | N
     (group index, launch facts, [(FX node or a name, emulated, eager)] per output). vectorized:
     None launches as the runtime would, True/False forces the variant (where it exists)."""
     b = build_graph(gm, device="cuda:0")
-    sunk, origin = _C.sink_copies(b.graph, devices="cuda")
+    sunk, origin = _C.sink_copies(b.graph, devices="cuda", reads=config.sink_reads()) if config.sink_copies() else (None, None)
     source, launches = _C.cuda_codegen(sunk or b.graph, sm_count=sm_count)
     dll = _library(source)
     env = eager_values(gm, args)

@@ -1001,6 +1001,53 @@ def test_copies_of_views_in_emulated_cuda_kernels():
     assert [(l["kind"], l["nodes"]) for l in ran] == [("pointwise", 2), ("pointwise", 2)], ran
 
 
+def _reads_of_views(g, a, b):
+    """Longformer's backward in small: a permuted copy of an extern's result, read by an add through
+    a reshape that merges the copy's dims (its reader, which only an extern reads, is computed over
+    the finer shape); a transposed pointwise value read by a mul (at its own shape); a pad of a
+    copy of a crop (the pad reads the crop)."""
+    x = torch.mm(g, a)
+    c = x.view(2, 16, 2, 16).permute(0, 2, 1, 3).contiguous()
+    y = c.view(4, 8, 2, 16) + b.view(4, 8, 2, 16)
+    z = torch.mm(y.view(64, 16), a[:16, :16])
+    t = (g * 2).t() * a
+    p = torch.nn.functional.pad(z[:, 2:10].clone(), (1, 1))
+    return z, t, p
+
+
+@pytest.mark.parametrize("reads", [True, False])
+def test_kernel_members_reads_of_views_are_computed_from_their_sources(reads, monkeypatch):
+    """Kernel members reading a view of a pointwise value that nothing else needs compute it from
+    its sources themselves (csrc/sink.c, reads): the copy, the doubled value and the crop's copy
+    are not made (3 kernels against 6 with AOTFUSE_SINK_READS=0); values match eager and
+    float64."""
+    monkeypatch.setenv("AOTFUSE_SINK_READS", "1" if reads else "0")
+    gen = torch.Generator().manual_seed(14)
+    args = [torch.randn(32, 32, generator=gen), torch.randn(32, 32, generator=gen), torch.randn(1024, generator=gen)]
+    lowered = lower(make_fx(_reads_of_views, tracing_mode="fake")(*args))
+    assert (lowered.program.copies_sunk, lowered.program.num_kernels) == ((3, 3) if reads else (0, 6)), str(lowered.program)
+    ref = _reads_of_views(*args)
+    exact = _reads_of_views(*[t.double() for t in args])
+    for _ in range(2):
+        for name, o, r, e in zip(("mm", "transposed", "padded"), lowered(list(args)), ref, exact):
+            assert_close(o, r, name)
+            assert (o.double() - e).abs().max() <= 4 * (r.double() - e).abs().max() + 1e-5, name
+    assert lowered.program.kernel_fallbacks == 0
+
+
+def test_reads_of_views_in_emulated_cuda_kernels():
+    """The same reads in CUDA kernels (the graph a CUDA program runs), run in the host emulation:
+    eager's values from three kernels."""
+    import cuda_emu
+
+    if cuda_emu.unavailable():
+        pytest.skip(cuda_emu.unavailable())
+    gen = torch.Generator().manual_seed(15)
+    args = (torch.randn(32, 32, generator=gen), torch.randn(32, 32, generator=gen), torch.randn(1024, generator=gen))
+    ran = cuda_emu.check(make_fx(_reads_of_views, tracing_mode="fake")(*args), args, "reads of views computed from their sources")
+    assert sorted(l["nodes"] for l in ran) == [1, 2, 2], ran
+
+
 def test_a_sunk_copy_reads_sources_whose_layout_is_checked():
     """A copy computed from its sources reads them through as_strided views, which take the graph's
     layout of each source as given (also where the kernel falls back to ATen calls): so the sources

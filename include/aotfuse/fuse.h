@@ -99,7 +99,13 @@ void af_fuse_plan_free(af_fusion_plan *plan); /* NULL allowed */
  * caller's), or NULL when no copy qualifies; *n_sunk (may be NULL) counts the copies rewritten;
  * *origin (may be NULL; the caller frees it) gets, per value of *out, the value of g it stands for:
  * itself for what was copied, the source for a source's view, the copy for the recomputed copy
- * (over the finer shape, or viewed back), -1 for a recomputed intermediate. */
-int af_sink_copies(const af_graph *g, uint32_t device_types, af_graph **out, int32_t *n_sunk, int32_t **origin);
+ * (over the finer shape, or viewed back), -1 for a recomputed intermediate.
+ * With reads, a kernel member reading V(x) as a plain operand gets x's nodes over the sources'
+ * views too, for itself alone, where x is then stored for no one and the kernels read no more
+ * than storing and loading x did; a reader of a view crossing x's dims is computed over the finer
+ * shape itself (its other operands viewed so) and viewed back, where that splits no kernel; and a
+ * window member whose source is clone(u) reads u. The recomputed value stands for the view (a
+ * reader over the finer shape, and its view back, for the reader's value). */
+int af_sink_copies(const af_graph *g, uint32_t device_types, int reads, af_graph **out, int32_t *n_sunk, int32_t **origin);
 
 #endif

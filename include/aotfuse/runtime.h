@@ -31,6 +31,8 @@ typedef struct {
     int no_reuse;           /* every kernel output a fresh allocation (default: buffer reuse, below) */
     int no_sink;            /* with fuse: keep copies of views of pointwise values as they are
                                (default: computed from their sources, af_sink_copies in fuse.h) */
+    int no_sink_reads;      /* with fuse and the copies rewritten: keep kernel members' reads of
+                               such views as they are (default: rewritten too, af_sink_copies) */
 } af_program_options;
 
 /* Verifies g, plans it and resolves its steps. opts may be NULL (no fusion). On success the
@@ -45,7 +47,7 @@ int af_program_cache_hit(const af_program *p);
 const char *af_program_source(const af_program *p);
 const char *af_program_cuda_source(const af_program *p); /* NULL without CUDA kernels */
 int32_t af_program_num_steps(const af_program *p);
-int32_t af_program_copies_sunk(const af_program *p); /* copies computed from their sources (no_sink) */
+int32_t af_program_copies_sunk(const af_program *p); /* copies and reads computed from their sources (no_sink) */
 /* Buffer reuse: a kernel output may take the tensor of an intermediate whose storage died at an
  * earlier step (it and every view of it read for the last time; no output, input, or argument of
  * an aliasing extern), where keeping it until then leaves the program's peak bytes as they were:

@@ -60,6 +60,10 @@ def sink_copies() -> bool:
     return os.environ.get("AOTFUSE_SINK_COPIES", "1") not in ("", "0")
 
 
+def sink_reads() -> bool:
+    return os.environ.get("AOTFUSE_SINK_READS", "1") not in ("", "0")
+
+
 def fallback_random() -> bool:
     return os.environ.get("AOTFUSE_FALLBACK_RANDOM", "0") not in ("", "0")
 

@@ -65,11 +65,12 @@ def captured_graphs(fn: Any, *args: Any, **kwargs: Any) -> list[tuple[str, torch
 
 def cuda_sources(gms: list[tuple[str, torch.fx.GraphModule]], sm_count: int = 132) -> list[tuple[str, str, list]]:
     """(name, CUDA source, launch facts per group) for each graph, planned for cuda:0 as a program
-    runs it (copies of views computed from their sources, csrc/sink.c)."""
+    runs it (copies and kernel members' reads of views computed from their sources, csrc/sink.c)."""
     out = []
     for name, gm in gms:
         b = build_graph(gm, device="cuda:0")
-        sunk, _origin = _C.sink_copies(b.graph, devices="cuda") if config.sink_copies() else (None, None)
+        sunk, _origin = (_C.sink_copies(b.graph, devices="cuda", reads=config.sink_reads()) if config.sink_copies()
+                         else (None, None))
         source, launches = _C.cuda_codegen(sunk or b.graph, sm_count=sm_count)
         out.append((name, source, launches))
     return out

@@ -1,6 +1,6 @@
-/* CMocka tests of csrc/sink.c: copies of views of pointwise values, computed from the sources
- * through one as_strided view each (which views, which finer shape, what is dropped), and the
- * copies left alone. */
+/* CMocka tests of csrc/sink.c: copies of views of pointwise values, and kernel members' reads of
+ * them, computed from the sources through one as_strided view each (which views, which finer
+ * shape, what is dropped), and the copies and reads left alone. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -86,10 +86,10 @@ static void test_a_permuted_copy_is_computed_from_the_sources(void **state) {
 
     af_graph *out = NULL;
     int32_t n = -1;
-    assert_int_equal(af_sink_copies(g, 1u << AF_DEVICE_CUDA, &out, &n, NULL), AF_OK); /* no CPU kernels: as it is */
+    assert_int_equal(af_sink_copies(g, 1u << AF_DEVICE_CUDA, 1, &out, &n, NULL), AF_OK); /* no CPU kernels: as it is */
     assert_null(out);
     int32_t *origin = NULL;
-    assert_int_equal(af_sink_copies(g, 0, &out, &n, &origin), AF_OK);
+    assert_int_equal(af_sink_copies(g, 0, 1, &out, &n, &origin), AF_OK);
     assert_non_null(out);
     assert_non_null(origin);
     assert_int_equal(n, 1);
@@ -148,7 +148,7 @@ static void test_overlapping_windows_keep_their_shape(void **state) {
     assert_int_equal(af_graph_set_outputs(g, outs, 2), AF_OK);
 
     af_graph *out = NULL;
-    assert_int_equal(af_sink_copies(g, 0, &out, NULL, NULL), AF_OK);
+    assert_int_equal(af_sink_copies(g, 0, 1, &out, NULL, NULL), AF_OK);
     assert_non_null(out);
     const char *ops[] = {"aten::exp.default", "aten::mul.Tensor", "aten::as_strided.default", "aten::exp.default",
                          "aten::mul.Tensor", "aten::neg.default"};
@@ -196,7 +196,7 @@ static void test_copies_left_alone(void **state) {
         assert_int_equal(af_graph_set_outputs(g, &y, 1), AF_OK);
         af_graph *out = g; /* overwritten with NULL */
         int32_t n = -1;
-        assert_int_equal(af_sink_copies(g, 0, &out, &n, NULL), AF_OK);
+        assert_int_equal(af_sink_copies(g, 0, 1, &out, &n, NULL), AF_OK);
         assert_null(out);
         assert_int_equal(n, 0);
         af_graph_free(g);
@@ -221,7 +221,7 @@ static void test_copies_of_copies_collapse(void **state) {
     assert_int_equal(af_graph_set_outputs(g, &y, 1), AF_OK);
     af_graph *out = NULL;
     int32_t n = 0, *origin = NULL;
-    assert_int_equal(af_sink_copies(g, 0, &out, &n, &origin), AF_OK);
+    assert_int_equal(af_sink_copies(g, 0, 1, &out, &n, &origin), AF_OK);
     assert_non_null(out);
     assert_int_equal(n, 3);
     assert_int_equal(af_graph_num_nodes(out), 3);
@@ -256,7 +256,7 @@ static void test_views_of_permuted_values_are_re_derived(void **state) {
         int32_t y = add_node(g, "aten::mul.Tensor", (af_arg[]){val(c), {.kind = AF_ARG_INT, .u.i = 3}}, 2, meta(2, s44, t44, 0));
         assert_int_equal(af_graph_set_outputs(g, &y, 1), AF_OK);
         af_graph *out = NULL;
-        assert_int_equal(af_sink_copies(g, 0, &out, NULL, NULL), AF_OK);
+        assert_int_equal(af_sink_copies(g, 0, 1, &out, NULL, NULL), AF_OK);
         if (lie) {
             assert_null(out);
         } else {
@@ -271,14 +271,122 @@ static void test_views_of_permuted_values_are_re_derived(void **state) {
     }
 }
 
+/* y = add(t(x), b), x = neg(a) over [4, 4], nothing else reading x: y's kernel computes neg over
+ * a transposed view of a, x is not made (a read); with x read as it is too, or with reads off, or
+ * by a reduction, the graph stays as it is. */
+static void test_a_kernel_members_read_of_a_view_is_computed_from_the_sources(void **state) {
+    (void)state;
+    static const int64_t s44[2] = {4, 4}, t44[2] = {4, 1}, tt[2] = {1, 4};
+    for (int kind = 0; kind < 4; kind++) { /* 0: the read; 1: x read as it is too; 2: reads off; 3: a sum reads the view */
+        int32_t a, x, b;
+        af_graph *g = start_graph(2, s44, t44, &a, &x);
+        af_tensor_meta mb = meta(2, s44, t44, 0);
+        assert_int_equal(af_graph_add_input(g, "b", &mb, &b), AF_OK);
+        int32_t v = add_node(g, "aten::t.default", (af_arg[]){val(x)}, 1, meta(2, s44, tt, 0));
+        int32_t outs[2], n_outs = 1;
+        if (kind == 3) {
+            af_arg dims[1] = {{.kind = AF_ARG_INT, .u.i = 0}};
+            static const int64_t s4[1] = {4}, t4[1] = {1};
+            outs[0] = add_node(g, "aten::sum.dim_IntList", (af_arg[]){val(v), {.kind = AF_ARG_LIST, .u.list = {1, dims}}}, 2,
+                               meta(1, s4, t4, 0));
+        } else {
+            outs[0] = add_node(g, "aten::add.Tensor", (af_arg[]){val(v), val(b)}, 2, meta(2, s44, t44, 0));
+        }
+        if (kind == 1) outs[n_outs++] = add_node(g, "aten::mul.Tensor", (af_arg[]){val(x), val(b)}, 2, meta(2, s44, t44, 0));
+        assert_int_equal(af_graph_set_outputs(g, outs, n_outs), AF_OK);
+        af_graph *out = NULL;
+        int32_t n = -1, *origin = NULL;
+        assert_int_equal(af_sink_copies(g, 0, kind != 2, &out, &n, &origin), AF_OK);
+        if (kind) {
+            assert_null(out);
+            assert_int_equal(n, 0);
+            af_graph_free(g);
+            continue;
+        }
+        assert_non_null(out);
+        assert_int_equal(n, 1);
+        assert_int_equal(af_graph_num_nodes(out), 3); /* as_strided(a), neg, add */
+        const af_node *va = node_at(out, 0, "aten::as_strided.default"), *neg = node_at(out, 1, "aten::neg.default");
+        const af_node *add = node_at(out, 2, "aten::add.Tensor");
+        assert_int_equal(va->args[0].u.value, af_graph_input(out, 0));
+        assert_meta(&af_graph_value(out, va->first_output)->meta, 2, s44, tt, 0);
+        assert_int_equal(neg->args[0].u.value, va->first_output);
+        assert_meta(&af_graph_value(out, neg->first_output)->meta, 2, s44, t44, 0);
+        assert_int_equal(add->args[0].u.value, neg->first_output);
+        assert_int_equal(add->args[1].u.value, af_graph_input(out, 1));
+        assert_int_equal(origin[va->first_output], a);
+        assert_int_equal(origin[neg->first_output], v); /* the recomputed value stands for the view */
+        assert_int_equal(origin[add->first_output], outs[0]);
+        af_fusion_plan *plan; /* one kernel reading a and b */
+        assert_int_equal(af_fuse_plan_new(out, NULL, &plan), AF_OK);
+        assert_int_equal(plan->n_groups, 1);
+        assert_int_equal(plan->groups[0].n_inputs, 2);
+        af_fuse_plan_free(plan);
+        free(origin);
+        af_graph_free(out);
+        af_graph_free(g);
+    }
+}
+
+/* z = mm(y, b), y = add(view(x, [4, 4]), b), x = neg(a) over [2, 2, 4]: the view's dim 0 steps
+ * across x's dims 0 and 1, so y is computed over [2, 2, 4] (b viewed so too) and viewed back
+ * (a split read); where a member reads y as it is (it would share y's kernel), y stays. */
+static void test_a_split_read_computes_its_reader_over_the_finer_shape(void **state) {
+    (void)state;
+    static const int64_t s3[3] = {2, 2, 4}, t3[3] = {8, 4, 1}, s44[2] = {4, 4}, t44[2] = {4, 1};
+    for (int fused = 0; fused < 2; fused++) {
+        int32_t a, x, b;
+        af_graph *g = start_graph(3, s3, t3, &a, &x);
+        af_tensor_meta mb = meta(2, s44, t44, 0);
+        assert_int_equal(af_graph_add_input(g, "b", &mb, &b), AF_OK);
+        af_arg items[4];
+        int32_t v = add_node(g, "aten::view.default", (af_arg[]){val(x), ints(items, s44, 2)}, 2, meta(2, s44, t44, 0));
+        int32_t y = add_node(g, "aten::add.Tensor", (af_arg[]){val(v), val(b)}, 2, meta(2, s44, t44, 0));
+        int32_t z = fused ? add_node(g, "aten::mul.Tensor", (af_arg[]){val(y), val(b)}, 2, meta(2, s44, t44, 0))
+                          : add_node(g, "aten::mm.default", (af_arg[]){val(y), val(b)}, 2, meta(2, s44, t44, 0));
+        assert_int_equal(af_graph_set_outputs(g, &z, 1), AF_OK);
+        af_graph *out = NULL;
+        int32_t n = -1, *origin = NULL;
+        assert_int_equal(af_sink_copies(g, 0, 1, &out, &n, &origin), AF_OK);
+        if (fused) {
+            assert_null(out);
+            af_graph_free(g);
+            continue;
+        }
+        assert_non_null(out);
+        assert_int_equal(n, 1);
+        /* as_strided(a), neg, as_strided(b), add over [2, 2, 4], view back, mm */
+        assert_int_equal(af_graph_num_nodes(out), 6);
+        static const int64_t tb[3] = {8, 4, 1};
+        const af_node *va = node_at(out, 0, "aten::as_strided.default"), *neg = node_at(out, 1, "aten::neg.default");
+        const af_node *vb = node_at(out, 2, "aten::as_strided.default"), *add = node_at(out, 3, "aten::add.Tensor");
+        const af_node *back = node_at(out, 4, "aten::view.default"), *mm = node_at(out, 5, "aten::mm.default");
+        assert_meta(&af_graph_value(out, va->first_output)->meta, 3, s3, t3, 0);
+        assert_int_equal(vb->args[0].u.value, af_graph_input(out, 1));
+        assert_meta(&af_graph_value(out, vb->first_output)->meta, 3, s3, tb, 0);
+        assert_int_equal(add->args[0].u.value, neg->first_output);
+        assert_int_equal(add->args[1].u.value, vb->first_output);
+        assert_meta(&af_graph_value(out, add->first_output)->meta, 3, s3, t3, 0);
+        assert_int_equal(back->args[0].u.value, add->first_output);
+        assert_meta(&af_graph_value(out, back->first_output)->meta, 2, s44, t44, 0);
+        assert_int_equal(mm->args[0].u.value, back->first_output);
+        assert_int_equal(origin[vb->first_output], b);
+        assert_int_equal(origin[add->first_output], y);
+        assert_int_equal(origin[back->first_output], y);
+        free(origin);
+        af_graph_free(out);
+        af_graph_free(g);
+    }
+}
+
 static void test_bad_arguments(void **state) {
     (void)state;
     af_graph *out;
-    assert_int_equal(af_sink_copies(NULL, 0, &out, NULL, NULL), AF_ERR_INVALID);
+    assert_int_equal(af_sink_copies(NULL, 0, 1, &out, NULL, NULL), AF_ERR_INVALID);
     af_graph *g;
     assert_int_equal(af_graph_new(&g), AF_OK);
-    assert_int_equal(af_sink_copies(g, 0, NULL, NULL, NULL), AF_ERR_INVALID);
-    assert_int_equal(af_sink_copies(g, 0, &out, NULL, NULL), AF_OK); /* nothing to rewrite */
+    assert_int_equal(af_sink_copies(g, 0, 1, NULL, NULL, NULL), AF_ERR_INVALID);
+    assert_int_equal(af_sink_copies(g, 0, 1, &out, NULL, NULL), AF_OK); /* nothing to rewrite */
     assert_null(out);
     af_graph_free(g);
 }
@@ -290,6 +398,8 @@ int main(void) {
         cmocka_unit_test(test_copies_left_alone),
         cmocka_unit_test(test_copies_of_copies_collapse),
         cmocka_unit_test(test_views_of_permuted_values_are_re_derived),
+        cmocka_unit_test(test_a_kernel_members_read_of_a_view_is_computed_from_the_sources),
+        cmocka_unit_test(test_a_split_read_computes_its_reader_over_the_finer_shape),
         cmocka_unit_test(test_bad_arguments),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
