@@ -113,39 +113,120 @@ static int popcount32(uint32_t x) {
     return c;
 }
 
-/* A window member: its source (input k) at the shifted offset where every guarded coordinate (the
- * coordinate operands' offsets) lies inside the source, the fill value elsewhere. The load is only
- * evaluated inside (a conditional expression), so nothing outside the source is ever read. */
-static void emit_window(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
-                        const af_node *n, const af_window *w, const char *indent) {
-    int32_t k = 0;
-    while (w->source >= 0 && k < grp->n_inputs && grp->inputs[k] != w->source) k++;
-    const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
+/* `float v<out> = <the op's C expression>;`, rounded as if stored for 16-bit and bool outputs. */
+static void emit_pointwise(af_strbuf *sb, const af_graph *g, const af_node *n, const char *indent) {
+    const af_op_info *info = af_op_get(n->op_id);
+    const af_value *out = af_graph_value(g, n->first_output);
+    af_dtype scalar_as = AF_DTYPE_FLOAT32;
+    for (int32_t a = 0; a < n->n_args && info->scalars == AF_SCALAR_AS_TENSOR; a++)
+        if (n->args[a].kind == AF_ARG_VALUE) {
+            scalar_as = af_graph_value(g, n->args[a].u.value)->meta.dtype;
+            break;
+        }
+    af_strbuf_printf(sb, "%sfloat v%d = ", indent, (int)n->first_output);
+    for (const char *e = info->c_expr; *e; e++) {
+        if (e[0] == '$' && e[1] >= '0' && e[1] <= '9') {
+            const af_arg *a = &n->args[e[1] - '0'];
+            if (a->kind == AF_ARG_VALUE) af_strbuf_printf(sb, "v%d", (int)a->u.value);
+            else emit_scalar(sb, a, scalar_as);
+            e++;
+        } else {
+            af_strbuf_printf(sb, "%c", *e);
+        }
+    }
+    af_strbuf_printf(sb, "; /* %s */\n", n->op);
+    /* a 16-bit or bool value rounds as if stored, so the group matches op-by-op results */
+    if (out->meta.dtype == AF_DTYPE_BFLOAT16)
+        af_strbuf_printf(sb, "%sv%d = af_bf16_load(af_bf16_store(v%d));\n", indent, (int)n->first_output, (int)n->first_output);
+    else if (out->meta.dtype == AF_DTYPE_FLOAT16)
+        af_strbuf_printf(sb, "%sv%d = af_f16_load(af_f16_store(v%d));\n", indent, (int)n->first_output, (int)n->first_output);
+    else if (out->meta.dtype == AF_DTYPE_BOOL)
+        af_strbuf_printf(sb, "%sv%d = (float)(v%d != 0.0f);\n", indent, (int)n->first_output, (int)n->first_output);
+}
+
+/* Whether member m of grp is a shifted member (computes a window's source, fuse.h). */
+static int shifted(const af_fusion_group *grp, int32_t m) { return grp->window_of && grp->window_of[m] >= 0; }
+
+/* Whether some shifted member reads input k. */
+static int shifted_reads(const af_graph *g, const af_fusion_group *grp, int32_t window, int32_t k) {
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        if (!shifted(grp, m) || (window >= 0 && grp->window_of[m] != window)) continue;
+        const af_node *n = af_graph_node(g, grp->nodes[m]);
+        for (int32_t a = 0; a < n->n_args; a++)
+            if (n->args[a].kind == AF_ARG_VALUE && n->args[a].u.value == grp->inputs[k]) return 1;
+    }
+    return 0;
+}
+
+/* `(1 && o<c> >= lo && o<c> < hi ...)`: every coordinate the window guards inside its source. */
+static void emit_guard_cond(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_window *w,
+                            const af_tensor_meta *iter) {
     uint32_t all = window_guards(g, grp);
-    int64_t shift = 0;
-    for (int32_t d = 0; w->source >= 0 && d < iter->ndim; d++) shift += w->left[d] * ops[k].strides[d];
-    af_strbuf_printf(sb, "%sfloat v%d = (1", indent, (int)n->first_output);
+    af_strbuf_printf(sb, "(1");
     for (int32_t d = 0; d < iter->ndim; d++) {
         if (!((w->guard_mask >> d) & 1u)) continue;
         int32_t c = grp->n_inputs + grp->n_outputs + popcount32(all & ((1u << d) - 1u));
         af_strbuf_printf(sb, " && o%d >= %" PRId64 " && o%d < %" PRId64, (int)c, w->left[d], (int)c, w->left[d] + w->size[d]);
     }
+    af_strbuf_printf(sb, ")");
+}
+
+/* A window member: its source (input k) at the shifted offset where every guarded coordinate (the
+ * coordinate operands' offsets) lies inside the source, the fill value elsewhere. The load is only
+ * evaluated inside (a conditional expression), so nothing outside the source is ever read. A
+ * source its shifted members compute is computed there instead: their inputs loaded at their
+ * shifted offsets, their expressions after, all inside the guard. */
+static void emit_window(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops, int32_t member,
+                        const af_window *w, const char *indent) {
+    const af_node *n = af_graph_node(g, grp->nodes[member]);
+    int32_t k = 0;
+    while (w->source >= 0 && k < grp->n_inputs && grp->inputs[k] != w->source) k++;
+    const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
     af_arg fill = {.kind = AF_ARG_FLOAT, .u.f = w->value};
+    char ptr[16], off[48];
     if (w->source < 0) { /* box_fill: the value inside, base outside */
-        af_strbuf_printf(sb, ") ? ");
+        af_strbuf_printf(sb, "%sfloat v%d = ", indent, (int)n->first_output);
+        emit_guard_cond(sb, g, grp, w, iter);
+        af_strbuf_printf(sb, " ? ");
         emit_scalar(sb, &fill, AF_DTYPE_FLOAT32);
         af_strbuf_printf(sb, " : v%d; /* %s */\n", (int)w->base, n->op);
-        return;
+    } else if (k < grp->n_inputs) {
+        int64_t shift = 0;
+        for (int32_t d = 0; d < iter->ndim; d++) shift += w->left[d] * ops[k].strides[d];
+        snprintf(ptr, sizeof ptr, "q%d", (int)k);
+        snprintf(off, sizeof off, "o%d - (%" PRId64 ")", (int)k, shift);
+        af_strbuf_printf(sb, "%sfloat v%d = ", indent, (int)n->first_output);
+        emit_guard_cond(sb, g, grp, w, iter);
+        af_strbuf_printf(sb, " ? ");
+        af_cg_emit_load(sb, ops[k].dtype, ptr, off);
+        af_strbuf_printf(sb, " : ");
+        if (w->base >= 0) af_strbuf_printf(sb, "v%d", (int)w->base);
+        else emit_scalar(sb, &fill, AF_DTYPE_FLOAT32);
+        af_strbuf_printf(sb, "; /* %s */\n", n->op);
+    } else { /* the source computed here */
+        char inner[64];
+        snprintf(inner, sizeof inner, "%s  ", indent);
+        af_strbuf_printf(sb, "%sfloat v%d;\n%sif ", indent, (int)n->first_output, indent);
+        emit_guard_cond(sb, g, grp, w, iter);
+        af_strbuf_printf(sb, " { /* %s, its source computed at its index */\n", n->op);
+        for (int32_t q = 0; q < grp->n_inputs; q++) {
+            if (!shifted_reads(g, grp, grp->nodes[member], q)) continue;
+            int64_t shift = 0;
+            for (int32_t d = 0; d < iter->ndim; d++) shift += w->left[d] * ops[q].strides[d];
+            snprintf(ptr, sizeof ptr, "q%d", (int)q);
+            snprintf(off, sizeof off, "o%d - (%" PRId64 ")", (int)q, shift);
+            af_strbuf_printf(sb, "%sconst float v%d = ", inner, (int)grp->inputs[q]);
+            af_cg_emit_load(sb, ops[q].dtype, ptr, off);
+            af_strbuf_printf(sb, ";\n");
+        }
+        for (int32_t m = 0; m < grp->n_nodes; m++)
+            if (shifted(grp, m) && grp->window_of[m] == grp->nodes[member]) emit_pointwise(sb, g, af_graph_node(g, grp->nodes[m]), inner);
+        af_strbuf_printf(sb, "%sv%d = v%d;\n%s} else {\n%sv%d = ", inner, (int)n->first_output, (int)w->source, indent, inner,
+                         (int)n->first_output);
+        if (w->base >= 0) af_strbuf_printf(sb, "v%d", (int)w->base);
+        else emit_scalar(sb, &fill, AF_DTYPE_FLOAT32);
+        af_strbuf_printf(sb, ";\n%s}\n", indent);
     }
-    char ptr[16], off[48];
-    snprintf(ptr, sizeof ptr, "q%d", (int)k);
-    snprintf(off, sizeof off, "o%d - (%" PRId64 ")", (int)k, shift);
-    af_strbuf_printf(sb, ") ? ");
-    af_cg_emit_load(sb, ops[k].dtype, ptr, off);
-    af_strbuf_printf(sb, " : ");
-    if (w->base >= 0) af_strbuf_printf(sb, "v%d", (int)w->base);
-    else emit_scalar(sb, &fill, AF_DTYPE_FLOAT32);
-    af_strbuf_printf(sb, "; /* %s */\n", n->op);
 }
 
 static void emit_members_impl(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
@@ -171,11 +252,11 @@ static void emit_members_impl(af_strbuf *sb, const af_graph *g, const af_fusion_
                               const uint8_t *cached) {
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
-        const af_value *out = af_graph_value(g, n->first_output);
         const af_op_info *info = af_op_get(n->op_id);
         af_window win;
+        if (shifted(grp, m)) continue; /* computed inside its window's guard */
         if (af_fuse_window(g, grp->nodes[m], &win)) {
-            if (ops) emit_window(sb, g, grp, ops, n, &win, indent);
+            if (ops) emit_window(sb, g, grp, ops, m, &win, indent);
             else af_strbuf_printf(sb, "%s#error \"aotfuse: a window member outside a pointwise kernel\"\n", indent);
             continue;
         }
@@ -214,31 +295,7 @@ static void emit_members_impl(af_strbuf *sb, const af_graph *g, const af_fusion_
             if (cached && cached[m]) af_strbuf_printf(sb, "%sc%d[i] = v%d;\n", indent, (int)n->first_output, (int)n->first_output);
             continue;
         }
-        af_dtype scalar_as = AF_DTYPE_FLOAT32;
-        for (int32_t a = 0; a < n->n_args && info->scalars == AF_SCALAR_AS_TENSOR; a++)
-            if (n->args[a].kind == AF_ARG_VALUE) {
-                scalar_as = af_graph_value(g, n->args[a].u.value)->meta.dtype;
-                break;
-            }
-        af_strbuf_printf(sb, "%sfloat v%d = ", indent, (int)n->first_output);
-        for (const char *e = info->c_expr; *e; e++) {
-            if (e[0] == '$' && e[1] >= '0' && e[1] <= '9') {
-                const af_arg *a = &n->args[e[1] - '0'];
-                if (a->kind == AF_ARG_VALUE) af_strbuf_printf(sb, "v%d", (int)a->u.value);
-                else emit_scalar(sb, a, scalar_as);
-                e++;
-            } else {
-                af_strbuf_printf(sb, "%c", *e);
-            }
-        }
-        af_strbuf_printf(sb, "; /* %s */\n", n->op);
-        /* a 16-bit or bool value rounds as if stored, so the group matches op-by-op results */
-        if (out->meta.dtype == AF_DTYPE_BFLOAT16)
-            af_strbuf_printf(sb, "%sv%d = af_bf16_load(af_bf16_store(v%d));\n", indent, (int)n->first_output, (int)n->first_output);
-        else if (out->meta.dtype == AF_DTYPE_FLOAT16)
-            af_strbuf_printf(sb, "%sv%d = af_f16_load(af_f16_store(v%d));\n", indent, (int)n->first_output, (int)n->first_output);
-        else if (out->meta.dtype == AF_DTYPE_BOOL)
-            af_strbuf_printf(sb, "%sv%d = (float)(v%d != 0.0f);\n", indent, (int)n->first_output, (int)n->first_output);
+        emit_pointwise(sb, g, n, indent);
         if (cached && cached[m]) af_strbuf_printf(sb, "%sc%d[i] = v%d;\n", indent, (int)n->first_output, (int)n->first_output);
     }
 }
@@ -515,7 +572,7 @@ int af_cg_space_new(const af_graph *g, const af_fusion_group *grp, af_cg_space *
             for (int32_t a = 0; a < n->n_args; a++)
                 for (int32_t k = 0; k < grp->n_inputs && n->args[a].kind == AF_ARG_VALUE; k++)
                     if (n->args[a].u.value == grp->inputs[k]) {
-                        if (a == source_arg) sp->ops[k].window_only = 1;
+                        if (a == source_arg || shifted(grp, m)) sp->ops[k].window_only = 1; /* read at shifted offsets */
                         else plain[k] = 1;
                     }
         }

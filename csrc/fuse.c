@@ -303,6 +303,7 @@ void af_fuse_plan_free(af_fusion_plan *plan) {
         free(plan->groups[i].nodes);
         free(plan->groups[i].inputs);
         free(plan->groups[i].outputs);
+        free(plan->groups[i].window_of);
     }
     free(plan->groups);
     free(plan->group_of_node);
@@ -376,6 +377,40 @@ static int reads_reduction_of(const af_graph *g, const af_node *n, int kind, con
 
 static void close_group(uint8_t *closed, const int32_t *dep, int32_t *parent, int32_t q);
 static int depends_on(const int32_t *dep, int32_t *parent, int32_t q, int32_t r);
+
+/* Adds one to n_reads[v] for every read of v in a (lists included). */
+static void count_arg_reads(const af_arg *a, int32_t *n_reads) {
+    if (a->kind == AF_ARG_VALUE) n_reads[a->u.value]++;
+    else if (a->kind == AF_ARG_LIST)
+        for (int32_t i = 0; i < a->u.list.n; i++) count_arg_reads(&a->u.list.items[i], n_reads);
+}
+
+/* Whether window member i (w) can compute its source in its kernel: the source's provisional group
+ * gs is open, pointwise (no reduction, window, random node, recompute or dependence), and no value of
+ * gs is returned or read by any node outside gs but the source, once, by i as its source. Its nodes
+ * (before i, in graph order) go into members[] (*n_members). */
+static int absorbable(const af_graph *g, int32_t i, const af_window *w, int32_t gs, int32_t *parent, const int32_t *prov_of_node,
+                      const uint8_t *closed, const uint32_t *gmask, const uint8_t *gwin, const int32_t *dep, const int32_t *n_clones,
+                      const int32_t *n_reads, const uint8_t *is_output, int32_t *members, int32_t *n_members) {
+    const af_node *win = af_graph_node(g, i);
+    *n_members = 0;
+    if (closed[gs] || gmask[gs] || gwin[gs] || dep[gs] >= 0 || n_clones[gs]) return 0;
+    for (int32_t a = 0; a < win->n_args; a++) /* the window reads the source as its source only */
+        if (a != w->source_arg && win->args[a].kind == AF_ARG_VALUE && win->args[a].u.value == w->source) return 0;
+    for (int32_t j = 0; j < i; j++)
+        if (prov_of_node[j] >= 0 && find_root(parent, prov_of_node[j]) == gs) members[(*n_members)++] = j;
+    for (int32_t k = 0; k < *n_members; k++) {
+        const af_node *n = af_graph_node(g, members[k]);
+        int32_t u = n->first_output, inside = u == w->source;
+        if (n->n_outputs != 1 || n->op_id == AF_OP_RNG_UNIFORM || af_fuse_node_ok(g, members[k]) != 1 || is_output[u]) return 0;
+        for (int32_t m = 0; m < *n_members; m++) {
+            const af_node *r = af_graph_node(g, members[m]);
+            for (int32_t a = 0; a < r->n_args; a++) inside += r->args[a].kind == AF_ARG_VALUE && r->args[a].u.value == u;
+        }
+        if (inside != n_reads[u]) return 0;
+    }
+    return *n_members > 0;
+}
 
 /* A read from another group closes it (and what it runs after), except a read by a group that runs
  * after it anyway (its dep). */
@@ -542,6 +577,7 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
     if (!g || !out) return af_error_set(AF_ERR_INVALID, "af_fuse_plan_new: NULL argument");
     int32_t min_nodes = opts && opts->min_nodes > 0 ? opts->min_nodes : 2;
     uint32_t devices = opts && opts->device_types ? opts->device_types : AF_FUSE_ALL_DEVICES;
+    int shifting = !(opts && opts->no_shifted);
     int32_t nn = af_graph_num_nodes(g), nv = af_graph_num_values(g);
     af_fusion_plan *plan = calloc(1, sizeof *plan);
     int32_t *value_group = malloc(((size_t)nv + 1) * sizeof(int32_t));
@@ -562,15 +598,21 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
      * grow (recompute_cone's reads), or -1; it then runs after that group's kernel */
     int32_t *dep = malloc(((size_t)nn + 1) * sizeof(int32_t));
     uint8_t *outside = calloc((size_t)nv + 1, 1); /* per value: read by a node outside its group so far */
+    int32_t *n_reads = calloc((size_t)nv + 1, sizeof(int32_t)); /* per value: reads by any node */
+    int32_t *window_of_node = malloc(((size_t)nn + 1) * sizeof(int32_t)); /* per node: the window it is a shifted member of */
+    int32_t *absorbed = malloc(((size_t)nn + 1) * sizeof(int32_t));
     int st = AF_OK;
     if (!plan || !value_group || !closed || !prov_of_node || !prov_size || !is_output || !parent || !last_reader || !gshape ||
-        !gmask || !is_reduced || !gwin || !clones || !n_clones || !stamp || !dep || !outside) {
+        !gmask || !is_reduced || !gwin || !clones || !n_clones || !stamp || !dep || !outside || !n_reads || !window_of_node ||
+        !absorbed) {
         st = af_error_set(AF_ERR_NOMEM, "out of memory planning fusion");
         goto done;
     }
     for (int32_t v = 0; v < nv; v++) value_group[v] = last_reader[v] = -1;
-    for (int32_t i = 0; i < nn; i++) dep[i] = -1;
+    for (int32_t i = 0; i < nn; i++) dep[i] = window_of_node[i] = -1;
     for (int32_t o = 0; o < af_graph_num_outputs(g); o++) is_output[af_graph_output(g, o)] = 1;
+    for (int32_t i = 0; i < nn; i++)
+        for (int32_t a = 0; a < af_graph_node(g, i)->n_args; a++) count_arg_reads(&af_graph_node(g, i)->args[a], n_reads);
 
     /* Provisional groups, greedily in graph order, as a union-find forest. A fusible node joins
      * every open group of its shape that produces one of its inputs (merging them), or else an
@@ -687,6 +729,16 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
                 gmask[join] = mask;
                 is_reduced[n->first_output] = 1;
             }
+            /* a source only this window reads, computed by a pointwise group of its own: its nodes
+             * become the window's shifted members (computed at the source's index, in its guard) */
+            int32_t n_absorbed = 0;
+            if (shifting && window && src_group >= 0 && src_group != join && !gmask[join] &&
+                absorbable(g, i, &win, src_group, parent, prov_of_node, closed, gmask, gwin, dep, n_clones, n_reads, is_output,
+                           absorbed, &n_absorbed)) {
+                for (int32_t k = 0; k < n_absorbed; k++) window_of_node[absorbed[k]] = i;
+                parent[src_group] = join;
+                prov_size[join] += prov_size[src_group];
+            }
             gwin[join] |= (uint8_t)window;
             prov_of_node[i] = join;
             prov_size[join]++;
@@ -752,6 +804,18 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
         grp->last_node = i;
         const af_node *n = af_graph_node(g, i);
         uint32_t mask = 0;
+        if (window_of_node[i] >= 0 || grp->window_of) { /* shifted members: their window's, by member */
+            if (!grp->window_of) {
+                grp->window_of = malloc(((size_t)nn + 1) * sizeof(int32_t));
+                if (!grp->window_of) {
+                    st = af_error_set(AF_ERR_NOMEM, "out of memory planning fusion");
+                    break;
+                }
+                for (int32_t m = 0; m + 1 < grp->n_nodes; m++) grp->window_of[m] = -1;
+            }
+            grp->window_of[grp->n_nodes - 1] = window_of_node[i];
+        }
+        if (window_of_node[i] >= 0) continue; /* it iterates over its window's source, not the kernel's shape */
         if (af_fuse_node_ok(g, i)) {
             if (grp->iter_value < 0 && !is_reduced[n->first_output]) grp->iter_value = n->first_output;
         } else if (af_fuse_reduction_ok(g, i, &mask)) {
@@ -858,6 +922,9 @@ done:
     free(stamp);
     free(dep);
     free(outside);
+    free(n_reads);
+    free(window_of_node);
+    free(absorbed);
     if (st) {
         af_fuse_plan_free(plan);
         return st;

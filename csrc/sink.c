@@ -397,15 +397,16 @@ static int reads_views_pointwise(const af_graph *g, int32_t c, uint32_t devices,
 /* Whether kernel member c's operand `in` = V(x), x pointwise and `in` of c's shape, can be x's
  * nodes over views of x's sources, computed in c's kernel for c alone (a read). Where a dim of
  * `in` crosses dims of x, the nodes run over the finer shape (plan->split) and so must c
- * (split_reader_ok). */
-static int plan_read(const af_graph *g, int32_t c, int32_t in, uint32_t devices, sink_plan *plan) {
+ * (split_reader_ok). A window's source (`source`, of its own shape) has no finer shape: its nodes
+ * are then the window's shifted members (fuse.h), computed at the source's index. */
+static int plan_read(const af_graph *g, int32_t c, int32_t in, int source, uint32_t devices, sink_plan *plan) {
     const af_tensor_meta *out = &af_graph_value(g, af_graph_node(g, c)->first_output)->meta;
     const af_tensor_meta *inm = &af_graph_value(g, in)->meta;
     int32_t x = af_graph_view_root(g, in), p = af_graph_value(g, x)->producer;
-    if (x == in || p < 0 || !sinkable(g, p, devices) || inm->type != AF_VALUE_TENSOR || inm->ndim == 0 || inm->ndim != out->ndim ||
-        !views_as_declared(g, in, x))
+    if (x == in || p < 0 || !sinkable(g, p, devices) || inm->type != AF_VALUE_TENSOR || inm->ndim == 0 ||
+        (!source && inm->ndim != out->ndim) || !views_as_declared(g, in, x))
         return 0;
-    for (int32_t d = 0; d < inm->ndim; d++)
+    for (int32_t d = 0; !source && d < inm->ndim; d++)
         if (inm->sizes[d] != out->sizes[d]) return 0;
     memset(plan, 0, sizeof *plan);
     plan->clone = c;
@@ -415,7 +416,7 @@ static int plan_read(const af_graph *g, int32_t c, int32_t in, uint32_t devices,
     if (!map_dims(&af_graph_value(g, x)->meta, inm, plan)) return 0;
     plan->split = plan->ndim != inm->ndim;
     for (int32_t d = 0; !plan->split && d < inm->ndim; d++) plan->split = plan->pieces[d].size != inm->sizes[d];
-    return collect_cone(g, devices, plan);
+    return !(source && plan->split) && collect_cone(g, devices, plan);
 }
 
 /* Per value: 1 when a kernel member that is no copy reads it as it is (it would share that
@@ -780,7 +781,7 @@ static int sink_pass(const af_graph *g, uint32_t devices, int reads, af_graph **
             count[i]++;
         }
         for (int32_t a = 0; !st && a < n->n_args && count[i] < SINK_MAX_READS; a++) {
-            if (a == skip || !value_arg(&n->args[a]) || !plan_read(g, i, n->args[a].u.value, devices, &tmp)) continue;
+            if (!value_arg(&n->args[a]) || !plan_read(g, i, n->args[a].u.value, a == skip, devices, &tmp)) continue;
             int dup = 0; /* one plan per view read, however often; a split read is its reader's only one */
             for (int32_t k = first[i]; k < n_plans; k++) dup |= plans[k].operand == tmp.operand;
             if (dup || (tmp.split && (count[i] > 0 || !split_reader_ok(g, i, tmp.operand, is_output, fused)))) continue;

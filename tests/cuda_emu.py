@@ -98,9 +98,20 @@ def _grid(blocks: int, threads: int, sm_count: int) -> int:
     return max(1, min(blocks, sm_count * (2048 // threads)))  # runtime.c grid_for
 
 
+def _planned(gm: fx.GraphModule):
+    """gm's graph for cuda:0 as a program plans it: (the build, the rewritten graph or None, origins):
+    copies and reads of views computed from their sources (`_C.sink_copies`, as the AOTFUSE_*
+    switches say)."""
+    b = build_graph(gm, device="cuda:0")
+    sunk, origin = (_C.sink_copies(b.graph, devices="cuda", reads=config.sink_reads()) if config.sink_copies()
+                    else (None, None))
+    return b, sunk, origin
+
+
 def source_of(gm: fx.GraphModule, sm_count: int = 1) -> str:
     """The CUDA source a program would compile for gm's CUDA groups."""
-    return _C.cuda_codegen(build_graph(gm, device="cuda:0").graph, sm_count=sm_count)[0]
+    b, sunk, _origin = _planned(gm)
+    return _C.cuda_codegen(sunk or b.graph, sm_count=sm_count, window_sources=config.window_sources())[0]
 
 
 def eager_values(gm: fx.GraphModule, args) -> dict:
@@ -115,9 +126,8 @@ def run_groups(gm: fx.GraphModule, args, sm_count: int = 1, vectorized: bool | N
     `_C.sink_copies`), runs every CUDA group in the emulation on eager's input values and yields
     (group index, launch facts, [(FX node or a name, emulated, eager)] per output). vectorized:
     None launches as the runtime would, True/False forces the variant (where it exists)."""
-    b = build_graph(gm, device="cuda:0")
-    sunk, origin = _C.sink_copies(b.graph, devices="cuda", reads=config.sink_reads()) if config.sink_copies() else (None, None)
-    source, launches = _C.cuda_codegen(sunk or b.graph, sm_count=sm_count)
+    b, sunk, origin = _planned(gm)
+    source, launches = _C.cuda_codegen(sunk or b.graph, sm_count=sm_count, window_sources=config.window_sources())
     dll = _library(source)
     env = eager_values(gm, args)
 

@@ -900,8 +900,9 @@ def test_row_assignments_and_their_gradients_are_windows(dtype):
 
 def random_window_graph(seed: int):
     """A seeded random window graph and its inputs: a pad (sides from -2 to 3, size-1 dims included)
-    or a slice assignment (any start and end, negative ones too) of a value another kernel computes,
-    then pointwise ops in the window's shape."""
+    or a slice assignment (any start and end, negative ones too) of a pointwise value only the window
+    reads (computed in the window's kernel, at the source's index: shifted members), then pointwise
+    ops in the window's shape."""
     rng = random.Random(seed)
     nd = rng.randint(1, 4)
     shape = [rng.choice([1, 2, 3, 5, 7]) for _ in range(nd)]
@@ -946,6 +947,57 @@ def test_random_windows_match_eager_exactly(seed):
                   if op.split(".")[0] in ("aten::constant_pad_nd", "aten::slice_scatter")]
     assert window_ops and all(grp >= 0 for op, _k, grp in lowered.program.node_groups()
                               if op.split(".")[0] in ("aten::constant_pad_nd", "aten::slice_scatter")), what
+    # the source's mul is computed in the window's kernel: one kernel for the whole graph
+    assert lowered.program.num_kernels == 1, (what, str(lowered.program))
+
+
+def _windows_of_computed_sources(dtype):
+    """A pad of exp(x) * y (cropping a row, padding the last dim) and a slice assignment of tanh(s)
+    into it, then a scale: (function, inputs)."""
+    def f(x, s, y):
+        p = aten.constant_pad_nd.default(aten.mul.Tensor(aten.exp.default(x), y), [1, 2, -1, 0], -0.5)
+        out = aten.slice_scatter.default(p, aten.tanh.default(s), 1, 2, 5)
+        return (aten.add.Tensor(out, 1.0),)
+
+    gen = torch.Generator().manual_seed(16)
+    return f, [torch.randn(4, 5, generator=gen).to(dtype), torch.randn(3, 3, generator=gen).to(dtype),
+               torch.randn(5, generator=gen).to(dtype)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shifted", [True, False])
+def test_a_windows_source_is_computed_in_its_kernel(shifted, dtype, monkeypatch):
+    """A pad and a slice assignment of pointwise values only they read compute those values in
+    their own kernel, at the source's index inside the guard (shifted members: one kernel, the
+    sources never stored; AOTFUSE_WINDOW_SOURCES=0: a kernel per source besides); eager's values,
+    and within float64's rounding."""
+    monkeypatch.setenv("AOTFUSE_WINDOW_SOURCES", "1" if shifted else "0")
+
+    f, args = _windows_of_computed_sources(dtype)
+    lowered = lower(make_fx(f)(*args))
+    assert lowered.program.num_kernels == (1 if shifted else 3), str(lowered.program)
+    (got,), (ref,) = lowered(list(args)), f(*args)
+    (exact,) = f(*[a.double() for a in args])
+    if dtype == torch.float32:
+        assert_close(got, ref, "windows' sources computed in their kernel", atol=1e-6, rtol=1e-6)
+    else:  # exp and tanh in float, each value rounded to bfloat16 as stored
+        assert_close(got.float(), ref.float(), "windows' sources computed in their kernel (bf16)", atol=1e-2, rtol=1e-2)
+    assert (got.double() - exact).abs().max() <= 2 * (ref.double() - exact).abs().max() + 1e-6
+    assert lowered.program.kernel_fallbacks == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_windows_sources_in_an_emulated_cuda_kernel(dtype):
+    """The same windows in CUDA (the host emulation): one kernel computing both sources at their
+    windows' indices gives eager's values."""
+    import cuda_emu
+
+    if cuda_emu.unavailable():
+        pytest.skip(cuda_emu.unavailable())
+    f, args = _windows_of_computed_sources(dtype)
+    gm = make_fx(f)(*args)
+    ran = cuda_emu.check(gm, tuple(args), f"windows' computed sources {dtype}")
+    assert len(ran) == 1 and cuda_emu.source_of(gm).count("its source computed at its index") == 2, ran
 
 
 def _windows_of_a_scaled_projection(proj, bias):
@@ -1019,13 +1071,15 @@ def _reads_of_views(g, a, b):
 def test_kernel_members_reads_of_views_are_computed_from_their_sources(reads, monkeypatch):
     """Kernel members reading a view of a pointwise value that nothing else needs compute it from
     its sources themselves (csrc/sink.c, reads): the copy, the doubled value and the crop's copy
-    are not made (3 kernels against 6 with AOTFUSE_SINK_READS=0); values match eager and
+    are not made (3 kernels against 5 with AOTFUSE_SINK_READS=0); values match eager and
     float64."""
     monkeypatch.setenv("AOTFUSE_SINK_READS", "1" if reads else "0")
     gen = torch.Generator().manual_seed(14)
     args = [torch.randn(32, 32, generator=gen), torch.randn(32, 32, generator=gen), torch.randn(1024, generator=gen)]
     lowered = lower(make_fx(_reads_of_views, tracing_mode="fake")(*args))
-    assert (lowered.program.copies_sunk, lowered.program.num_kernels) == ((3, 3) if reads else (0, 6)), str(lowered.program)
+    # without the reads: the copy, the add, the doubled value, the mul, and the pad (computing the
+    # crop's copy in its kernel, as a shifted member)
+    assert (lowered.program.copies_sunk, lowered.program.num_kernels) == ((3, 3) if reads else (0, 5)), str(lowered.program)
     ref = _reads_of_views(*args)
     exact = _reads_of_views(*[t.double() for t in args])
     for _ in range(2):

@@ -13,7 +13,11 @@
  * evaluate them again from their inputs (fuse.c, recompute_cone). Such a node belongs to the other
  * group (group_of_node); a group's inputs are the values no node of its list produces.
  *
- * Window members (af_fuse_window: padding) read their one source at shifted, guarded indices.
+ * Window members (af_fuse_window: padding) read their one source at shifted, guarded indices. A
+ * source computed by a group of pointwise nodes that nothing else reads (no value of it read
+ * outside it but the source, by the window alone) is computed in the window's kernel instead:
+ * those nodes become the window's shifted members, evaluated at the source's index inside the
+ * window's guard (window_of), their inputs read at shifted offsets.
  *
  * Every tensor a member touches lives on one device (type and index), CPU or CUDA: a group is
  * compiled by that device's code generator.
@@ -39,6 +43,9 @@ typedef struct {
     uint32_t reduce_mask; /* iteration dims the reductions reduce (bit d = dim d); 0 without reductions */
     int32_t n_reductions;
     af_device device;     /* where every member's tensors live (CPU: C kernel, CUDA: CUDA kernel) */
+    int32_t *window_of;   /* per member (parallel to nodes): the window member whose source it computes
+                           * (a shifted member: evaluated at that window's source index, inside its
+                           * guard), or -1; NULL when the group has none */
 } af_fusion_group;
 
 typedef struct {
@@ -52,6 +59,7 @@ typedef struct {
 typedef struct {
     int32_t min_nodes;     /* smallest group worth a kernel (default 2; 1 also fuses lone nodes) */
     uint32_t device_types; /* bit per af_device_type that gets kernels; 0: every supported one */
+    int no_shifted;        /* keep every window's source a kernel input (no shifted members) */
 } af_fuse_options;
 
 /* Whether one node could be a group member: 1 pointwise (its op has an expression, its dtypes
@@ -65,8 +73,8 @@ int af_fuse_reduction_ok(const af_graph *g, int32_t node, uint32_t *mask);
  * `aotfuse.box_scatter(base, x, starts)`, a slice on every dim; `aotfuse.box_fill(base, starts,
  * sizes, value)`, which has no source: the value inside the box, base[i] outside): element i of its
  * output is x[i - left] where that lies inside x, else the fill value (pad) or base[i] (scatter).
- * Its source x is always a group input (never a member: it iterates over its own, other shape);
- * a base is an ordinary operand. A group with a window member has no reductions. guard_mask: the
+ * Its source x is a group input, or the value of its shifted members (never an ordinary member:
+ * it iterates over its own, other shape); a base is an ordinary operand. A group with a window member has no reductions. guard_mask: the
  * dims whose coordinate must be tested (padded on either side); dims only cropped need none. */
 typedef struct {
     int32_t source;               /* value id of x (-1: box_fill) */

@@ -31,6 +31,7 @@ typedef struct {
     int no_reuse;           /* every kernel output a fresh allocation (default: buffer reuse, below) */
     int no_sink;            /* with fuse: keep copies of views of pointwise values as they are
                                (default: computed from their sources, af_sink_copies in fuse.h) */
+    int no_shifted;         /* with fuse: every window's source a kernel input (af_fuse_options) */
     int no_sink_reads;      /* with fuse and the copies rewritten: keep kernel members' reads of
                                such views as they are (default: rewritten too, af_sink_copies) */
 } af_program_options;

@@ -64,6 +64,10 @@ def sink_reads() -> bool:
     return os.environ.get("AOTFUSE_SINK_READS", "1") not in ("", "0")
 
 
+def window_sources() -> bool:
+    return os.environ.get("AOTFUSE_WINDOW_SOURCES", "1") not in ("", "0")
+
+
 def fallback_random() -> bool:
     return os.environ.get("AOTFUSE_FALLBACK_RANDOM", "0") not in ("", "0")
 

@@ -217,6 +217,65 @@ static void test_windows(void **state) {
     af_graph_free(g);
 }
 
+/* A window's source that only the window reads, computed by a pointwise group of its own: those
+ * nodes join the window's kernel as its shifted members (evaluated at the source's index inside the
+ * guard, their inputs at shifted offsets); returned as well, the source stays a group's output. */
+static void test_a_window_computes_a_source_only_it_reads(void **state) {
+    (void)state;
+    for (int returned = 0; returned < 2; returned++) {
+        af_graph *g;
+        assert_int_equal(af_graph_new(&g), AF_OK);
+        af_tensor_meta m2 = f32(2); /* [4, 8] */
+        int64_t psz[2] = {4, 11}, pst[2] = {11, 1};
+        af_tensor_meta pm = m2;
+        pm.sizes = psz, pm.strides = pst;
+        int32_t x, y, h, e, p, q;
+        assert_int_equal(af_graph_add_input(g, "x", &m2, &x), AF_OK);
+        assert_int_equal(af_graph_add_input(g, "y", &pm, &y), AF_OK);
+        h = node(g, "aten::exp.default", x, -1, 2);  /* n0 */
+        e = node(g, "aten::mul.Tensor", h, x, 2);     /* n1: exp(x) * x */
+        af_arg pads[2] = {{.kind = AF_ARG_INT, .u.i = 2}, {.kind = AF_ARG_INT, .u.i = 1}};
+        af_arg pad_args[3] = {{.kind = AF_ARG_VALUE, .u.value = e}, {.kind = AF_ARG_LIST, .u.list = {.n = 2, .items = pads}},
+                              {.kind = AF_ARG_FLOAT, .u.f = -1.0}};
+        assert_int_equal(af_graph_add_node(g, "aten::constant_pad_nd.default", pad_args, 3, &pm, 1, &p), AF_OK); /* n2 */
+        af_arg add_args[2] = {{.kind = AF_ARG_VALUE, .u.value = p}, {.kind = AF_ARG_VALUE, .u.value = y}};
+        assert_int_equal(af_graph_add_node(g, "aten::add.Tensor", add_args, 2, &pm, 1, &q), AF_OK); /* n3 */
+        int32_t outs[2] = {q, h};
+        assert_int_equal(af_graph_set_outputs(g, outs, returned ? 2 : 1), AF_OK);
+        af_fusion_plan *plan;
+        assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+        if (returned) { /* exp(x) is stored anyway: the source stays its group's, an input of the window's */
+            assert_int_not_equal(plan->group_of_node[0], plan->group_of_node[2]);
+            assert_int_equal(plan->group_of_node[1], plan->group_of_node[0]);
+            assert_null(plan->groups[plan->group_of_node[2]].window_of);
+            af_fuse_plan_free(plan);
+            af_graph_free(g);
+            continue;
+        }
+        assert_int_equal(plan->n_groups, 1);
+        const af_fusion_group *grp = &plan->groups[0];
+        assert_int_equal(grp->n_nodes, 4);
+        assert_non_null(grp->window_of);
+        assert_int_equal(grp->window_of[0], 2); /* exp and mul: the pad's shifted members */
+        assert_int_equal(grp->window_of[1], 2);
+        assert_int_equal(grp->window_of[2], -1);
+        assert_int_equal(grp->window_of[3], -1);
+        assert_int_equal(grp->iter_value, p); /* the kernel iterates over the pad's shape */
+        assert_int_equal(grp->n_inputs, 2);
+        assert_int_equal(grp->n_outputs, 1);
+        char *src = NULL;
+        assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
+        /* x only at the shifted offset (no plain load), exp and mul inside the guard */
+        assert_non_null(strstr(src, "its source computed at its index"));
+        assert_non_null(strstr(src, "const float v0 = q0[o0 - (2)];"));
+        assert_null(strstr(src, "const float v0 = q0[o0];"));
+        assert_true(strstr(src, "aten::exp") > strstr(src, "its source computed at its index"));
+        free(src);
+        af_fuse_plan_free(plan);
+        af_graph_free(g);
+    }
+}
+
 /* Boxes: box_scatter(base, src, starts) reads src at the box's offset inside, base outside, on
  * every dim it does not cover whole; box_fill(base, starts, sizes, value) has no source. Both join
  * the group of the base that a member computes (base is read at the element's own index), the
@@ -413,6 +472,7 @@ int main(void) {
         cmocka_unit_test(test_random_nodes),
         cmocka_unit_test(test_wide_group),
         cmocka_unit_test(test_windows),
+        cmocka_unit_test(test_a_window_computes_a_source_only_it_reads),
         cmocka_unit_test(test_boxes),
         cmocka_unit_test(test_recomputed_members),
         cmocka_unit_test(test_recompute_reads_a_materialized_member),
