@@ -164,25 +164,40 @@ static void test_random_nodes(void **state) {
 /* Windows: a pad of x (a member's value) never joins x's group, takes the consumer's add, guards
  * the padded dim through a coordinate operand and shifts the load; malformed pads are no windows;
  * a reduction never joins a window's group. */
-static void test_windows(void **state) {
-    (void)state;
+/* A new graph with inputs x (float32 [4, 8]) and y (float32, the given sizes and strides; *ym its
+ * metadata, which points at them). */
+static af_graph *graph_x_y(const int64_t *sizes, const int64_t *strides, af_tensor_meta *ym, int32_t *x, int32_t *y) {
     af_graph *g;
     assert_int_equal(af_graph_new(&g), AF_OK);
-    af_tensor_meta m2 = f32(2); /* [4, 8] */
-    int64_t psz[2] = {4, 11}, pst[2] = {11, 1}, rsz[1] = {4}, rst[1] = {1};
-    af_tensor_meta pm = m2, rm = m2;
-    pm.sizes = psz, pm.strides = pst;
-    rm.ndim = 1, rm.sizes = rsz, rm.strides = rst;
-    int32_t x, y, h, p, q, bad, r;
-    assert_int_equal(af_graph_add_input(g, "x", &m2, &x), AF_OK);
-    assert_int_equal(af_graph_add_input(g, "y", &pm, &y), AF_OK);
-    h = node(g, "aten::exp.default", x, -1, 2); /* n0 */
+    af_tensor_meta m2 = f32(2);
+    *ym = m2;
+    ym->sizes = sizes, ym->strides = strides;
+    assert_int_equal(af_graph_add_input(g, "x", &m2, x), AF_OK);
+    assert_int_equal(af_graph_add_input(g, "y", ym, y), AF_OK);
+    return g;
+}
+
+/* p = constant_pad_nd(src, [2, 1], -1.0) (metadata pm), then p + y; returns the sum, *p the pad. */
+static int32_t pad_then_add(af_graph *g, int32_t src, int32_t y, const af_tensor_meta *pm, int32_t *p) {
     af_arg pads[2] = {{.kind = AF_ARG_INT, .u.i = 2}, {.kind = AF_ARG_INT, .u.i = 1}};
-    af_arg pad_args[3] = {{.kind = AF_ARG_VALUE, .u.value = h}, {.kind = AF_ARG_LIST, .u.list = {.n = 2, .items = pads}},
+    af_arg pad_args[3] = {{.kind = AF_ARG_VALUE, .u.value = src}, {.kind = AF_ARG_LIST, .u.list = {.n = 2, .items = pads}},
                           {.kind = AF_ARG_FLOAT, .u.f = -1.0}};
-    assert_int_equal(af_graph_add_node(g, "aten::constant_pad_nd.default", pad_args, 3, &pm, 1, &p), AF_OK); /* n1 */
-    af_arg add_args[2] = {{.kind = AF_ARG_VALUE, .u.value = p}, {.kind = AF_ARG_VALUE, .u.value = y}};
-    assert_int_equal(af_graph_add_node(g, "aten::add.Tensor", add_args, 2, &pm, 1, &q), AF_OK); /* n2 */
+    assert_int_equal(af_graph_add_node(g, "aten::constant_pad_nd.default", pad_args, 3, pm, 1, p), AF_OK);
+    af_arg add_args[2] = {{.kind = AF_ARG_VALUE, .u.value = *p}, {.kind = AF_ARG_VALUE, .u.value = y}};
+    int32_t q;
+    assert_int_equal(af_graph_add_node(g, "aten::add.Tensor", add_args, 2, pm, 1, &q), AF_OK);
+    return q;
+}
+
+static void test_windows(void **state) {
+    (void)state;
+    int64_t psz[2] = {4, 11}, pst[2] = {11, 1}, rsz[1] = {4}, rst[1] = {1};
+    af_tensor_meta pm, rm = f32(2);
+    int32_t x, y, h, p, q, bad, r;
+    af_graph *g = graph_x_y(psz, pst, &pm, &x, &y); /* x [4, 8], y [4, 11] */
+    rm.ndim = 1, rm.sizes = rsz, rm.strides = rst;
+    h = node(g, "aten::exp.default", x, -1, 2); /* n0 */
+    q = pad_then_add(g, h, y, &pm, &p);          /* n1 (the pad), n2 */
     af_arg odd[1] = {{.kind = AF_ARG_INT, .u.i = 3}}; /* an odd pad list: no window */
     af_arg bad_args[2] = {{.kind = AF_ARG_VALUE, .u.value = h}, {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = odd}}};
     assert_int_equal(af_graph_add_node(g, "aten::constant_pad_nd.default", bad_args, 2, &pm, 1, &bad), AF_OK); /* n3 */
@@ -223,23 +238,13 @@ static void test_windows(void **state) {
 static void test_a_window_computes_a_source_only_it_reads(void **state) {
     (void)state;
     for (int returned = 0; returned < 2; returned++) {
-        af_graph *g;
-        assert_int_equal(af_graph_new(&g), AF_OK);
-        af_tensor_meta m2 = f32(2); /* [4, 8] */
         int64_t psz[2] = {4, 11}, pst[2] = {11, 1};
-        af_tensor_meta pm = m2;
-        pm.sizes = psz, pm.strides = pst;
+        af_tensor_meta pm;
         int32_t x, y, h, e, p, q;
-        assert_int_equal(af_graph_add_input(g, "x", &m2, &x), AF_OK);
-        assert_int_equal(af_graph_add_input(g, "y", &pm, &y), AF_OK);
+        af_graph *g = graph_x_y(psz, pst, &pm, &x, &y); /* x [4, 8], y [4, 11] */
         h = node(g, "aten::exp.default", x, -1, 2);  /* n0 */
         e = node(g, "aten::mul.Tensor", h, x, 2);     /* n1: exp(x) * x */
-        af_arg pads[2] = {{.kind = AF_ARG_INT, .u.i = 2}, {.kind = AF_ARG_INT, .u.i = 1}};
-        af_arg pad_args[3] = {{.kind = AF_ARG_VALUE, .u.value = e}, {.kind = AF_ARG_LIST, .u.list = {.n = 2, .items = pads}},
-                              {.kind = AF_ARG_FLOAT, .u.f = -1.0}};
-        assert_int_equal(af_graph_add_node(g, "aten::constant_pad_nd.default", pad_args, 3, &pm, 1, &p), AF_OK); /* n2 */
-        af_arg add_args[2] = {{.kind = AF_ARG_VALUE, .u.value = p}, {.kind = AF_ARG_VALUE, .u.value = y}};
-        assert_int_equal(af_graph_add_node(g, "aten::add.Tensor", add_args, 2, &pm, 1, &q), AF_OK); /* n3 */
+        q = pad_then_add(g, e, y, &pm, &p);           /* n2 (the pad), n3 */
         int32_t outs[2] = {q, h};
         assert_int_equal(af_graph_set_outputs(g, outs, returned ? 2 : 1), AF_OK);
         af_fusion_plan *plan;
@@ -282,15 +287,11 @@ static void test_a_window_computes_a_source_only_it_reads(void **state) {
  * source stays an input; a box out of bounds or of another rank is no window. */
 static void test_boxes(void **state) {
     (void)state;
-    af_graph *g;
-    assert_int_equal(af_graph_new(&g), AF_OK);
     af_tensor_meta m2 = f32(2); /* [4, 8] */
     int64_t ssz[2] = {2, 3}, sst[2] = {3, 1};
-    af_tensor_meta sm = m2;
-    sm.sizes = ssz, sm.strides = sst;
+    af_tensor_meta sm;
     int32_t x, y, base, b1, b2, bad;
-    assert_int_equal(af_graph_add_input(g, "x", &m2, &x), AF_OK);
-    assert_int_equal(af_graph_add_input(g, "y", &sm, &y), AF_OK);
+    af_graph *g = graph_x_y(ssz, sst, &sm, &x, &y); /* x [4, 8], y [2, 3] */
     base = node(g, "aten::exp.default", x, -1, 2); /* n0 */
     af_arg starts[2] = {{.kind = AF_ARG_INT, .u.i = 1}, {.kind = AF_ARG_INT, .u.i = 4}};
     af_arg box_args[3] = {{.kind = AF_ARG_VALUE, .u.value = base}, {.kind = AF_ARG_VALUE, .u.value = y},
