@@ -319,3 +319,27 @@ def test_copies_of_views_computed_from_their_sources_on_cuda(dtype):
             assert a.is_cuda
             assert_close(a, r, f"{name} ({dtype})", atol=atol * 10, rtol=rtol * 10)
     assert lowered.program.kernel_fallbacks == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_reads_of_views_and_windows_sources_on_cuda(dtype):
+    """Kernel members' reads of views computed from their sources (the split reader, the transposed
+    read, the pad reading a crop: three kernels) and windows' sources computed in their kernel (one
+    kernel for a pad and a slice assignment of computed values), in CUDA kernels: ATen's values."""
+    from test_fusion import _reads_of_views, _windows_of_computed_sources
+
+    atol, rtol = TOL[dtype]
+    args = [torch.randn(32, 32, dtype=dtype).cuda(), torch.randn(32, 32, dtype=dtype).cuda(), torch.randn(1024, dtype=dtype).cuda()]
+    lowered = _lowered(_reads_of_views, args)
+    assert (lowered.program.copies_sunk, lowered.program.num_kernels) == (3, 3), str(lowered.program)
+    for name, a, r in zip(("mm", "transposed", "padded"), lowered(list(args)), _reads_of_views(*args)):
+        assert a.is_cuda
+        assert_close(a, r, f"{name} ({dtype})", atol=atol * 10, rtol=rtol * 10)
+    f, cpu_args = _windows_of_computed_sources(dtype)
+    args = [a.cuda() for a in cpu_args]
+    lowered = _lowered(f, args)
+    assert lowered.program.num_kernels == 1, str(lowered.program)
+    ((got,), (ref,)) = lowered(list(args)), f(*args)
+    assert got.is_cuda
+    assert_close(got, ref, f"windows' computed sources ({dtype})", atol=atol * 10, rtol=rtol * 10)
+    assert lowered.program.kernel_fallbacks == 0
