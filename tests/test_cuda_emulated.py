@@ -10,8 +10,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import aotfuse.rng  # noqa: F401  (registers aotfuse::rng_uniform)
 from aotfuse import _C
 import cuda_emu
-from test_fusion import (EPILOGUE_CASES, OP_CASES, _inputs, nan_phases_case, random_window_graph, select_cases,
-                         select_inputs, window_cases, window_inputs)
+from test_fusion import (EPILOGUE_CASES, OP_CASES, _inputs, nan_phases_case, random_view_read_graph, random_window_graph,
+                         select_cases, select_inputs, window_cases, window_inputs)
 
 aten = torch.ops.aten
 _why = cuda_emu.unavailable()
@@ -247,3 +247,11 @@ def test_window_members_match_eager(dtype):
 def test_random_windows_match_eager(seed):
     f, args, what = random_window_graph(seed)
     assert cuda_emu.check(make_fx(f)(*args), args, what), what
+
+
+@pytest.mark.parametrize("seed", range(0, 40, 3))
+def test_random_view_reads_match_eager(seed):
+    """Random views of a pointwise value read by a pointwise member, as the CUDA plan rewrites them
+    (copies, reads, split readers): every group's values eager's."""
+    f, args, what = random_view_read_graph(seed)
+    assert cuda_emu.check(make_fx(f, tracing_mode="fake")(*args), args, what), what

@@ -1000,6 +1000,92 @@ def test_windows_sources_in_an_emulated_cuda_kernel(dtype):
     assert len(ran) == 1 and cuda_emu.source_of(gm).count("its source computed at its index") == 2, ran
 
 
+def random_view_read_graph(seed: int):
+    """A seeded random graph of a pointwise value read through a random chain of views (permute,
+    transpose, slice, unsqueeze/squeeze, expand, reshape: a view where the layout allows, else
+    a copy) by a pointwise reader, whose result an extern (mm) or the graph reads: what csrc/sink.c
+    rewrites as copies, reads and split readers. Exact ops only (mul, add, neg), so the values are
+    eager's to the bit."""
+    rng = random.Random(seed)
+    nd = rng.randint(2, 4)
+    shape = [rng.choice([1, 2, 3, 4, 6]) for _ in range(nd)]
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(*shape, generator=gen)
+    b = torch.randn(shape[-1], generator=gen)
+    steps = []
+    cur = list(shape)
+    for _ in range(rng.randint(1, 3)):
+        kind = rng.choice(["permute", "transpose", "slice", "unsqueeze", "expand", "reshape"])
+        if kind == "permute":
+            perm = list(range(len(cur)))
+            rng.shuffle(perm)
+            steps.append(("permute", perm))
+            cur = [cur[p] for p in perm]
+        elif kind == "transpose" and len(cur) >= 2:
+            d0, d1 = rng.sample(range(len(cur)), 2)
+            steps.append(("transpose", d0, d1))
+            cur[d0], cur[d1] = cur[d1], cur[d0]
+        elif kind == "slice":
+            d = rng.randrange(len(cur))
+            lo = rng.randrange(cur[d])
+            steps.append(("slice", d, lo))
+            cur[d] -= lo
+        elif kind == "unsqueeze" and len(cur) < 5:
+            d = rng.randint(0, len(cur))
+            steps.append(("unsqueeze", d))
+            cur.insert(d, 1)
+        elif kind == "expand" and 1 in cur:
+            d = cur.index(1)
+            steps.append(("expand", d, 3))
+            cur[d] = 3
+        elif kind == "reshape" and len(cur) >= 2:
+            steps.append(("reshape", [cur[0] * cur[1]] + cur[2:]))
+            cur = [cur[0] * cur[1]] + cur[2:]
+    c = torch.randn(*cur, generator=gen)
+    to_mm = rng.random() < 0.5
+    w = torch.randn(cur[-1], 3, generator=gen)
+
+    def f(a, b, c, w):
+        v = -(a * 1.5 + b)
+        for st in steps:
+            if st[0] == "permute":
+                v = v.permute(st[1])
+            elif st[0] == "transpose":
+                v = v.transpose(st[1], st[2])
+            elif st[0] == "slice":
+                v = v.narrow(st[1], st[2], v.shape[st[1]] - st[2])
+            elif st[0] == "unsqueeze":
+                v = v.unsqueeze(st[1])
+            elif st[0] == "expand":
+                sizes = list(v.shape)
+                sizes[st[1]] = st[2]
+                v = v.expand(sizes)
+            else:
+                v = v.reshape(st[1])
+        y = v + c
+        return (torch.mm(y.reshape(-1, y.shape[-1]), w),) if to_mm else (y * 0.5,)
+
+    return f, (a, b, c, w), f"{shape} -> {steps} -> {'mm' if to_mm else 'scale'}"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_view_reads_match_eager_exactly(seed):
+    """Random views of a pointwise value read by a pointwise member (csrc/sink.c's copies, reads and
+    split readers): eager's values to the bit, with the reads on and off."""
+    f, args, what = random_view_read_graph(seed)
+    (ref,) = f(*args)
+    for reads in ("1", "0"):
+        os.environ["AOTFUSE_SINK_READS"] = reads
+        try:
+            lowered = lower(make_fx(f, tracing_mode="fake")(*args))
+        finally:
+            os.environ.pop("AOTFUSE_SINK_READS")
+        (got,) = lowered(list(args))
+        assert got.shape == ref.shape, what
+        assert_close(got, ref, f"{what} (reads {reads})", atol=0, rtol=0)
+        assert lowered.program.kernel_fallbacks == 0, what
+
+
 def _windows_of_a_scaled_projection(proj, bias):
     """Longformer's query chunking: a projection plus its bias, scaled (pointwise), split into heads
     (views), cut into overlapping windows (as_strided) and copied for a bmm; and a plain transpose
