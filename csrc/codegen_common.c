@@ -158,6 +158,14 @@ static int shifted_reads(const af_graph *g, const af_fusion_group *grp, int32_t 
     return 0;
 }
 
+/* How far an operand read at the window's source index lies behind its offset at the element's own
+ * index: the window's left pads times the operand's strides. */
+static int64_t window_shift(const af_window *w, const af_tensor_meta *iter, const af_cg_operand *op) {
+    int64_t shift = 0;
+    for (int32_t d = 0; d < iter->ndim; d++) shift += w->left[d] * op->strides[d];
+    return shift;
+}
+
 /* `(1 && o<c> >= lo && o<c> < hi ...)`: every coordinate the window guards inside its source. */
 static void emit_guard_cond(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_window *w,
                             const af_tensor_meta *iter) {
@@ -191,10 +199,8 @@ static void emit_window(af_strbuf *sb, const af_graph *g, const af_fusion_group 
         emit_scalar(sb, &fill, AF_DTYPE_FLOAT32);
         af_strbuf_printf(sb, " : v%d; /* %s */\n", (int)w->base, n->op);
     } else if (k < grp->n_inputs) {
-        int64_t shift = 0;
-        for (int32_t d = 0; d < iter->ndim; d++) shift += w->left[d] * ops[k].strides[d];
         snprintf(ptr, sizeof ptr, "q%d", (int)k);
-        snprintf(off, sizeof off, "o%d - (%" PRId64 ")", (int)k, shift);
+        snprintf(off, sizeof off, "o%d - (%" PRId64 ")", (int)k, window_shift(w, iter, &ops[k]));
         af_strbuf_printf(sb, "%sfloat v%d = ", indent, (int)n->first_output);
         emit_guard_cond(sb, g, grp, w, iter);
         af_strbuf_printf(sb, " ? ");
@@ -211,10 +217,8 @@ static void emit_window(af_strbuf *sb, const af_graph *g, const af_fusion_group 
         af_strbuf_printf(sb, " { /* %s, its source computed at its index */\n", n->op);
         for (int32_t q = 0; q < grp->n_inputs; q++) {
             if (!shifted_reads(g, grp, grp->nodes[member], q)) continue;
-            int64_t shift = 0;
-            for (int32_t d = 0; d < iter->ndim; d++) shift += w->left[d] * ops[q].strides[d];
             snprintf(ptr, sizeof ptr, "q%d", (int)q);
-            snprintf(off, sizeof off, "o%d - (%" PRId64 ")", (int)q, shift);
+            snprintf(off, sizeof off, "o%d - (%" PRId64 ")", (int)q, window_shift(w, iter, &ops[q]));
             af_strbuf_printf(sb, "%sconst float v%d = ", inner, (int)grp->inputs[q]);
             af_cg_emit_load(sb, ops[q].dtype, ptr, off);
             af_strbuf_printf(sb, ";\n");

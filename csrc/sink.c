@@ -554,6 +554,18 @@ static int add_origin(sink_origins *o, int32_t new_value, int32_t old_value) {
     return AF_OK;
 }
 
+/* as_strided(v, sizes, strides, offset) over v's storage, standing for v (origins): *view. */
+static int add_source_view(af_graph *out, const af_graph *g, int32_t v, const int32_t *map, int32_t nd, const int64_t *sizes,
+                           const int64_t *strides, int64_t offset, sink_origins *origins, int32_t *view) {
+    af_tensor_meta vm = af_graph_value(g, v)->meta;
+    vm.ndim = nd, vm.sizes = sizes, vm.strides = strides, vm.storage_offset = offset;
+    af_arg items[2][AF_MAX_DIMS];
+    af_arg args[4] = {{.kind = AF_ARG_VALUE, .u.value = map[v]}, int_list(items[0], sizes, nd), int_list(items[1], strides, nd),
+                      {.kind = AF_ARG_INT, .u.i = offset}};
+    int st = add_node1(out, "aten::as_strided.default", args, 4, &vm, view);
+    return st ? st : add_origin(origins, *view, v);
+}
+
 /* The copy's nodes: one as_strided view per source, the cone over the finer shape, a view back.
  * The views stand for their sources, the cone's last value for the copy (origins). A read's: the
  * same without a view back; its last value (*read_value) stands for the view it replaces. */
@@ -582,13 +594,7 @@ static int add_rewritten(af_graph *out, const af_graph *g, const sink_plan *plan
             int32_t dl = d - (x->ndim - m->ndim);
             if (dl >= 0 && m->sizes[dl] != 1) offset += plan->digit[d] * m->strides[dl];
         }
-        af_tensor_meta vm = *m;
-        vm.ndim = nd, vm.sizes = sizes, vm.strides = strides, vm.storage_offset = offset;
-        af_arg items[2][AF_MAX_DIMS];
-        af_arg args[4] = {{.kind = AF_ARG_VALUE, .u.value = map[v]}, int_list(items[0], sizes, nd), int_list(items[1], strides, nd),
-                          {.kind = AF_ARG_INT, .u.i = offset}};
-        st = add_node1(out, "aten::as_strided.default", args, 4, &vm, &local[v]);
-        if (!st) st = add_origin(origins, local[v], v);
+        st = add_source_view(out, g, v, map, nd, sizes, strides, offset, origins, &local[v]);
     }
     int32_t last = -1;
     for (int32_t c = 0; c < plan->n_cone && !st; c++) {
@@ -652,13 +658,7 @@ static int add_split_reader(af_graph *out, const af_graph *g, const sink_plan *p
             int32_t dl = dim_of[k] - (cm->ndim - m->ndim);
             strides[k] = dl >= 0 && m->sizes[dl] != 1 ? m->strides[dl] * inner[k] : 0;
         }
-        af_tensor_meta vm = *m;
-        vm.ndim = nd, vm.sizes = sizes, vm.strides = strides;
-        af_arg items[2][AF_MAX_DIMS];
-        af_arg args[4] = {{.kind = AF_ARG_VALUE, .u.value = map[v]}, int_list(items[0], sizes, nd), int_list(items[1], strides, nd),
-                          {.kind = AF_ARG_INT, .u.i = m->storage_offset}};
-        st = add_node1(out, "aten::as_strided.default", args, 4, &vm, &local[v]);
-        if (!st) st = add_origin(origins, local[v], v);
+        st = add_source_view(out, g, v, map, nd, sizes, strides, m->storage_offset, origins, &local[v]);
     }
     af_arg *args = NULL;
     if (!st) st = copy_args(n->args, n->n_args, local, &args);
