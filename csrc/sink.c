@@ -433,18 +433,77 @@ static uint8_t *fused_readers(const af_graph *g) {
     return r;
 }
 
+/* The box [start, start + size) of one dim, cut onto the pieces that dim splits into (sizes,
+ * outer first; inner: elements of the dim one step of each spans), as a box per piece (starts[],
+ * lens[]); 0 where it is no box there (it straddles a piece's steps partly). */
+static int cut_box(int64_t start, int64_t size, int32_t n_pieces, const int64_t *sizes, const int64_t *inner, int64_t *starts,
+                   int64_t *lens) {
+    for (int32_t k = 0; k < n_pieces; k++) {
+        if (start == 0 && size == sizes[k] * inner[k]) { /* the rest whole */
+            for (; k < n_pieces; k++) starts[k] = 0, lens[k] = sizes[k];
+            return 1;
+        }
+        if (start % inner[k] == 0 && size % inner[k] == 0) { /* whole steps of this piece, the rest whole */
+            starts[k] = start / inner[k], lens[k] = size / inner[k];
+            for (k++; k < n_pieces; k++) starts[k] = 0, lens[k] = sizes[k];
+            return 1;
+        }
+        if (size == 0 || start / inner[k] != (start + size - 1) / inner[k]) return 0;
+        starts[k] = start / inner[k], lens[k] = 1; /* within one step of this piece: the box is inside it */
+        start %= inner[k];
+    }
+    return 0;
+}
+
+/* The pieces of a split read, per piece: the reader's dim it cuts (dim_of) and how many elements of
+ * that dim one of its steps spans (inner); the pieces of one dim are consecutive, outer first
+ * (map_dims). */
+static void piece_dims(const sink_plan *plan, const af_tensor_meta *cm, int32_t *dim_of, int64_t *inner) {
+    for (int32_t k = 0, d = 0, left = 1; k < plan->ndim; k++) {
+        int64_t rest = left ? cm->sizes[d] : inner[k - 1];
+        dim_of[k] = d;
+        inner[k] = rest / plan->pieces[k].size;
+        left = inner[k] == 1;
+        d += left;
+    }
+}
+
+/* A box_fill reader's box over the finer shape (starts, sizes), or 0 where it is no box there. */
+static int box_over_pieces(const af_node *n, const sink_plan *plan, const int32_t *dim_of, const int64_t *inner, int64_t *starts,
+                           int64_t *lens) {
+    int64_t sizes[AF_MAX_DIMS];
+    for (int32_t k = 0; k < plan->ndim; k++) sizes[k] = plan->pieces[k].size;
+    for (int32_t k = 0; k < plan->ndim;) {
+        int32_t d = dim_of[k], e = k;
+        while (e < plan->ndim && dim_of[e] == d) e++;
+        if (!cut_box(n->args[1].u.list.items[d].u.i, n->args[2].u.list.items[d].u.i, e - k, sizes + k, inner + k, starts + k, lens + k))
+            return 0;
+        k = e;
+    }
+    return 1;
+}
+
 /* Whether c, reading plan's view over a finer shape, can be computed over that shape too and
- * viewed back without splitting a kernel: no window member or list argument (nothing tied to
- * c's shape), a contiguous output (the view back has c's layout) that no member shares c's
- * kernel by (fused: fused_readers) and the graph does not return; every other tensor operand a
+ * viewed back without splitting a kernel: no list argument (nothing tied to c's shape) but a
+ * box_fill's box where it cuts onto the pieces, no other window member; a value no member shares
+ * c's kernel by (fused: fused_readers) and the graph does not return (its layout is kept: the
+ * finer value has c's strides cut, so the view back makes c's); every other tensor operand a
  * source the new view of it can trust (plain_source) that is a kernel input anyway (a view, a
  * graph input, what no kernel computes) or 0-dim. */
-static int split_reader_ok(const af_graph *g, int32_t c, int32_t in, const uint8_t *is_output, const uint8_t *fused) {
+static int split_reader_ok(const af_graph *g, int32_t c, const sink_plan *plan, const uint8_t *is_output, const uint8_t *fused) {
     const af_node *n = af_graph_node(g, c);
     const af_tensor_meta *out = &af_graph_value(g, n->first_output)->meta;
-    if (af_fuse_window(g, c, NULL) || is_output[n->first_output] || fused[n->first_output] || !contiguous(out)) return 0;
+    int32_t in = plan->operand, dim_of[AF_MAX_DIMS];
+    int64_t inner[AF_MAX_DIMS], starts[AF_MAX_DIMS], lens[AF_MAX_DIMS];
+    af_window w;
+    int box = n->op_id == AF_OP_BOX_FILL && af_fuse_window(g, c, &w) && w.base == in;
+    if (is_output[n->first_output] || fused[n->first_output] || (!box && af_fuse_window(g, c, NULL))) return 0;
+    if (box) {
+        piece_dims(plan, out, dim_of, inner);
+        if (!box_over_pieces(n, plan, dim_of, inner, starts, lens)) return 0;
+    }
     for (int32_t a = 0; a < n->n_args; a++) {
-        if (n->args[a].kind == AF_ARG_LIST) return 0;
+        if (n->args[a].kind == AF_ARG_LIST && !box) return 0;
         if (!value_arg(&n->args[a]) || n->args[a].u.value == in) continue;
         int32_t v = n->args[a].u.value, p = af_graph_value(g, v)->producer;
         const af_tensor_meta *m = &af_graph_value(g, v)->meta;
@@ -631,19 +690,10 @@ static int add_rewritten(af_graph *out, const af_graph *g, const sink_plan *plan
 static int add_split_reader(af_graph *out, const af_graph *g, const sink_plan *plan, int32_t *map, sink_origins *origins) {
     const af_node *n = af_graph_node(g, plan->clone);
     const af_tensor_meta *cm = &af_graph_value(g, n->first_output)->meta;
-    int64_t sizes[AF_MAX_DIMS], strides[AF_MAX_DIMS], dense[AF_MAX_DIMS], inner[AF_MAX_DIMS];
+    int64_t sizes[AF_MAX_DIMS], strides[AF_MAX_DIMS], cut[AF_MAX_DIMS], inner[AF_MAX_DIMS], starts[AF_MAX_DIMS], lens[AF_MAX_DIMS];
     int32_t nd = plan->ndim, dim_of[AF_MAX_DIMS], r = -1, result = -1;
-    /* the pieces of each of the reader's dims are consecutive, outer first (map_dims): per piece,
-     * the dim it cuts and how many elements of that dim one of its steps spans */
-    for (int32_t k = 0, d = 0, left = 1; k < nd; k++) {
-        int64_t rest = left ? cm->sizes[d] : inner[k - 1];
-        sizes[k] = plan->pieces[k].size;
-        dim_of[k] = d;
-        inner[k] = rest / sizes[k];
-        left = inner[k] == 1;
-        d += left;
-    }
-    for (int32_t k = nd - 1; k >= 0; k--) dense[k] = k == nd - 1 ? 1 : dense[k + 1] * sizes[k + 1];
+    piece_dims(plan, cm, dim_of, inner);
+    for (int32_t k = 0; k < nd; k++) sizes[k] = plan->pieces[k].size, cut[k] = cm->strides[dim_of[k]] * inner[k];
     int32_t *local = malloc((size_t)af_graph_num_values(g) * sizeof(int32_t));
     if (!local) return af_error_set(AF_ERR_NOMEM, "out of memory rewriting copies");
     memcpy(local, map, (size_t)af_graph_num_values(g) * sizeof(int32_t));
@@ -660,13 +710,21 @@ static int add_split_reader(af_graph *out, const af_graph *g, const sink_plan *p
         }
         st = add_source_view(out, g, v, map, nd, sizes, strides, m->storage_offset, origins, &local[v]);
     }
-    af_arg *args = NULL;
+    af_arg *args = NULL, box_items[2][AF_MAX_DIMS];
+    int box = n->op_id == AF_OP_BOX_FILL;
     if (!st) st = copy_args(n->args, n->n_args, local, &args);
-    if (!st) {
+    if (!st && box) { /* its box, cut onto the pieces (split_reader_ok checked that it cuts) */
+        box_over_pieces(n, plan, dim_of, inner, starts, lens);
+        free(args[1].u.list.items);
+        free(args[2].u.list.items);
+        args[1] = int_list(box_items[0], starts, nd), args[2] = int_list(box_items[1], lens, nd);
+    }
+    if (!st) { /* c's layout, its dims cut: the view back makes c's strides */
         af_tensor_meta vm = *cm;
-        vm.ndim = nd, vm.sizes = sizes, vm.strides = dense, vm.storage_offset = 0;
+        vm.ndim = nd, vm.sizes = sizes, vm.strides = cut;
         st = add_node1(out, n->op, args, n->n_args, &vm, &r);
     }
+    if (args && box) args[1].kind = args[2].kind = AF_ARG_NONE; /* the cut lists are local arrays, not to free */
     free_args(args, n->n_args);
     free(local);
     if (!st) st = add_origin(origins, r, n->first_output);
@@ -784,7 +842,7 @@ static int sink_pass(const af_graph *g, uint32_t devices, int reads, af_graph **
             if (!value_arg(&n->args[a]) || !plan_read(g, i, n->args[a].u.value, a == skip, devices, &tmp)) continue;
             int dup = 0; /* one plan per view read, however often; a split read is its reader's only one */
             for (int32_t k = first[i]; k < n_plans; k++) dup |= plans[k].operand == tmp.operand;
-            if (dup || (tmp.split && (count[i] > 0 || !split_reader_ok(g, i, tmp.operand, is_output, fused)))) continue;
+            if (dup || (tmp.split && (count[i] > 0 || !split_reader_ok(g, i, &tmp, is_output, fused)))) continue;
             st = push_plan(&plans, &n_plans, &cap, &tmp);
             count[i]++;
             if (tmp.split) break;

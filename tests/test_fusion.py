@@ -1175,9 +1175,35 @@ def test_kernel_members_reads_of_views_are_computed_from_their_sources(reads, mo
     assert lowered.program.kernel_fallbacks == 0
 
 
+def _box_of_a_merged_view(a, w):
+    """Longformer's zeroed corners in small: box_fill of a view that merges the dims of a pointwise
+    value (row 2, columns 1-3: inside one step of the merged dim's outer piece), then an extern."""
+    import aotfuse.scatter  # noqa: F401  (registers aotfuse::box_fill)
+
+    v = (a * 1.5 - 1.0).permute(1, 0, 2).reshape(6, 4)
+    return (torch.mm(torch.ops.aotfuse.box_fill(v, [2, 1], [1, 3], 0.0), w),)
+
+
+@pytest.mark.parametrize("reads", [True, False])
+def test_a_box_fill_of_a_merged_view_is_computed_over_the_finer_shape(reads, monkeypatch):
+    """The box fill reads the value through a view that merges its dims: with the reads on it runs
+    over the finer shape, its box cut onto it, computing the value from its source (one kernel
+    against two); eager's values and float64's."""
+    monkeypatch.setenv("AOTFUSE_SINK_READS", "1" if reads else "0")
+    gen = torch.Generator().manual_seed(17)
+    args = [torch.randn(3, 2, 4, generator=gen), torch.randn(4, 5, generator=gen)]
+    lowered = lower(make_fx(_box_of_a_merged_view, tracing_mode="fake")(*args))
+    assert lowered.program.num_kernels == (1 if reads else 2), str(lowered.program)
+    (got,), (ref,) = lowered(list(args)), _box_of_a_merged_view(*args)
+    (exact,) = _box_of_a_merged_view(*[t.double() for t in args])
+    assert_close(got, ref, "a box fill of a merged view")
+    assert (got.double() - exact).abs().max() <= 4 * (ref.double() - exact).abs().max() + 1e-5
+    assert lowered.program.kernel_fallbacks == 0
+
+
 def test_reads_of_views_in_emulated_cuda_kernels():
     """The same reads in CUDA kernels (the graph a CUDA program runs), run in the host emulation:
-    eager's values from three kernels."""
+    eager's values from three kernels; and the box fill over the finer shape, one kernel."""
     import cuda_emu
 
     if cuda_emu.unavailable():
@@ -1186,6 +1212,9 @@ def test_reads_of_views_in_emulated_cuda_kernels():
     args = (torch.randn(32, 32, generator=gen), torch.randn(32, 32, generator=gen), torch.randn(1024, generator=gen))
     ran = cuda_emu.check(make_fx(_reads_of_views, tracing_mode="fake")(*args), args, "reads of views computed from their sources")
     assert sorted(l["nodes"] for l in ran) == [1, 2, 2], ran
+    args = (torch.randn(3, 2, 4, generator=gen), torch.randn(4, 5, generator=gen))
+    ran = cuda_emu.check(make_fx(_box_of_a_merged_view, tracing_mode="fake")(*args), args, "a box fill over the finer shape")
+    assert len(ran) == 1, ran
 
 
 def test_a_sunk_copy_reads_sources_whose_layout_is_checked():

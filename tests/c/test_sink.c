@@ -379,6 +379,55 @@ static void test_a_split_read_computes_its_reader_over_the_finer_shape(void **st
     }
 }
 
+/* z = mm(c, b), c = box_fill(view(x, [4, 4]), starts, sizes, 0) laid out {1, 4}, x = neg(a) over
+ * [2, 2, 4]: the split read takes c over [2, 2, 4] with its box cut onto the pieces (row 1 of
+ * dim 0 = piece 0 at 0, piece 1 at 1) and c's strides cut ({2, 1, 4}: the view back makes {1, 4});
+ * a box straddling a piece's steps (rows 1-2) cuts into none, and the read stays as it is. */
+static void test_a_box_fill_reader_is_cut_onto_the_finer_shape(void **state) {
+    (void)state;
+    static const int64_t s3[3] = {2, 2, 4}, t3[3] = {8, 4, 1}, s44[2] = {4, 4}, t44[2] = {4, 1}, tc[2] = {1, 4};
+    for (int straddles = 0; straddles < 2; straddles++) {
+        int32_t a, x, b;
+        af_graph *g = start_graph(3, s3, t3, &a, &x);
+        af_tensor_meta mb = meta(2, s44, t44, 0);
+        assert_int_equal(af_graph_add_input(g, "b", &mb, &b), AF_OK);
+        af_arg items[3][4];
+        int64_t starts[2] = {1, 0}, sizes[2] = {straddles ? 2 : 1, 4};
+        int32_t v = add_node(g, "aten::view.default", (af_arg[]){val(x), ints(items[0], s44, 2)}, 2, meta(2, s44, t44, 0));
+        int32_t c = add_node(g, "aotfuse::box_fill.default",
+                             (af_arg[]){val(v), ints(items[1], starts, 2), ints(items[2], sizes, 2), {.kind = AF_ARG_FLOAT, .u.f = 0.0}}, 4,
+                             meta(2, s44, tc, 0));
+        int32_t z = add_node(g, "aten::mm.default", (af_arg[]){val(c), val(b)}, 2, meta(2, s44, t44, 0));
+        assert_int_equal(af_graph_set_outputs(g, &z, 1), AF_OK);
+        af_graph *out = NULL;
+        int32_t n = -1;
+        assert_int_equal(af_sink_copies(g, 0, 1, &out, &n, NULL), AF_OK);
+        if (straddles) {
+            assert_null(out);
+            af_graph_free(g);
+            continue;
+        }
+        assert_non_null(out);
+        assert_int_equal(n, 1);
+        assert_int_equal(af_graph_num_nodes(out), 5); /* as_strided(a), neg, box_fill over [2, 2, 4], view back, mm */
+        node_at(out, 0, "aten::as_strided.default");
+        const af_node *neg = node_at(out, 1, "aten::neg.default"), *box = node_at(out, 2, "aotfuse::box_fill.default");
+        const af_node *back = node_at(out, 3, "aten::view.default");
+        node_at(out, 4, "aten::mm.default");
+        static const int64_t cut[3] = {2, 1, 4}, want_starts[3] = {0, 1, 0}, want_sizes[3] = {1, 1, 4};
+        assert_int_equal(box->args[0].u.value, neg->first_output);
+        assert_int_equal(box->args[1].u.list.n, 3);
+        for (int32_t d = 0; d < 3; d++) {
+            assert_int_equal(box->args[1].u.list.items[d].u.i, want_starts[d]);
+            assert_int_equal(box->args[2].u.list.items[d].u.i, want_sizes[d]);
+        }
+        assert_meta(&af_graph_value(out, box->first_output)->meta, 3, s3, cut, 0);
+        assert_meta(&af_graph_value(out, back->first_output)->meta, 2, s44, tc, 0);
+        af_graph_free(out);
+        af_graph_free(g);
+    }
+}
+
 static void test_bad_arguments(void **state) {
     (void)state;
     af_graph *out;
@@ -400,6 +449,7 @@ int main(void) {
         cmocka_unit_test(test_views_of_permuted_values_are_re_derived),
         cmocka_unit_test(test_a_kernel_members_read_of_a_view_is_computed_from_the_sources),
         cmocka_unit_test(test_a_split_read_computes_its_reader_over_the_finer_shape),
+        cmocka_unit_test(test_a_box_fill_reader_is_cut_onto_the_finer_shape),
         cmocka_unit_test(test_bad_arguments),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
