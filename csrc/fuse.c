@@ -385,6 +385,12 @@ static void count_arg_reads(const af_arg *a, int32_t *n_reads) {
         for (int32_t i = 0; i < a->u.list.n; i++) count_arg_reads(&a->u.list.items[i], n_reads);
 }
 
+static void mark_arg_values(const af_arg *a, uint8_t *mark) {
+    if (a->kind == AF_ARG_VALUE) mark[a->u.value] = 1;
+    else if (a->kind == AF_ARG_LIST)
+        for (int32_t i = 0; i < a->u.list.n; i++) mark_arg_values(&a->u.list.items[i], mark);
+}
+
 /* Whether window member i (w) can compute its source in its kernel: the source's provisional group
  * gs is open, pointwise (no reduction, window, random node, recompute or dependence), and no value of
  * gs is returned or read by any node outside gs but the source, once, by i as its source. Its nodes
@@ -597,7 +603,7 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
     /* per provisional group: the group whose materialized values it reads while that one may still
      * grow (recompute_cone's reads), or -1; it then runs after that group's kernel */
     int32_t *dep = malloc(((size_t)nn + 1) * sizeof(int32_t));
-    uint8_t *outside = calloc((size_t)nv + 1, 1); /* per value: read by a node outside its group so far */
+    uint8_t *outside = calloc((size_t)nv + 1, 1); /* per value: stored anyway (read outside its group so far, or see below) */
     int32_t *n_reads = calloc((size_t)nv + 1, sizeof(int32_t)); /* per value: reads by any node */
     int32_t *window_of_node = malloc(((size_t)nn + 1) * sizeof(int32_t)); /* per node: the window it is a shifted member of */
     int32_t *absorbed = malloc(((size_t)nn + 1) * sizeof(int32_t));
@@ -613,6 +619,18 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
     for (int32_t o = 0; o < af_graph_num_outputs(g); o++) is_output[af_graph_output(g, o)] = 1;
     for (int32_t i = 0; i < nn; i++)
         for (int32_t a = 0; a < af_graph_node(g, i)->n_args; a++) count_arg_reads(&af_graph_node(g, i)->args[a], n_reads);
+    /* stored anyway, whatever the groups: a returned value, and one a node outside every kernel reads
+     * (an extern call, or a view, which no kernel member reads through); known before planning, so
+     * that a recomputed reduction reads such a value rather than have its group store another
+     * (cross entropy's column sum of the logits' gradient, which the matmuls read too) */
+    for (int32_t v = 0; v < nv; v++) outside[v] = is_output[v];
+    for (int32_t i = 0; i < nn; i++) {
+        const af_node *n = af_graph_node(g, i);
+        uint32_t unused = 0;
+        int fusible = (af_fuse_node_ok(g, i) || af_fuse_reduction_ok(g, i, &unused)) &&
+                      ((devices >> af_graph_value(g, n->first_output)->meta.device.type) & 1u);
+        for (int32_t a = 0; !fusible && a < n->n_args; a++) mark_arg_values(&n->args[a], outside);
+    }
 
     /* Provisional groups, greedily in graph order, as a union-find forest. A fusible node joins
      * every open group of its shape that produces one of its inputs (merging them), or else an

@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -25,6 +26,21 @@ extern char **environ;
 static const char *const base_flags[] = {"-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off",
                                          "-fno-math-errno", "-fno-trapping-math", "-fno-tree-pre", "-w"};
 #define N_BASE_FLAGS ((int)(sizeof base_flags / sizeof base_flags[0]))
+
+/* On x86, GCC's and Clang's vectorizers prefer 256-bit vectors even where the CPU has AVX-512
+ * (-march=native); torch's own kernels run 512-bit ones wherever its CPU capability is AVX512, and
+ * ours follow it: exp- and erf-heavy kernels ran 1.5x faster (GELU at 512 x 1024: 0.73 -> 0.48 ms),
+ * Bert's training step 5% (fp32) and 16% (bf16). ATEN_CPU_CAPABILITY set to anything below avx512
+ * (torch's own switch) keeps 256. Without AVX-512 the flag changes nothing. */
+static const char *vector_width_flag(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    const char *cap = getenv("ATEN_CPU_CAPABILITY");
+    if (cap && *cap && strncasecmp(cap, "avx512", 6) != 0) return NULL;
+    return "-mprefer-vector-width=512";
+#else
+    return NULL;
+#endif
+}
 
 struct af_jit_module {
     void *handle;
@@ -137,6 +153,7 @@ static int compile_to(const char *dir, const char *key, const char *source, cons
     for (int attempt = 0; attempt < 2; attempt++) {
         int k = n;
         for (int i = 0; i < N_BASE_FLAGS; i++) argv[k++] = (char *)base_flags[i];
+        if (vector_width_flag()) argv[k++] = (char *)vector_width_flag();
         if (attempt == 0) argv[k++] = "-fopenmp"; /* second attempt: a compiler without OpenMP */
         argv[k++] = tmp_c;
         argv[k++] = "-o";
@@ -168,6 +185,7 @@ int af_jit_cpu_load(const char *source, af_jit_module **out, int *cache_hit) {
     h = af_jit_hash(h, source);
     for (int i = 0; i < n; i++) h = af_jit_hash(h, words[i]);
     for (int i = 0; i < N_BASE_FLAGS; i++) h = af_jit_hash(h, base_flags[i]);
+    if (vector_width_flag()) h = af_jit_hash(h, vector_width_flag());
     char key[32];
     snprintf(key, sizeof key, "%016" PRIx64, h);
     af_jit_module *m = calloc(1, sizeof *m);

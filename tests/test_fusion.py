@@ -1,6 +1,7 @@
 """Fused CPU kernels against ATen: every op-table expression on broadcast and non-contiguous inputs
 in fp32 and bf16, backward chains, seeded random graphs, the disk cache, and fallbacks."""
 import os
+import platform
 import random
 import subprocess
 import sys
@@ -250,6 +251,23 @@ def test_missing_compiler_is_a_clear_error_and_fusion_can_be_turned_off(tmp_path
     off = _run_in_subprocess(CACHE_SCRIPT.replace('print("HIT"', 'print("OFF"'), {**env, "AOTFUSE_FUSION": "0"})
     assert off.returncode == 0, off.stderr
     assert "OFF False 0" in off.stdout
+
+
+def test_cpu_vector_width_follows_torchs_capability_and_keys_the_cache(tmp_path):
+    """On x86 the kernels are built for 512-bit vectors unless ATEN_CPU_CAPABILITY asks torch for less;
+    the width is part of the disk cache's key, so a process under the other setting never loads them."""
+    env = {"AOTFUSE_CACHE_DIR": str(tmp_path)}
+    runs, objects = [], []
+    for extra in ({}, {"ATEN_CPU_CAPABILITY": "avx2"}, {"ATEN_CPU_CAPABILITY": "AVX512"}):
+        runs.append(_run_in_subprocess(CACHE_SCRIPT, {**env, **extra}))
+        objects.append(len(list(tmp_path.glob("*.so"))))
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+    assert "HIT False 1" in runs[0].stdout
+    assert ("HIT False 1" if x86 else "HIT True 1") in runs[1].stdout  # a build of its own on x86
+    assert "HIT True 1" in runs[2].stdout  # the default's build again
+    assert objects[0] > 0 and objects == [objects[0], objects[0] * (2 if x86 else 1), objects[0] * (2 if x86 else 1)]
 
 
 REDUCTION_CASES = {

@@ -118,6 +118,38 @@ def test_the_loss_is_one_row_kernel_each_way_and_no_aten_loss_op():
     assert {"aten::eq.Tensor", "aten::sum.dim_IntList", "aten::sub.Tensor"} <= set(grad), bw
 
 
+class MaskedLMHead(nn.Module):
+    """Bert's MLM head and loss: a Linear over [batch, seq, hidden], the scores flattened for the loss
+    and not returned."""
+
+    def __init__(self, hidden=16, classes=40):
+        super().__init__()
+        self.proj = nn.Linear(hidden, classes)
+
+    def forward(self, x, y):
+        scores = self.proj(torch.tanh(x))
+        return (F.cross_entropy(scores.view(-1, scores.shape[-1]), y.view(-1)),)
+
+
+def test_the_loss_gradient_kernel_stores_the_gradient_alone():
+    """The logits' gradient is stored for the matmuls whatever the plan, so the bias gradient (a column
+    sum of it, which comes first in the graph) reads it: the row kernel stores no second [tokens,
+    classes] tensor for the column sum to recompute the gradient from."""
+    torch.manual_seed(0)
+    x, y = torch.randn(3, 8, 16, requires_grad=True), _targets(24).view(3, 8)
+    m = aotfuse.memory_efficient_fusion(MaskedLMHead(), decompositions=default_decompositions())
+    m(x, y)[0].backward()
+    bw = m._aotfuse_compiled.records[-1].programs["backward"].program
+    (row,) = [line for line in bw.source.splitlines() if line.startswith("/* group") and "phases" in line]
+    assert " 1 outputs, 24 x 40 " in row, row
+    # no kernel recomputes the gradient for the column sum (ATen's sum reads it)
+    assert not any("column reductions" in line for line in bw.source.splitlines() if line.startswith("/* group"))
+    # intermediates a step: the [24, 40] float gradient, the tanh gradient's [3, 8, 16] and a few
+    # numbers a row; not a second [24, 40] tensor
+    assert bw.fresh_bytes + bw.reused_bytes < 2 * 24 * 40 * 4, (bw.fresh_bytes, bw.reused_bytes)
+    compare_models(MaskedLMHead, (x.detach(), y), name="masked LM head").assert_ok()
+
+
 def test_the_fused_loss_gradient_lowers_the_peak_by_a_class_sized_tensor():
     torch.manual_seed(0)
     tokens, classes = 256, 4096

@@ -466,6 +466,42 @@ static void test_recompute_reads_a_materialized_member(void **state) {
     assert_source_has_then_free(g, plan, "(2 column reductions), 2 inputs, 2 outputs");
 }
 
+/* Cross entropy's backward: dx = x - exp(x) * sum(x, 1) in a row kernel, its column sum (the bias
+ * gradient) and a matmul reading dx after it. dx is stored for the matmul whatever the plan, so
+ * the column sum reads it: the row kernel stores dx alone, not also exp(x) * sum for the column
+ * sum to recompute dx from (which wrote and read one more tensor of x's size). */
+static void test_recompute_reads_a_value_stored_anyway(void **state) {
+    (void)state;
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    af_tensor_meta m2 = f32(2), m1 = f32(1), mr = row_meta();
+    int32_t x;
+    assert_int_equal(af_graph_add_input(g, "x", &m2, &x), AF_OK);
+    int32_t r = reduce(g, "aten::sum.dim_IntList", x, 1, 1, &mr); /* n0 */
+    int32_t e = node(g, "aten::exp.default", x, -1, 2);           /* n1 */
+    int32_t p = node(g, "aten::mul.Tensor", e, r, 2);             /* n2 */
+    int32_t dx = node(g, "aten::sub.Tensor", x, p, 2);            /* n3 */
+    int32_t t = reduce(g, "aten::sum.dim_IntList", dx, 0, 0, &m1); /* n4: before the matmul */
+    int32_t y = node(g, "aten::mm", dx, -1, 2);                    /* n5: an extern reading dx */
+    int32_t outs[2] = {t, y};
+    assert_int_equal(af_graph_set_outputs(g, outs, 2), AF_OK);
+    af_fusion_plan *plan;
+    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+    int32_t row = plan->group_of_node[0];
+    assert_true(row >= 0);
+    for (int32_t i = 1; i < 4; i++) assert_int_equal(plan->group_of_node[i], row);
+    assert_int_equal(plan->group_of_node[5], -1);
+    const af_fusion_group *rg = &plan->groups[row];
+    assert_int_equal(rg->n_outputs, 1);
+    assert_int_equal(rg->outputs[0], dx);
+    /* the column sum recomputes nothing: it reads dx, in a group of its own or as an extern call */
+    for (int32_t gi = 0; gi < plan->n_groups; gi++) {
+        if (gi == row) continue;
+        for (int32_t k = 0; k < plan->groups[gi].n_nodes; k++) assert_int_equal(plan->groups[gi].nodes[k], 4);
+    }
+    assert_source_has_then_free(g, plan, "1 outputs");
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chain_siblings_and_closing),
@@ -477,6 +513,7 @@ int main(void) {
         cmocka_unit_test(test_boxes),
         cmocka_unit_test(test_recomputed_members),
         cmocka_unit_test(test_recompute_reads_a_materialized_member),
+        cmocka_unit_test(test_recompute_reads_a_value_stored_anyway),
     };
     return cmocka_run_group_tests_name("fuse", tests, NULL, NULL);
 }
