@@ -382,6 +382,15 @@ static af_tensor_meta row_meta(void) {
     return m;
 }
 
+/* A graph with one [4, 8] input x. */
+static af_graph *graph_x(int32_t *x) {
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    af_tensor_meta m2 = f32(2);
+    assert_int_equal(af_graph_add_input(g, "x", &m2, x), AF_OK);
+    return g;
+}
+
 /* Sets the graph's three outputs and plans it: two kernels, nodes 0-3 in the row kernel, the
  * column sums (nodes 4 and 5) in the other. */
 static af_fusion_plan *plan_row_and_column(af_graph *g, const int32_t *outs) {
@@ -398,11 +407,9 @@ static af_fusion_plan *plan_row_and_column(af_graph *g, const int32_t *outs) {
 
 static void test_recomputed_members(void **state) {
     (void)state;
-    af_graph *g;
-    assert_int_equal(af_graph_new(&g), AF_OK);
-    af_tensor_meta m2 = f32(2), m1 = f32(1), mr = row_meta();
+    af_tensor_meta m1 = f32(1), mr = row_meta();
     int32_t x;
-    assert_int_equal(af_graph_add_input(g, "x", &m2, &x), AF_OK);
+    af_graph *g = graph_x(&x);
     int32_t m = reduce(g, "aten::amax.default", x, 1, 1, &mr); /* n0 */
     int32_t d = node(g, "aten::sub.Tensor", x, m, 2);          /* n1 */
     int32_t e = node(g, "aten::exp.default", d, -1, 2);        /* n2 */
@@ -472,11 +479,9 @@ static void test_recompute_reads_a_materialized_member(void **state) {
  * sum to recompute dx from (which wrote and read one more tensor of x's size). */
 static void test_recompute_reads_a_value_stored_anyway(void **state) {
     (void)state;
-    af_graph *g;
-    assert_int_equal(af_graph_new(&g), AF_OK);
-    af_tensor_meta m2 = f32(2), m1 = f32(1), mr = row_meta();
+    af_tensor_meta m1 = f32(1), mr = row_meta();
     int32_t x;
-    assert_int_equal(af_graph_add_input(g, "x", &m2, &x), AF_OK);
+    af_graph *g = graph_x(&x);
     int32_t r = reduce(g, "aten::sum.dim_IntList", x, 1, 1, &mr); /* n0 */
     int32_t e = node(g, "aten::exp.default", x, -1, 2);           /* n1 */
     int32_t p = node(g, "aten::mul.Tensor", e, r, 2);             /* n2 */
