@@ -93,6 +93,43 @@ def test_two_missing_gradients_added_together():
     assert compiled._aotfuse_compiled.records[-1].programs["backward"].variants
 
 
+class KVCacheLike(nn.Module):
+    """Attention returning its keys as a cache (GPT2's `present` with use_cache=True): the keys'
+    gradient is the (missing) cache gradient plus a transposed matmul gradient, and it is sliced
+    (the cache's concatenation) and permuted before the projection's backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        q, k, v = (lin(x).view(2, 8, 2, 8).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        keys = torch.cat([k.new_zeros(2, 2, 0, 8), k], dim=2)
+        att = (q @ keys.transpose(-1, -2)).softmax(-1)
+        return (att @ v).transpose(1, 2).reshape(2, 8, 16).square().sum(), keys
+
+
+def test_a_dropped_add_keeps_the_layout_its_views_were_traced_with():
+    """The sum was contiguous, the other addend a transposed matmul gradient: the variant copies it
+    to the sum's layout instead of reading it in place, so the views after it have the layouts their
+    metadata gives and no kernel falls back to ATen calls on every run (GPT2's 12 lone copies did)."""
+    torch.manual_seed(0)
+    model = KVCacheLike()
+    eager = copy.deepcopy(model)
+    compiled = aotfuse.memory_efficient_fusion(model)
+    x = torch.randn(2, 8, 16)
+    for _ in range(3):
+        for m in (model, eager):
+            m.zero_grad()
+        for m in (compiled, eager):
+            m(x)[0].backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            assert_close(p.grad, q.grad, f"grad of {name}")
+    (variant,) = compiled._aotfuse_compiled.records[-1].programs["backward"].variants.values()
+    assert variant.program.num_kernels > 0
+    assert variant.program.kernel_fallbacks == 0
+
+
 class BrokenTwoHeads(TwoHeads):
     """TwoHeads with a graph break in the middle: torch.compile(backend="aotfuse") runs two graphs."""
 

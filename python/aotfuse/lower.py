@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -98,6 +99,10 @@ def _op_name(target: Any) -> str:
     raise UnsupportedError(f"call to {getattr(target, '__name__', target)!r} is not an ATen op")
 
 
+# Every Lowered alive (weakly held): aotfuse.testing sums the kernel fallbacks of those a model made.
+LIVE: "weakref.WeakSet[Lowered]" = weakref.WeakSet()
+
+
 class Lowered:
     """A lowered FX graph: call it with a list of inputs (boxed), get a list of outputs."""
 
@@ -112,6 +117,7 @@ class Lowered:
         self.graph_module: fx.GraphModule | None = None  # kept by a backward: see keep_graph_for_missing
         self.variants: dict[tuple, "Lowered"] = {}
         self._tangents_from = -1  # a backward: where its output-gradient inputs start (-1: none)
+        LIVE.add(self)
 
     def keep_graph_for_missing(self, gm: fx.GraphModule) -> None:
         """A backward: keep its graph, so that a call without some output gradients (None, the
@@ -805,8 +811,11 @@ def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = Fal
 
 def missing_gradients(gm: fx.GraphModule, missing: tuple) -> fx.GraphModule:
     """A copy of a backward graph without the placeholders at positions `missing` (gradients that
-    are zero): `add(g, x)` with such a g becomes x where x has the sum's shape and dtype; any other
-    use reads one zeros tensor of g's shape."""
+    are zero): `add(g, x)` with such a g becomes x where x has the sum's shape, dtype and strides, a
+    contiguous copy of x where only the strides differ (the nodes after it were traced with the sum's
+    layout: views of x itself would not have the layouts their metadata gives, and every kernel
+    reading them would fall back to ATen on each run); any other use reads one zeros tensor of g's
+    shape."""
     aten = torch.ops.aten
     graph = fx.Graph()
     env: dict[fx.Node, Any] = {}
@@ -827,6 +836,10 @@ def missing_gradients(gm: fx.GraphModule, missing: tuple) -> fx.GraphModule:
         va, vb = getattr(a, "meta", {}).get("val"), getattr(b, "meta", {}).get("val")
         return isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape and va.dtype == vb.dtype
 
+    def same_strides(a: fx.Node, b: fx.Node) -> bool:
+        va, vb = a.meta["val"], b.meta["val"]
+        return all(n == 1 or s == t for n, s, t in zip(va.shape, va.stride(), vb.stride()))
+
     for node in gm.graph.nodes:
         if node in gone:
             continue
@@ -834,8 +847,14 @@ def missing_gradients(gm: fx.GraphModule, missing: tuple) -> fx.GraphModule:
             a, b = node.args
             other = b if a in gone else a if b in gone else None
             if isinstance(other, fx.Node) and other not in gone and same_kind(other, node):
-                env[node] = env[other]
-                continue
+                if same_strides(other, node):
+                    env[node] = env[other]
+                    continue
+                if node.meta["val"].is_contiguous():
+                    copy = graph.call_function(aten.clone.default, (env[other],), {"memory_format": torch.contiguous_format})
+                    copy.meta = dict(node.meta)
+                    env[node] = copy
+                    continue
         if any(isinstance(x, fx.Node) and x in gone for x in node.all_input_nodes):
             for p in node.all_input_nodes:
                 if p in gone:

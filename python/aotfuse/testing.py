@@ -52,6 +52,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from .lower import LIVE
+
 __all__ = ["TOLERANCES", "REF_MULTIPLE", "REF_FLOOR_EPS", "Mismatch", "Note", "Report", "compare_models"]
 
 # (atol, rtol) of the seed's check, aotfuse vs eager
@@ -114,6 +116,9 @@ class Report:
     worst_fp64: float = 0.0  # max over comparisons of aotfuse_err / allowed (<= 1 passes)
     worst_fp64_what: str = ""
     autocast: bool = False  # dtype is the autocast dtype (parameters in float32 or as given)
+    # kernel calls that ran as ATen calls instead (a layout the plan did not expect), summed over the
+    # programs the compiled copy made: not wrong answers, but each is slow on every run
+    kernel_fallbacks: int = 0
 
     @property
     def ok(self) -> bool:
@@ -127,7 +132,8 @@ class Report:
     def __str__(self) -> str:
         dt = str(self.dtype).replace("torch.", "") + (" autocast" if self.autocast else "")
         lines = [f"{self.model} {dt}, {self.steps} steps: {self.checked} tensors compared, "
-                 f"{len(self.mismatches)} mismatches, {len(self.notes)} notes; worst aotfuse error vs "
+                 f"{len(self.mismatches)} mismatches, {len(self.notes)} notes, {self.kernel_fallbacks} kernel "
+                 f"fallbacks; worst aotfuse error vs "
                  f"fp64 = {self.worst_fp64:.2f} of allowed ({self.worst_fp64_what or '-'}; k={self.ref_multiple:g})"]
         if self.mismatches:
             header = ("step", "what", "failed", "max abs err", "max rel err", "aotfuse vs fp64", "eager vs fp64",
@@ -379,6 +385,7 @@ def compare_models(make_model: Callable[[], nn.Module] | nn.Module, make_inputs:
 
 def _train_and_compare(base: nn.Module, inputs: Any, compile_fn: Callable, lr: float, steps: int,
                        check: _Checker, dtype: torch.dtype, autocast: torch.dtype | None) -> None:
+    before = set(LIVE)  # programs made before: not this model's
     eager = copy.deepcopy(base).to(dtype)
     ref = copy.deepcopy(eager).double()  # the same (rounded) weights, computed in float64
     compiled_base = copy.deepcopy(eager)
@@ -452,6 +459,8 @@ def _train_and_compare(base: nn.Module, inputs: Any, compile_fn: Callable, lr: f
         for bname, b in bufs["eager"].items():
             check.compare(step, f"buffer {bname} after the step", bufs["aotfuse"].get(bname), b,
                           bufs["ref"].get(bname))
+    # while the compiled copy (and so its programs) is alive
+    check.report.kernel_fallbacks = sum(low.program.kernel_fallbacks for low in set(LIVE) - before)
 
 
 def _input_leaves(ins: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
