@@ -53,6 +53,8 @@ def test_tiny_run_writes_table_with_numeric_check(tmp_path, capsys):
     # the peak holds at least what is saved for the backward
     assert int(aot["mem_bytes"]) >= int(aot["saved_bytes"]), aot
     assert float(aot["loss_diff"]) <= 1e-4
+    # every kernel ran as planned (a kernel falling back to ATen calls on every run is flagged in the status)
+    assert aot["kernel_fallbacks"] == "0" and rows["aotfuse"][10] == "ok"
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "tiny.png").stat().st_size > 0
     else:
@@ -109,6 +111,16 @@ def test_contender_failing_after_its_first_step_is_a_failed_row(monkeypatch):
     assert flaky.time_s is None and flaky.mem_bytes is None
     assert flaky.check == "pass"  # its first step ran and matched eager
     assert rows[0].status == "ok" and rows[0].time_s is not None
+
+
+def test_kernel_fallbacks_are_flagged_in_the_status():
+    """A kernel that fell back to ATen calls gives the right numbers slowly: the row says so."""
+    row = bench.Result(model="m", dtype="float32", name="aotfuse", status="ok", time_s=1.0, mem_bytes=1, time_pct=100.0,
+                       mem_pct=100.0, first_step_s=1.0, loss_diff=0.0, grad_diff=0.0, grad_worst="", check="pass",
+                       reason="", kernel_fallbacks=12)
+    assert bench._status_cell(row, "eager") == "ok (12 kernel calls ran as ATen calls)"
+    row.status, row.reason = "fallback", "CaptureError"
+    assert bench._status_cell(row, "dynamo") == "fallback (dynamo) (12 kernel calls ran as ATen calls): CaptureError"
 
 
 def test_numeric_check_names_the_worst_gradient():

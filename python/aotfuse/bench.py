@@ -38,6 +38,8 @@ from typing import Any, Callable
 
 import torch
 
+from .lower import LIVE
+
 __all__ = ["MODELS", "BACKENDS", "Settings", "Result", "run", "write_results", "main"]
 
 MODELS = ("AlbertForMaskedLM", "GPT2LMHeadModel", "BertForMaskedLM", "LongformerForMaskedLM")
@@ -161,6 +163,7 @@ class Contender:
     saved_bytes: int | None = None       # saved for backward by a step
     loss: torch.Tensor | None = None
     grads: dict | None = None
+    programs: list = dataclasses.field(default_factory=list)  # aotfuse: the Lowered programs its first step made
 
 
 def _reason(e: BaseException) -> str:
@@ -321,6 +324,7 @@ class Result:
     check: str
     reason: str
     saved_bytes: int | None = None
+    kernel_fallbacks: int = 0  # aotfuse: kernel calls that ran as ATen calls (a layout the plan did not expect)
 
 
 def _compare(c: Contender, ref: Contender, dtype: torch.dtype) -> tuple[float | None, float | None, str, str]:
@@ -396,7 +400,9 @@ def run(models: list[str], dtypes: list[str], backends: list[str], settings: Set
             for backend in backends:
                 c = Contender(backend, copy.deepcopy(base))
                 bar.set_postfix_str(f"compiling {backend}")
+                made_before = set(LIVE)
                 _first_step(c, backend, c.base, inputs, device, settings.aotfuse_fallback)
+                c.programs = list(set(LIVE) - made_before)
                 bar.update(1)
                 contenders.append(c)
             del base
@@ -481,7 +487,8 @@ def _rows(model_name: str, dtype: torch.dtype, contenders: list[Contender]) -> l
             time_pct=100.0 * t / ref_time if t is not None and ref_time else None,
             mem_pct=100.0 * c.mem_bytes / ref.mem_bytes if c.mem_bytes is not None and ref.mem_bytes else None,
             first_step_s=c.first_step_s, loss_diff=loss_diff, grad_diff=grad_diff, grad_worst=worst, check=check,
-            reason=c.reason, saved_bytes=c.saved_bytes))
+            reason=c.reason, saved_bytes=c.saved_bytes,
+            kernel_fallbacks=sum(low.program.kernel_fallbacks for low in c.programs)))
     return rows
 
 
@@ -554,10 +561,11 @@ def _check_cell(r: Result) -> str:
 
 
 def _status_cell(r: Result, fallback: str) -> str:
+    slow = f" ({r.kernel_fallbacks} kernel calls ran as ATen calls)" if r.kernel_fallbacks else ""
     if r.status == "ok":
-        return "ok"
+        return "ok" + slow
     what = {"fallback": f"fallback ({fallback})", "failed": "failed", "n/a": "n/a"}[r.status]
-    return f"{what}: {r.reason}".replace("|", "\\|")
+    return f"{what}{slow}: {r.reason}".replace("|", "\\|")
 
 
 def write_results(results: list[Result], descriptions: list[str], out_dir: str, settings: Settings,
