@@ -385,6 +385,14 @@ static void count_arg_reads(const af_arg *a, int32_t *n_reads) {
         for (int32_t i = 0; i < a->u.list.n; i++) count_arg_reads(&a->u.list.items[i], n_reads);
 }
 
+/* 1: node i is a pointwise kernel member, 2: a reduction (*mask: its reduced dims), 0: neither, or
+ * on a device without kernels here. */
+static int fuse_kind(const af_graph *g, int32_t i, uint32_t devices, uint32_t *mask) {
+    int kind = af_fuse_node_ok(g, i) ? 1 : af_fuse_reduction_ok(g, i, mask) ? 2 : 0;
+    if (kind && !((devices >> af_graph_value(g, af_graph_node(g, i)->first_output)->meta.device.type) & 1u)) kind = 0;
+    return kind;
+}
+
 static void mark_arg_values(const af_arg *a, uint8_t *mark) {
     if (a->kind == AF_ARG_VALUE) mark[a->u.value] = 1;
     else if (a->kind == AF_ARG_LIST)
@@ -625,11 +633,9 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
      * (cross entropy's column sum of the logits' gradient, which the matmuls read too) */
     for (int32_t v = 0; v < nv; v++) outside[v] = is_output[v];
     for (int32_t i = 0; i < nn; i++) {
-        const af_node *n = af_graph_node(g, i);
         uint32_t unused = 0;
-        int fusible = (af_fuse_node_ok(g, i) || af_fuse_reduction_ok(g, i, &unused)) &&
-                      ((devices >> af_graph_value(g, n->first_output)->meta.device.type) & 1u);
-        for (int32_t a = 0; !fusible && a < n->n_args; a++) mark_arg_values(&n->args[a], outside);
+        if (fuse_kind(g, i, devices, &unused)) continue;
+        for (int32_t a = 0; a < af_graph_node(g, i)->n_args; a++) mark_arg_values(&af_graph_node(g, i)->args[a], outside);
     }
 
     /* Provisional groups, greedily in graph order, as a union-find forest. A fusible node joins
@@ -641,8 +647,7 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
         const af_node *n = af_graph_node(g, i);
         prov_of_node[i] = -1;
         uint32_t mask = 0;
-        int kind = af_fuse_node_ok(g, i) ? 1 : af_fuse_reduction_ok(g, i, &mask) ? 2 : 0;
-        if (kind && !((devices >> af_graph_value(g, n->first_output)->meta.device.type) & 1u)) kind = 0;
+        int kind = fuse_kind(g, i, devices, &mask);
         af_window win;
         int window = kind == 1 && af_fuse_window(g, i, &win);
         /* a window's source is read at other indices than the window's own: never in its group */

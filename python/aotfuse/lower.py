@@ -851,9 +851,9 @@ def missing_gradients(gm: fx.GraphModule, missing: tuple) -> fx.GraphModule:
                     env[node] = env[other]
                     continue
                 if node.meta["val"].is_contiguous():
-                    copy = graph.call_function(aten.clone.default, (env[other],), {"memory_format": torch.contiguous_format})
-                    copy.meta = dict(node.meta)
-                    env[node] = copy
+                    dense = graph.call_function(aten.clone.default, (env[other],), {"memory_format": torch.contiguous_format})
+                    dense.meta = dict(node.meta)
+                    env[node] = dense
                     continue
         if any(isinstance(x, fx.Node) and x in gone for x in node.all_input_nodes):
             for p in node.all_input_nodes:
