@@ -86,6 +86,8 @@ def main(argv=None) -> None:
     in_programs = 0.0
     for stage, p in programs.items():
         runs, steps = p.profile()
+        if not runs:  # built but not run in these steps (a backward whose variant ran instead)
+            continue
         listing = str(p).splitlines()[1:]  # one line per node after the signature
         for kind, op, index, sec in steps:
             if kind == "extern" and 0 <= index < len(listing):
@@ -103,6 +105,8 @@ def main(argv=None) -> None:
     print(f"step: aotfuse {step_c * 1e3:.1f} ms, eager {step_e * 1e3:.1f} ms ({step_c / step_e * 100:.0f}%); "
           f"inside the C programs {in_programs * 1e3:.1f} ms, outside (AOTAutograd, optimizer, Python) "
           f"{(step_c - in_programs) * 1e3:.1f} ms")
+    fallbacks = sum(p.kernel_fallbacks for p in programs.values())
+    print(f"kernel calls that ran as ATen calls instead (a layout the plan did not expect): {fallbacks}")
     print(f"{'op':48s} {'steps':>6s} {'ms/step':>9s} {'share':>6s}")
     for op, (n, sec) in sorted(by_op.items(), key=lambda kv: -kv[1][1])[:a.top]:
         print(f"{op:48s} {n:6d} {sec * 1e3:9.2f} {sec / step_c * 100:5.1f}%")
