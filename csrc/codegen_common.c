@@ -92,12 +92,34 @@ static void operand_strides(const af_tensor_meta *m, const af_tensor_meta *iter,
     }
 }
 
-/* The dims any window member of grp guards (bit d = iteration dim d). */
+/* Whether member m of grp is a shifted member (computes a window's source, fuse.h). */
+static int shifted(const af_fusion_group *grp, int32_t m) { return grp->window_of && grp->window_of[m] >= 0; }
+
+static int is_view(const af_node *n) { return af_op_get(n->op_id)->kind == AF_KIND_VIEW; }
+
+/* The dims any window member computed at the kernel's own index guards (bit d = iteration dim d). */
 static uint32_t window_guards(const af_graph *g, const af_fusion_group *grp) {
     uint32_t mask = 0;
     af_window w;
     for (int32_t m = 0; m < grp->n_nodes; m++)
-        if (af_fuse_window(g, grp->nodes[m], &w)) mask |= w.guard_mask;
+        if (!shifted(grp, m) && af_fuse_window(g, grp->nodes[m], &w)) mask |= w.guard_mask;
+    return mask;
+}
+
+int af_cg_explicit(const af_graph *g, const af_fusion_group *grp) {
+    for (int32_t m = 0; m < grp->n_nodes; m++)
+        if (shifted(grp, m) && (is_view(af_graph_node(g, grp->nodes[m])) || af_fuse_window(g, grp->nodes[m], NULL))) return 1;
+    return 0;
+}
+
+/* The iteration dims with a coordinate operand: the guarded ones, or in explicit frames every dim
+ * longer than 1 (a window's source coordinates come from all of them). */
+static uint32_t coord_dims(const af_graph *g, const af_fusion_group *grp) {
+    if (!af_cg_explicit(g, grp)) return window_guards(g, grp);
+    const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
+    uint32_t mask = 0;
+    for (int32_t d = 0; d < iter->ndim; d++)
+        if (iter->sizes[d] > 1) mask |= 1u << d;
     return mask;
 }
 
@@ -144,9 +166,6 @@ static void emit_pointwise(af_strbuf *sb, const af_graph *g, const af_node *n, c
         af_strbuf_printf(sb, "%sv%d = (float)(v%d != 0.0f);\n", indent, (int)n->first_output, (int)n->first_output);
 }
 
-/* Whether member m of grp is a shifted member (computes a window's source, fuse.h). */
-static int shifted(const af_fusion_group *grp, int32_t m) { return grp->window_of && grp->window_of[m] >= 0; }
-
 /* Whether some shifted member reads input k. */
 static int shifted_reads(const af_graph *g, const af_fusion_group *grp, int32_t window, int32_t k) {
     for (int32_t m = 0; m < grp->n_nodes; m++) {
@@ -169,7 +188,7 @@ static int64_t window_shift(const af_window *w, const af_tensor_meta *iter, cons
 /* `(1 && o<c> >= lo && o<c> < hi ...)`: every coordinate the window guards inside its source. */
 static void emit_guard_cond(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_window *w,
                             const af_tensor_meta *iter) {
-    uint32_t all = window_guards(g, grp);
+    uint32_t all = coord_dims(g, grp);
     af_strbuf_printf(sb, "(1");
     for (int32_t d = 0; d < iter->ndim; d++) {
         if (!((w->guard_mask >> d) & 1u)) continue;
@@ -233,6 +252,144 @@ static void emit_window(af_strbuf *sb, const af_graph *g, const af_fusion_group 
     }
 }
 
+/* Explicit frames (af_cg_explicit). A frame is where one window's source is computed: its
+ * coordinates, one int64_t C expression per dim ("0" on dims of size 1). The kernel's own frame
+ * has its coordinate operands; inside a window's guard at frame P, the source's element is at
+ * s = P - left; a source that views x (remapped members) is x's element at storage offset
+ * f = (view's offset from x) + sum(s * view's strides), whose coordinates are (f / x's stride) %
+ * x's size (x dense: fuse.c's view_chain). Inputs read in a frame are loaded at its coordinates
+ * times their own strides (right-aligned: broadcast dims at 0). */
+typedef struct {
+    int32_t ndim;
+    char c[AF_MAX_DIMS][32];
+} af_frame;
+
+/* `(int64_t)<base> + c * stride ...`: the offset of m's element at f's coordinates. */
+static void frame_offset(char *out, size_t cap, const af_frame *f, const af_tensor_meta *m, int64_t base) {
+    size_t n = (size_t)snprintf(out, cap, "(int64_t)%" PRId64, base);
+    int32_t shift = f->ndim - m->ndim;
+    for (int32_t md = 0; md < m->ndim && n < cap; md++) {
+        int32_t d = md + shift;
+        if (d < 0 || m->sizes[md] == 1 || m->strides[md] == 0 || strcmp(f->c[d], "0") == 0) continue;
+        n += (size_t)snprintf(out + n, cap - n, " + %s * %" PRId64, f->c[d], m->strides[md]);
+    }
+}
+
+/* The member computing value v among window W's shifted members, or -1. */
+static int32_t frame_member(const af_graph *g, const af_fusion_group *grp, int32_t window, int32_t v) {
+    int32_t p = af_graph_value(g, v)->producer;
+    for (int32_t m = 0; m < grp->n_nodes && p >= 0; m++)
+        if (grp->nodes[m] == p && shifted(grp, m) && grp->window_of[m] == window) return m;
+    return -1;
+}
+
+static void emit_frame(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops, int32_t window,
+                       const af_frame *f, const char *indent);
+
+/* A window member at frame P: inside its guard, its source at its element (loaded, or computed by
+ * its shifted members in the source's frame), the fill value or base elsewhere. */
+static void emit_explicit_window(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
+                                 int32_t member, const af_frame *P, const char *indent) {
+    const af_node *n = af_graph_node(g, grp->nodes[member]);
+    af_window w;
+    af_fuse_window(g, grp->nodes[member], &w);
+    int vw = (int)n->first_output;
+    af_arg fill = {.kind = AF_ARG_FLOAT, .u.f = w.value};
+    char inner[72], off[1024];
+    snprintf(inner, sizeof inner, "%s  ", indent);
+    af_strbuf_printf(sb, "%sfloat v%d;\n%sif ((1", indent, vw, indent);
+    for (int32_t d = 0; d < P->ndim; d++)
+        if ((w.guard_mask >> d) & 1u)
+            af_strbuf_printf(sb, " && %s >= %" PRId64 " && %s < %" PRId64, P->c[d], w.left[d], P->c[d], w.left[d] + w.size[d]);
+    af_strbuf_printf(sb, ")) { /* %s */\n", n->op);
+    if (w.source < 0) { /* box_fill: the value inside */
+        af_strbuf_printf(sb, "%sv%d = ", inner, vw);
+        emit_scalar(sb, &fill, AF_DTYPE_FLOAT32);
+        af_strbuf_printf(sb, ";\n");
+    } else {
+        af_frame S = {.ndim = P->ndim}, F;
+        for (int32_t d = 0; d < S.ndim; d++) {
+            if (w.size[d] == 1) {
+                snprintf(S.c[d], sizeof S.c[d], "0");
+                continue;
+            }
+            snprintf(S.c[d], sizeof S.c[d], "s%d_%d", vw, (int)d);
+            af_strbuf_printf(sb, "%sconst int64_t s%d_%d = %s - (%" PRId64 ");\n", inner, vw, (int)d, P->c[d], w.left[d]);
+        }
+        const af_value *src = af_graph_value(g, w.source);
+        int32_t value = w.source, sm = frame_member(g, grp, grp->nodes[member], w.source);
+        if (sm >= 0 && is_view(af_graph_node(g, grp->nodes[sm]))) { /* remapped: x's element at the view's storage offset */
+            while ((sm = frame_member(g, grp, grp->nodes[member], value)) >= 0 && is_view(af_graph_node(g, grp->nodes[sm])))
+                value = af_graph_node(g, grp->nodes[sm])->args[0].u.value;
+            const af_tensor_meta *xm = &af_graph_value(g, value)->meta;
+            frame_offset(off, sizeof off, &S, &src->meta, src->meta.storage_offset - xm->storage_offset);
+            af_strbuf_printf(sb, "%sconst int64_t f%d = %s;\n", inner, vw, off);
+            int64_t numel = af_tensor_meta_numel(xm);
+            F.ndim = xm->ndim;
+            for (int32_t d = 0; d < F.ndim; d++) {
+                if (xm->sizes[d] == 1) {
+                    snprintf(F.c[d], sizeof F.c[d], "0");
+                    continue;
+                }
+                snprintf(F.c[d], sizeof F.c[d], "u%d_%d", vw, (int)d);
+                af_strbuf_printf(sb, "%sconst int64_t u%d_%d = f%d / %" PRId64, inner, vw, (int)d, vw, xm->strides[d]);
+                if (xm->strides[d] * xm->sizes[d] != numel) af_strbuf_printf(sb, " %% %" PRId64, xm->sizes[d]); /* the outermost needs none */
+                af_strbuf_printf(sb, ";\n");
+            }
+        } else {
+            F = S;
+        }
+        if (frame_member(g, grp, grp->nodes[member], value) >= 0) {
+            emit_frame(sb, g, grp, ops, grp->nodes[member], &F, inner);
+            af_strbuf_printf(sb, "%sv%d = v%d;\n", inner, vw, (int)value);
+        } else { /* an input */
+            int32_t k = 0;
+            while (k < grp->n_inputs && grp->inputs[k] != w.source) k++;
+            char ptr[16];
+            snprintf(ptr, sizeof ptr, "q%d", (int)k);
+            frame_offset(off, sizeof off, &F, &src->meta, 0);
+            af_strbuf_printf(sb, "%sv%d = ", inner, vw);
+            af_cg_emit_load(sb, ops[k].dtype, ptr, off);
+            af_strbuf_printf(sb, ";\n");
+        }
+    }
+    af_strbuf_printf(sb, "%s} else {\n%sv%d = ", indent, inner, vw);
+    if (w.base >= 0) af_strbuf_printf(sb, "v%d", (int)w.base);
+    else emit_scalar(sb, &fill, AF_DTYPE_FLOAT32);
+    af_strbuf_printf(sb, ";\n%s}\n", indent);
+}
+
+/* Window W's shifted members at frame f: the inputs they read (a window's base, not its source)
+ * loaded at f's coordinates, then the members in order (views are only index arithmetic). */
+static void emit_frame(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops, int32_t window,
+                       const af_frame *f, const char *indent) {
+    char ptr[16], off[1024];
+    for (int32_t k = 0; k < grp->n_inputs; k++) {
+        int reads = 0;
+        for (int32_t m = 0; m < grp->n_nodes && !reads; m++) {
+            if (!shifted(grp, m) || grp->window_of[m] != window) continue;
+            const af_node *n = af_graph_node(g, grp->nodes[m]);
+            af_window w;
+            int32_t source_arg = af_fuse_window(g, grp->nodes[m], &w) ? w.source_arg : -1;
+            for (int32_t a = 0; a < n->n_args; a++)
+                reads |= a != source_arg && n->args[a].kind == AF_ARG_VALUE && n->args[a].u.value == grp->inputs[k];
+        }
+        if (!reads) continue;
+        snprintf(ptr, sizeof ptr, "q%d", (int)k);
+        frame_offset(off, sizeof off, f, &af_graph_value(g, grp->inputs[k])->meta, 0);
+        af_strbuf_printf(sb, "%sconst float v%d = ", indent, (int)grp->inputs[k]);
+        af_cg_emit_load(sb, ops[k].dtype, ptr, off);
+        af_strbuf_printf(sb, ";\n");
+    }
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        if (!shifted(grp, m) || grp->window_of[m] != window) continue;
+        const af_node *n = af_graph_node(g, grp->nodes[m]);
+        if (is_view(n)) continue;
+        if (af_fuse_window(g, grp->nodes[m], NULL)) emit_explicit_window(sb, g, grp, ops, m, f, indent);
+        else emit_pointwise(sb, g, n, indent);
+    }
+}
+
 static void emit_members_impl(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
                               const char *indent, const char *acc_at, const int32_t *phases, int32_t phase, int modes,
                               const uint8_t *cached);
@@ -254,13 +411,25 @@ void af_cg_emit_members_cached(af_strbuf *sb, const af_graph *g, const af_fusion
 static void emit_members_impl(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
                               const char *indent, const char *acc_at, const int32_t *phases, int32_t phase, int modes,
                               const uint8_t *cached) {
+    af_frame root = {.ndim = 0};
+    if (ops && af_cg_explicit(g, grp)) { /* the kernel's frame: its coordinate operands */
+        const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
+        uint32_t coords = coord_dims(g, grp);
+        root.ndim = iter->ndim;
+        for (int32_t d = 0; d < iter->ndim; d++) {
+            int32_t c = grp->n_inputs + grp->n_outputs + popcount32(coords & ((1u << d) - 1u));
+            if ((coords >> d) & 1u) snprintf(root.c[d], sizeof root.c[d], "((int64_t)o%d)", (int)c);
+            else snprintf(root.c[d], sizeof root.c[d], "0");
+        }
+    }
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
         const af_op_info *info = af_op_get(n->op_id);
         af_window win;
         if (shifted(grp, m)) continue; /* computed inside its window's guard */
         if (af_fuse_window(g, grp->nodes[m], &win)) {
-            if (ops) emit_window(sb, g, grp, ops, m, &win, indent);
+            if (ops && root.ndim) emit_explicit_window(sb, g, grp, ops, m, &root, indent);
+            else if (ops) emit_window(sb, g, grp, ops, m, &win, indent);
             else af_strbuf_printf(sb, "%s#error \"aotfuse: a window member outside a pointwise kernel\"\n", indent);
             continue;
         }
@@ -546,7 +715,7 @@ void af_cg_space_free(af_cg_space *sp) {
 int af_cg_space_new(const af_graph *g, const af_fusion_group *grp, af_cg_space *sp) {
     memset(sp, 0, sizeof *sp);
     const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
-    uint32_t guards = window_guards(g, grp);
+    uint32_t guards = coord_dims(g, grp);
     sp->nops = grp->n_inputs + grp->n_outputs + popcount32(guards);
     sp->ops = make_operands(g, grp, iter);
     sp->strides = calloc((size_t)sp->nops + 1, sizeof *sp->strides);
@@ -580,7 +749,12 @@ int af_cg_space_new(const af_graph *g, const af_fusion_group *grp, af_cg_space *
                         else plain[k] = 1;
                     }
         }
-        for (int32_t k = 0; k < grp->n_inputs; k++) sp->ops[k].window_only &= !plain[k];
+        int explicit = af_cg_explicit(g, grp);
+        for (int32_t k = 0; k < grp->n_inputs; k++) {
+            sp->ops[k].window_only &= !plain[k];
+            /* in explicit frames loaded at their own strides: no offset to keep */
+            if (explicit && sp->ops[k].window_only) memset(sp->ops[k].strides, 0, sizeof sp->ops[k].strides);
+        }
         free(plain);
     }
     int32_t nops = sp->nops, nd = 0;

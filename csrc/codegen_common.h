@@ -23,7 +23,7 @@ typedef struct {
 
 /* A group's iteration space after coalescing: size-1 dims dropped, neighbours merged where every
  * operand is contiguous across them. A group with window members has one more operand per dim
- * some window guards (in dim order, after the outputs; no pointer): its stride is 1 on that dim
+ * some window guards, or every dim longer than 1 in explicit frames (in dim order, after the outputs; no pointer): its stride is 1 on that dim
  * and 0 elsewhere, so its offset o<k> is the element's coordinate there (and no merge hides it). Reduction groups put kept dims first (cls 0), reduced dims
  * after (cls 1), and never merge across the two. */
 typedef struct {
@@ -46,6 +46,10 @@ int af_cg_narrow_index(const af_cg_space *sp);
 void af_cg_space_free(af_cg_space *sp);
 /* Whether grp has window members (then its kernels are scalar: no vector variant). */
 int af_cg_has_window(const af_graph *g, const af_fusion_group *grp);
+/* Whether grp's windows are evaluated in explicit frames (codegen_common.c): a window among the
+ * shifted members (nested windows), or a view (remapped members). Then the kernel has a coordinate
+ * operand for every iteration dim longer than 1. */
+int af_cg_explicit(const af_graph *g, const af_fusion_group *grp);
 
 const char *af_cg_ctype(af_dtype d);
 /* Helpers both preludes include after defining AF_FN (a helper's declaration on the target):

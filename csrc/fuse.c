@@ -399,24 +399,30 @@ static void mark_arg_values(const af_arg *a, uint8_t *mark) {
         for (int32_t i = 0; i < a->u.list.n; i++) mark_arg_values(&a->u.list.items[i], mark);
 }
 
-/* Whether window member i (w) can compute its source in its kernel: the source's provisional group
- * gs is open, pointwise (no reduction, window, random node, recompute or dependence), and no value of
- * gs is returned or read by any node outside gs but the source, once, by i as its source. Its nodes
- * (before i, in graph order) go into members[] (*n_members). */
-static int absorbable(const af_graph *g, int32_t i, const af_window *w, int32_t gs, int32_t *parent, const int32_t *prov_of_node,
-                      const uint8_t *closed, const uint32_t *gmask, const uint8_t *gwin, const int32_t *dep, const int32_t *n_clones,
-                      const int32_t *n_reads, const uint8_t *is_output, int32_t *members, int32_t *n_members) {
+/* Whether window member i (w) can compute its source in its kernel: x, the value of provisional
+ * group gs (w's source itself, or with `remap` the value w's source views: see view_chain), whose
+ * group is open (with `remap` closed only by the views, which absorbable's read count below
+ * shows), pointwise or windows (no reduction, random node, recompute or dependence), and no value
+ * of gs is returned or read by any node outside gs but x, once: by i as its source, or by the
+ * chain's first view. gs's nodes (before i, in graph order) go into members[] (*n_members): its
+ * pointwise nodes and windows, and the views of its own remapped windows. */
+static int absorbable(const af_graph *g, int32_t i, const af_window *w, int32_t x, int remap, int32_t gs, int32_t *parent,
+                      const int32_t *prov_of_node, const uint8_t *closed, const uint32_t *gmask, const int32_t *dep,
+                      const int32_t *n_clones, const int32_t *n_reads, const uint8_t *is_output, const int32_t *window_of_node,
+                      int32_t *members, int32_t *n_members) {
     const af_node *win = af_graph_node(g, i);
     *n_members = 0;
-    if (closed[gs] || gmask[gs] || gwin[gs] || dep[gs] >= 0 || n_clones[gs]) return 0;
-    for (int32_t a = 0; a < win->n_args; a++) /* the window reads the source as its source only */
+    if ((closed[gs] && !remap) || gmask[gs] || dep[gs] >= 0 || n_clones[gs]) return 0;
+    for (int32_t a = 0; a < win->n_args && !remap; a++) /* the window reads the source as its source only */
         if (a != w->source_arg && win->args[a].kind == AF_ARG_VALUE && win->args[a].u.value == w->source) return 0;
     for (int32_t j = 0; j < i; j++)
         if (prov_of_node[j] >= 0 && find_root(parent, prov_of_node[j]) == gs) members[(*n_members)++] = j;
     for (int32_t k = 0; k < *n_members; k++) {
         const af_node *n = af_graph_node(g, members[k]);
-        int32_t u = n->first_output, inside = u == w->source;
-        if (n->n_outputs != 1 || n->op_id == AF_OP_RNG_UNIFORM || af_fuse_node_ok(g, members[k]) != 1 || is_output[u]) return 0;
+        int32_t u = n->first_output, inside = u == x;
+        int view = window_of_node[members[k]] >= 0 && af_op_get(n->op_id)->kind == AF_KIND_VIEW;
+        if (n->n_outputs != 1 || n->op_id == AF_OP_RNG_UNIFORM || (!view && af_fuse_node_ok(g, members[k]) != 1) || is_output[u])
+            return 0;
         for (int32_t m = 0; m < *n_members; m++) {
             const af_node *r = af_graph_node(g, members[m]);
             for (int32_t a = 0; a < r->n_args; a++) inside += r->args[a].kind == AF_ARG_VALUE && r->args[a].u.value == u;
@@ -424,6 +430,64 @@ static int absorbable(const af_graph *g, int32_t i, const af_window *w, int32_t 
         if (inside != n_reads[u]) return 0;
     }
     return *n_members > 0;
+}
+
+/* The longest chain of views a window reads its source through (view_chain). */
+#define AF_REMAP_MAX 8
+
+/* Whether x's elements lie densely in its storage (strides a permutation of a contiguous
+ * layout's): then the element at storage offset f has coordinates (f / stride[d]) % size[d]. */
+static int dense_layout(const af_tensor_meta *m) {
+    int64_t expect = 1;
+    uint32_t done = 0;
+    for (int32_t k = 0; k < m->ndim; k++) { /* the dims of size > 1, by increasing stride */
+        int32_t best = -1;
+        for (int32_t d = 0; d < m->ndim; d++)
+            if (m->sizes[d] > 1 && !((done >> d) & 1u) && (best < 0 || m->strides[d] < m->strides[best])) best = d;
+        if (best < 0) break;
+        if (m->strides[best] != expect) return 0;
+        expect *= m->sizes[best];
+        done |= 1u << best;
+    }
+    return 1;
+}
+
+/* A window's source v read through views: v made from x by a chain of view nodes (each one
+ * tensor in and out, same dtype and device), every value of it and x itself read once (by the
+ * next link, the window at the end) and not returned, x dense and made by a node, and every link
+ * laid out as ATen's rule for it says (af_views_as_declared: the kernel computes the view's element
+ * from the metadata, and nothing checks it at run time). Returns x (the
+ * chain's nodes in chain[], the last view first) or -1. The window's kernel may then compute x
+ * itself, at the element of x's storage v's element views (remapped members). */
+static int32_t view_chain(const af_graph *g, int32_t v, const int32_t *n_reads, const uint8_t *is_output, int32_t *chain,
+                          int32_t *n_chain) {
+    const af_tensor_meta *vm = &af_graph_value(g, v)->meta;
+    const int32_t v0 = v;
+    *n_chain = 0;
+    for (;;) {
+        int32_t p = af_graph_value(g, v)->producer;
+        if (p < 0 || is_output[v] || n_reads[v] != 1) return -1;
+        const af_node *n = af_graph_node(g, p);
+        if (af_op_get(n->op_id)->kind != AF_KIND_VIEW) break;
+        if (*n_chain == AF_REMAP_MAX || n->n_outputs != 1 || n->n_args < 1 || n->args[0].kind != AF_ARG_VALUE || n->args[0].name)
+            return -1;
+        for (int32_t a = 1; a < n->n_args; a++)
+            if (n->args[a].kind == AF_ARG_VALUE) return -1;
+        const af_tensor_meta *in = &af_graph_value(g, n->args[0].u.value)->meta;
+        if (in->type != AF_VALUE_TENSOR || in->dtype != vm->dtype || !same_device(in->device, vm->device)) return -1;
+        chain[(*n_chain)++] = p;
+        v = n->args[0].u.value;
+    }
+    const af_tensor_meta *xm = &af_graph_value(g, v)->meta;
+    int64_t last = vm->storage_offset; /* the view's elements all lie in x's */
+    for (int32_t d = 0; d < vm->ndim; d++) {
+        if (vm->sizes[d] == 0 || vm->strides[d] < 0) return -1;
+        last += (vm->sizes[d] - 1) * vm->strides[d];
+    }
+    if (*n_chain == 0 || !dense_layout(xm) || vm->storage_offset < xm->storage_offset ||
+        last - xm->storage_offset >= af_tensor_meta_numel(xm) || !af_views_as_declared(g, v0, v))
+        return -1;
+    return v;
 }
 
 /* A read from another group closes it (and what it runs after), except a read by a group that runs
@@ -650,8 +714,15 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
         int kind = fuse_kind(g, i, devices, &mask);
         af_window win;
         int window = kind == 1 && af_fuse_window(g, i, &win);
+        /* the value a window's source is, or views (a remap) */
+        int32_t chain[AF_REMAP_MAX], n_chain = 0, src_value = window ? win.source : -1;
+        if (shifting && window && win.source >= 0 && value_group[win.source] < 0) {
+            int32_t x = view_chain(g, win.source, n_reads, is_output, chain, &n_chain);
+            if (x >= 0 && value_group[x] >= 0) src_value = x;
+            else n_chain = 0;
+        }
         /* a window's source is read at other indices than the window's own: never in its group */
-        int32_t src_group = window && win.source >= 0 && value_group[win.source] >= 0 ? find_root(parent, value_group[win.source]) : -1;
+        int32_t src_group = src_value >= 0 && value_group[src_value] >= 0 ? find_root(parent, value_group[src_value]) : -1;
         if (kind) {
             /* a reduction iterates over its input's shape; a pointwise node over its output's */
             const af_tensor_meta *shape = kind == 1 ? &af_graph_value(g, n->first_output)->meta
@@ -752,15 +823,22 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
                 gmask[join] = mask;
                 is_reduced[n->first_output] = 1;
             }
-            /* a source only this window reads, computed by a pointwise group of its own: its nodes
-             * become the window's shifted members (computed at the source's index, in its guard) */
+            /* a source only this window reads, computed by a group of pointwise nodes and windows
+             * of its own: its nodes become the window's shifted members (computed at the source's
+             * index, in its guard); where the source views that group's value, the views join too
+             * (remapped members: computed at the element of the value the source's element views) */
             int32_t n_absorbed = 0;
             if (shifting && window && src_group >= 0 && src_group != join && !gmask[join] &&
-                absorbable(g, i, &win, src_group, parent, prov_of_node, closed, gmask, gwin, dep, n_clones, n_reads, is_output,
-                           absorbed, &n_absorbed)) {
-                for (int32_t k = 0; k < n_absorbed; k++) window_of_node[absorbed[k]] = i;
+                absorbable(g, i, &win, src_value, n_chain > 0, src_group, parent, prov_of_node, closed, gmask, dep, n_clones,
+                           n_reads, is_output, window_of_node, absorbed, &n_absorbed)) {
+                for (int32_t k = 0; k < n_absorbed; k++)
+                    if (window_of_node[absorbed[k]] < 0) window_of_node[absorbed[k]] = i; /* nested ones keep theirs */
+                for (int32_t k = 0; k < n_chain; k++) {
+                    window_of_node[chain[k]] = i;
+                    prov_of_node[chain[k]] = join;
+                }
                 parent[src_group] = join;
-                prov_size[join] += prov_size[src_group];
+                prov_size[join] += prov_size[src_group] + n_chain;
             }
             gwin[join] |= (uint8_t)window;
             prov_of_node[i] = join;

@@ -318,7 +318,8 @@ static int plan_views(af_program *p) {
     int reinterpret = af_bridge_can_reinterpret();
     for (int32_t i = nn - 1; i >= 0; i--) {
         const af_node *n = af_graph_node(g, i);
-        int view = plain_view(g, i, is_output);
+        /* a view in a kernel (a remapped window member) is index arithmetic there */
+        int view = plain_view(g, i, is_output) && !(p->plan && p->plan->group_of_node[i] >= 0);
         int32_t v = n->first_output;
         foldable[i] = view && p->plan && readers[v] > 0 && readers_ok[v] == readers[v];
         p->view_state[i] = view && reinterpret && !foldable[i] ? 0 : -1;

@@ -244,8 +244,7 @@ static int view_link_ok(const af_node *n, const af_tensor_meta *in, const af_ten
     }
 }
 
-/* Whether every view link from root to v makes the layout v's metadata says (view_link_ok). */
-static int views_as_declared(const af_graph *g, int32_t v, int32_t root) {
+int af_views_as_declared(const af_graph *g, int32_t v, int32_t root) {
     for (int32_t w = v; w != root;) {
         const af_node *n = af_graph_node(g, af_graph_value(g, w)->producer);
         int32_t b = n->args[0].u.value;
@@ -264,7 +263,7 @@ static int views_as_declared(const af_graph *g, int32_t v, int32_t root) {
 static int plain_source(const af_graph *g, int32_t v, const af_tensor_meta *x) {
     const af_tensor_meta *m = &af_graph_value(g, v)->meta;
     if (!broadcasts_to(m, x)) return 0;
-    return af_tensor_meta_numel(m) == 1 || views_as_declared(g, v, af_graph_view_root(g, v));
+    return af_tensor_meta_numel(m) == 1 || af_views_as_declared(g, v, af_graph_view_root(g, v));
 }
 
 static int add_unique(int32_t *set, int32_t *n, int32_t cap, int32_t x) {
@@ -369,7 +368,7 @@ static int plan_copy(const af_graph *g, int32_t c, const uint8_t *is_output, uin
      * layout, a kernel's output, is its metadata's), else the copy stays a kernel that checks it;
      * and a copy with dims (a 0-dim one would make its sources 0-dim, which promote otherwise) */
     if (x == in || p < 0 || !sinkable(g, p, devices) || out->type != AF_VALUE_TENSOR || !contiguous(out) || out->dtype != inm->dtype ||
-        out->ndim != inm->ndim || inm->ndim == 0 || !views_as_declared(g, in, x))
+        out->ndim != inm->ndim || inm->ndim == 0 || !af_views_as_declared(g, in, x))
         return 0;
     memset(plan, 0, sizeof *plan);
     plan->clone = c;
@@ -404,7 +403,7 @@ static int plan_read(const af_graph *g, int32_t c, int32_t in, int source, uint3
     const af_tensor_meta *inm = &af_graph_value(g, in)->meta;
     int32_t x = af_graph_view_root(g, in), p = af_graph_value(g, x)->producer;
     if (x == in || p < 0 || !sinkable(g, p, devices) || inm->type != AF_VALUE_TENSOR || inm->ndim == 0 ||
-        (!source && inm->ndim != out->ndim) || !views_as_declared(g, in, x))
+        (!source && inm->ndim != out->ndim) || !af_views_as_declared(g, in, x))
         return 0;
     for (int32_t d = 0; !source && d < inm->ndim; d++)
         if (inm->sizes[d] != out->sizes[d]) return 0;

@@ -10,7 +10,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import aotfuse.rng  # noqa: F401  (registers aotfuse::rng_uniform)
 from aotfuse import _C
 import cuda_emu
-from test_fusion import (EPILOGUE_CASES, OP_CASES, _inputs, nan_phases_case, random_view_read_graph, random_window_graph,
+from test_fusion import (EPILOGUE_CASES, OP_CASES, _inputs, nan_phases_case, pads_through_views, pads_through_views_inputs,
+                         random_remapped_window_graph, random_view_read_graph, random_window_graph,
                          select_cases, select_inputs, window_cases, window_inputs)
 
 aten = torch.ops.aten
@@ -247,6 +248,23 @@ def test_window_members_match_eager(dtype):
 def test_random_windows_match_eager(seed):
     f, args, what = random_window_graph(seed)
     assert cuda_emu.check(make_fx(f)(*args), args, what), what
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_pads_read_through_views_match_eager(dtype):
+    """Nested windows and remapped members (Longformer's pads through reshapes) in one CUDA kernel:
+    the views' elements unravelled to the inner pads' coordinates."""
+    args = pads_through_views_inputs(dtype)
+    gm = make_fx(pads_through_views)(*args)
+    ran = cuda_emu.check(gm, args, f"pads through views {dtype}")
+    assert len(ran) == 1 and "const int64_t u" in cuda_emu.source_of(gm), ran
+
+
+@pytest.mark.parametrize("seed", range(0, 60, 4))
+def test_random_windows_read_through_views_match_eager(seed):
+    f, args, what = random_remapped_window_graph(seed)
+    ran = cuda_emu.check(make_fx(f, tracing_mode="fake")(*args), args, what)
+    assert len(ran) == 1, (what, ran)
 
 
 @pytest.mark.parametrize("seed", range(0, 40, 3))

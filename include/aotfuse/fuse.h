@@ -93,6 +93,12 @@ int af_fuse_window(const af_graph *g, int32_t node, af_window *w);
 int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_plan **out);
 void af_fuse_plan_free(af_fusion_plan *plan); /* NULL allowed */
 
+/* Whether every view node from root to v (a chain of views, each reading the one before) makes
+ * the layout v's metadata says, by ATen's rule for that view given its input's metadata (sink.c);
+ * a graph whose metadata was not traced from fake tensors may say otherwise (make_fx's real mode
+ * drops a slice's storage offset). */
+int af_views_as_declared(const af_graph *g, int32_t v, int32_t root);
+
 /* Copies of views of pointwise values, computed from their sources (csrc/sink.c). A copy
  * clone(V(x)), V views and x a pointwise value of a few pointwise nodes over sources, reads x at
  * indices no kernel computing x can give it, so it runs alone and x is stored for it. The

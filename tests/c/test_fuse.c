@@ -281,6 +281,74 @@ static void test_a_window_computes_a_source_only_it_reads(void **state) {
     }
 }
 
+/* A pad read through a view that merges its dims, padded again (Longformer's chunked attention):
+ * the inner pad, the view and exp(x) before them join the outer pad's kernel (a nested window and
+ * remapped members), which computes exp(x) at the element of the inner pad's storage the view's
+ * element is; where the view is also returned, the inner pad stays a kernel of its own. */
+static void test_a_window_computes_a_source_read_through_views(void **state) {
+    (void)state;
+    for (int returned = 0; returned < 2; returned++) {
+        int64_t p1sz[2] = {4, 10}, p1st[2] = {10, 1}, vsz[2] = {2, 20}, vst[2] = {20, 1}, p2sz[2] = {2, 21}, p2st[2] = {21, 1};
+        af_tensor_meta p1m = f32(2), vm = f32(2), p2m = f32(2);
+        p1m.sizes = p1sz, p1m.strides = p1st, vm.sizes = vsz, vm.strides = vst, p2m.sizes = p2sz, p2m.strides = p2st;
+        af_graph *g;
+        int32_t x, h, p1, v, p2, q;
+        assert_int_equal(af_graph_new(&g), AF_OK);
+        af_tensor_meta xm = f32(2);
+        assert_int_equal(af_graph_add_input(g, "x", &xm, &x), AF_OK);
+        h = node(g, "aten::exp.default", x, -1, 2); /* n0 */
+        af_arg pad1[2] = {{.kind = AF_ARG_INT, .u.i = 0}, {.kind = AF_ARG_INT, .u.i = 2}};
+        af_arg pad1_args[2] = {{.kind = AF_ARG_VALUE, .u.value = h}, {.kind = AF_ARG_LIST, .u.list = {.n = 2, .items = pad1}}};
+        assert_int_equal(af_graph_add_node(g, "aten::constant_pad_nd.default", pad1_args, 2, &p1m, 1, &p1), AF_OK); /* n1 */
+        af_arg shape[2] = {{.kind = AF_ARG_INT, .u.i = 2}, {.kind = AF_ARG_INT, .u.i = 20}};
+        af_arg view_args[2] = {{.kind = AF_ARG_VALUE, .u.value = p1}, {.kind = AF_ARG_LIST, .u.list = {.n = 2, .items = shape}}};
+        assert_int_equal(af_graph_add_node(g, "aten::view.default", view_args, 2, &vm, 1, &v), AF_OK); /* n2 */
+        af_arg pad2[2] = {{.kind = AF_ARG_INT, .u.i = 1}, {.kind = AF_ARG_INT, .u.i = 0}};
+        af_arg pad2_args[3] = {{.kind = AF_ARG_VALUE, .u.value = v}, {.kind = AF_ARG_LIST, .u.list = {.n = 2, .items = pad2}},
+                               {.kind = AF_ARG_FLOAT, .u.f = -1.0}};
+        assert_int_equal(af_graph_add_node(g, "aten::constant_pad_nd.default", pad2_args, 3, &p2m, 1, &p2), AF_OK); /* n3 */
+        af_arg mul_args[2] = {{.kind = AF_ARG_VALUE, .u.value = p2}, {.kind = AF_ARG_FLOAT, .u.f = 0.5}};
+        assert_int_equal(af_graph_add_node(g, "aten::mul.Tensor", mul_args, 2, &p2m, 1, &q), AF_OK); /* n4 */
+        int32_t outs[2] = {q, v};
+        assert_int_equal(af_graph_set_outputs(g, outs, returned ? 2 : 1), AF_OK);
+        af_fusion_plan *plan;
+        assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+        if (returned) { /* the view is stored: the inner pad (with exp) is a kernel, the view an ATen view */
+            assert_int_equal(plan->group_of_node[2], -1);
+            assert_int_equal(plan->group_of_node[0], plan->group_of_node[1]);
+            assert_int_not_equal(plan->group_of_node[1], plan->group_of_node[3]);
+            assert_null(plan->groups[plan->group_of_node[3]].window_of);
+            af_fuse_plan_free(plan);
+            af_graph_free(g);
+            continue;
+        }
+        assert_int_equal(plan->n_groups, 1);
+        const af_fusion_group *grp = &plan->groups[0];
+        assert_int_equal(grp->n_nodes, 5);
+        assert_non_null(grp->window_of);
+        assert_int_equal(grp->window_of[0], 1); /* exp: the inner pad's shifted member */
+        assert_int_equal(grp->window_of[1], 3); /* the inner pad and the view: the outer pad's */
+        assert_int_equal(grp->window_of[2], 3);
+        assert_int_equal(grp->window_of[3], -1);
+        assert_int_equal(grp->window_of[4], -1);
+        assert_int_equal(grp->iter_value, p2);
+        assert_int_equal(grp->n_inputs, 1);
+        assert_int_equal(grp->n_outputs, 1);
+        assert_int_equal(grp->outputs[0], q);
+        char *src = NULL;
+        assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
+        /* the view's element at storage offset f of the inner pad: its coordinates (f / 10, f % 10) */
+        assert_non_null(strstr(src, "const int64_t f4 = (int64_t)0 + s4_0 * 20 + s4_1 * 1;"));
+        assert_non_null(strstr(src, "const int64_t u4_0 = f4 / 10;"));
+        assert_non_null(strstr(src, "const int64_t u4_1 = f4 / 1 % 10;"));
+        assert_non_null(strstr(src, "(1 && u4_1 >= 0 && u4_1 < 8)"));
+        assert_non_null(strstr(src, "q0[(int64_t)0 + s2_0 * 8 + s2_1 * 1]"));
+        free(src);
+        af_fuse_plan_free(plan);
+        af_graph_free(g);
+    }
+}
+
 /* Boxes: box_scatter(base, src, starts) reads src at the box's offset inside, base outside, on
  * every dim it does not cover whole; box_fill(base, starts, sizes, value) has no source. Both join
  * the group of the base that a member computes (base is read at the element's own index), the
@@ -515,6 +583,7 @@ int main(void) {
         cmocka_unit_test(test_wide_group),
         cmocka_unit_test(test_windows),
         cmocka_unit_test(test_a_window_computes_a_source_only_it_reads),
+        cmocka_unit_test(test_a_window_computes_a_source_read_through_views),
         cmocka_unit_test(test_boxes),
         cmocka_unit_test(test_recomputed_members),
         cmocka_unit_test(test_recompute_reads_a_materialized_member),
