@@ -253,7 +253,8 @@ static void emit_window(af_strbuf *sb, const af_graph *g, const af_fusion_group 
 }
 
 /* Explicit frames (af_cg_explicit). A frame is where one window's source is computed: its
- * coordinates, one int64_t C expression per dim ("0" on dims of size 1). The kernel's own frame
+ * coordinates, one integer C expression per dim ("0" on dims of size 1; `int` where every tensor
+ * the group touches spans fewer than 2^30 elements, else int64_t). The kernel's own frame
  * has its coordinate operands; inside a window's guard at frame P, the source's element is at
  * s = P - left; a source that views x (remapped members) is x's element at storage offset
  * f = (view's offset from x) + sum(s * view's strides), whose coordinates are (f / x's stride) %
@@ -264,15 +265,37 @@ typedef struct {
     char c[AF_MAX_DIMS][32];
 } af_frame;
 
-/* `(int64_t)<base> + c * stride ...`: the offset of m's element at f's coordinates. */
-static void frame_offset(char *out, size_t cap, const af_frame *f, const af_tensor_meta *m, int64_t base) {
-    size_t n = (size_t)snprintf(out, cap, "(int64_t)%" PRId64, base);
+/* `(<it>)<base> + c * stride ...`: the offset of m's element at f's coordinates. */
+static void frame_offset(char *out, size_t cap, const af_frame *f, const af_tensor_meta *m, int64_t base, const char *it) {
+    size_t n = (size_t)snprintf(out, cap, "(%s)%" PRId64, it, base);
     int32_t shift = f->ndim - m->ndim;
     for (int32_t md = 0; md < m->ndim && n < cap; md++) {
         int32_t d = md + shift;
         if (d < 0 || m->sizes[md] == 1 || m->strides[md] == 0 || strcmp(f->c[d], "0") == 0) continue;
         n += (size_t)snprintf(out + n, cap - n, " + %s * %" PRId64, f->c[d], m->strides[md]);
     }
+}
+
+/* The frames' integer type: `int` where every tensor a member touches spans fewer than 2^30
+ * elements (every coordinate and offset then fits), else int64_t. */
+static const char *frame_index_type(const af_graph *g, const af_fusion_group *grp) {
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        const af_node *n = af_graph_node(g, grp->nodes[m]);
+        for (int32_t a = -1; a < n->n_args; a++) {
+            int32_t v = a < 0 ? n->first_output : n->args[a].kind == AF_ARG_VALUE ? n->args[a].u.value : -1;
+            if (v < 0) continue;
+            const af_tensor_meta *t = &af_graph_value(g, v)->meta;
+            if (t->type != AF_VALUE_TENSOR) continue;
+            int64_t span = t->storage_offset + 1;
+            for (int32_t d = 0; d < t->ndim; d++) {
+                if (t->sizes[d] > (INT64_C(1) << 30) || t->strides[d] > (INT64_C(1) << 30) || t->strides[d] < 0) return "int64_t";
+                span += (t->sizes[d] - 1) * t->strides[d];
+                if (span >= (INT64_C(1) << 30)) return "int64_t";
+            }
+            if (af_tensor_meta_numel(t) >= (INT64_C(1) << 30)) return "int64_t";
+        }
+    }
+    return "int";
 }
 
 /* The member computing value v among window W's shifted members, or -1. */
@@ -284,12 +307,12 @@ static int32_t frame_member(const af_graph *g, const af_fusion_group *grp, int32
 }
 
 static void emit_frame(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops, int32_t window,
-                       const af_frame *f, const char *indent);
+                       const af_frame *f, const char *it, const char *indent);
 
 /* A window member at frame P: inside its guard, its source at its element (loaded, or computed by
  * its shifted members in the source's frame), the fill value or base elsewhere. */
 static void emit_explicit_window(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
-                                 int32_t member, const af_frame *P, const char *indent) {
+                                 int32_t member, const af_frame *P, const char *it, const char *indent) {
     const af_node *n = af_graph_node(g, grp->nodes[member]);
     af_window w;
     af_fuse_window(g, grp->nodes[member], &w);
@@ -314,7 +337,7 @@ static void emit_explicit_window(af_strbuf *sb, const af_graph *g, const af_fusi
                 continue;
             }
             snprintf(S.c[d], sizeof S.c[d], "s%d_%d", vw, (int)d);
-            af_strbuf_printf(sb, "%sconst int64_t s%d_%d = %s - (%" PRId64 ");\n", inner, vw, (int)d, P->c[d], w.left[d]);
+            af_strbuf_printf(sb, "%sconst %s s%d_%d = %s - (%" PRId64 ");\n", inner, it, vw, (int)d, P->c[d], w.left[d]);
         }
         const af_value *src = af_graph_value(g, w.source);
         int32_t value = w.source, sm = frame_member(g, grp, grp->nodes[member], w.source);
@@ -322,8 +345,8 @@ static void emit_explicit_window(af_strbuf *sb, const af_graph *g, const af_fusi
             while ((sm = frame_member(g, grp, grp->nodes[member], value)) >= 0 && is_view(af_graph_node(g, grp->nodes[sm])))
                 value = af_graph_node(g, grp->nodes[sm])->args[0].u.value;
             const af_tensor_meta *xm = &af_graph_value(g, value)->meta;
-            frame_offset(off, sizeof off, &S, &src->meta, src->meta.storage_offset - xm->storage_offset);
-            af_strbuf_printf(sb, "%sconst int64_t f%d = %s;\n", inner, vw, off);
+            frame_offset(off, sizeof off, &S, &src->meta, src->meta.storage_offset - xm->storage_offset, it);
+            af_strbuf_printf(sb, "%sconst %s f%d = %s;\n", inner, it, vw, off);
             int64_t numel = af_tensor_meta_numel(xm);
             F.ndim = xm->ndim;
             for (int32_t d = 0; d < F.ndim; d++) {
@@ -332,7 +355,7 @@ static void emit_explicit_window(af_strbuf *sb, const af_graph *g, const af_fusi
                     continue;
                 }
                 snprintf(F.c[d], sizeof F.c[d], "u%d_%d", vw, (int)d);
-                af_strbuf_printf(sb, "%sconst int64_t u%d_%d = f%d / %" PRId64, inner, vw, (int)d, vw, xm->strides[d]);
+                af_strbuf_printf(sb, "%sconst %s u%d_%d = f%d / %" PRId64, inner, it, vw, (int)d, vw, xm->strides[d]);
                 if (xm->strides[d] * xm->sizes[d] != numel) af_strbuf_printf(sb, " %% %" PRId64, xm->sizes[d]); /* the outermost needs none */
                 af_strbuf_printf(sb, ";\n");
             }
@@ -340,14 +363,14 @@ static void emit_explicit_window(af_strbuf *sb, const af_graph *g, const af_fusi
             F = S;
         }
         if (frame_member(g, grp, grp->nodes[member], value) >= 0) {
-            emit_frame(sb, g, grp, ops, grp->nodes[member], &F, inner);
+            emit_frame(sb, g, grp, ops, grp->nodes[member], &F, it, inner);
             af_strbuf_printf(sb, "%sv%d = v%d;\n", inner, vw, (int)value);
         } else { /* an input */
             int32_t k = 0;
             while (k < grp->n_inputs && grp->inputs[k] != w.source) k++;
             char ptr[16];
             snprintf(ptr, sizeof ptr, "q%d", (int)k);
-            frame_offset(off, sizeof off, &F, &src->meta, 0);
+            frame_offset(off, sizeof off, &F, &src->meta, 0, it);
             af_strbuf_printf(sb, "%sv%d = ", inner, vw);
             af_cg_emit_load(sb, ops[k].dtype, ptr, off);
             af_strbuf_printf(sb, ";\n");
@@ -362,7 +385,7 @@ static void emit_explicit_window(af_strbuf *sb, const af_graph *g, const af_fusi
 /* Window W's shifted members at frame f: the inputs they read (a window's base, not its source)
  * loaded at f's coordinates, then the members in order (views are only index arithmetic). */
 static void emit_frame(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops, int32_t window,
-                       const af_frame *f, const char *indent) {
+                       const af_frame *f, const char *it, const char *indent) {
     char ptr[16], off[1024];
     for (int32_t k = 0; k < grp->n_inputs; k++) {
         int reads = 0;
@@ -376,7 +399,7 @@ static void emit_frame(af_strbuf *sb, const af_graph *g, const af_fusion_group *
         }
         if (!reads) continue;
         snprintf(ptr, sizeof ptr, "q%d", (int)k);
-        frame_offset(off, sizeof off, f, &af_graph_value(g, grp->inputs[k])->meta, 0);
+        frame_offset(off, sizeof off, f, &af_graph_value(g, grp->inputs[k])->meta, 0, it);
         af_strbuf_printf(sb, "%sconst float v%d = ", indent, (int)grp->inputs[k]);
         af_cg_emit_load(sb, ops[k].dtype, ptr, off);
         af_strbuf_printf(sb, ";\n");
@@ -385,7 +408,7 @@ static void emit_frame(af_strbuf *sb, const af_graph *g, const af_fusion_group *
         if (!shifted(grp, m) || grp->window_of[m] != window) continue;
         const af_node *n = af_graph_node(g, grp->nodes[m]);
         if (is_view(n)) continue;
-        if (af_fuse_window(g, grp->nodes[m], NULL)) emit_explicit_window(sb, g, grp, ops, m, f, indent);
+        if (af_fuse_window(g, grp->nodes[m], NULL)) emit_explicit_window(sb, g, grp, ops, m, f, it, indent);
         else emit_pointwise(sb, g, n, indent);
     }
 }
@@ -412,13 +435,15 @@ static void emit_members_impl(af_strbuf *sb, const af_graph *g, const af_fusion_
                               const char *indent, const char *acc_at, const int32_t *phases, int32_t phase, int modes,
                               const uint8_t *cached) {
     af_frame root = {.ndim = 0};
+    const char *it = "int64_t";
     if (ops && af_cg_explicit(g, grp)) { /* the kernel's frame: its coordinate operands */
+        it = frame_index_type(g, grp);
         const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
         uint32_t coords = coord_dims(g, grp);
         root.ndim = iter->ndim;
         for (int32_t d = 0; d < iter->ndim; d++) {
             int32_t c = grp->n_inputs + grp->n_outputs + popcount32(coords & ((1u << d) - 1u));
-            if ((coords >> d) & 1u) snprintf(root.c[d], sizeof root.c[d], "((int64_t)o%d)", (int)c);
+            if ((coords >> d) & 1u) snprintf(root.c[d], sizeof root.c[d], "((%s)o%d)", it, (int)c);
             else snprintf(root.c[d], sizeof root.c[d], "0");
         }
     }
@@ -428,7 +453,7 @@ static void emit_members_impl(af_strbuf *sb, const af_graph *g, const af_fusion_
         af_window win;
         if (shifted(grp, m)) continue; /* computed inside its window's guard */
         if (af_fuse_window(g, grp->nodes[m], &win)) {
-            if (ops && root.ndim) emit_explicit_window(sb, g, grp, ops, m, &root, indent);
+            if (ops && root.ndim) emit_explicit_window(sb, g, grp, ops, m, &root, it, indent);
             else if (ops) emit_window(sb, g, grp, ops, m, &win, indent);
             else af_strbuf_printf(sb, "%s#error \"aotfuse: a window member outside a pointwise kernel\"\n", indent);
             continue;

@@ -14,10 +14,15 @@
  * group (group_of_node); a group's inputs are the values no node of its list produces.
  *
  * Window members (af_fuse_window: padding) read their one source at shifted, guarded indices. A
- * source computed by a group of pointwise nodes that nothing else reads (no value of it read
- * outside it but the source, by the window alone) is computed in the window's kernel instead:
- * those nodes become the window's shifted members, evaluated at the source's index inside the
- * window's guard (window_of), their inputs read at shifted offsets.
+ * source computed by a group of pointwise nodes and windows that nothing else reads (no value of
+ * it read outside it but the source, by the window alone) is computed in the window's kernel
+ * instead: those nodes become the window's shifted members, evaluated at the source's index inside
+ * the window's guard (window_of), their inputs read at shifted offsets; a window among them is a
+ * nested window, whose own shifted members keep theirs. A source that views such a group's value
+ * x through a chain of views (each read once, laid out as ATen's rules say) takes the views in as
+ * well (remapped members: window_of is the window for the views too): x is computed at the element
+ * of its storage the source's element views, its coordinates unravelled from that offset. Both
+ * generators then evaluate every window at explicit coordinates (codegen_common.c's frames).
  *
  * Every tensor a member touches lives on one device (type and index), CPU or CUDA: a group is
  * compiled by that device's code generator.

@@ -287,7 +287,8 @@ static void test_a_window_computes_a_source_only_it_reads(void **state) {
  * element is; where the view is also returned, the inner pad stays a kernel of its own. */
 static void test_a_window_computes_a_source_read_through_views(void **state) {
     (void)state;
-    for (int returned = 0; returned < 2; returned++) {
+    for (int variant = 0; variant < 3; variant++) {
+        int returned = variant == 1, wide = variant == 2; /* wide: x strided over 2^30 elements */
         int64_t p1sz[2] = {4, 10}, p1st[2] = {10, 1}, vsz[2] = {2, 20}, vst[2] = {20, 1}, p2sz[2] = {2, 21}, p2st[2] = {21, 1};
         af_tensor_meta p1m = f32(2), vm = f32(2), p2m = f32(2);
         p1m.sizes = p1sz, p1m.strides = p1st, vm.sizes = vsz, vm.strides = vst, p2m.sizes = p2sz, p2m.strides = p2st;
@@ -295,6 +296,8 @@ static void test_a_window_computes_a_source_read_through_views(void **state) {
         int32_t x, h, p1, v, p2, q;
         assert_int_equal(af_graph_new(&g), AF_OK);
         af_tensor_meta xm = f32(2);
+        int64_t wide_strides[2] = {INT64_C(1) << 30, 1};
+        if (wide) xm.strides = wide_strides;
         assert_int_equal(af_graph_add_input(g, "x", &xm, &x), AF_OK);
         h = node(g, "aten::exp.default", x, -1, 2); /* n0 */
         af_arg pad1[2] = {{.kind = AF_ARG_INT, .u.i = 0}, {.kind = AF_ARG_INT, .u.i = 2}};
@@ -337,12 +340,21 @@ static void test_a_window_computes_a_source_read_through_views(void **state) {
         assert_int_equal(grp->outputs[0], q);
         char *src = NULL;
         assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
-        /* the view's element at storage offset f of the inner pad: its coordinates (f / 10, f % 10) */
-        assert_non_null(strstr(src, "const int64_t f4 = (int64_t)0 + s4_0 * 20 + s4_1 * 1;"));
-        assert_non_null(strstr(src, "const int64_t u4_0 = f4 / 10;"));
-        assert_non_null(strstr(src, "const int64_t u4_1 = f4 / 1 % 10;"));
+        /* the view's element at storage offset f of the inner pad: its coordinates (f / 10, f % 10),
+         * in 32-bit math unless a tensor spans 2^30 elements */
+        if (wide) {
+            assert_non_null(strstr(src, "const int64_t f4 = (int64_t)0 + s4_0 * 20 + s4_1 * 1;"));
+            assert_non_null(strstr(src, "q0[(int64_t)0 + s2_0 * 1073741824 + s2_1 * 1]"));
+            free(src);
+            af_fuse_plan_free(plan);
+            af_graph_free(g);
+            continue;
+        }
+        assert_non_null(strstr(src, "const int f4 = (int)0 + s4_0 * 20 + s4_1 * 1;"));
+        assert_non_null(strstr(src, "const int u4_0 = f4 / 10;"));
+        assert_non_null(strstr(src, "const int u4_1 = f4 / 1 % 10;"));
         assert_non_null(strstr(src, "(1 && u4_1 >= 0 && u4_1 < 8)"));
-        assert_non_null(strstr(src, "q0[(int64_t)0 + s2_0 * 8 + s2_1 * 1]"));
+        assert_non_null(strstr(src, "q0[(int)0 + s2_0 * 8 + s2_1 * 1]"));
         free(src);
         af_fuse_plan_free(plan);
         af_graph_free(g);
