@@ -276,6 +276,41 @@ static void frame_offset(char *out, size_t cap, const af_frame *f, const af_tens
     }
 }
 
+/* Coordinate (f / X) % N of x's element at storage offset f = c0 + sum(s[d] * m's strides[d]) from
+ * x's start, each s[d] in [0, size[d]) (every coordinate of a source lies inside it), x dense
+ * (f / X < N always holds for its outermost dim). Simplified where the terms allow, so that a view
+ * that only splits or merges dims costs no division: a term whose stride is a multiple of X * N adds
+ * nothing (nor does c0's multiple of it); one whose stride is a multiple of X adds s * (stride / X);
+ * the others, with what is left of c0, are divided by X only where they can reach X; the % N is
+ * dropped where the quotient stays below N. Into out: a C expression of type it. */
+static void emit_unravel(char *out, size_t cap, const af_frame *S, const int64_t *size, const af_tensor_meta *m, int64_t c0,
+                         int64_t X, int64_t N, const char *it) {
+    int64_t XN = X * N, rem_max, q_max = 0;
+    c0 %= XN;
+    rem_max = c0;
+    for (int32_t d = 0; d < m->ndim; d++)
+        if (size[d] > 1 && m->strides[d] % XN && m->strides[d] % X) rem_max += (size[d] - 1) * m->strides[d];
+    size_t n = (size_t)snprintf(out, cap, "(%s)0", it);
+    for (int32_t d = 0; d < m->ndim && n < cap; d++) /* the strides that step x's coordinate by whole units */
+        if (size[d] > 1 && m->strides[d] % XN && m->strides[d] % X == 0) {
+            n += (size_t)snprintf(out + n, cap - n, " + %s * %" PRId64, S->c[d], m->strides[d] / X);
+            q_max += (size[d] - 1) * (m->strides[d] / X);
+        }
+    if (rem_max >= X && n < cap) { /* the rest, divided */
+        n += (size_t)snprintf(out + n, cap - n, " + ((%s)%" PRId64, it, c0);
+        for (int32_t d = 0; d < m->ndim && n < cap; d++)
+            if (size[d] > 1 && m->strides[d] % XN && m->strides[d] % X)
+                n += (size_t)snprintf(out + n, cap - n, " + %s * %" PRId64, S->c[d], m->strides[d]);
+        if (n < cap) n += (size_t)snprintf(out + n, cap - n, ") / %" PRId64, X);
+        q_max += rem_max / X;
+    }
+    if (q_max >= N && n + 32 < cap) { /* wrap: (expr) % N */
+        memmove(out + 1, out, n + 1);
+        out[0] = '(';
+        snprintf(out + n + 1, cap - n - 1, ") %% %" PRId64, N);
+    }
+}
+
 /* The frames' integer type: `int` where every tensor a member touches spans fewer than 2^30
  * elements (every coordinate and offset then fits), else int64_t. */
 static const char *frame_index_type(const af_graph *g, const af_fusion_group *grp) {
@@ -345,9 +380,6 @@ static void emit_explicit_window(af_strbuf *sb, const af_graph *g, const af_fusi
             while ((sm = frame_member(g, grp, grp->nodes[member], value)) >= 0 && is_view(af_graph_node(g, grp->nodes[sm])))
                 value = af_graph_node(g, grp->nodes[sm])->args[0].u.value;
             const af_tensor_meta *xm = &af_graph_value(g, value)->meta;
-            frame_offset(off, sizeof off, &S, &src->meta, src->meta.storage_offset - xm->storage_offset, it);
-            af_strbuf_printf(sb, "%sconst %s f%d = %s;\n", inner, it, vw, off);
-            int64_t numel = af_tensor_meta_numel(xm);
             F.ndim = xm->ndim;
             for (int32_t d = 0; d < F.ndim; d++) {
                 if (xm->sizes[d] == 1) {
@@ -355,9 +387,9 @@ static void emit_explicit_window(af_strbuf *sb, const af_graph *g, const af_fusi
                     continue;
                 }
                 snprintf(F.c[d], sizeof F.c[d], "u%d_%d", vw, (int)d);
-                af_strbuf_printf(sb, "%sconst %s u%d_%d = f%d / %" PRId64, inner, it, vw, (int)d, vw, xm->strides[d]);
-                if (xm->strides[d] * xm->sizes[d] != numel) af_strbuf_printf(sb, " %% %" PRId64, xm->sizes[d]); /* the outermost needs none */
-                af_strbuf_printf(sb, ";\n");
+                emit_unravel(off, sizeof off, &S, w.size, &src->meta, src->meta.storage_offset - xm->storage_offset,
+                             xm->strides[d], xm->sizes[d], it);
+                af_strbuf_printf(sb, "%sconst %s u%d_%d = %s;\n", inner, it, vw, (int)d, off);
             }
         } else {
             F = S;

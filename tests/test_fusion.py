@@ -862,6 +862,35 @@ def test_pads_that_crop_inside_are_not_composed():
     assert [op for op, _k, _g in lowered.program.node_groups()].count("aten::constant_pad_nd.default") == 2
 
 
+# shapes and pads GCC 12 vectorized wrongly (a guarded load if-converted into an AVX-512 masked load
+# lost elements) before kernels with windows kept their guarded loads as branches
+_MISCOMPILED_PADS = [((6, 4), [2, 2, 2, 1]), ((6, 5), [0, 2, 1, 1]), ((5, 6), [0, 2, 1, 3]), ((6, 4), [2, 2, 1, 3]),
+                     ((5, 6), [2, 0, 1, 3]), ((5, 3), [3, 3, 2, 1]), ((3, 4), [2, 0, 2, 2]), ((16, 2), [0, 0, 1, 3]),
+                     ((8, 2), [0, 0, 2, 1])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_pads_of_many_small_shapes_match_eager_exactly(dtype, monkeypatch):
+    """Pads of small values (fully unrolled and vectorized by the C compiler): the shapes GCC 12
+    once miscompiled, and 40 random ones, in one program (one compile), each its own kernel."""
+    monkeypatch.setenv("AOTFUSE_WINDOW_SOURCES", "0")  # the pad alone in its kernel, as it was miscompiled
+    rng = random.Random(3)
+    cases = list(_MISCOMPILED_PADS)
+    for _ in range(40):
+        shape = tuple(rng.choice([1, 2, 3, 4, 5, 6, 8, 16]) for _ in range(rng.randint(1, 3)))
+        cases.append((shape, [rng.randint(0, 3) for _ in range(2 * len(shape))]))
+    gen = torch.Generator().manual_seed(8)
+    args = [torch.randn(*shape, generator=gen).to(dtype) for shape, _ in cases]
+
+    def f(*xs):
+        return tuple(aten.constant_pad_nd.default(aten.mul.Tensor(x, 2.0), pads, 0.0) for x, (_s, pads) in zip(xs, cases))
+
+    lowered = lower(make_fx(f, tracing_mode="fake")(*args))
+    assert lowered.program.num_kernels == 2 * len(cases)
+    for i, (got, ref) in enumerate(zip(lowered(list(args)), f(*args))):
+        assert_close(got, ref, f"pad of {cases[i][0]} by {cases[i][1]} ({dtype})", atol=0, rtol=0)
+
+
 def test_fills_are_kernel_members_that_read_no_tensor(monkeypatch):
     """zeros_like / ones_like / full_like / new_zeros / new_ones / new_full of a contiguous result are
     aten.full, a pointwise member without a tensor read: Longformer's zeros assigned into a slice
@@ -920,11 +949,12 @@ def random_window_graph(seed: int):
     """A seeded random window graph and its inputs: a pad (sides from -2 to 3, size-1 dims included)
     or a slice assignment (any start and end, negative ones too) of a pointwise value only the window
     reads (computed in the window's kernel, at the source's index: shifted members), then pointwise
-    ops in the window's shape."""
+    ops in the window's shape. bf16 for every third seed."""
     rng = random.Random(seed)
     nd = rng.randint(1, 4)
     shape = [rng.choice([1, 2, 3, 5, 7]) for _ in range(nd)]
-    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    dtype = torch.bfloat16 if seed % 3 == 1 else torch.float32
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
     if rng.random() < 0.5:
         pads = []
         for d in range(nd):
@@ -945,7 +975,7 @@ def random_window_graph(seed: int):
     hi = n if end is None else min(max(end + n if end < 0 else end, 0), n)
     src_shape = list(shape)
     src_shape[dim] = max(hi - lo, 0)
-    s = torch.randn(*src_shape, generator=torch.Generator().manual_seed(seed + 1))
+    s = torch.randn(*src_shape, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
 
     def f(x, s):
         base = aten.mul.Tensor(x, 3.0)

@@ -227,6 +227,8 @@ static void test_windows(void **state) {
     /* the window: guarded by the coordinate operand (after x's inputs and outputs), shifted by 2 */
     assert_non_null(strstr(src, ">= 2 && "));
     assert_non_null(strstr(src, "< 10) ? q0[o0 - (2)] : ((float)-1)"));
+    /* no if-converted (masked) loads in a kernel with windows: GCC 12 lost elements in them */
+    assert_non_null(strstr(src, "AF_GUARDED_LOADS void af_kernel_"));
     free(src);
     af_fuse_plan_free(plan);
     af_graph_free(g);
@@ -340,19 +342,19 @@ static void test_a_window_computes_a_source_read_through_views(void **state) {
         assert_int_equal(grp->outputs[0], q);
         char *src = NULL;
         assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
-        /* the view's element at storage offset f of the inner pad: its coordinates (f / 10, f % 10),
-         * in 32-bit math unless a tensor spans 2^30 elements */
+        /* the view's element at storage offset f = 20 s0 + s1 of the inner pad: its coordinates
+         * (f / 10, f % 10) = (2 s0 + s1 / 10, s1 % 10), in 32-bit math unless a tensor spans 2^30
+         * elements */
         if (wide) {
-            assert_non_null(strstr(src, "const int64_t f4 = (int64_t)0 + s4_0 * 20 + s4_1 * 1;"));
+            assert_non_null(strstr(src, "const int64_t u4_0 = (int64_t)0 + s4_0 * 2 + ((int64_t)0 + s4_1 * 1) / 10;"));
             assert_non_null(strstr(src, "q0[(int64_t)0 + s2_0 * 1073741824 + s2_1 * 1]"));
             free(src);
             af_fuse_plan_free(plan);
             af_graph_free(g);
             continue;
         }
-        assert_non_null(strstr(src, "const int f4 = (int)0 + s4_0 * 20 + s4_1 * 1;"));
-        assert_non_null(strstr(src, "const int u4_0 = f4 / 10;"));
-        assert_non_null(strstr(src, "const int u4_1 = f4 / 1 % 10;"));
+        assert_non_null(strstr(src, "const int u4_0 = (int)0 + s4_0 * 2 + ((int)0 + s4_1 * 1) / 10;"));
+        assert_non_null(strstr(src, "const int u4_1 = ((int)0 + s4_1 * 1) % 10;"));
         assert_non_null(strstr(src, "(1 && u4_1 >= 0 && u4_1 < 8)"));
         assert_non_null(strstr(src, "q0[(int)0 + s2_0 * 8 + s2_1 * 1]"));
         free(src);
