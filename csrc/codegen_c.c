@@ -21,8 +21,8 @@ static const char *const prelude =
      * of two: faster and slightly more accurate); member expressions stay unfused (-ffp-contract=off) */
     /* GCC 12's loop vectorizer, if-converting a window's guarded load into an AVX-512 masked
      * load, can lose elements: a bf16 pad of a [6, 4] value by [2, 2, 2, 1] read its rows 2 and 3
-     * as zeros (31 of 300 random small bf16 pads wrong, 2 of 300 fp32). Kernels with windows keep
-     * their guarded loads as branches (tests/test_fusion.py, test_pads_of_many_small_shapes_...). */
+     * as zeros (31 of 300 random small bf16 pads wrong, 2 of 300 fp32). Kernels that load a window's
+     * source keep their guarded loads as branches (tests/test_fusion.py, test_pads_of_many_small_shapes_...). */
     "#if defined(__GNUC__) && !defined(__clang__)\n"
     "#define AF_GUARDED_LOADS __attribute__((optimize(\"no-tree-loop-if-convert\")))\n"
     "#else\n"
@@ -304,7 +304,7 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
 
     af_strbuf_printf(sb, "\n/* group %d: %d nodes, %d inputs, %d outputs, %" PRId64 " elements */\n", (int)index,
                      (int)grp->n_nodes, (int)grp->n_inputs, (int)grp->n_outputs, numel);
-    af_strbuf_printf(sb, "%svoid af_kernel_%d(char *const *p) {\n", af_cg_has_window(g, grp) ? "AF_GUARDED_LOADS " : "", (int)index);
+    af_strbuf_printf(sb, "%svoid af_kernel_%d(char *const *p) {\n", af_cg_has_guarded_load(g, grp) ? "AF_GUARDED_LOADS " : "", (int)index);
     af_strbuf_printf(sb, "  typedef %s af_idx; /* index math: 32-bit where every offset fits */\n", af_cg_narrow_index(&sp) ? "int32_t" : "int64_t");
     af_cg_emit_pointers(sb, grp, ops);
     if (numel == 0) {

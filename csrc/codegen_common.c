@@ -123,6 +123,13 @@ static uint32_t coord_dims(const af_graph *g, const af_fusion_group *grp) {
     return mask;
 }
 
+int af_cg_has_guarded_load(const af_graph *g, const af_fusion_group *grp) {
+    af_window w;
+    for (int32_t m = 0; m < grp->n_nodes; m++)
+        if (af_fuse_window(g, grp->nodes[m], &w) && w.source >= 0) return 1;
+    return 0;
+}
+
 int af_cg_has_window(const af_graph *g, const af_fusion_group *grp) {
     for (int32_t m = 0; m < grp->n_nodes; m++)
         if (af_fuse_window(g, grp->nodes[m], NULL)) return 1;
