@@ -295,27 +295,24 @@ static void emit_unravel(char *out, size_t cap, const af_frame *S, const int64_t
     int64_t XN = X * N, rem_max, q_max = 0;
     c0 %= XN;
     rem_max = c0;
-    for (int32_t d = 0; d < m->ndim; d++)
-        if (size[d] > 1 && m->strides[d] % XN && m->strides[d] % X) rem_max += (size[d] - 1) * m->strides[d];
-    size_t n = (size_t)snprintf(out, cap, "(%s)0", it);
+    for (int32_t d = 0; d < m->ndim; d++) {
+        if (size[d] <= 1 || m->strides[d] % XN == 0) continue; /* (stride 0 included) */
+        if (m->strides[d] % X) rem_max += (size[d] - 1) * m->strides[d];
+        else q_max += (size[d] - 1) * (m->strides[d] / X);
+    }
+    if (rem_max >= X) q_max += rem_max / X;
+    size_t n = (size_t)snprintf(out, cap, "%s(%s)0", q_max >= N ? "(" : "", it);
     for (int32_t d = 0; d < m->ndim && n < cap; d++) /* the strides that step x's coordinate by whole units */
-        if (size[d] > 1 && m->strides[d] % XN && m->strides[d] % X == 0) {
+        if (size[d] > 1 && m->strides[d] % XN && m->strides[d] % X == 0)
             n += (size_t)snprintf(out + n, cap - n, " + %s * %" PRId64, S->c[d], m->strides[d] / X);
-            q_max += (size[d] - 1) * (m->strides[d] / X);
-        }
     if (rem_max >= X && n < cap) { /* the rest, divided */
         n += (size_t)snprintf(out + n, cap - n, " + ((%s)%" PRId64, it, c0);
         for (int32_t d = 0; d < m->ndim && n < cap; d++)
             if (size[d] > 1 && m->strides[d] % XN && m->strides[d] % X)
                 n += (size_t)snprintf(out + n, cap - n, " + %s * %" PRId64, S->c[d], m->strides[d]);
         if (n < cap) n += (size_t)snprintf(out + n, cap - n, ") / %" PRId64, X);
-        q_max += rem_max / X;
     }
-    if (q_max >= N && n + 32 < cap) { /* wrap: (expr) % N */
-        memmove(out + 1, out, n + 1);
-        out[0] = '(';
-        snprintf(out + n + 1, cap - n - 1, ") %% %" PRId64, N);
-    }
+    if (q_max >= N && n < cap) snprintf(out + n, cap - n, ") %% %" PRId64, N);
 }
 
 /* The frames' integer type: `int` where every tensor a member touches spans fewer than 2^30
@@ -360,7 +357,7 @@ static void emit_explicit_window(af_strbuf *sb, const af_graph *g, const af_fusi
     af_fuse_window(g, grp->nodes[member], &w);
     int vw = (int)n->first_output;
     af_arg fill = {.kind = AF_ARG_FLOAT, .u.f = w.value};
-    char inner[72], off[1024];
+    char inner[72], off[4096]; /* 16 dims of 31-character coordinates and 20-digit strides fit twice over */
     snprintf(inner, sizeof inner, "%s  ", indent);
     af_strbuf_printf(sb, "%sfloat v%d;\n%sif ((1", indent, vw, indent);
     for (int32_t d = 0; d < P->ndim; d++)
@@ -425,7 +422,7 @@ static void emit_explicit_window(af_strbuf *sb, const af_graph *g, const af_fusi
  * loaded at f's coordinates, then the members in order (views are only index arithmetic). */
 static void emit_frame(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops, int32_t window,
                        const af_frame *f, const char *it, const char *indent) {
-    char ptr[16], off[1024];
+    char ptr[16], off[4096];
     for (int32_t k = 0; k < grp->n_inputs; k++) {
         int reads = 0;
         for (int32_t m = 0; m < grp->n_nodes && !reads; m++) {
