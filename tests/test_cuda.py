@@ -305,6 +305,28 @@ def test_window_members_and_fills_match_aten_on_cuda(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_windows_read_through_views_on_cuda(dtype):
+    """Nested windows and remapped members (Longformer's pad, view, pad, view, crop) in one CUDA
+    kernel, and random chains of windows and views: ATen's values to the bit."""
+    from test_fusion import pads_through_views, pads_through_views_inputs, random_remapped_window_graph
+
+    args = [t.cuda() for t in pads_through_views_inputs(dtype)]
+    lowered = _lowered(pads_through_views, args)
+    assert lowered.program.num_kernels == 1, str(lowered.program)
+    ((got,), (ref,)) = lowered(list(args)), pads_through_views(*args)
+    assert got.is_cuda
+    assert_close(got, ref, f"pads through views ({dtype})", atol=0, rtol=0)
+    for seed in range(0 if dtype == torch.float32 else 1, 24, 2):
+        f, cpu_args, what = random_remapped_window_graph(seed)
+        args = [a.cuda() for a in cpu_args]
+        lowered = _lowered(f, args)
+        ((got,), (ref,)) = lowered(list(args)), f(*args)
+        assert lowered.program.num_kernels == 1, what
+        assert_close(got, ref, what, atol=0, rtol=0)
+        assert lowered.program.kernel_fallbacks == 0, what
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_copies_of_views_computed_from_their_sources_on_cuda(dtype):
     """Longformer's chunked projection and a transposed copy (tests/test_fusion.py): computed from
     their sources through as_strided views (csrc/sink.c) in CUDA kernels, the values ATen's."""
