@@ -316,7 +316,7 @@ def test_windows_read_through_views_on_cuda(dtype):
     ((got,), (ref,)) = lowered(list(args)), pads_through_views(*args)
     assert got.is_cuda
     assert_close(got, ref, f"pads through views ({dtype})", atol=0, rtol=0)
-    for seed in range(0 if dtype == torch.float32 else 1, 24, 2):
+    for seed in range(0 if dtype == torch.float32 else 1, 12, 2):  # six graphs a dtype: a few NVRTC compiles
         f, cpu_args, what = random_remapped_window_graph(seed)
         args = [a.cuda() for a in cpu_args]
         lowered = _lowered(f, args)
