@@ -959,7 +959,10 @@ def random_window_graph(seed: int):
         pads = []
         for d in range(nd):
             lo, hi = rng.randint(-2, 3), rng.randint(-2, 3)
-            lo, hi = max(lo, -shape[d] + 1), max(hi, -shape[d] + 1 - lo)  # keep every dim at least 1 long
+            lo = max(lo, -shape[d] + 1)
+            # every dim at least 1 long, and ATen's crop before the pad (by the negative sides) not
+            # longer than the dim (it refuses `pad(x[1], [3, -2])`)
+            hi = max(hi, -shape[d] + 1 - lo, -(shape[d] + min(lo, 0)))
             pads = [lo, hi] + pads
         value = rng.choice([0.0, 1.5, float("-inf")])
 
