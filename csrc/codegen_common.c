@@ -178,8 +178,10 @@ static int shifted_reads(const af_graph *g, const af_fusion_group *grp, int32_t 
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         if (!shifted(grp, m) || (window >= 0 && grp->window_of[m] != window)) continue;
         const af_node *n = af_graph_node(g, grp->nodes[m]);
+        af_window w; /* a nested window reads its source in its own frame, not this one */
+        int32_t source_arg = af_fuse_window(g, grp->nodes[m], &w) ? w.source_arg : -1;
         for (int32_t a = 0; a < n->n_args; a++)
-            if (n->args[a].kind == AF_ARG_VALUE && n->args[a].u.value == grp->inputs[k]) return 1;
+            if (a != source_arg && n->args[a].kind == AF_ARG_VALUE && n->args[a].u.value == grp->inputs[k]) return 1;
     }
     return 0;
 }
@@ -424,16 +426,7 @@ static void emit_frame(af_strbuf *sb, const af_graph *g, const af_fusion_group *
                        const af_frame *f, const char *it, const char *indent) {
     char ptr[16], off[4096];
     for (int32_t k = 0; k < grp->n_inputs; k++) {
-        int reads = 0;
-        for (int32_t m = 0; m < grp->n_nodes && !reads; m++) {
-            if (!shifted(grp, m) || grp->window_of[m] != window) continue;
-            const af_node *n = af_graph_node(g, grp->nodes[m]);
-            af_window w;
-            int32_t source_arg = af_fuse_window(g, grp->nodes[m], &w) ? w.source_arg : -1;
-            for (int32_t a = 0; a < n->n_args; a++)
-                reads |= a != source_arg && n->args[a].kind == AF_ARG_VALUE && n->args[a].u.value == grp->inputs[k];
-        }
-        if (!reads) continue;
+        if (!shifted_reads(g, grp, window, k)) continue;
         snprintf(ptr, sizeof ptr, "q%d", (int)k);
         frame_offset(off, sizeof off, f, &af_graph_value(g, grp->inputs[k])->meta, 0, it);
         af_strbuf_printf(sb, "%sconst float v%d = ", indent, (int)grp->inputs[k]);

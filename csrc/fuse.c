@@ -435,23 +435,6 @@ static int absorbable(const af_graph *g, int32_t i, const af_window *w, int32_t 
 /* The longest chain of views a window reads its source through (view_chain). */
 #define AF_REMAP_MAX 8
 
-/* Whether x's elements lie densely in its storage (strides a permutation of a contiguous
- * layout's): then the element at storage offset f has coordinates (f / stride[d]) % size[d]. */
-static int dense_layout(const af_tensor_meta *m) {
-    int64_t expect = 1;
-    uint32_t done = 0;
-    for (int32_t k = 0; k < m->ndim; k++) { /* the dims of size > 1, by increasing stride */
-        int32_t best = -1;
-        for (int32_t d = 0; d < m->ndim; d++)
-            if (m->sizes[d] > 1 && !((done >> d) & 1u) && (best < 0 || m->strides[d] < m->strides[best])) best = d;
-        if (best < 0) break;
-        if (m->strides[best] != expect) return 0;
-        expect *= m->sizes[best];
-        done |= 1u << best;
-    }
-    return 1;
-}
-
 /* A window's source v read through views: v made from x by a chain of view nodes (each one
  * tensor in and out, same dtype and device), every value of it and x itself read once (by the
  * next link, the window at the end) and not returned, x dense and made by a node, and every link
@@ -484,7 +467,7 @@ static int32_t view_chain(const af_graph *g, int32_t v, const int32_t *n_reads, 
         if (vm->sizes[d] == 0 || vm->strides[d] < 0) return -1;
         last += (vm->sizes[d] - 1) * vm->strides[d];
     }
-    if (*n_chain == 0 || !dense_layout(xm) || vm->storage_offset < xm->storage_offset ||
+    if (*n_chain == 0 || !af_tensor_meta_dense(xm) || vm->storage_offset < xm->storage_offset ||
         last - xm->storage_offset >= af_tensor_meta_numel(xm) || !af_views_as_declared(g, v0, v))
         return -1;
     return v;

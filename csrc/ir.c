@@ -154,6 +154,23 @@ int64_t af_tensor_meta_numel(const af_tensor_meta *m) {
     return n;
 }
 
+int af_tensor_meta_dense(const af_tensor_meta *m) {
+    if (!m || m->type != AF_VALUE_TENSOR) return 0;
+    int64_t numel = 1, block = 1;
+    for (int32_t d = 0; d < m->ndim; d++) {
+        if (m->sizes[d] <= 0 || (m->sizes[d] > 1 && m->strides[d] <= 0)) return 0;
+        numel *= m->sizes[d];
+    }
+    for (int32_t k = 0; k < m->ndim; k++) { /* the dims longer than 1, smallest stride first */
+        int32_t found = -1;
+        for (int32_t d = 0; d < m->ndim && found < 0; d++)
+            if (m->sizes[d] > 1 && m->strides[d] == block) found = d;
+        if (found < 0) break;
+        block *= m->sizes[found];
+    }
+    return block == numel;
+}
+
 int32_t af_graph_view_root(const af_graph *g, int32_t v) {
     for (;;) {
         const af_value *val = af_graph_value(g, v);

@@ -367,28 +367,9 @@ static int plan_views(af_program *p) {
     return AF_OK;
 }
 
-/* Bytes of a dense tensor (numel * itemsize: its elements fill their span, none shared), or -1
- * when meta is not one, or has no elements. */
+/* Bytes of a dense tensor (af_tensor_meta_dense), or -1 when meta is not one, or has no elements. */
 static int64_t dense_bytes(const af_tensor_meta *m) {
-    if (m->type != AF_VALUE_TENSOR) return -1;
-    int64_t numel = 1, span = 1;
-    for (int32_t d = 0; d < m->ndim; d++) {
-        if (m->sizes[d] <= 0 || (m->sizes[d] > 1 && m->strides[d] <= 0)) return -1;
-        numel *= m->sizes[d];
-        if (m->sizes[d] > 1) span += (m->sizes[d] - 1) * m->strides[d];
-    }
-    if (span != numel) return -1;
-    /* equal span and count: dense when no two elements meet, i.e. the strides of the dims longer
-     * than 1, smallest first, are each the product of the sizes inside */
-    int64_t block = 1;
-    for (int32_t k = 0; k < m->ndim; k++) {
-        int32_t found = -1;
-        for (int32_t d = 0; d < m->ndim && found < 0; d++)
-            if (m->sizes[d] > 1 && m->strides[d] == block) found = d;
-        if (found < 0) break;
-        block *= m->sizes[found];
-    }
-    return block == numel ? numel * af_dtype_itemsize(m->dtype) : -1;
+    return af_tensor_meta_dense(m) ? af_tensor_meta_numel(m) * af_dtype_itemsize(m->dtype) : -1;
 }
 
 /* Same dtype, storage offset, sizes and strides (those of dims of size 1 too when `exact`). */

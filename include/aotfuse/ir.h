@@ -142,6 +142,10 @@ int32_t af_graph_output(const af_graph *g, int32_t index); /* value id of the in
 
 /* Elements of a tensor (the product of its sizes; 1 for a 0-dim tensor). */
 int64_t af_tensor_meta_numel(const af_tensor_meta *meta);
+/* Whether meta is a tensor with elements that fill their span, none shared (its strides, of the
+ * dims longer than 1 taken smallest first, each the product of the sizes inside): then the
+ * element at offset f from its start has coordinates (f / stride[d]) % size[d]. 0 with no elements. */
+int af_tensor_meta_dense(const af_tensor_meta *meta);
 
 /* The value v's views come from, up the chain of view nodes (their first argument): v itself
  * when no view made it. */
