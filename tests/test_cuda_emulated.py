@@ -273,3 +273,21 @@ def test_random_view_reads_match_eager(seed):
     (copies, reads, split readers): every group's values eager's."""
     f, args, what = random_view_read_graph(seed)
     assert cuda_emu.check(make_fx(f, tracing_mode="fake")(*args), args, what), what
+
+
+@pytest.mark.parametrize("seed", range(0, 40, 3))
+def test_overlapping_scatters_as_sums_of_windows_match_eager(seed):
+    """index_add of a gradient at an overlapping as_strided index, rewritten into a sum of windows
+    (aotfuse.overlap), as one CUDA kernel: eager's values."""
+    from aotfuse.overlap import rewrite_overlap_sums
+    from test_overlap import _scatter, random_overlap_geometry
+
+    sizes, strides, offset, n, _overlap, margin = random_overlap_geometry(seed)
+    f = _scatter(n, sizes, strides, offset)
+    g = torch.randn(sizes, generator=torch.Generator().manual_seed(seed))
+    gm = make_fx(f, tracing_mode="fake")(g)
+    what = f"seed {seed}: sizes {sizes} strides {strides} offset {offset} into {n}"
+    rewritten = rewrite_overlap_sums(gm)
+    assert rewritten == (seed % 5 != 4), what
+    ran = cuda_emu.check(gm, (g,), what)
+    assert (len(ran) == 1 or (margin and ran)) if rewritten else not ran, (what, ran)  # else ATen's index_add

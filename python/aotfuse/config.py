@@ -68,6 +68,10 @@ def window_sources() -> bool:
     return os.environ.get("AOTFUSE_WINDOW_SOURCES", "1") not in ("", "0")
 
 
+def overlap_sums() -> bool:
+    return os.environ.get("AOTFUSE_OVERLAP_SUMS", "1") not in ("", "0")
+
+
 def fallback_random() -> bool:
     return os.environ.get("AOTFUSE_FALLBACK_RANDOM", "0") not in ("", "0")
 

@@ -867,9 +867,11 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
     """Lowers an ATen-level FX graph (as AOTAutograd produces) into a C program. `saved_from`: a
     forward's outputs from that position on are saved for its backward, never written (they may
     be constants, constfold.fold)."""
+    from .overlap import rewrite_overlap_sums
     from .rng import share_seeds
 
     share_seeds(gm)  # an inference graph's dropouts (a training graph's were shared in its joint graph)
+    rewrite_overlap_sums(gm)  # before folding, which would make the scatters' indices opaque constants
     gm = constfold.fold(gm, saved_from)
     b = build_graph(gm)
     fuse = config.fusion()
