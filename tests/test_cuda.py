@@ -327,6 +327,34 @@ def test_windows_read_through_views_on_cuda(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_overlapping_scatters_as_sums_of_windows_on_cuda(dtype):
+    """The gradient of overlapping chunks (index_add at an as_strided index) as one CUDA kernel of
+    windows (aotfuse.overlap): ATen's values to the bit where two chunks overlap, and no index_add."""
+    from test_overlap import _chunked, _scatter, random_overlap_geometry
+
+    x = torch.randn(2, 16, 3, dtype=dtype, device="cuda", requires_grad=True)
+    y = torch.randn(2, 7, 4, 3, dtype=dtype, device="cuda")
+    compiled = aotfuse.memory_efficient_fusion(lambda x, y: _chunked(x, 4, y))
+    compiled(x, y).backward()
+    got, x.grad = x.grad.clone(), None
+    _chunked(x, 4, y).backward()
+    assert_close(got, x.grad, f"x.grad ({dtype})", atol=0, rtol=0)
+    (record,) = compiled.records
+    assert "aten::index_add.default" not in record.programs["backward"].extern_counts()
+    for seed in (0, 3, 6, 8):  # geometries that tile (every fifth seed's does not)
+        sizes, strides, offset, n, overlap, _margin = random_overlap_geometry(seed)
+        f = _scatter(n, sizes, strides, offset)
+        g = torch.randn(sizes, device="cuda").to(dtype)
+        lowered = _lowered(f, [g])
+        (got,), ref = lowered([g]), f(g)
+        assert "aten::index_add.default" not in lowered.extern_counts(), seed
+        if overlap <= 2:
+            assert_close(got, ref, f"seed {seed}", atol=0, rtol=0)
+        else:
+            assert_close(got, ref, f"seed {seed}", atol=1e-2 if dtype == torch.bfloat16 else 1e-5, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_copies_of_views_computed_from_their_sources_on_cuda(dtype):
     """Longformer's chunked projection and a transposed copy (tests/test_fusion.py): computed from
     their sources through as_strided views (csrc/sink.c) in CUDA kernels, the values ATen's."""

@@ -36,8 +36,8 @@ def test_overlap_plan_takes_tilings_only():
 
 def _scatter(n, sizes, strides, offset):
     def f(g):
-        index = torch.arange(n).as_strided(sizes, strides, offset).reshape(-1)
-        return torch.zeros(n, dtype=g.dtype).index_add(0, index, g.reshape(-1))
+        index = torch.arange(n, device=g.device).as_strided(sizes, strides, offset).reshape(-1)
+        return torch.zeros(n, dtype=g.dtype, device=g.device).index_add(0, index, g.reshape(-1))
     return f
 
 
