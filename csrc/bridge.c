@@ -989,9 +989,9 @@ int af_bridge_can_reinterpret(void) {
     return py.reinterpret != NULL;
 }
 
-int af_bridge_reinterpret(af_obj *base, const af_tensor_meta *m, int64_t offset_delta, af_obj **out) {
-    if (!af_bridge_can_reinterpret()) return af_error_set(AF_ERR_BRIDGE, "torch has no _reinterpret_tensor");
-    PyObject *sizes = PyTuple_New(m->ndim), *strides = PyTuple_New(m->ndim), *r = NULL;
+/* (sizes, strides, offset) of m as Python objects, for _reinterpret_tensor; NULL with an error set. */
+static PyObject *reinterpret_args(const af_tensor_meta *m, int64_t offset_delta) {
+    PyObject *sizes = PyTuple_New(m->ndim), *strides = PyTuple_New(m->ndim), *offset = PyLong_FromLongLong(offset_delta);
     for (int32_t d = 0; sizes && strides && d < m->ndim; d++) {
         PyObject *a = PyLong_FromLongLong(m->sizes[d]), *b = PyLong_FromLongLong(m->strides[d]);
         if (!a || !b) {
@@ -1003,12 +1003,34 @@ int af_bridge_reinterpret(af_obj *base, const af_tensor_meta *m, int64_t offset_
         PyTuple_SET_ITEM(sizes, d, a);
         PyTuple_SET_ITEM(strides, d, b);
     }
-    if (sizes && strides) r = PyObject_CallFunction(py.reinterpret, "OOOL", (PyObject *)base, sizes, strides, (long long)offset_delta);
+    PyObject *args = sizes && strides && offset ? PyTuple_Pack(3, sizes, strides, offset) : NULL;
     Py_XDECREF(sizes);
     Py_XDECREF(strides);
+    Py_XDECREF(offset);
+    return args;
+}
+
+int af_bridge_reinterpret_cached(af_obj *base, const af_tensor_meta *m, int64_t offset_delta, af_obj **args, af_obj **out) {
+    if (!af_bridge_can_reinterpret()) return af_error_set(AF_ERR_BRIDGE, "torch has no _reinterpret_tensor");
+    if (*args && PyLong_AsLongLong(PyTuple_GET_ITEM((PyObject *)*args, 2)) != offset_delta) { /* another base now */
+        af_obj_release(*args);
+        *args = NULL;
+    }
+    if (!*args && !(*args = (af_obj *)reinterpret_args(m, offset_delta)))
+        return bridge_fail("making a view (torch._C._dynamo.guards._reinterpret_tensor)");
+    PyObject *a = (PyObject *)*args;
+    PyObject *argv[4] = {(PyObject *)base, PyTuple_GET_ITEM(a, 0), PyTuple_GET_ITEM(a, 1), PyTuple_GET_ITEM(a, 2)};
+    PyObject *r = PyObject_Vectorcall(py.reinterpret, argv, 4, NULL);
     if (!r) return bridge_fail("making a view (torch._C._dynamo.guards._reinterpret_tensor)");
     *out = (af_obj *)r;
     return AF_OK;
+}
+
+int af_bridge_reinterpret(af_obj *base, const af_tensor_meta *m, int64_t offset_delta, af_obj **out) {
+    af_obj *args = NULL;
+    int st = af_bridge_reinterpret_cached(base, m, offset_delta, &args, out);
+    af_obj_release(args);
+    return st;
 }
 
 int af_bridge_same_view(af_obj *const *objs, const af_tensor_meta *const *metas) {

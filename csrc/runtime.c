@@ -35,6 +35,7 @@ struct af_program {
     const af_tensor_meta **kernel_metas; /* scratch: operand metas of the widest group */
     af_obj **kernel_objs;   /* scratch */
     af_obj **empty_args;    /* per value: torch.empty_strided's arguments for a kernel output, built once */
+    af_obj **view_args;     /* per value: _reinterpret_tensor's arguments for a view step's value, built once */
     void **kernel_ptrs;     /* scratch */
     void **kernel_params;   /* scratch: CUDA launch arguments (pointers into kernel_ptrs) */
     char *source;
@@ -181,6 +182,9 @@ void af_program_free(af_program *p) {
     if (p->empty_args)
         for (int32_t v = 0; v < af_graph_num_values(p->graph); v++) af_obj_release(p->empty_args[v]);
     free(p->empty_args);
+    if (p->view_args)
+        for (int32_t v = 0; v < af_graph_num_values(p->graph); v++) af_obj_release(p->view_args[v]);
+    free(p->view_args);
     free(p->kernel_ptrs);
     free(p->kernel_params);
     free(p->source);
@@ -540,10 +544,12 @@ int af_program_new(af_graph *g, const af_program_options *opts, af_program **out
     p->externs = calloc((size_t)nn + 1, sizeof *p->externs);
     p->steps = calloc((size_t)nn + 1, sizeof *p->steps);
     p->values = calloc((size_t)nv + 1, sizeof *p->values);
+    p->view_args = calloc((size_t)nv + 1, sizeof *p->view_args);
     p->input_ids = malloc(((size_t)ni + 1) * sizeof *p->input_ids);
     p->input_metas = malloc(((size_t)ni + 1) * sizeof *p->input_metas);
     p->input_names = malloc(((size_t)ni + 1) * sizeof *p->input_names);
-    if (!step_of_node || !p->externs || !p->steps || !p->values || !p->input_ids || !p->input_metas || !p->input_names) {
+    if (!step_of_node || !p->externs || !p->steps || !p->values || !p->view_args || !p->input_ids || !p->input_metas ||
+        !p->input_names) {
         st = af_error_set(AF_ERR_NOMEM, "out of memory allocating a program");
         goto error;
     }
@@ -934,8 +940,8 @@ static int run_view(af_program *p, int32_t i) {
     const af_node *n = af_graph_node(p->graph, i);
     int32_t b = n->args[0].u.value, v = n->first_output, root = p->hold_root ? p->hold_root[b] : b;
     const af_tensor_meta *m = &af_graph_value(p->graph, v)->meta;
-    return af_bridge_reinterpret(p->values[b], m, m->storage_offset - af_graph_value(p->graph, root)->meta.storage_offset,
-                                 &p->values[v]);
+    return af_bridge_reinterpret_cached(p->values[b], m, m->storage_offset - af_graph_value(p->graph, root)->meta.storage_offset,
+                                        &p->view_args[v], &p->values[v]);
 }
 
 static void count_reads(const af_arg *a, int ok, int32_t *readers, int32_t *readers_ok) {

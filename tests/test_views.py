@@ -155,6 +155,27 @@ def test_a_view_read_by_an_aten_view_is_not_held():
     assert prog.node_steps()[:2] == ["view", "aten"], prog.node_steps()
 
 
+def test_a_made_view_follows_its_base_when_the_base_is_held():
+    """view(slice(x)) read by mm: the first run makes the view from the slice (offset 0 from it), later
+    runs hold the slice and make the view from x (offset 6 from it). The view's reinterpretation
+    arguments are built once and built again when that offset changes: every run gives the values."""
+    g = _C.Graph()
+    x = g.add_input("x", ("tensor", "float32", "cpu", -1, (4, 6), (6, 1), 0))
+    y = g.add_input("y", ("tensor", "float32", "cpu", -1, (4, 2), (2, 1), 0))
+    (s,) = g.add_node("aten::slice.Tensor", [("v", x), ("int", 0), ("int", 1), ("int", 3)], [],
+                      [("tensor", "float32", "cpu", -1, (2, 6), (6, 1), 6)])
+    (v,) = g.add_node("aten::view.default", [("v", s), ("list", [("int", 3), ("int", 4)])], [],
+                      [("tensor", "float32", "cpu", -1, (3, 4), (4, 1), 6)])
+    (m,) = g.add_node("aten::mm.default", [("v", v), ("v", y)], [], [("tensor", "float32", "cpu", -1, (3, 2), (2, 1), 0)])
+    g.set_outputs([m])
+    prog = _C.Program(g, fuse=True)
+    for run in range(4):
+        x, y = torch.randn(4, 6), torch.randn(4, 2)
+        (out,) = prog.run([x, y])
+        assert_close(out, x[1:3].reshape(3, 4) @ y, f"mm of a view of a slice, run {run}")
+    assert prog.node_steps()[:2] == ["alias", "view"], prog.node_steps()
+
+
 def test_two_outputs_with_one_root_are_two_tensors():
     def f(x):
         y = aten.mul.Tensor(x, 2.0)

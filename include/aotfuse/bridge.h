@@ -92,6 +92,10 @@ int af_bridge_copy_into(af_obj *dst, af_obj *src);
  * sizes and strides, its storage offset base's plus offset_delta elements. */
 int af_bridge_can_reinterpret(void);
 int af_bridge_reinterpret(af_obj *base, const af_tensor_meta *m, int64_t offset_delta, af_obj **out);
+/* The same, its size, stride and offset arguments built once into *args (NULL the first time, and
+ * built again where offset_delta changed; the caller owns and releases it): a view step made on
+ * every run. */
+int af_bridge_reinterpret_cached(af_obj *base, const af_tensor_meta *m, int64_t offset_delta, af_obj **args, af_obj **out);
 /* Whether objs[1] is the view of objs[0] that metas describe (both layouts as given, and their
  * data pointers apart by the difference of the metas' storage offsets): AF_OK, or
  * AF_BRIDGE_LAYOUT_MISMATCH. */
