@@ -118,6 +118,41 @@ static int box_window(const af_graph *g, const af_node *n, af_window *w) {
     return 1;
 }
 
+/* A copy of a view of a window's value: clone(V(w)), V one to eight view nodes, w the output of a
+ * padding, slice assignment or box. It is a window that pads nothing (source V(w) at the copy's own
+ * index, no guard), so that the window's kernel can compute w itself at the element of w that V's
+ * element is (a remapped source, see view_chain) instead of storing w for a copy kernel. */
+static int copy_window(const af_graph *g, const af_node *n, af_window *w) {
+    if (n->n_args < 1 || n->args[0].kind != AF_ARG_VALUE || n->args[0].name) return 0;
+    for (int32_t a = 1; a < n->n_args; a++)
+        if (!n->args[a].name || strcmp(n->args[a].name, "memory_format") != 0) return 0;
+    const af_tensor_meta *out = &af_graph_value(g, n->first_output)->meta, *in = &af_graph_value(g, n->args[0].u.value)->meta;
+    if (in->type != AF_VALUE_TENSOR || in->dtype != out->dtype || !same_device(in->device, out->device) ||
+        in->ndim != out->ndim || in->ndim < 1)
+        return 0;
+    for (int32_t d = 0; d < in->ndim; d++)
+        if (in->sizes[d] != out->sizes[d]) return 0;
+    int32_t v = n->args[0].u.value, links = 0, p;
+    for (; (p = af_graph_value(g, v)->producer) >= 0 && links <= 8; links++) {
+        const af_node *link = af_graph_node(g, p);
+        if (af_op_get(link->op_id)->kind != AF_KIND_VIEW || link->n_outputs != 1 || link->n_args < 1 ||
+            link->args[0].kind != AF_ARG_VALUE)
+            break;
+        v = link->args[0].u.value;
+    }
+    if (links == 0 || links > 8 || p < 0) return 0;
+    int32_t op = af_graph_node(g, p)->op_id;
+    if ((op != AF_OP_CONSTANT_PAD_ND && op != AF_OP_SLICE_SCATTER && op != AF_OP_BOX_SCATTER && op != AF_OP_BOX_FILL) ||
+        !af_fuse_window(g, p, NULL))
+        return 0;
+    memset(w, 0, sizeof *w);
+    for (int32_t d = 0; d < in->ndim; d++) w->size[d] = in->sizes[d];
+    w->source = n->args[0].u.value;
+    w->source_arg = 0;
+    w->base = -1;
+    return 1;
+}
+
 int af_fuse_window(const af_graph *g, int32_t index, af_window *w) {
     const af_node *n = af_graph_node(g, index);
     if (!n || n->n_outputs != 1) return 0;
@@ -127,6 +162,15 @@ int af_fuse_window(const af_graph *g, int32_t index, af_window *w) {
         af_window sw;
         if (!(n->op_id == AF_OP_SLICE_SCATTER ? scatter_window(g, n, &sw) : box_window(g, n, &sw))) return 0;
         if (w) *w = sw;
+        return 1;
+    }
+    if (n->op_id == AF_OP_CLONE) {
+        const af_tensor_meta *out = &af_graph_value(g, n->first_output)->meta;
+        af_window cw;
+        if (out->type != AF_VALUE_TENSOR || !float_only(out->dtype) || !device_supported(out->device) ||
+            !copy_window(g, n, &cw))
+            return 0;
+        if (w) *w = cw;
         return 1;
     }
     if (n->op_id != AF_OP_CONSTANT_PAD_ND || n->n_args < 2 || n->n_args > 3) return 0;

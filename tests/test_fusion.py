@@ -1108,11 +1108,33 @@ def test_pads_read_through_views_are_one_kernel(remapped, dtype, monkeypatch):
     assert (groups == {0}) == remapped, lowered.program.node_groups()  # the views too are the kernel's
 
 
+def test_a_copy_of_views_of_a_pad_is_one_kernel():
+    """Longformer's chunks before a matmul: clone(permute(view(pad(x * 2)))). The copy is a window that
+    pads nothing (fuse.c, copy_window), which computes the pad at the element its view's element is:
+    one kernel, the pad never stored, eager's values to the bit."""
+    def f(x, w):
+        p = aten.constant_pad_nd.default(aten.mul.Tensor(x, 2.0), [0, 0, 1, 1], 0.0)  # [4, 8, 6]
+        v = aten.permute.default(aten.view.default(p, [4, 2, 4, 6]), [0, 2, 1, 3])
+        c = aten.clone.default(v, memory_format=torch.contiguous_format)
+        return (aten.mm.default(aten.view.default(c, [32, 6]), w),)
+
+    args = (torch.randn(4, 6, 6), torch.randn(6, 3))
+    lowered = lower(make_fx(f, tracing_mode="fake")(*args))
+    assert lowered.program.num_kernels == 1, str(lowered.program)
+    groups = [g for op, _k, g in lowered.program.node_groups() if op in ("aten::constant_pad_nd.default", "aten::clone.default")]
+    assert len(groups) == 2 and groups[0] == groups[1] >= 0, lowered.program.node_groups()
+    for _ in range(2):
+        (got,), (ref,) = lowered(list(args)), f(*args)
+        assert_close(got, ref, "mm of a copy of views of a pad", atol=0, rtol=0)
+    assert lowered.program.kernel_fallbacks == 0
+
+
 def random_remapped_window_graph(seed: int):
     """A seeded random chain of windows read through views: x * 2 padded, then one to three times a
     chain of one to three views of the last window's value (a reshape merging or splitting dims,
     permute, transpose, slice, select, unsqueeze, expand) padded or cropped again (pads from -1 to
-    2 on every dim) or assigned into a slice of another input times 3; then + 1. Every view is a
+    2 on every dim), assigned into a slice of another input times 3, or copied (a clone of views of
+    a window's value is a window that pads nothing); then + 1. Every view is a
     view of its input, so the graph is one kernel: each window evaluates the one before at the
     coordinates its view's element has there. bf16 for every third seed."""
     rng = random.Random(seed)
@@ -1129,6 +1151,8 @@ def random_remapped_window_graph(seed: int):
             return aten.slice_scatter.default(aten.mul.Tensor(base, 3.0), t, st[1], st[2], st[2] + t.shape[st[1]])
         if kind == "view":
             return aten.view.default(t, st[1])
+        if kind == "clone":
+            return aten.clone.default(t, memory_format=torch.contiguous_format)
         if kind == "permute":
             return aten.permute.default(t, st[1])
         if kind == "transpose":
@@ -1197,6 +1221,10 @@ def random_remapped_window_graph(seed: int):
             bases.append(torch.randn(*shape, generator=gen).to(dtype))
             st = ("scatter", d, rng.randint(0, grow), len(bases) - 1)
             t = apply(t, st, bases[-1])
+        elif rng.random() < 0.3 and not any(st[0] == "clone" for st in steps):  # a copy: a window padding nothing
+            # (not a copy of a copy: csrc/sink.c makes that one copy over a finer shape, viewed back)
+            st = ("clone",)
+            t = apply(t, st)
         else:
             st = pad_step(t)
             t = apply(t, st)

@@ -287,6 +287,67 @@ static void test_a_window_computes_a_source_only_it_reads(void **state) {
  * the inner pad, the view and exp(x) before them join the outer pad's kernel (a nested window and
  * remapped members), which computes exp(x) at the element of the inner pad's storage the view's
  * element is; where the view is also returned, the inner pad stays a kernel of its own. */
+/* clone(t(p)), p = pad(exp(x)), read by mm: the copy is a window that pads nothing (af_fuse_window:
+ * its source the transposed view, no guard), so its kernel computes the pad, and exp, at the
+ * element the view's element is: one kernel storing only the copy. A copy of a view of what is no
+ * window (exp's value) stays a plain member; a copy with no view in between too. */
+static void test_a_copy_of_views_of_a_window_computes_the_window(void **state) {
+    (void)state;
+    for (int variant = 0; variant < 3; variant++) { /* 0: pad then t, 1: no pad (t of exp), 2: no view */
+        int64_t psz[2] = {4, 10}, pst[2] = {10, 1}, tsz[2] = {10, 4}, tst[2] = {1, 10}, csz[2] = {10, 4}, cst[2] = {4, 1};
+        af_tensor_meta pm = f32(2), tm = f32(2), cm = f32(2);
+        pm.sizes = psz, pm.strides = pst, tm.sizes = tsz, tm.strides = tst, cm.sizes = csz, cm.strides = cst;
+        if (variant == 1) tsz[1] = S2[0], tsz[0] = S2[1], csz[1] = S2[0], csz[0] = S2[1], tst[1] = S2[1];
+        if (variant == 2) cm = pm;
+        af_graph *g;
+        int32_t x, h, p, t, c, m;
+        assert_int_equal(af_graph_new(&g), AF_OK);
+        af_tensor_meta xm = f32(2);
+        assert_int_equal(af_graph_add_input(g, "x", &xm, &x), AF_OK);
+        h = node(g, "aten::exp.default", x, -1, 2);
+        p = h;
+        if (variant != 1) {
+            af_arg pad[2] = {{.kind = AF_ARG_INT, .u.i = 0}, {.kind = AF_ARG_INT, .u.i = 2}};
+            af_arg pad_args[2] = {{.kind = AF_ARG_VALUE, .u.value = h}, {.kind = AF_ARG_LIST, .u.list = {.n = 2, .items = pad}}};
+            assert_int_equal(af_graph_add_node(g, "aten::constant_pad_nd.default", pad_args, 2, &pm, 1, &p), AF_OK);
+        }
+        t = p;
+        if (variant != 2) {
+            af_arg t_args[1] = {{.kind = AF_ARG_VALUE, .u.value = p}};
+            assert_int_equal(af_graph_add_node(g, "aten::t.default", t_args, 1, &tm, 1, &t), AF_OK);
+        }
+        af_arg clone_args[1] = {{.kind = AF_ARG_VALUE, .u.value = t}};
+        assert_int_equal(af_graph_add_node(g, "aten::clone.default", clone_args, 1, &cm, 1, &c), AF_OK);
+        int32_t ci = af_graph_value(g, c)->producer;
+        af_arg mm_args[2] = {{.kind = AF_ARG_VALUE, .u.value = c}, {.kind = AF_ARG_VALUE, .u.value = x}};
+        assert_int_equal(af_graph_add_node(g, "aten::mm.default", mm_args, 2, &cm, 1, &m), AF_OK);
+        assert_int_equal(af_graph_set_outputs(g, &m, 1), AF_OK);
+        af_window w;
+        assert_int_equal(af_fuse_window(g, ci, &w), variant == 0);
+        af_fusion_plan *plan;
+        assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+        if (variant == 0) {
+            assert_int_equal(w.source, t);
+            assert_int_equal(w.source_arg, 0);
+            assert_int_equal(w.guard_mask, 0);
+            assert_int_equal(w.left[0], 0);
+            assert_int_equal(w.size[0], 10);
+            assert_int_equal(plan->n_groups, 1);
+            const af_fusion_group *grp = &plan->groups[0];
+            assert_int_equal(grp->n_outputs, 1);
+            assert_int_equal(grp->outputs[0], c); /* the pad is never stored */
+            assert_int_equal(plan->group_of_node[ci], plan->group_of_node[af_graph_value(g, p)->producer]);
+            char *src = NULL;
+            assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
+            free(src);
+        } else {
+            assert_int_equal(plan->n_groups, variant == 1 ? 2 : 1); /* exp; the copy of its transpose */
+        }
+        af_fuse_plan_free(plan);
+        af_graph_free(g);
+    }
+}
+
 static void test_a_window_computes_a_source_read_through_views(void **state) {
     (void)state;
     for (int variant = 0; variant < 3; variant++) {
@@ -598,6 +659,7 @@ int main(void) {
         cmocka_unit_test(test_windows),
         cmocka_unit_test(test_a_window_computes_a_source_only_it_reads),
         cmocka_unit_test(test_a_window_computes_a_source_read_through_views),
+        cmocka_unit_test(test_a_copy_of_views_of_a_window_computes_the_window),
         cmocka_unit_test(test_boxes),
         cmocka_unit_test(test_recomputed_members),
         cmocka_unit_test(test_recompute_reads_a_materialized_member),
