@@ -154,6 +154,13 @@ int64_t af_tensor_meta_numel(const af_tensor_meta *m) {
     return n;
 }
 
+int af_tensor_meta_same_layout(const af_tensor_meta *a, const af_tensor_meta *b, int exact) {
+    if (a->dtype != b->dtype || a->ndim != b->ndim || a->storage_offset != b->storage_offset) return 0;
+    for (int32_t d = 0; d < a->ndim; d++)
+        if (a->sizes[d] != b->sizes[d] || ((exact || a->sizes[d] != 1) && a->strides[d] != b->strides[d])) return 0;
+    return 1;
+}
+
 int af_tensor_meta_dense(const af_tensor_meta *m) {
     if (!m || m->type != AF_VALUE_TENSOR) return 0;
     int64_t numel = 1, block = 1;

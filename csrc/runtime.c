@@ -376,14 +376,6 @@ static int64_t dense_bytes(const af_tensor_meta *m) {
     return af_tensor_meta_dense(m) ? af_tensor_meta_numel(m) * af_dtype_itemsize(m->dtype) : -1;
 }
 
-/* Same dtype, storage offset, sizes and strides (those of dims of size 1 too when `exact`). */
-static int same_layout(const af_tensor_meta *a, const af_tensor_meta *b, int exact) {
-    if (a->dtype != b->dtype || a->ndim != b->ndim || a->storage_offset != b->storage_offset) return 0;
-    for (int32_t d = 0; d < a->ndim; d++)
-        if (a->sizes[d] != b->sizes[d] || ((exact || a->sizes[d] != 1) && a->strides[d] != b->strides[d])) return 0;
-    return 1;
-}
-
 static void taint_args(const af_arg *a, const int32_t *root, uint8_t *bad) {
     if (a->kind == AF_ARG_VALUE) {
         bad[root[a->u.value]] = 1;
@@ -487,7 +479,7 @@ static int plan_reuse(af_program *p, const int32_t *step_of_node, int reuse) {
                 if (f >= t || kept[d]) continue;
                 const af_tensor_meta *dm = &af_graph_value(g, d)->meta;
                 if (dm->dtype != m->dtype || dm->device.type != m->device.type || dm->device.index != m->device.index ||
-                    dm->storage_offset != 0 || (!same_layout(dm, m, 1) && (want < 0 || dense_bytes(dm) != want)))
+                    dm->storage_offset != 0 || (!af_tensor_meta_same_layout(dm, m, 1) && (want < 0 || dense_bytes(dm) != want)))
                     continue;
                 int64_t b = af_tensor_meta_nbytes(dm), high = 0;
                 tries++;
@@ -806,7 +798,7 @@ static int take_donor(af_program *p, int32_t v, const af_tensor_meta *m) {
     if (st == AF_OK && p->reuse_state[v] > 0 && p->check_inputs) {
         if (!af_obj_sole_ref(t)) {
             p->reuses_refused++;
-        } else if (same_layout(dm, m, 1)) {
+        } else if (af_tensor_meta_same_layout(dm, m, 1)) {
             p->values[v] = t; /* the slot's reference moves */
             p->reuses_taken++;
             return AF_OK;
@@ -989,7 +981,7 @@ static int plan_holds(af_program *p) {
         if (p->view_state[i] <= 0) continue;
         const af_node *n = af_graph_node(g, i);
         int32_t b = n->args[0].u.value, v = n->first_output, r = root[b];
-        int same = same_layout(&af_graph_value(g, v)->meta, &af_graph_value(g, r)->meta, 0);
+        int same = af_tensor_meta_same_layout(&af_graph_value(g, v)->meta, &af_graph_value(g, r)->meta, 0);
         if (is_output[v]) {
             if (!same || taken[r]) continue;
             taken[r] = 1;

@@ -612,15 +612,6 @@ static int add_origin(sink_origins *o, int32_t new_value, int32_t old_value) {
     return AF_OK;
 }
 
-/* Whether a view (nd, sizes, strides, offset) of a tensor of layout m is m itself (strides of size-1
- * dims aside): its readers read the tensor, which a kernel computing it may give them directly. */
-static int same_view(const af_tensor_meta *m, int32_t nd, const int64_t *sizes, const int64_t *strides, int64_t offset) {
-    if (m->ndim != nd || m->storage_offset != offset) return 0;
-    for (int32_t d = 0; d < nd; d++)
-        if (m->sizes[d] != sizes[d] || (sizes[d] != 1 && m->strides[d] != strides[d])) return 0;
-    return 1;
-}
-
 /* as_strided(v, sizes, strides, offset) over v's storage, standing for v (origins): *view. */
 static int add_source_view(af_graph *out, const af_graph *g, int32_t v, const int32_t *map, int32_t nd, const int64_t *sizes,
                            const int64_t *strides, int64_t offset, sink_origins *origins, int32_t *view) {
@@ -661,7 +652,11 @@ static int add_rewritten(af_graph *out, const af_graph *g, const sink_plan *plan
             int32_t dl = d - (x->ndim - m->ndim);
             if (dl >= 0 && m->sizes[dl] != 1) offset += plan->digit[d] * m->strides[dl];
         }
-        if (!same_view(m, nd, sizes, strides, offset)) /* else the source itself: no view (a window's value, say) */
+        af_tensor_meta view = *m;
+        view.ndim = nd, view.sizes = sizes, view.strides = strides, view.storage_offset = offset;
+        /* a view that is the source itself is none: its readers read the source, which a kernel
+         * computing it (a window's value, say) may then give them directly */
+        if (!af_tensor_meta_same_layout(m, &view, 0))
             st = add_source_view(out, g, v, map, nd, sizes, strides, offset, origins, &local[v]);
     }
     int32_t last = -1;

@@ -147,6 +147,10 @@ int64_t af_tensor_meta_numel(const af_tensor_meta *meta);
  * element at offset f from its start has coordinates (f / stride[d]) % size[d]. 0 with no elements. */
 int af_tensor_meta_dense(const af_tensor_meta *meta);
 
+/* Whether a and b lay out the same elements the same way: dtype, sizes, storage offset and strides
+ * (with exact 0, the strides of size-1 dims aside, which address nothing). */
+int af_tensor_meta_same_layout(const af_tensor_meta *a, const af_tensor_meta *b, int exact);
+
 /* The value v's views come from, up the chain of view nodes (their first argument): v itself
  * when no view made it. */
 int32_t af_graph_view_root(const af_graph *g, int32_t v);

@@ -134,8 +134,8 @@ def _emit(graph: fx.Graph, g: fx.Node, sizes: list[int], plan: dict, offset: int
     raises before anything reads the new nodes; the caller erases them then."""
     made: list[fx.Node] = []
 
-    def _call(graph: fx.Graph, target: Any, args: tuple, val: torch.Tensor) -> fx.Node:
-        node = graph.call_function(target, args)
+    def _call(graph: fx.Graph, target: Any, args: tuple, val: torch.Tensor, kwargs: dict | None = None) -> fx.Node:
+        node = graph.call_function(target, args, kwargs)
         made.append(node)
         node.meta["val"] = val
         return node
@@ -169,8 +169,8 @@ def _sum_of_windows(graph: fx.Graph, _call: Any, g: fx.Node, sizes: list[int], p
             y = _call(graph, aten.slice.Tensor, (y, a, k, sizes[a], m), aten.slice.Tensor(y.meta["val"], a, k, sizes[a], m))
         if perm != list(range(len(sizes))):  # in storage order; a copy, so the pads' layouts are row-major
             y = _call(graph, aten.permute.default, (y, perm), aten.permute.default(y.meta["val"], perm))
-            y = _call(graph, aten.clone.default, (y,), aten.clone.default(y.meta["val"], memory_format=torch.contiguous_format))
-            y.kwargs = {"memory_format": torch.contiguous_format}
+            contiguous = {"memory_format": torch.contiguous_format}
+            y = _call(graph, aten.clone.default, (y,), aten.clone.default(y.meta["val"], **contiguous), contiguous)
         shape = list(y.meta["val"].shape)
         pads = [0] * (2 * len(shape))
         if pair:  # chunks of q * m along b (zeros after each chunk's S_b), then one axis

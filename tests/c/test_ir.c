@@ -742,6 +742,27 @@ static void test_op_table(void **state) {
     assert_string_equal(af_op_kind_name((af_op_kind)12345), "invalid");
 }
 
+/* Same layout: dtype, sizes, offset and strides; a size-1 dim's stride matters only when exact. */
+static void test_tensor_meta_same_layout(void **state) {
+    (void)state;
+    static const int64_t sz[3] = {4, 1, 8}, st[3] = {8, 8, 1}, st1[3] = {8, 3, 1}, stt[3] = {1, 8, 4};
+    af_tensor_meta a = meta_tensor(AF_DTYPE_FLOAT32, 3, sz, st), b = meta_tensor(AF_DTYPE_FLOAT32, 3, sz, st1);
+    assert_true(af_tensor_meta_same_layout(&a, &a, 1));
+    assert_true(af_tensor_meta_same_layout(&a, &b, 0)); /* only the size-1 dim's stride differs */
+    assert_false(af_tensor_meta_same_layout(&a, &b, 1));
+    af_tensor_meta c = meta_tensor(AF_DTYPE_FLOAT32, 3, sz, stt);
+    assert_false(af_tensor_meta_same_layout(&a, &c, 0));
+    af_tensor_meta d = a;
+    d.storage_offset = 2;
+    assert_false(af_tensor_meta_same_layout(&a, &d, 0));
+    d = a;
+    d.dtype = AF_DTYPE_BFLOAT16;
+    assert_false(af_tensor_meta_same_layout(&a, &d, 0));
+    d = a;
+    d.ndim = 2;
+    assert_false(af_tensor_meta_same_layout(&a, &d, 0));
+}
+
 static void test_tensor_meta_nbytes(void **state) {
     (void)state;
     af_tensor_meta m = meta_f32_4x8();
@@ -1371,6 +1392,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_accessors, small_graph_setup, graph_teardown),
         cmocka_unit_test(test_op_table),
         cmocka_unit_test(test_tensor_meta_nbytes),
+        cmocka_unit_test(test_tensor_meta_same_layout),
         cmocka_unit_test(test_view_root),
         cmocka_unit_test(test_dtype_names),
         cmocka_unit_test(test_device_names),
