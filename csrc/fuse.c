@@ -372,6 +372,22 @@ static int contains(const int32_t *arr, int32_t n, int32_t x) {
     return 0;
 }
 
+/* A column reduction of a CPU tensor (its innermost dim longer than 1 kept: a bias gradient's sum
+ * over rows) gets a kernel even alone: measured alone, the generated kernel takes 0.77-1.01x of
+ * ATen's sum's time (benchmarks/results/lone-column-sums-2026-12-01.md) and its step costs less
+ * host time than ATen's call. Row and full reductions alone measured no faster than ATen's and stay
+ * its calls, as do CUDA's (its two-pass column kernels are not yet timed against ATen's). */
+static int lone_column_ok(const af_graph *g, int32_t i) {
+    uint32_t mask = 0;
+    if (!af_fuse_reduction_ok(g, i, &mask)) return 0;
+    const af_node *n = af_graph_node(g, i);
+    const af_tensor_meta *in = &af_graph_value(g, n->args[0].u.value)->meta;
+    if (in->device.type != AF_DEVICE_CPU || in->ndim < 1) return 0;
+    int32_t inner = in->ndim - 1;
+    while (inner > 0 && in->sizes[inner] == 1) inner--;
+    return in->sizes[inner] > 1 && !((mask >> inner) & 1u);
+}
+
 static int32_t find_root(int32_t *parent, int32_t x) {
     while (parent[x] != x) {
         parent[x] = parent[parent[x]];
@@ -900,8 +916,8 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
     }
     /* a pointwise node gets a kernel alone too: random nodes because their numbers are defined by
      * the generated code, the others because a kernel step costs less host time than ATen's call
-     * (the scalar wrapping and type promotion of `mul(x, 0.125)`) and moves the same bytes; a lone
-     * reduction stays ATen's (its kernels are tuned for every shape) */
+     * (the scalar wrapping and type promotion of `mul(x, 0.125)`) and moves the same bytes; so does
+     * a column reduction on the CPU (lone_column_ok); other lone reductions stay ATen's */
     uint8_t *keep_alone = calloc((size_t)n_prov + 1, 1);
     if (!keep_alone) {
         free(dense);
@@ -909,7 +925,7 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
         goto done;
     }
     for (int32_t i = 0; i < nn; i++)
-        if (prov_of_node[i] >= 0 && af_fuse_node_ok(g, i)) keep_alone[prov_of_node[i]] = 1;
+        if (prov_of_node[i] >= 0 && (af_fuse_node_ok(g, i) || lone_column_ok(g, i))) keep_alone[prov_of_node[i]] = 1;
     for (int32_t p = 0; p < n_prov; p++)
         dense[p] = (parent[p] == p && (prov_size[p] >= min_nodes || keep_alone[p])) ? plan->n_groups++ : -1;
     free(keep_alone);

@@ -91,35 +91,51 @@ static void test_chain_siblings_and_closing(void **state) {
     af_graph_free(g);
 }
 
-/* A lone pointwise node gets a kernel (cheaper on the host than ATen's call, same bytes); a lone
- * reduction stays ATen's unless min_nodes is 1. */
+/* A lone pointwise node gets a kernel (cheaper on the host than ATen's call, same bytes); so does a
+ * lone column reduction of a CPU tensor (measured no slower than ATen's sum); a lone row reduction,
+ * or a CUDA one, stays ATen's unless min_nodes is 1. */
 static void test_lone_nodes_and_min_group(void **state) {
     (void)state;
-    af_graph *g;
-    assert_int_equal(af_graph_new(&g), AF_OK);
-    af_tensor_meta m2 = f32(2), m1 = f32(1);
-    int32_t x, y, r;
-    assert_int_equal(af_graph_add_input(g, "x", &m2, &x), AF_OK);
-    assert_int_equal(af_graph_add_input(g, "y", &m2, &y), AF_OK);
-    int32_t a = node(g, "aten::exp.default", x, -1, 2);
-    af_arg dims[1] = {{.kind = AF_ARG_INT, .u.i = 0}};
-    af_arg sum_args[2] = {{.kind = AF_ARG_VALUE, .u.value = y}, {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = dims}}};
-    assert_int_equal(af_graph_add_node(g, "aten::sum.dim_IntList", sum_args, 2, &m1, 1, &r), AF_OK);
-    int32_t outs[2] = {a, r};
-    assert_int_equal(af_graph_set_outputs(g, outs, 2), AF_OK);
+    for (int cuda = 0; cuda < 2; cuda++) {
+        af_graph *g;
+        assert_int_equal(af_graph_new(&g), AF_OK);
+        af_tensor_meta m2 = f32(2), m1 = f32(1);
+        static int64_t rs[1] = {4}, rt[1] = {1};
+        af_tensor_meta mr = f32(1);
+        mr.sizes = rs, mr.strides = rt;
+        if (cuda) m2.device.type = m1.device.type = mr.device.type = AF_DEVICE_CUDA, m2.device.index = m1.device.index = mr.device.index = 0;
+        int32_t x, y, r, rr;
+        assert_int_equal(af_graph_add_input(g, "x", &m2, &x), AF_OK);
+        assert_int_equal(af_graph_add_input(g, "y", &m2, &y), AF_OK);
+        int32_t a = node(g, "aten::exp.default", x, -1, 2);
+        af_arg dims[1] = {{.kind = AF_ARG_INT, .u.i = 0}}, row_dims[1] = {{.kind = AF_ARG_INT, .u.i = 1}};
+        af_arg sum_args[2] = {{.kind = AF_ARG_VALUE, .u.value = y}, {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = dims}}};
+        assert_int_equal(af_graph_add_node(g, "aten::sum.dim_IntList", sum_args, 2, &m1, 1, &r), AF_OK); /* [4, 8] -> [8] */
+        af_arg row_args[2] = {{.kind = AF_ARG_VALUE, .u.value = y}, {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = row_dims}}};
+        assert_int_equal(af_graph_add_node(g, "aten::sum.dim_IntList", row_args, 2, &mr, 1, &rr), AF_OK); /* -> [4] */
+        int32_t outs[3] = {a, r, rr};
+        assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
+        af_fuse_options opts = {.device_types = cuda ? 1u << AF_DEVICE_CUDA : 0};
+        af_fusion_plan *plan;
+        assert_int_equal(af_fuse_plan_new(g, cuda ? &opts : NULL, &plan), AF_OK);
+        if (!cuda) {
+            assert_int_equal(plan->n_groups, 2); /* the exp, the column sum */
+            assert_int_equal(plan->group_of_node[0], 0);
+        }
+        assert_int_equal(plan->group_of_node[1] >= 0, !cuda);
+        assert_int_equal(plan->group_of_node[2], -1);
+        af_fuse_plan_free(plan);
+        if (!cuda) {
+            af_fuse_options one = {.min_nodes = 1};
+            assert_int_equal(af_fuse_plan_new(g, &one, &plan), AF_OK);
+            assert_int_equal(plan->n_groups, 3);
+            af_fuse_plan_free(plan);
+        }
+        af_graph_free(g);
+    }
     af_fusion_plan *plan;
-    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
-    assert_int_equal(plan->n_groups, 1); /* the exp */
-    assert_int_equal(plan->group_of_node[0], 0);
-    assert_int_equal(plan->group_of_node[1], -1);
-    af_fuse_plan_free(plan);
-    af_fuse_options one = {.min_nodes = 1};
-    assert_int_equal(af_fuse_plan_new(g, &one, &plan), AF_OK);
-    assert_int_equal(plan->n_groups, 2);
-    af_fuse_plan_free(plan);
     assert_int_equal(af_fuse_plan_new(NULL, NULL, &plan), AF_ERR_INVALID);
     af_fuse_plan_free(NULL);
-    af_graph_free(g);
 }
 
 /* The generator: rng_uniform(seed) alone gets a kernel; two random nodes reading one seed never
