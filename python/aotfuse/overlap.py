@@ -35,17 +35,16 @@ import torch
 import torch.fx as fx
 
 from . import config
+from .lower import _FILLS as _LIKE_FILLS, _fill_value
 
 __all__ = ["overlap_plan", "rewrite_overlap_sums"]
 
 aten = torch.ops.aten
 
 _FLATTENS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
-_ZERO_FILLS = {aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default}
-_VALUE_FILLS = {aten.full.default: 1, aten.new_full.default: 2, aten.full_like.default: 1}
 # nodes a rewritten index_add may leave unread: removed when nothing else reads them
-_PURE = _FLATTENS | _ZERO_FILLS | set(_VALUE_FILLS) | {aten.clone.default, aten.as_strided.default, aten.arange.default,
-                                                      aten.arange.start, aten.arange.start_step}
+_PURE = _FLATTENS | set(_LIKE_FILLS) | {aten.zeros.default, aten.full.default, aten.clone.default, aten.as_strided.default,
+                                        aten.arange.default, aten.arange.start, aten.arange.start_step}
 
 
 def overlap_plan(sizes: list[int], strides: list[int], offset: int, numel: int) -> dict | None:
@@ -89,12 +88,14 @@ def _fill_is_zero(node: Any, numel: int, dtype: torch.dtype) -> bool:
     val = node.meta.get("val")
     if not (isinstance(val, torch.Tensor) and val.dim() == 1 and val.numel() == numel and val.dtype == dtype):
         return False
-    if node.target in _ZERO_FILLS:
+    if node.target is aten.zeros.default:
         return True
-    at = _VALUE_FILLS.get(node.target)
-    if at is None:
+    if node.target is aten.full.default:  # full(size, value)
+        value = node.args[1] if len(node.args) > 1 else node.kwargs.get("fill_value")
+    elif node.target in _LIKE_FILLS:  # zeros_like, new_full, ...: lowering's reading of them
+        value = _fill_value(node)
+    else:
         return False
-    value = node.args[at] if len(node.args) > at else node.kwargs.get("fill_value")
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
 
 
