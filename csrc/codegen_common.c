@@ -507,6 +507,12 @@ static void emit_members_impl(af_strbuf *sb, const af_graph *g, const af_fusion_
                                  (int)x, n->op_id == AF_OP_AMAX ? ">" : "<", (int)v, (int)x, (int)v, (int)v, (int)x, (int)x);
                 continue;
             }
+            if (modes & AF_CG_FLOAT_ACC) {
+                const char *f = n->op_id == AF_OP_AMAX ? "af_max" : n->op_id == AF_OP_AMIN ? "af_min" : NULL;
+                if (f) af_strbuf_printf(sb, "%sacc%d%s = %s(acc%d%s, v%d);\n", indent, (int)v, acc_at, f, (int)v, acc_at, (int)x);
+                else af_strbuf_printf(sb, "%sacc%d%s += v%d;\n", indent, (int)v, acc_at, (int)x);
+                continue;
+            }
             if (n->op_id == AF_OP_AMAX)
                 af_strbuf_printf(sb, "%sacc%d%s = af_maxd(acc%d%s, (double)v%d);\n", indent, (int)v, acc_at, (int)v, acc_at, (int)x);
             else if (n->op_id == AF_OP_AMIN)
@@ -742,11 +748,11 @@ const char *af_cg_acc_init(const af_node *n) {
     return n->op_id == AF_OP_AMAX ? "-INFINITY" : n->op_id == AF_OP_AMIN ? "INFINITY" : "0.0";
 }
 
-void af_cg_emit_acc_decls(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent) {
+void af_cg_emit_acc_decls(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *ctype, const char *indent) {
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
         if (af_op_get(n->op_id)->kind == AF_KIND_REDUCTION)
-            af_strbuf_printf(sb, "%sdouble acc%d = %s;\n", indent, (int)n->first_output, af_cg_acc_init(n));
+            af_strbuf_printf(sb, "%s%s acc%d = %s;\n", indent, ctype, (int)n->first_output, af_cg_acc_init(n));
     }
 }
 

@@ -65,9 +65,12 @@ void af_cg_emit_store_value(af_strbuf *sb, af_dtype d, const char *v);
  * is a set of flags: with AF_CG_NAN_FLAGS, amax/amin are a plain float comparison (the caller
  * declares float accumulators for them) plus an int nan<id> flag the caller declares and folds in
  * (so the loop can be an OpenMP max/min reduction); with AF_CG_FLOAT_SUMS, sums and means add into
- * float partials accf<id><acc_at> that the caller declares and flushes into the double acc<id>. */
+ * float partials accf<id><acc_at> that the caller declares and flushes into the double acc<id>;
+ * with AF_CG_FLOAT_ACC, every reduction accumulates into a float acc<id> (CUDA's threads: each
+ * adds a few dozen terms before the warp combines them). */
 #define AF_CG_NAN_FLAGS 1
 #define AF_CG_FLOAT_SUMS 2
+#define AF_CG_FLOAT_ACC 4
 void af_cg_emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent, const char *acc_at,
                         const int32_t *phases, int32_t phase, int modes);
 /* af_cg_emit_members for a phased kernel whose members flagged in `cached` (af_cg_phase_cache)
@@ -117,7 +120,7 @@ void af_cg_emit_reduction_stores(af_strbuf *sb, const af_graph *g, const af_fusi
                                  int64_t count, int64_t (*column_strides)[AF_MAX_DIMS], const char *indent);
 /* Accumulator initial value for reduction node n ("0.0", "-INFINITY", "INFINITY"). */
 const char *af_cg_acc_init(const af_node *n);
-/* `double acc<v> = <init>;` for every reduction of the group. */
-void af_cg_emit_acc_decls(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent);
+/* `<ctype> acc<v> = <init>;` for every reduction of the group (ctype "double" or "float"). */
+void af_cg_emit_acc_decls(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *ctype, const char *indent);
 
 #endif

@@ -121,7 +121,7 @@ static void emit_pointwise(af_strbuf *sb, const af_graph *g, const af_fusion_gro
     emit_zero_offsets(sb, "    ", it, "o", nops, NULL);
     af_cg_emit_unflatten(sb, "    ", it, "r", "o", 0, nd - 1, sp->sizes, sp->strides, nops);
     af_strbuf_printf(sb, "    (void)r;\n");
-    af_cg_emit_body(sb, g, grp, sp->ops, "", 0);
+    af_cg_emit_body(sb, g, grp, sp->ops, "", AF_CG_FLOAT_ACC);
     af_strbuf_printf(sb, "  }\n}\n");
     launch->kind = AF_CUDA_POINTWISE;
     launch->threads = AF_THREADS;
@@ -175,7 +175,8 @@ static void emit_pointwise(af_strbuf *sb, const af_graph *g, const af_fusion_gro
 
 /* ---- reductions ---- */
 
-/* acc<v> = combine(acc<v>, <other>) for every reduction of the group (of phase ph, with phases). */
+/* acc<v> = combine(acc<v>, <other>) for every reduction of the group (of phase ph, with phases):
+ * the threads' float accumulators. */
 static void emit_combine_phase(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const int32_t *phases, int32_t ph,
                                const char *indent, const char *other_fmt) {
     for (int32_t m = 0; m < grp->n_nodes; m++) {
@@ -184,8 +185,8 @@ static void emit_combine_phase(af_strbuf *sb, const af_graph *g, const af_fusion
         int v = (int)n->first_output;
         char other[128];
         snprintf(other, sizeof other, other_fmt, v, v);
-        if (n->op_id == AF_OP_AMAX) af_strbuf_printf(sb, "%sacc%d = af_maxd(acc%d, %s);\n", indent, v, v, other);
-        else if (n->op_id == AF_OP_AMIN) af_strbuf_printf(sb, "%sacc%d = af_mind(acc%d, %s);\n", indent, v, v, other);
+        if (n->op_id == AF_OP_AMAX) af_strbuf_printf(sb, "%sacc%d = af_max(acc%d, %s);\n", indent, v, v, other);
+        else if (n->op_id == AF_OP_AMIN) af_strbuf_printf(sb, "%sacc%d = af_min(acc%d, %s);\n", indent, v, v, other);
         else af_strbuf_printf(sb, "%sacc%d += %s;\n", indent, v, other);
     }
 }
@@ -194,12 +195,12 @@ static void emit_combine(af_strbuf *sb, const af_graph *g, const af_fusion_group
     emit_combine_phase(sb, g, grp, NULL, 0, indent, other_fmt);
 }
 
-/* `__shared__ double sh<v>[n]` for every reduction of the group (the warps' totals of a block). */
+/* `__shared__ float sh<v>[n]` for every reduction of the group (the warps' totals of a block). */
 static void emit_shared_totals(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, int n) {
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *node = af_graph_node(g, grp->nodes[m]);
         if (af_op_get(node->op_id)->kind == AF_KIND_REDUCTION)
-            af_strbuf_printf(sb, "  __shared__ double sh%d[%d];\n", (int)node->first_output, n);
+            af_strbuf_printf(sb, "  __shared__ float sh%d[%d];\n", (int)node->first_output, n);
     }
 }
 
@@ -229,10 +230,10 @@ static void emit_rows(af_strbuf *sb, const af_graph *g, const af_fusion_group *g
                      sp->inner);
     emit_signature(sb, grp, sp->ops, "af_kernel", index, "", threads, 0);
     emit_row_loop_begin(sb, g, grp, sp, tpr, rpb);
-    af_cg_emit_acc_decls(sb, g, grp, "    ");
+    af_cg_emit_acc_decls(sb, g, grp, "float", "    ");
     af_strbuf_printf(sb, "    for (%s i = lane; i < %" PRId64 "; i += %d) {\n", it, sp->inner, tpr);
     emit_row_element_offsets(sb, it, sp);
-    af_cg_emit_body(sb, g, grp, sp->ops, "", 0);
+    af_cg_emit_body(sb, g, grp, sp->ops, "", AF_CG_FLOAT_ACC);
     af_strbuf_printf(sb, "    }\n");
     af_strbuf_printf(sb, "    for (int m = 16; m > 0; m >>= 1) {\n");
     emit_combine(sb, g, grp, "      ", "__shfl_xor_sync(0xffffffffu, acc%d, m)");
@@ -286,12 +287,12 @@ static void emit_phased(af_strbuf *sb, const af_graph *g, const af_fusion_group 
         for (int32_t m = 0; m < grp->n_nodes; m++) {
             const af_node *n = af_graph_node(g, grp->nodes[m]);
             if (af_op_get(n->op_id)->kind == AF_KIND_REDUCTION && phases[m] == ph)
-                af_strbuf_printf(sb, "    double acc%d = %s;\n", (int)n->first_output, af_cg_acc_init(n));
+                af_strbuf_printf(sb, "    float acc%d = %s;\n", (int)n->first_output, af_cg_acc_init(n));
         }
         af_strbuf_printf(sb, "    for (%s i = lane; i < %" PRId64 "; i += %d) { /* phase %d */\n", it, sp->inner, tpr, (int)ph);
         emit_row_element_offsets(sb, it, sp);
         af_cg_emit_loads(sb, grp, ops);
-        af_cg_emit_members(sb, g, grp, "      ", "", phases, ph, 0);
+        af_cg_emit_members(sb, g, grp, "      ", "", phases, ph, AF_CG_FLOAT_ACC);
         af_cg_emit_phase_stores(sb, g, grp, ops, phases, ph, "      ");
         af_strbuf_printf(sb, "    }\n");
         if (af_cg_phase_has_reductions(g, grp, phases, ph)) {
@@ -346,7 +347,7 @@ static void emit_finish_begin(af_strbuf *sb, const af_graph *g, const af_fusion_
     emit_signature(sb, grp, sp->ops, "af_kernel", index, "_f", AF_THREADS, 1);
     af_strbuf_printf(sb, "  for (%s c = (%s)blockIdx.x * %d + threadIdx.x; c < %" PRId64 "; c += (%s)gridDim.x * %d) {\n", it, it,
                      AF_THREADS, n, it, AF_THREADS);
-    af_cg_emit_acc_decls(sb, g, grp, "    ");
+    af_cg_emit_acc_decls(sb, g, grp, "double", "    "); /* the chunks' totals add in double */
     af_strbuf_printf(sb, "    for (%s l = 0; l < %" PRId64 "; l++) {\n", it, split);
     int32_t r = 0;
     for (int32_t m = 0; m < grp->n_nodes; m++) {
@@ -396,10 +397,10 @@ static void emit_split_rows(af_strbuf *sb, const af_graph *g, const af_fusion_gr
     emit_zero_offsets(sb, "    ", it, "b", nops, NULL);
     af_cg_emit_unflatten(sb, "    ", it, "r", "b", 0, kept - 1, sp->sizes, sp->strides, nops);
     af_strbuf_printf(sb, "    (void)r;\n");
-    af_cg_emit_acc_decls(sb, g, grp, "    ");
+    af_cg_emit_acc_decls(sb, g, grp, "float", "    ");
     af_strbuf_printf(sb, "    for (%s i = i0 + threadIdx.x; i < i1; i += %d) {\n", it, tpb);
     emit_row_element_offsets(sb, it, sp);
-    af_cg_emit_body(sb, g, grp, sp->ops, "", 0);
+    af_cg_emit_body(sb, g, grp, sp->ops, "", AF_CG_FLOAT_ACC);
     af_strbuf_printf(sb, "    }\n    for (int m = 16; m > 0; m >>= 1) {\n");
     emit_combine(sb, g, grp, "      ", "__shfl_xor_sync(0xffffffffu, acc%d, m)");
     af_strbuf_printf(sb, "    }\n    if ((threadIdx.x & 31) == 0) {\n");
@@ -452,14 +453,14 @@ static void emit_columns(af_strbuf *sb, const af_graph *g, const af_fusion_group
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
         if (af_op_get(n->op_id)->kind == AF_KIND_REDUCTION)
-            af_strbuf_printf(sb, "  __shared__ double sh%d[%d][%d];\n", (int)n->first_output, AF_COLUMN_LANES, AF_COLUMN_TILE + 1);
+            af_strbuf_printf(sb, "  __shared__ float sh%d[%d][%d];\n", (int)n->first_output, AF_COLUMN_LANES, AF_COLUMN_TILE + 1);
     }
     af_strbuf_printf(sb, "  const int tx = threadIdx.x & %d, ty = threadIdx.x / %d;\n", AF_COLUMN_TILE - 1, AF_COLUMN_TILE);
     af_strbuf_printf(sb, "  const %s row0 = (%s)blockIdx.y * %" PRId64 ", row1 = row0 + %" PRId64 " < %" PRId64 " ? row0 + %" PRId64
                      " : %" PRId64 ";\n", it, it, chunk, chunk, rows, chunk, rows);
     af_strbuf_printf(sb, "  for (%s t = blockIdx.x; t < %" PRId64 "; t += gridDim.x) {\n", it, tiles);
     af_strbuf_printf(sb, "    const %s c = t * %d + tx;\n", it, AF_COLUMN_TILE);
-    af_cg_emit_acc_decls(sb, g, grp, "    ");
+    af_cg_emit_acc_decls(sb, g, grp, "float", "    ");
     af_strbuf_printf(sb, "    if (c < %" PRId64 ") {\n", columns);
     af_strbuf_printf(sb, "      for (%s i = row0 + ty; i < row1; i += %d) {\n", it, AF_COLUMN_LANES);
     af_strbuf_printf(sb, "        %s s = i;\n", it);
@@ -469,7 +470,7 @@ static void emit_columns(af_strbuf *sb, const af_graph *g, const af_fusion_group
     af_strbuf_printf(sb, ";\n");
     af_cg_emit_unflatten(sb, "        ", it, "s", "o", 1, nd - 1, sp->sizes, sp->strides, nops);
     af_strbuf_printf(sb, "        (void)s;\n");
-    af_cg_emit_body(sb, g, grp, sp->ops, "", 0);
+    af_cg_emit_body(sb, g, grp, sp->ops, "", AF_CG_FLOAT_ACC);
     af_strbuf_printf(sb, "      }\n    }\n");
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);

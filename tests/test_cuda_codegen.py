@@ -65,6 +65,9 @@ def test_reductions_of_each_kind_compile(dtype):
     col = next(l for l in launches if l["kind"] == "columns")
     assert col["workspace"] > 0 and col["split"] >= 1
     assert "__shfl_xor_sync" in source and "_f(double" in source
+    # threads accumulate in float (a few dozen terms each); only the chunks' totals add in double
+    assert "float acc" in source and "__shared__ float sh" in source and "__shared__ double" not in source
+    assert source.count("double acc") == source.count("_f(double"), "a double accumulator outside a finishing pass"
     for arch in ARCHS:
         kernels = compile_report(source, arch)
         assert {k["name"] for k in kernels} >= {"af_kernel_0"}, kernels

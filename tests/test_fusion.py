@@ -361,6 +361,30 @@ def test_reduction_epilogues_run_in_one_phased_kernel(case, dtype):
         assert "aten::exp.default, cached */" in kernel and kernel.count("af_exp(") == 1, kernel
 
 
+@pytest.mark.parametrize("width", [37, 1024, 1025, 5000, 30522])
+def test_row_sums_add_in_float_chunks_as_accurately_as_aten(width):
+    """Row sums (plain, and a phased kernel's) add float partial sums, one a vector lane, over chunks
+    of 1024 elements, and the chunks' totals in double: the error against float64 stays within a
+    few times ATen's own (or 4 ulps of the result), where one float sum over the row would not."""
+    from aotfuse.decompositions import default_decompositions
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8, width, generator=g) * 3 + 100.0  # a large mean: accumulation error shows
+
+    def f(x):
+        return (x * 1.0).sum(-1), (x * 1.0).mean(-1, keepdim=True), torch.softmax(x * 0.01, -1), torch.var(x * 1.0, -1)
+
+    lowered = lower(make_fx(f, decomposition_table=default_decompositions(norms=True))(x))
+    got, ref, eager = lowered([x]), f(x.double()), f(x)
+    for name, a, r, e in zip(("sum", "mean", "softmax", "var"), got, ref, eager):
+        err, aten_err = (a.double() - r).abs().max().item(), (e.double() - r).abs().max().item()
+        ulp = torch.finfo(torch.float32).eps * r.abs().max().item()
+        assert err <= max(3 * aten_err, 4 * ulp), f"{name} over rows of {width}: error {err:.3g}, ATen's {aten_err:.3g}"
+    src = lowered.program.source
+    assert "accf" in src and "+= (double)accf" in src, src[-2000:]
+    assert ("i0 += 1024" in src) == (width > 1024), src[-2000:]
+
+
 @pytest.mark.parametrize("correction", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_var_mean_decomposition_is_two_pass_and_matches_aten(dtype, correction):
