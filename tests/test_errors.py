@@ -16,10 +16,54 @@ def data_dependent(x):
 
 def test_untraceable_function_raises_a_clear_error():
     cf = aotfuse.aot_function(data_dependent)
-    with pytest.raises(aotfuse.CaptureError) as info:
-        cf(torch.randn(4))
-    msg = str(info.value)
-    assert "data_dependent" in msg and "fallback='dynamo'" in msg and "backend='aotfuse'" in msg
+    for _ in range(2):  # each call of the signature explains itself, not only the first
+        with pytest.raises(aotfuse.CaptureError) as info:
+            cf(torch.randn(4))
+        msg = str(info.value)
+        assert "data_dependent" in msg and "fallback='dynamo'" in msg and "backend='aotfuse'" in msg
+
+
+class _Memo(torch.nn.Module):
+    """Keeps a tensor derived from a parameter in Python state in eval mode, as LeViT's attention-bias
+    cache does (`self.cache[device] = self.biases[:, idxs]`), and a list of what it saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+        self.register_buffer("idx", torch.randint(0, 8, (8,)), persistent=False)
+        self.cache, self.seen = {}, []
+
+    def forward(self, x):
+        if self.training:
+            return x @ self.w[:, self.idx]
+        if "b" not in self.cache:
+            self.cache["b"] = self.w[:, self.idx]
+        self.seen.append(self.cache["b"])
+        return x @ self.cache["b"]
+
+
+@pytest.mark.parametrize("fallback", ["error", "eager", "dynamo"])
+def test_a_module_memoizing_tensors_in_python_state_is_captured_and_keeps_no_traced_tensor(fallback):
+    """The capture traces the forward more than once; a tensor kept in a dict or list by one pass
+    would be a foreign constant to the next (capture failed) and a fake tensor left in the module
+    (every later call failed, the fallbacks included). Each pass now gives the module's Python state
+    back, so the memoized value is computed in the graph and the module holds only real tensors."""
+    torch.manual_seed(0)
+    ref, m = _Memo(), _Memo()
+    m.load_state_dict(ref.state_dict())
+    m.idx.copy_(ref.idx)
+    ref.eval(), m.eval()
+    x = torch.randn(4, 8)
+    compiled = aotfuse.memory_efficient_fusion(m, fallback=fallback)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # captured as one graph: no fallback warning
+        for _ in range(2):
+            torch.testing.assert_close(compiled(x), ref(x))
+    cf = compiled._aotfuse_compiled
+    assert cf.compile_count == 1 and all(e.fallback is None for e in cf._cache.values())
+    assert m.cache == {} and m.seen == []  # nothing the trace kept is left
+    torch.testing.assert_close(m(x), ref(x))  # the module itself still runs eagerly
+    assert type(m.cache["b"]) is torch.Tensor
 
 
 def test_fallback_eager_warns_once_and_is_right():

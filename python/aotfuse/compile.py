@@ -212,6 +212,56 @@ class _Entry:
 def _without_leading(target: Callable, n: int, *args: Any, **kwargs: Any) -> Any:
     return target(*args[n:], **kwargs)
 
+def _traced(x: Any) -> bool:
+    """A tensor of a capture (fake or functional), not one a user's model may keep."""
+    if not isinstance(x, torch.Tensor):
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+    from torch._subclasses.functional_tensor import FunctionalTensor
+    return isinstance(x, FunctionalTensor) or is_fake(x) or torch._is_functional_tensor(x)
+
+
+def _holds_traced(v: Any) -> bool:
+    if isinstance(v, dict):
+        return any(_traced(x) for x in v.values())
+    if isinstance(v, (list, tuple, set)):
+        return any(_traced(x) for x in v)
+    return _traced(v)
+
+
+@contextlib.contextmanager
+def _module_state_guard(mod: nn.Module | None):
+    """Capture runs the module's forward on fake tensors, once per AOTAutograd tracing pass: what the
+    forward keeps in Python state (LeViT's attention-bias cache in eval mode: `self.cache[device] =
+    self.biases[:, idx]`) would keep a traced tensor, which the next pass would read as a foreign
+    constant (the capture fails) and every later call (a fallback, eager use of the module) would fail
+    on. After each pass, each submodule attribute that now holds a traced tensor, directly or in a
+    dict, list, tuple or set, gets back its value from before (a container its contents), so each pass
+    traces the memoized value's computation and the module keeps no traced tensor."""
+    if mod is None:
+        yield
+        return
+    before = []
+    for m in mod.modules():
+        state = {k: v for k, v in vars(m).items() if k not in ("_parameters", "_buffers", "_modules")}
+        contents = {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, (list, set)) else None)
+                    for k, v in state.items() if isinstance(v, (dict, list, set))}
+        before.append((m, state, contents))
+    try:
+        yield
+    finally:
+        for m, state, contents in before:
+            for k, v in list(vars(m).items()):
+                if k in ("_parameters", "_buffers", "_modules") or not _holds_traced(v):
+                    continue
+                if k not in state:
+                    delattr(m, k)
+                elif v is state[k] and k in contents:  # the same container, filled during the trace
+                    v.clear()
+                    v.update(contents[k]) if isinstance(v, (dict, set)) else v.extend(contents[k])
+                else:
+                    setattr(m, k, state[k])
+
 
 class CompiledFunction:
     """What aot_function returns: call it like the original function."""
@@ -227,6 +277,7 @@ class CompiledFunction:
         # tensors), so no call pays functional_call's swapping of every tensor in and out
         self.fallback_fn: Callable = fn
         self.fallback_skip = 0
+        self.module: nn.Module | None = None  # aot_module's: its Python state is kept from the capture
         # aot_module's shortcut past the tensor walk and the lookup: (the user arguments' signature,
         # what runs them) after a call of a module fell back; cleared with the cache
         self.module_fallback: tuple | None = None
@@ -298,14 +349,15 @@ class CompiledFunction:
         record = _Record()
         tensor_idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         template = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-        fn = self.fn
+        fn, module = self.fn, self.module
 
-        def flat_fn(*tensors):
+        def flat_fn(*tensors):  # AOTAutograd calls it once per tracing pass
             vals = list(template)
             for i, t in zip(tensor_idx, tensors):
                 vals[i] = t
             args, kwargs = tree_unflatten(vals, spec)
-            out = fn(*args, **kwargs)
+            with _module_state_guard(module):
+                out = fn(*args, **kwargs)
             out_leaves, out_spec = tree_flatten(out, objects=True)
             record.out_spec = out_spec
             record.out_consts = [None if isinstance(x, torch.Tensor) else (x,) for x in out_leaves]
@@ -350,6 +402,7 @@ class CompiledFunction:
                                   if self.fallback_skip else target)
                 args, kwargs = tree
                 return entry.fallback(*args, **kwargs)
+            self._forget(entry)  # the next call of this signature tries (and explains) again
             hint = ("its kernels cannot be built on this machine; AOTFUSE_BACKEND=aten runs without them"
                     if isinstance(e, BackendUnavailable) else "an op or argument the C core cannot take"
                     if isinstance(e, UnsupportedError) else "data-dependent control flow or an op AOTAutograd cannot trace")
@@ -362,6 +415,12 @@ class CompiledFunction:
         if self.bw_compiler is None:
             _no_zero_gradients(outs)
         return self._rebuild(entry.record, outs)
+
+    def _forget(self, entry: _Entry) -> None:
+        for k, e in list(self._cache.items()):
+            if e is entry:
+                del self._cache[k]
+        self._last = None
 
     def _dynamo(self) -> Callable:
         """The function under Dynamo with aotfuse as its backend: Dynamo splits the graph where
@@ -543,6 +602,7 @@ def aot_module(mod: nn.Module, *args: Any, **kwargs: Any) -> AOTModule:
     # AOTModule passes the module's own tensors: a fallback calls the module itself (functional_call
     # would swap each of them in and out on every call: 2 ms of a host-size Longformer step)
     compiled.fallback_fn, compiled.fallback_skip = mod, 2
+    compiled.module = mod
     return AOTModule(mod, compiled)
 
 
