@@ -56,6 +56,26 @@ def test_an_ignore_index_inside_the_classes_is_masked(ignore):
     report.assert_ok()
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("ignore", [-100, 7])
+def test_a_batch_with_every_target_ignored_has_zero_gradients_as_in_eager(ignore, smoothing):
+    """All targets ignored (a micro-batch of padding): the mean loss is 0/0 = NaN in eager, and its
+    gradients are zeros. The fused backward multiplied its one-hot by -grad/total_weight = inf,
+    so every weight became NaN at the next step."""
+    torch.manual_seed(0)
+    head, x = Head(ignore_index=ignore, label_smoothing=smoothing), torch.randn(24, 16)
+    y = torch.full((24,), ignore, dtype=torch.long)
+    compiled = aotfuse.memory_efficient_fusion(Head(ignore_index=ignore, label_smoothing=smoothing))
+    compiled.load_state_dict(head.state_dict())
+    loss_e, loss_c = head(x, y)[0], compiled(x, y)[0]
+    assert torch.isnan(loss_e) and torch.isnan(loss_c)
+    loss_e.backward()
+    loss_c.backward()
+    for (name, p), q in zip(head.named_parameters(), compiled.parameters()):
+        assert torch.equal(p.grad, torch.zeros_like(p.grad)), name  # eager's, as documented above
+        assert torch.equal(q.grad, p.grad), f"grad of {name}: {q.grad}"
+
+
 def test_label_smoothing_and_one_dimensional_input():
     torch.manual_seed(0)
     x = torch.randn(24, 16)

@@ -182,3 +182,29 @@ def test_graph_with_tensor_constants():
     assert_close(out, f(x.detach()), "output")
     out.sum().backward()
     assert_close(x.grad, torch.tensor([1.0, 2.0, 3.0]).expand(4, 3), "grad")
+
+
+class RNNs(nn.Module):
+    """torch's LSTM/GRU decompositions choose oneDNN's mkldnn_rnn_layer on a CPU when oneDNN is on;
+    its inference-mode workspace is None at run time though the traced graph expects a tensor, so
+    capture traces with oneDNN off: matmuls and pointwise ops, fused."""
+
+    def __init__(self, kind: str, **kw):
+        super().__init__()
+        self.rnn = getattr(nn, kind)(6, 5, batch_first=True, **kw)
+        self.fc = nn.Linear(5 * (2 if kw.get("bidirectional") else 1), 3)
+
+    def forward(self, x):
+        out, state = self.rnn(x)
+        h = state[0] if isinstance(state, tuple) else state
+        return self.fc(out).tanh(), h
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+@pytest.mark.parametrize("kw", [{}, {"num_layers": 2, "bidirectional": True}], ids=["one_layer", "two_layers_bidirectional"])
+def test_recurrent_layers_train_like_eager(kind, kw):
+    torch.manual_seed(0)
+    compiled = check_module(RNNs(kind, **kw), torch.randn(3, 7, 6), steps=2)
+    assert torch.backends.mkldnn.enabled  # only the capture ran without oneDNN
+    assert not any("mkldnn" in op for low in compiled._aotfuse_compiled.records[0].programs.values()
+                   for op, _k, _g in low.program.node_groups()), "an oneDNN RNN call in the captured programs"

@@ -230,6 +230,17 @@ def _holds_traced(v: Any) -> bool:
 
 
 @contextlib.contextmanager
+def _onednn_off():
+    """oneDNN off for a tracing pass (torch.backends.mkldnn.flags would also warn about TF32)."""
+    was = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(was)
+
+
+@contextlib.contextmanager
 def _module_state_guard(mod: nn.Module | None):
     """Capture runs the module's forward on fake tensors, once per AOTAutograd tracing pass: what the
     forward keeps in Python state (LeViT's attention-bias cache in eval mode: `self.cache[device] =
@@ -356,7 +367,10 @@ class CompiledFunction:
             for i, t in zip(tensor_idx, tensors):
                 vals[i] = t
             args, kwargs = tree_unflatten(vals, spec)
-            with _module_state_guard(module):
+            # oneDNN off while tracing: torch's LSTM/GRU decompositions would otherwise record
+            # mkldnn_rnn_layer, whose inference-mode workspace ATen returns as None at run time
+            # (the graph expects a tensor); without it they trace as matmuls and pointwise ops
+            with _module_state_guard(module), _onednn_off():
                 out = fn(*args, **kwargs)
             out_leaves, out_spec = tree_flatten(out, objects=True)
             record.out_spec = out_spec

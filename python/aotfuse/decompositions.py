@@ -141,7 +141,7 @@ def _nll_loss_forward(self, target, weight, reduction, ignore_index):
 
 
 def _nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
-    """nll_loss's gradient as `(class == target) * -scale`: pointwise over [N, C], so it fuses with
+    """nll_loss's gradient as `where(class == target, -scale, 0)`: pointwise over [N, C], so it fuses with
     log_softmax's backward. ATen's own where there is a class weight or the device gets no kernels."""
     if not _nll_ok(self, weight):
         return NotImplemented
@@ -150,7 +150,9 @@ def _nll_loss_backward(grad_output, self, target, weight, reduction, ignore_inde
         scale = aten.div.Tensor(grad_output, total_weight)
     else:  # sum, or none: one gradient per row
         scale = grad_output if reduction == 2 or self.dim() == 1 else aten.unsqueeze.default(grad_output, 1)
-    return aten.mul.Tensor(hit, aten.neg.default(scale))
+    # where, not hit * -scale: with every target ignored total_weight is 0 and scale inf, and eager's
+    # gradient is still all zeros (0 * inf would be NaN in every weight after the step)
+    return aten.where.ScalarOther(hit, aten.neg.default(scale), 0.0)
 
 
 def _var_mean(x, dim=None, *, correction=None, keepdim=False):
