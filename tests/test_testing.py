@@ -295,3 +295,42 @@ def test_accepts_a_module_and_plain_inputs():
     report = compare_models(model, torch.randn(4, 3), steps=1)
     report.assert_ok()
     assert report.model == "Linear"
+
+
+class CenteredBN(nn.Module):
+    """A BatchNorm whose running mean is 0, exactly in eager and in float64 (its input is zeros),
+    beside a running variance near 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.bn = nn.Linear(8, 6), nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.bn(h * 0.0) + h.tanh()
+
+
+def _nudge_running_mean(by):
+    """A "compiled" model that moves bn.running_mean by `by`, then runs the original (which keeps
+    0.9 of that)."""
+
+    def compile_fn(model):
+        def run(x):
+            with torch.no_grad():
+                model.bn.running_mean.add_(by)
+            return model(x)
+
+        return run
+
+    return compile_fn
+
+
+def test_a_running_mean_of_zero_is_judged_at_its_modules_scale():
+    """Rounding noise far below the running variance's scale (1e-12 on a running mean that eager
+    and float64 give as exactly 0, where the tensor's own scale allows nothing) passes; an error of
+    1e-4 is still caught."""
+    inputs = lambda: (torch.randn(16, 8, generator=torch.Generator().manual_seed(0)),)  # noqa: E731
+    make = lambda: (torch.manual_seed(0), CenteredBN())[1]  # noqa: E731
+    compare_models(make, inputs, steps=2, compile_fn=_nudge_running_mean(1e-12)).assert_ok()
+    worse = compare_models(make, inputs, steps=2, compile_fn=_nudge_running_mean(1e-4))
+    assert "buffer bn.running_mean after the step" in failed_whats(worse), worse
