@@ -136,6 +136,9 @@ def test_the_loss_is_one_row_kernel_each_way_and_no_aten_loss_op():
     # backward: nll's one-hot gradient, its row sum and log_softmax's epilogue in one kernel
     (grad,) = [ops for ops in bw if "aten::exp.default" in ops]
     assert {"aten::eq.Tensor", "aten::sum.dim_IntList", "aten::sub.Tensor"} <= set(grad), bw
+    # beside it only the 0-d scale (-grad / total_weight) and the bias gradient's column sum: no
+    # constant or fill kernel of its own
+    assert len(bw) == 3 and not any("aten::full.default" in ops for ops in bw), bw
 
 
 class MaskedLMHead(nn.Module):

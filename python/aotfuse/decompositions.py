@@ -141,18 +141,17 @@ def _nll_loss_forward(self, target, weight, reduction, ignore_index):
 
 
 def _nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
-    """nll_loss's gradient as `where(class == target, -scale, 0)`: pointwise over [N, C], so it fuses with
+    """nll_loss's gradient as `(class == target) * -scale`: pointwise over [N, C], so it fuses with
     log_softmax's backward. ATen's own where there is a class weight or the device gets no kernels."""
     if not _nll_ok(self, weight):
         return NotImplemented
     hit, _ = _one_hot(self, target, ignore_index)
-    if reduction == 1:  # mean
-        scale = aten.div.Tensor(grad_output, total_weight)
+    if reduction == 1:  # mean; with every target ignored total_weight is 0 and eager's gradient all
+        # zeros: divide by 1 then (hit is all false), not 0 (0 * inf would be NaN in every weight)
+        scale = aten.div.Tensor(grad_output, aten.add.Tensor(total_weight, aten.eq.Scalar(total_weight, 0)))
     else:  # sum, or none: one gradient per row
         scale = grad_output if reduction == 2 or self.dim() == 1 else aten.unsqueeze.default(grad_output, 1)
-    # where, not hit * -scale: with every target ignored total_weight is 0 and scale inf, and eager's
-    # gradient is still all zeros (0 * inf would be NaN in every weight after the step)
-    return aten.where.ScalarOther(hit, aten.neg.default(scale), 0.0)
+    return aten.mul.Tensor(hit, aten.neg.default(scale))
 
 
 def _var_mean(x, dim=None, *, correction=None, keepdim=False):
