@@ -86,6 +86,27 @@ def test_a_view_with_a_wrong_graph_layout_stays_aten():
     assert prog.node_steps()[0] == "aten"
 
 
+def test_an_empty_folded_view_never_fails_its_kernel():
+    """A kernel reading an empty view of another kernel's value (Phi3's rotary backward pads
+    x[..., 8:8]): the view is read nowhere, so its layout is not checked; ATen's layout for it
+    differed from the traced one and the kernel ran as ATen calls on every call."""
+    from aotfuse.lower import lower
+
+    def f(a, b, w):
+        x = a + b
+        y = aten.mm(x.view(-1, 8), w).view(2, 2, 16, 8)
+        return aten.constant_pad_nd(aten.slice.Tensor(x, 3, 8, 8), [0, 4], 0.0) + 1.0, y
+
+    args = (torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(8, 8))
+    low = lower(make_fx(f)(*args))
+    for _ in range(2):
+        out = low(list(args))
+    for got, want in zip(out, f(*args)):
+        assert torch.equal(got, want)
+    assert any(op.startswith("aten::constant_pad_nd") and g >= 0 for op, _k, g in low.program.node_groups())
+    assert low.program.kernel_fallbacks == 0
+
+
 def test_output_views_stay_aten_unless_plain():
     def f(x):
         return aten.t.default(aten.mul.Tensor(x, 2.0)), aten.view.default(x, [6, 2])
