@@ -163,8 +163,9 @@ static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fus
 /* Elements of a row a sum adds in float (af_cg FLOAT_SUMS: one float partial sum per vector lane)
  * before the chunk's total goes into the row's double accumulator. A double sum per element halves
  * the vector width and converts every term: softmax at 2048 x 768 ran 1.20 ms with it, 1.04 ms
- * without; at this length a lane's float sum has at most 1024/16 = 64 terms, so the row total is
- * as accurate as ATen's float reductions or more. */
+ * without; at this length a lane's float sum has 1024/W terms (W floats a vector: 64 with AVX-512,
+ * 128 with AVX2; -fopenmp-simd keeps the lanes without OpenMP's runtime), so the row total is as
+ * accurate as ATen's float reductions or more. */
 #define AF_ROW_CHUNK 1024
 
 /* Which of a row kernel's sums (phase ph of a phased kernel, or every reduction of a plain one when

@@ -67,7 +67,7 @@ void af_cg_emit_store_value(af_strbuf *sb, af_dtype d, const char *v);
  * (so the loop can be an OpenMP max/min reduction); with AF_CG_FLOAT_SUMS, sums and means add into
  * float partials accf<id><acc_at> that the caller declares and flushes into the double acc<id>;
  * with AF_CG_FLOAT_ACC, every reduction accumulates into a float acc<id> (CUDA's threads: each
- * adds a few dozen terms before the warp combines them). */
+ * adds inner / threads terms before the warp combines them). */
 #define AF_CG_NAN_FLAGS 1
 #define AF_CG_FLOAT_SUMS 2
 #define AF_CG_FLOAT_ACC 4

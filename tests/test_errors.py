@@ -24,22 +24,24 @@ def test_untraceable_function_raises_a_clear_error():
 
 
 class _Memo(torch.nn.Module):
-    """Keeps a tensor derived from a parameter in Python state in eval mode, as LeViT's attention-bias
-    cache does (`self.cache[device] = self.biases[:, idxs]`), and a list of what it saw."""
+    """Keeps tensors derived from a parameter in a dict in eval mode, as LeViT's attention-bias cache
+    does (`self.cache[device] = self.biases[:, idxs]`), and as rotary caches do, a tuple of them."""
 
     def __init__(self):
         super().__init__()
         self.w = torch.nn.Parameter(torch.randn(8, 8))
         self.register_buffer("idx", torch.randint(0, 8, (8,)), persistent=False)
-        self.cache, self.seen = {}, []
+        self.cache, self.rotary = {}, {}
 
     def forward(self, x):
         if self.training:
             return x @ self.w[:, self.idx]
         if "b" not in self.cache:
             self.cache["b"] = self.w[:, self.idx]
-        self.seen.append(self.cache["b"])
-        return x @ self.cache["b"]
+        if 8 not in self.rotary:
+            self.rotary[8] = (self.w.cos(), self.w.sin())
+        cos, sin = self.rotary[8]
+        return x @ self.cache["b"] + x @ (cos * sin)
 
 
 @pytest.mark.parametrize("fallback", ["error", "eager", "dynamo"])
@@ -61,9 +63,49 @@ def test_a_module_memoizing_tensors_in_python_state_is_captured_and_keeps_no_tra
             torch.testing.assert_close(compiled(x), ref(x))
     cf = compiled._aotfuse_compiled
     assert cf.compile_count == 1 and all(e.fallback is None for e in cf._cache.values())
-    assert m.cache == {} and m.seen == []  # nothing the trace kept is left
+    assert m.cache == {} and m.rotary == {}  # nothing the trace kept is left
     torch.testing.assert_close(m(x), ref(x))  # the module itself still runs eagerly
-    assert type(m.cache["b"]) is torch.Tensor
+    assert type(m.cache["b"]) is torch.Tensor and type(m.rotary[8][0]) is torch.Tensor
+
+
+class _Stateful(torch.nn.Module):
+    """Keeps state the next call reads (truncated backpropagation through time: `self.prev`) and a
+    list the training loop reads: a compiled graph cannot replay either."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.prev, self.log = None, []
+
+    def forward(self, x):
+        y = self.lin(x if self.prev is None else x + self.prev)
+        self.prev = y.detach()
+        self.log.append(y.detach().sum())
+        return y
+
+
+@pytest.mark.parametrize("fallback", ["error", "eager", "dynamo"])
+def test_state_the_forward_keeps_fails_the_capture_not_silently(fallback):
+    """Python state the forward writes for later (not a memo) is not dropped silently: the capture
+    fails, naming it, and the fallbacks run the module with its state, as eager does."""
+    torch.manual_seed(0)
+    ref, m = _Stateful(), _Stateful()
+    m.load_state_dict(ref.state_dict())
+    compiled = aotfuse.memory_efficient_fusion(m, fallback=fallback)
+    xs = [torch.randn(2, 4) for _ in range(3)]
+    if fallback == "error":
+        with pytest.raises(aotfuse.CaptureError, match=r"_Stateful\.prev"):
+            compiled(xs[0])
+        assert m.prev is None and m.log == []  # and the module keeps no traced tensor
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in xs:
+            torch.testing.assert_close(compiled(x), ref(x))
+    assert any("could not capture" in str(w.message) and "_Stateful.prev" in str(w.message) for w in caught)
+    torch.testing.assert_close(m.prev, ref.prev)
+    assert len(m.log) == 3 and all(type(t) is torch.Tensor for t in m.log)
+    torch._dynamo.reset()
 
 
 def test_fallback_eager_warns_once_and_is_right():

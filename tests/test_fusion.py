@@ -263,6 +263,33 @@ def test_disk_cache_is_hit_by_a_second_process_and_survives_corruption(tmp_path)
     assert not list(tmp_path.glob(".*"))  # no temporary files left behind
 
 
+NO_OPENMP_SCRIPT = """
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from aotfuse.lower import lower
+x = torch.randn(8, 5000, generator=torch.Generator().manual_seed(5)) * 3 + 100.0
+f = lambda x: (x * 1.0).sum(-1)
+low = lower(make_fx(f)(x))
+err = (low([x])[0].double() - f(x.double())).abs().max().item()
+aten = (f(x).double() - f(x.double())).abs().max().item()
+print("ERR", err, aten, low.program.num_kernels)
+"""
+
+
+def test_a_compiler_without_openmp_still_vectorizes_row_sums_accurately(tmp_path):
+    """A compiler that refuses -fopenmp (Apple's clang has no OpenMP runtime) builds with
+    -fopenmp-simd: the row sums keep one float partial sum per vector lane (without it, a 1024-element
+    chunk summed as one float was 10x further from float64 than ATen)."""
+    cc = tmp_path / "cc-without-openmp"
+    cc.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = "-fopenmp" ] && { echo "no OpenMP" >&2; exit 1; }; done\nexec cc "$@"\n')
+    cc.chmod(0o755)
+    res = _run_in_subprocess(NO_OPENMP_SCRIPT, {"AOTFUSE_CACHE_DIR": str(tmp_path / "cache"), "AOTFUSE_CC": str(cc)})
+    assert res.returncode == 0, res.stderr
+    err, aten, kernels = res.stdout.split("ERR")[1].split()
+    assert int(kernels) == 1
+    assert float(err) <= max(3 * float(aten), 4 * torch.finfo(torch.float32).eps * 5000 * 100), res.stdout
+
+
 def test_missing_compiler_is_a_clear_error_and_fusion_can_be_turned_off(tmp_path):
     env = {"AOTFUSE_CACHE_DIR": str(tmp_path), "AOTFUSE_CC": "/nonexistent/cc"}
     res = _run_in_subprocess(CACHE_SCRIPT, env)

@@ -6,6 +6,7 @@ a call with a known signature goes straight to them.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import warnings
@@ -212,6 +213,7 @@ class _Entry:
 def _without_leading(target: Callable, n: int, *args: Any, **kwargs: Any) -> Any:
     return target(*args[n:], **kwargs)
 
+
 def _traced(x: Any) -> bool:
     """A tensor of a capture (fake or functional), not one a user's model may keep."""
     if not isinstance(x, torch.Tensor):
@@ -221,12 +223,17 @@ def _traced(x: Any) -> bool:
     return isinstance(x, FunctionalTensor) or is_fake(x) or torch._is_functional_tensor(x)
 
 
-def _holds_traced(v: Any) -> bool:
+def _traced_leaves(v: Any, depth: int = 4) -> list:
+    """The traced tensors v is or holds in containers nested up to `depth` deep."""
+    if _traced(v):
+        return [v]
+    if depth == 0 or isinstance(v, (str, bytes, torch.Tensor, nn.Module)):
+        return []
     if isinstance(v, dict):
-        return any(_traced(x) for x in v.values())
-    if isinstance(v, (list, tuple, set)):
-        return any(_traced(x) for x in v)
-    return _traced(v)
+        v = v.values()
+    elif not isinstance(v, (list, tuple, set, frozenset, collections.deque)):
+        return []
+    return [t for x in v for t in _traced_leaves(x, depth - 1)]
 
 
 @contextlib.contextmanager
@@ -240,31 +247,46 @@ def _onednn_off():
         torch._C._set_mkldnn_enabled(was)
 
 
-@contextlib.contextmanager
-def _module_state_guard(mod: nn.Module | None):
-    """Capture runs the module's forward on fake tensors, once per AOTAutograd tracing pass: what the
-    forward keeps in Python state (LeViT's attention-bias cache in eval mode: `self.cache[device] =
-    self.biases[:, idx]`) would keep a traced tensor, which the next pass would read as a foreign
-    constant (the capture fails) and every later call (a fallback, eager use of the module) would fail
-    on. After each pass, each submodule attribute that now holds a traced tensor, directly or in a
-    dict, list, tuple or set, gets back its value from before (a container its contents), so each pass
-    traces the memoized value's computation and the module keeps no traced tensor."""
-    if mod is None:
-        yield
-        return
-    before = []
-    for m in mod.modules():
-        state = {k: v for k, v in vars(m).items() if k not in ("_parameters", "_buffers", "_modules")}
-        contents = {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, (list, set)) else None)
-                    for k, v in state.items() if isinstance(v, (dict, list, set))}
-        before.append((m, state, contents))
-    try:
-        yield
-    finally:
-        for m, state, contents in before:
+class _ModuleStateGuard:
+    """Capture runs the module's forward on fake tensors, once per AOTAutograd tracing pass; what the
+    forward keeps in Python state would keep a traced tensor, which the next pass reads as a foreign
+    constant (the capture failed) and every later call (a fallback, eager use of the module) fails on.
+    After each pass, each submodule attribute that now holds a traced tensor (directly or in nested
+    dicts, lists, tuples, sets or deques) gets back its value from before, a container its contents,
+    so no traced tensor outlives the capture.
+
+    A memo is then harmless: a dict that only gained keys (LeViT's eval-mode bias cache,
+    `self.cache[device] = self.biases[:, idx]`; rotary caches of (cos, sin)) is recomputed in the
+    graph on every call. Any other state the forward keeps (`self.prev = y.detach()`, an auxiliary
+    loss kept for the training loop) cannot be replayed by a compiled graph: `kept` names it, and the
+    caller fails the capture, so the fallbacks (Dynamo replays such side effects) run it instead.
+    State that holds only the pass's inputs (an RNN's `_flat_weights`: the parameters
+    functional_call swapped in) is restored without failing."""
+
+    _SKIP = ("_parameters", "_buffers", "_modules")
+
+    def __init__(self, mod: nn.Module | None, inputs: tuple = ()):
+        self.mod, self.kept, self.inputs = mod, [], {id(t) for t in inputs}
+
+    def __enter__(self) -> "_ModuleStateGuard":
+        self.before = []
+        for m in self.mod.modules() if self.mod is not None else ():
+            state = {k: v for k, v in vars(m).items() if k not in self._SKIP}
+            contents = {k: (dict(v) if isinstance(v, dict) else list(v))
+                        for k, v in state.items() if isinstance(v, (dict, list, set, collections.deque))}
+            self.before.append((m, state, contents))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for m, state, contents in self.before:
             for k, v in list(vars(m).items()):
-                if k in ("_parameters", "_buffers", "_modules") or not _holds_traced(v):
+                leaves = [] if k in self._SKIP else _traced_leaves(v)
+                if not leaves:
                     continue
+                memo = (isinstance(v, dict) and v is state.get(k) and k in contents
+                        and all(key in v and v[key] is old for key, old in contents[k].items()))
+                if not memo and not all(id(t) in self.inputs for t in leaves):
+                    self.kept.append(f"{type(m).__name__}.{k}")
                 if k not in state:
                     delattr(m, k)
                 elif v is state[k] and k in contents:  # the same container, filled during the trace
@@ -367,11 +389,15 @@ class CompiledFunction:
             for i, t in zip(tensor_idx, tensors):
                 vals[i] = t
             args, kwargs = tree_unflatten(vals, spec)
-            # oneDNN off while tracing: torch's LSTM/GRU decompositions would otherwise record
-            # mkldnn_rnn_layer, whose inference-mode workspace ATen returns as None at run time
-            # (the graph expects a tensor); without it they trace as matmuls and pointwise ops
-            with _module_state_guard(module), _onednn_off():
+            # oneDNN off while tracing (a process-wide flag, for the pass only): torch's LSTM
+            # decomposition would otherwise record mkldnn_rnn_layer, whose inference-mode workspace
+            # ATen returns as None at run time (the graph expects a tensor); without it the LSTM
+            # traces as matmuls and pointwise ops
+            with _ModuleStateGuard(module, tensors) as guard, _onednn_off():
                 out = fn(*args, **kwargs)
+            if guard.kept:
+                raise RuntimeError(f"the forward keeps tensors in Python state ({', '.join(guard.kept)}), which a "
+                                   f"compiled graph cannot replay")
             out_leaves, out_spec = tree_flatten(out, objects=True)
             record.out_spec = out_spec
             record.out_consts = [None if isinstance(x, torch.Tensor) else (x,) for x in out_leaves]

@@ -25,8 +25,8 @@ done in another order). Both are relative to the tensor's own magnitude, or, for
 parameter updates), to the largest gradient of the step (times lr) when that is larger: a gradient
 that is mathematically zero (Longformer's global-attention key bias without global tokens) comes out
 as rounding noise of terms that cancel, whose size its own magnitude does not tell; for a buffer,
-to the largest of its module's float buffers (a BatchNorm running mean that is mathematically 0,
-beside its running variance). Far below the
+to the largest of its module's float buffers that the step changed (a BatchNorm running mean that is
+mathematically 0, beside its running variance). Far below the
 seed's tolerance either way, so the criterion stays the sharper one.
 
 A seed-tolerance failure where eager itself is no closer to float64 than that same tolerance
@@ -401,6 +401,7 @@ def _train_and_compare(base: nn.Module, inputs: Any, compile_fn: Callable, lr: f
 
     for step in range(steps):
         outs, trees = {}, {}
+        ref_buffers = {k: b.detach().clone() for k, b in ref.named_buffers() if b.is_floating_point()}
         for tag, (_, fn) in copies.items():
             opts[tag].zero_grad(set_to_none=True)
             torch.manual_seed(_SEED + step)  # the same dropout masks, where the RNG is used alike
@@ -457,11 +458,14 @@ def _train_and_compare(base: nn.Module, inputs: Any, compile_fn: Callable, lr: f
                 check.compare(step, f"{pname} after the update", named["aotfuse"][pname], p,
                               named["ref"].get(pname))
         bufs = {tag: dict(mod.named_buffers()) for tag, (mod, _) in copies.items()}
-        # a buffer's context: its module's float buffers (a running mean that is mathematically 0
-        # comes out as rounding noise of activations its running variance measures)
+        # a buffer's context: its module's float buffers that the step changed (a running mean that is
+        # mathematically 0 comes out as rounding noise of activations its running variance measures;
+        # a constant buffer, a -1e4 mask value, says nothing about them)
         owner_scale: dict[str, float] = {}
         for bname, rb in bufs["ref"].items():
-            if rb.is_floating_point() and rb.numel() and bool(torch.isfinite(rb).all()):
+            old = ref_buffers.get(bname)
+            if (old is not None and rb.numel() and not torch.equal(old, rb.detach())
+                    and bool(torch.isfinite(rb).all())):
                 owner = bname.rpartition(".")[0]
                 owner_scale[owner] = max(owner_scale.get(owner, 0.0), float(rb.detach().abs().max()))
         for bname, b in bufs["eager"].items():
