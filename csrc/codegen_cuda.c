@@ -121,7 +121,7 @@ static void emit_pointwise(af_strbuf *sb, const af_graph *g, const af_fusion_gro
     emit_zero_offsets(sb, "    ", it, "o", nops, NULL);
     af_cg_emit_unflatten(sb, "    ", it, "r", "o", 0, nd - 1, sp->sizes, sp->strides, nops);
     af_strbuf_printf(sb, "    (void)r;\n");
-    af_cg_emit_body(sb, g, grp, sp->ops, "", AF_CG_FLOAT_ACC);
+    af_cg_emit_body(sb, g, grp, sp->ops, "", 0);
     af_strbuf_printf(sb, "  }\n}\n");
     launch->kind = AF_CUDA_POINTWISE;
     launch->threads = AF_THREADS;

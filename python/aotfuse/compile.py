@@ -310,7 +310,6 @@ class CompiledFunction:
         # tensors), so no call pays functional_call's swapping of every tensor in and out
         self.fallback_fn: Callable = fn
         self.fallback_skip = 0
-        self.module: nn.Module | None = None  # aot_module's: its Python state is kept from the capture
         # aot_module's shortcut past the tensor walk and the lookup: (the user arguments' signature,
         # what runs them) after a call of a module fell back; cleared with the cache
         self.module_fallback: tuple | None = None
@@ -382,7 +381,8 @@ class CompiledFunction:
         record = _Record()
         tensor_idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         template = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-        fn, module = self.fn, self.module
+        fn = self.fn
+        module = self.fallback_fn if isinstance(self.fallback_fn, nn.Module) else None  # its Python state is kept
 
         def flat_fn(*tensors):  # AOTAutograd calls it once per tracing pass
             vals = list(template)
@@ -642,7 +642,6 @@ def aot_module(mod: nn.Module, *args: Any, **kwargs: Any) -> AOTModule:
     # AOTModule passes the module's own tensors: a fallback calls the module itself (functional_call
     # would swap each of them in and out on every call: 2 ms of a host-size Longformer step)
     compiled.fallback_fn, compiled.fallback_skip = mod, 2
-    compiled.module = mod
     return AOTModule(mod, compiled)
 
 
