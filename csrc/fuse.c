@@ -694,6 +694,250 @@ static int reads_dependent_of(const af_node *n, const int32_t *value_group, cons
     return 0;
 }
 
+/* ---- Merging independent groups (fewer kernel steps) ----
+ *
+ * The greedy pass above joins a node to a group it reads from or shares an input with; groups of
+ * one loop that neither reads (the column sums of q's and v's gradients, a residual add beside an
+ * unrelated copy) stay kernels of their own. Such a pair becomes one kernel when their loops are
+ * the same (iteration sizes and layout; the same reduced dims, or one group without reductions)
+ * and it can run at one of their two steps:
+ *   - the later one's, when nothing outside the earlier group reads its values before that step;
+ *   - the earlier one's, when every input of the later group is made before that step.
+ * Either way neither group depends on the other through any path. Groups with windows, recomputed
+ * members or epilogue members (phased kernels) stay as they are. */
+
+#define AF_MERGE_LOOKBACK 16 /* earlier groups a group may join */
+#define AF_MERGE_OPERANDS 32 /* most inputs + outputs of a merged kernel (CUDA parameter space) */
+#define AF_MERGE_SPAN 48     /* most nodes a kernel moves: values stay where they were just written */
+
+/* 1 when group gi may merge at all: every member its own (no recomputed members), no window or
+ * shifted member, no member reading a reduction of the group (an epilogue). */
+static int mergeable(const af_graph *g, const af_fusion_plan *plan, int32_t gi) {
+    const af_fusion_group *grp = &plan->groups[gi];
+    if (grp->window_of || grp->iter_value < 0) return 0;
+    for (int32_t k = 0; k < grp->n_nodes; k++) {
+        int32_t i = grp->nodes[k];
+        af_window w;
+        if (plan->group_of_node[i] != gi || af_fuse_window(g, i, &w)) return 0;
+        const af_node *n = af_graph_node(g, i);
+        for (int32_t a = 0; a < n->n_args; a++) {
+            if (n->args[a].kind != AF_ARG_VALUE) continue;
+            int32_t prod = af_graph_value(g, n->args[a].u.value)->producer;
+            if (prod >= 0 && plan->group_of_node[prod] == gi && af_fuse_reduction_ok(g, prod, NULL)) return 0;
+        }
+    }
+    return 1;
+}
+
+static int same_loop(const af_tensor_meta *a, const af_tensor_meta *b) {
+    if (!same_shape(a, b)) return 0;
+    for (int32_t d = 0; d < a->ndim; d++)
+        if (a->sizes[d] > 1 && a->strides[d] != b->strides[d]) return 0;
+    return 1;
+}
+
+/* Does group `reader` take a value of group `maker` as an input? */
+static int reads_group(const af_graph *g, const af_fusion_plan *plan, const af_fusion_group *reader, int32_t maker) {
+    for (int32_t k = 0; k < reader->n_inputs; k++) {
+        int32_t prod = af_graph_value(g, reader->inputs[k])->producer;
+        if (prod >= 0 && plan->group_of_node[prod] == maker) return 1;
+    }
+    return 0;
+}
+
+/* Sorted union of two sorted node lists into *out (malloc'd). */
+static int merge_sorted(const int32_t *a, int32_t na, const int32_t *b, int32_t nb, int32_t **out) {
+    int32_t *m = malloc(((size_t)na + (size_t)nb + 1) * sizeof(int32_t)), i = 0, j = 0, k = 0;
+    if (!m) return af_error_set(AF_ERR_NOMEM, "out of memory planning fusion");
+    while (i < na || j < nb) m[k++] = j >= nb || (i < na && a[i] < b[j]) ? a[i++] : b[j++];
+    *out = m;
+    return AF_OK;
+}
+
+static int union_into(int32_t **arr, int32_t *n, const int32_t *add, int32_t n_add) {
+    for (int32_t k = 0; k < n_add; k++)
+        if (!contains(*arr, *n, add[k])) {
+            int st = push(arr, n, add[k]);
+            if (st) return st;
+        }
+    return AF_OK;
+}
+
+/* Moves group b's members into group a, which runs after node `at` (b's arrays are freed; the
+ * caller drops b). */
+static int merge_into(af_fusion_plan *plan, int32_t a, int32_t b, int32_t at) {
+    af_fusion_group *ga = &plan->groups[a], *gb = &plan->groups[b];
+    int32_t *nodes = NULL;
+    int st = merge_sorted(ga->nodes, ga->n_nodes, gb->nodes, gb->n_nodes, &nodes);
+    if (st) return st;
+    /* push grows at powers of two: give the merged lists room by rebuilding them */
+    int32_t *inputs = NULL, *outputs = NULL, n_in = 0, n_out = 0;
+    if ((st = union_into(&inputs, &n_in, ga->inputs, ga->n_inputs)) || (st = union_into(&inputs, &n_in, gb->inputs, gb->n_inputs)) ||
+        (st = union_into(&outputs, &n_out, ga->outputs, ga->n_outputs)) ||
+        (st = union_into(&outputs, &n_out, gb->outputs, gb->n_outputs))) {
+        free(nodes);
+        free(inputs);
+        free(outputs);
+        return st;
+    }
+    for (int32_t k = 0; k < gb->n_nodes; k++) plan->group_of_node[gb->nodes[k]] = a;
+    free(ga->nodes);
+    free(ga->inputs);
+    free(ga->outputs);
+    ga->nodes = nodes;
+    ga->n_nodes += gb->n_nodes;
+    ga->inputs = inputs;
+    ga->n_inputs = n_in;
+    ga->outputs = outputs;
+    ga->n_outputs = n_out;
+    ga->last_node = at;
+    if (gb->reduce_mask) { /* the loop is the reduction's: its input is the iteration value */
+        if (!ga->reduce_mask) ga->iter_value = gb->iter_value;
+        ga->reduce_mask = gb->reduce_mask;
+    }
+    ga->n_reductions += gb->n_reductions;
+    free(gb->nodes);
+    free(gb->inputs);
+    free(gb->outputs);
+    free(gb->window_of);
+    memset(gb, 0, sizeof *gb);
+    return AF_OK;
+}
+
+/* Where things happen while groups merge: a group's kernel runs at its last_node, which a merge
+ * moves, so reads and writes are placed by the steps as they stand. */
+typedef struct {
+    const af_graph *g;
+    af_fusion_plan *plan;
+    int32_t *ext_first; /* per value: the first node of no group reading it, or INT32_MAX */
+    int32_t *head, *edge, *next; /* per group: a list of the groups reading its values (edge: the reader) */
+    int32_t *chain;     /* per group: the next group merged into the same one, or -1 */
+    int32_t *merged_to; /* per group: the group it was merged into (itself while it stands) */
+} merge_state;
+
+/* The first step reading one of gi's values outside it: an extern node, or another kernel's step
+ * (INT32_MAX: only returned). */
+static int32_t first_read(const merge_state *s, int32_t gi) {
+    const af_fusion_group *grp = &s->plan->groups[gi];
+    int32_t at = INT32_MAX;
+    for (int32_t k = 0; k < grp->n_outputs; k++)
+        if (s->ext_first[grp->outputs[k]] < at) at = s->ext_first[grp->outputs[k]];
+    for (int32_t o = gi; o >= 0; o = s->chain[o])
+        for (int32_t e = s->head[o]; e >= 0; e = s->next[e]) {
+            int32_t r = s->merged_to[s->edge[e]];
+            if (r != gi && s->plan->groups[r].last_node < at) at = s->plan->groups[r].last_node;
+        }
+    return at;
+}
+
+/* The step making gi's last input: an extern node, or another kernel's step (-1: inputs only). */
+static int32_t inputs_ready(const merge_state *s, int32_t gi) {
+    const af_fusion_group *grp = &s->plan->groups[gi];
+    int32_t at = -1;
+    for (int32_t k = 0; k < grp->n_inputs; k++) {
+        int32_t prod = af_graph_value(s->g, grp->inputs[k])->producer, pg = prod >= 0 ? s->plan->group_of_node[prod] : -1;
+        int32_t step = pg >= 0 ? s->plan->groups[pg].last_node : prod;
+        if (step > at) at = step;
+    }
+    return at;
+}
+
+static int merge_independent_groups(const af_graph *g, af_fusion_plan *plan) {
+    int32_t ng = plan->n_groups, nn = af_graph_num_nodes(g), nv = af_graph_num_values(g), n_edges = 0;
+    if (ng < 2) return AF_OK;
+    for (int32_t gi = 0; gi < ng; gi++) n_edges += plan->groups[gi].n_inputs;
+    merge_state s = {.g = g, .plan = plan};
+    s.ext_first = malloc(((size_t)nv + 1) * sizeof(int32_t));
+    s.head = malloc(((size_t)ng + 1) * sizeof(int32_t));
+    s.chain = malloc(((size_t)ng + 1) * sizeof(int32_t));
+    s.merged_to = malloc(((size_t)ng + 1) * sizeof(int32_t));
+    s.edge = malloc(((size_t)n_edges + 1) * sizeof(int32_t));
+    s.next = malloc(((size_t)n_edges + 1) * sizeof(int32_t));
+    uint8_t *ok = calloc((size_t)ng + 1, 1);
+    int st = AF_OK;
+    if (!s.ext_first || !s.head || !s.chain || !s.merged_to || !s.edge || !s.next || !ok) {
+        st = af_error_set(AF_ERR_NOMEM, "out of memory planning fusion");
+        goto done;
+    }
+    for (int32_t v = 0; v < nv; v++) s.ext_first[v] = INT32_MAX; /* a returned value is read after every step */
+    for (int32_t i = nn - 1; i >= 0; i--) {
+        if (plan->group_of_node[i] >= 0) continue; /* a kernel member's reads are its group's inputs */
+        const af_node *n = af_graph_node(g, i);
+        for (int32_t a = 0; a < n->n_args; a++) {
+            const af_arg *arg = &n->args[a];
+            int32_t n_items = arg->kind == AF_ARG_LIST ? arg->u.list.n : 1;
+            for (int32_t j = 0; j < n_items; j++) {
+                const af_arg *x = arg->kind == AF_ARG_LIST ? &arg->u.list.items[j] : arg;
+                if (x->kind == AF_ARG_VALUE) s.ext_first[x->u.value] = i;
+            }
+        }
+    }
+    n_edges = 0;
+    for (int32_t gi = 0; gi < ng; gi++) s.head[gi] = -1;
+    for (int32_t gi = 0; gi < ng; gi++) {
+        const af_fusion_group *grp = &plan->groups[gi];
+        s.chain[gi] = -1;
+        s.merged_to[gi] = gi;
+        ok[gi] = (uint8_t)mergeable(g, plan, gi);
+        for (int32_t k = 0; k < grp->n_inputs; k++) {
+            int32_t prod = af_graph_value(g, grp->inputs[k])->producer, pg = prod >= 0 ? plan->group_of_node[prod] : -1;
+            if (pg < 0) continue;
+            s.edge[n_edges] = gi;
+            s.next[n_edges] = s.head[pg];
+            s.head[pg] = n_edges++;
+        }
+    }
+    for (int32_t b = 1; b < ng; b++) {
+        if (!ok[b]) continue;
+        const af_fusion_group *gb = &plan->groups[b];
+        const af_tensor_meta *ib = &af_graph_value(g, gb->iter_value)->meta;
+        int32_t seen = 0;
+        for (int32_t a = b - 1; a >= 0 && seen < AF_MERGE_LOOKBACK; a--) {
+            if (s.merged_to[a] != a || !ok[a]) continue;
+            seen++;
+            const af_fusion_group *ga = &plan->groups[a];
+            if (ga->device.type != gb->device.type || ga->device.index != gb->device.index) continue;
+            if (ga->reduce_mask && gb->reduce_mask && ga->reduce_mask != gb->reduce_mask) continue;
+            if (ga->n_inputs + gb->n_inputs + ga->n_outputs + gb->n_outputs > AF_MERGE_OPERANDS) continue;
+            if (!same_loop(&af_graph_value(g, ga->iter_value)->meta, ib)) continue;
+            if (reads_group(g, plan, gb, a) || reads_group(g, plan, ga, b)) continue;
+            /* e runs first, l later; two kernels at one node keep apart (their order there is the steps') */
+            int32_t e = ga->last_node <= gb->last_node ? a : b, l = e == a ? b : a;
+            int32_t lo = plan->groups[e].last_node, hi = plan->groups[l].last_node, at;
+            if (lo == hi || hi - lo > AF_MERGE_SPAN) continue;
+            if (first_read(&s, e) > hi) at = hi;         /* e's kernel may wait for l's step */
+            else if (inputs_ready(&s, l) < lo) at = lo;  /* l's inputs are all made by e's step */
+            else continue;
+            if ((st = merge_into(plan, a, b, at))) goto done;
+            s.merged_to[b] = a;
+            int32_t tail = a;
+            while (s.chain[tail] >= 0) tail = s.chain[tail];
+            s.chain[tail] = b;
+            break;
+        }
+    }
+    /* drop the merged groups; number the rest densely, in order */
+    int32_t kept = 0;
+    for (int32_t gi = 0; gi < ng; gi++) {
+        if (s.merged_to[gi] != gi) continue;
+        s.merged_to[gi] = kept;
+        if (kept != gi) plan->groups[kept] = plan->groups[gi];
+        kept++;
+    }
+    for (int32_t i = 0; i < nn; i++)
+        if (plan->group_of_node[i] >= 0) plan->group_of_node[i] = s.merged_to[plan->group_of_node[i]];
+    plan->n_groups = kept;
+done:
+    free(s.ext_first);
+    free(s.head);
+    free(s.chain);
+    free(s.merged_to);
+    free(s.edge);
+    free(s.next);
+    free(ok);
+    return st;
+}
+
 int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_plan **out) {
     if (!g || !out) return af_error_set(AF_ERR_INVALID, "af_fuse_plan_new: NULL argument");
     int32_t min_nodes = opts && opts->min_nodes > 0 ? opts->min_nodes : 2;
@@ -1048,6 +1292,7 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
             }
         }
     }
+    if (!st && !(opts && opts->no_merge)) st = merge_independent_groups(g, plan);
 done:
     free(value_group);
     free(closed);

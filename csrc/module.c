@@ -446,19 +446,20 @@ typedef struct {
 } ProgramObject;
 
 static PyObject *Program_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"graph", "fuse", "min_group", "devices", "reuse", "sink", "sink_reads", "window_sources", NULL};
+    static char *kwlist[] = {"graph", "fuse", "min_group", "devices", "reuse", "sink", "sink_reads", "window_sources", "merge", NULL};
     GraphObject *graph;
     af_program_options opts = {.fuse = 0, .min_group = 2};
     const char *devices = "all";
-    int reuse = 1, sink = 1, sink_reads = 1, window_sources = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|pispppp", kwlist, &GraphType, &graph, &opts.fuse, &opts.min_group, &devices,
-                                     &reuse, &sink, &sink_reads, &window_sources) ||
+    int reuse = 1, sink = 1, sink_reads = 1, window_sources = 1, merge = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|pisppppp", kwlist, &GraphType, &graph, &opts.fuse, &opts.min_group, &devices,
+                                     &reuse, &sink, &sink_reads, &window_sources, &merge) ||
         !graph_alive(graph))
         return NULL;
     opts.no_reuse = !reuse;
     opts.no_sink = !sink;
     opts.no_sink_reads = !sink_reads;
     opts.no_shifted = !window_sources;
+    opts.no_merge = !merge;
     if (strcmp(devices, "cpu") == 0) opts.device_types = 1u << AF_DEVICE_CPU;
     else if (strcmp(devices, "cuda") == 0) opts.device_types = 1u << AF_DEVICE_CUDA;
     else if (strcmp(devices, "all") == 0) opts.device_types = 0;
@@ -834,23 +835,25 @@ static PyObject *id_list(const int32_t *ids, int32_t n) {
 
 static const char *const cuda_kind_names[] = {"none", "pointwise", "rows", "columns", "split_rows"};
 
-/* cuda_codegen(graph, sm_count=132, min_group=2, window_sources=True) -> (source, [launch dict per
+/* cuda_codegen(graph, sm_count=132, min_group=2, window_sources=True, merge=True) -> (source, [launch dict per
  * group]): the CUDA a program would compile for the graph's CUDA groups (a program's graph: after
  * sink_copies; window_sources: af_fuse_options' no_shifted, negated), and per
  * group its launch facts and operands (value ids: inputs, then outputs, the kernel's parameter
  * order); the graph is not consumed. */
 static PyObject *cuda_codegen(PyObject *m, PyObject *args, PyObject *kwds) {
     (void)m;
-    static char *kwlist[] = {"graph", "sm_count", "min_group", "window_sources", NULL};
+    static char *kwlist[] = {"graph", "sm_count", "min_group", "window_sources", "merge", NULL};
     GraphObject *graph;
-    int sm_count = 132, min_group = 2, window_sources = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|iip", kwlist, &GraphType, &graph, &sm_count, &min_group, &window_sources) ||
+    int sm_count = 132, min_group = 2, window_sources = 1, merge = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|iipp", kwlist, &GraphType, &graph, &sm_count, &min_group, &window_sources,
+                                     &merge) ||
         !graph_alive(graph))
         return NULL;
     int st = af_graph_verify(graph->g);
     if (st) return raise_status(st);
     const af_graph *g = graph->g;
-    af_fuse_options fo = {.min_nodes = min_group, .device_types = 1u << AF_DEVICE_CUDA, .no_shifted = !window_sources};
+    af_fuse_options fo = {.min_nodes = min_group, .device_types = 1u << AF_DEVICE_CUDA, .no_shifted = !window_sources,
+                          .no_merge = !merge};
     af_fusion_plan *plan = NULL;
     if ((st = af_fuse_plan_new(g, &fo, &plan))) return raise_status(st);
     af_cuda_launch *launch = calloc((size_t)plan->n_groups + 1, sizeof *launch);
@@ -979,7 +982,7 @@ static PyMethodDef module_methods[] = {
     {"sink_copies", (PyCFunction)(void (*)(void))sink_copies, METH_VARARGS | METH_KEYWORDS,
      "sink_copies(graph, devices='all', reads=True) -> (Graph or None, [origin per value]): copies (and reads) of views computed from their sources"},
     {"cuda_codegen", (PyCFunction)(void (*)(void))cuda_codegen, METH_VARARGS | METH_KEYWORDS,
-     "cuda_codegen(graph, sm_count=132, min_group=2, window_sources=True) -> (CUDA source, [launch per group])"},
+     "cuda_codegen(graph, sm_count=132, min_group=2, window_sources=True, merge=True) -> (CUDA source, [launch per group])"},
     {"nvrtc_compile", (PyCFunction)(void (*)(void))nvrtc_compile, METH_VARARGS | METH_KEYWORDS,
      "nvrtc_compile(source, arch=90, ptx=False, verbose=False) -> (image, log)"},
     {"cuda_info", cuda_info, METH_VARARGS, "cuda_info(need_driver=False) -> NVRTC's path and version, or the error"},

@@ -247,7 +247,8 @@ static int build_kernels(af_program *p, const af_program_options *opts) {
     uint32_t devices = opts->device_types ? opts->device_types : AF_FUSE_ALL_DEVICES;
     p->cuda_device = cuda_device_of(p->graph);
     if (p->cuda_device < 0) devices &= ~(1u << AF_DEVICE_CUDA);
-    af_fuse_options fo = {.min_nodes = opts->min_group > 0 ? opts->min_group : 2, .device_types = devices, .no_shifted = opts->no_shifted};
+    af_fuse_options fo = {.min_nodes = opts->min_group > 0 ? opts->min_group : 2, .device_types = devices, .no_shifted = opts->no_shifted,
+                          .no_merge = opts->no_merge};
     int st = af_fuse_plan_new(p->graph, &fo, &p->plan);
     if (st || p->plan->n_groups == 0) return st;
     int32_t n_cpu = 0, n_cuda = 0;

@@ -654,11 +654,12 @@ def test_layer_norm_backward_decomposition_is_one_kernel_for_the_input_gradient(
         # the weight and bias gradients (column sums of go * x_hat and go, x_hat in the row kernel)
         # are one column kernel that recomputes x_hat and the product: no ATen sum, and the row
         # kernel stores the input gradient only
-        # (bf16: the upcasts of mean, rstd and the weight and the two downcasts are small lone kernels)
+        # (bf16: the upcasts of mean and rstd are one small kernel, merged as independent groups of one
+        # loop, so are the two downcasts; the weight's upcast is read before the downcasts' inputs exist)
         assert externs == {}, externs
         assert "(2 column reductions)" in lowered.program.source
         assert "(2 reductions, 2 phases), 5 inputs, 1 outputs" in lowered.program.source
-        assert lowered.program.num_kernels == (2 if dtype == torch.float32 else 7)
+        assert lowered.program.num_kernels == (2 if dtype == torch.float32 else 5)
 
 
 def _column_sum_of_row_kernel_value(x, w):
@@ -859,6 +860,44 @@ def test_a_lone_pointwise_op_after_an_aten_call_is_a_kernel():
     assert lowered.extern_counts() == {"aten::mm.default": 2}, lowered.extern_counts()
 
 
+def _qkv_bias_gradients(x, gq, gk, gv, y):
+    # three column sums of independent matmul results (the q, k and v bias gradients); exp(y)*3 is
+    # independent of exp(x)*2, whose value an mm reads at once; exp(mm)*4 depends on exp(x)*2
+    a = aten.mul.Tensor(aten.exp.default(x), 2.0)
+    m = aten.mm.default(a, y)
+    b = aten.mul.Tensor(aten.exp.default(y), 3.0)
+    c = aten.mul.Tensor(aten.exp.default(m), 4.0)
+    sums = [aten.sum.dim_IntList(aten.mm.default(x, w), [0]) for w in (gq, gk, gv)]
+    return (m, b, c, *sums)
+
+
+@pytest.mark.parametrize("merge", ["1", "0"])
+def test_independent_kernels_of_one_loop_merge(merge, monkeypatch):
+    """Kernels of one loop that do not depend on each other run as one kernel (AOTFUSE_MERGE_KERNELS,
+    on by default): the three bias sums, and exp(y)*3 beside exp(x)*2 at the earlier step; the kernel
+    depending on exp(x)*2 through an ATen call never joins it. The results are eager's."""
+    monkeypatch.setenv("AOTFUSE_MERGE_KERNELS", merge)
+    g = torch.Generator().manual_seed(3)
+    args = [torch.randn(8, 8, generator=g) * 0.3 for _ in range(5)]
+    lowered = lower(make_fx(_qkv_bias_gradients)(*args))
+    for run in range(2):
+        for i, (a, r) in enumerate(zip(lowered(list(args)), _qkv_bias_gradients(*args))):
+            assert_close(a, r, f"output {i}, run {run}, merge={merge}", atol=1e-5, rtol=1e-5)
+    groups = {}
+    for op, _kind, grp in lowered.program.node_groups():
+        if grp >= 0:
+            groups.setdefault(op, []).append(grp)
+    sums, exps = groups["aten::sum.dim_IntList"], groups["aten::exp.default"]
+    assert lowered.program.kernel_fallbacks == 0
+    if merge == "1":
+        assert len(set(sums)) == 1 and exps[0] == exps[1] != exps[2], groups
+        # exp(m)*4 joins the sums too (one loop; nothing reads it before their step)
+        assert sums[0] == exps[2] and lowered.program.num_kernels == 2, groups
+    else:
+        assert len(set(sums)) == 3 and len(set(exps)) == 3, groups
+        assert lowered.program.num_kernels == 6, groups
+
+
 def window_cases(x, y, s, t):
     """Paddings and slice assignments as AOTAutograd gives them (Longformer's banded attention makes
     all of these): pads on both sides, crops, a fill value, slice_backward (zeros around a
@@ -947,6 +986,7 @@ def test_pads_of_many_small_shapes_match_eager_exactly(dtype, monkeypatch):
     """Pads of small values (fully unrolled and vectorized by the C compiler): the shapes GCC 12
     once miscompiled, and 40 random ones, in one program (one compile), each its own kernel."""
     monkeypatch.setenv("AOTFUSE_WINDOW_SOURCES", "0")  # the pad alone in its kernel, as it was miscompiled
+    monkeypatch.setenv("AOTFUSE_MERGE_KERNELS", "0")  # the products of equal shapes apart too
     rng = random.Random(3)
     cases = list(_MISCOMPILED_PADS)
     for _ in range(40):

@@ -65,6 +65,7 @@ typedef struct {
     int32_t min_nodes;     /* smallest group worth a kernel (default 2; 1 also fuses lone nodes) */
     uint32_t device_types; /* bit per af_device_type that gets kernels; 0: every supported one */
     int no_shifted;        /* keep every window's source a kernel input (no shifted members) */
+    int no_merge;          /* keep independent groups of one loop as kernels of their own */
 } af_fuse_options;
 
 /* Whether one node could be a group member: 1 pointwise (its op has an expression, its dtypes

@@ -34,6 +34,8 @@ typedef struct {
     int no_shifted;         /* with fuse: every window's source a kernel input (af_fuse_options) */
     int no_sink_reads;      /* with fuse and the copies rewritten: keep kernel members' reads of
                                such views as they are (default: rewritten too, af_sink_copies) */
+    int no_merge;           /* with fuse: independent groups of one loop stay separate kernels
+                               (default: merged, af_fuse_options) */
 } af_program_options;
 
 /* Verifies g, plans it and resolves its steps. opts may be NULL (no fusion). On success the

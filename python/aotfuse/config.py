@@ -15,6 +15,8 @@ AOTFUSE_FALLBACK_RANDOM=1  dropout with ATen's generator (eager's exact masks, a
                        instead of aotfuse's fused counter-based one
 AOTFUSE_REUSE_BUFFERS=0  every kernel output freshly allocated (default: a kernel output may take
                        the tensor of an intermediate that died earlier in the program)
+AOTFUSE_MERGE_KERNELS=0  independent kernels of one loop stay separate (default: merged into one,
+                       fuse.c's merge_independent_groups)
 """
 from __future__ import annotations
 
@@ -66,6 +68,10 @@ def sink_reads() -> bool:
 
 def window_sources() -> bool:
     return os.environ.get("AOTFUSE_WINDOW_SOURCES", "1") not in ("", "0")
+
+
+def merge_kernels() -> bool:
+    return os.environ.get("AOTFUSE_MERGE_KERNELS", "1") not in ("", "0")
 
 
 def overlap_sums() -> bool:

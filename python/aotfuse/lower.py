@@ -880,7 +880,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
     try:
         program = _C.Program(b.graph, fuse=fuse, devices=config.kernel_devices(), reuse=config.reuse_buffers(),
                              sink=config.sink_copies(), sink_reads=config.sink_reads(),
-                             window_sources=config.window_sources())
+                             window_sources=config.window_sources(), merge=config.merge_kernels())
     except _C.Error as e:
         if "cannot be built here" in str(e) or "C compiler" in str(e):
             raise BackendUnavailable(str(e)) from e

@@ -91,6 +91,67 @@ static void test_chain_siblings_and_closing(void **state) {
     af_graph_free(g);
 }
 
+/* Independent groups of one loop merge into one kernel, at the earlier step when the later one's
+ * inputs are made by then (b beside a, whose value an extern reads at once), at the later step when
+ * nothing reads the earlier one's values before it (c's kernel waits for the two column sums, a
+ * pointwise group joining reductions); a group depending on another through an extern (c on a)
+ * never joins it. no_merge keeps every group. */
+static void test_independent_groups_merge(void **state) {
+    (void)state;
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    af_tensor_meta m2 = f32(2), m1 = f32(1);
+    int32_t x, y, z, w;
+    assert_int_equal(af_graph_add_input(g, "x", &m2, &x), AF_OK);
+    assert_int_equal(af_graph_add_input(g, "y", &m2, &y), AF_OK);
+    assert_int_equal(af_graph_add_input(g, "z", &m2, &z), AF_OK);
+    assert_int_equal(af_graph_add_input(g, "w", &m2, &w), AF_OK);
+    int32_t a = node(g, "aten::exp.default", x, -1, 2); /* n0: group A */
+    int32_t e = node(g, "aten::mm.default", a, -1, 2);  /* n1: reads a at once */
+    int32_t b = node(g, "aten::exp.default", y, -1, 2); /* n2: y is an input: joins A at n0 */
+    int32_t m = node(g, "aten::mm.default", e, -1, 2);  /* n3 */
+    int32_t c = node(g, "aten::exp.default", m, -1, 2); /* n4: depends on A through n1, n3 */
+    af_arg dims[1] = {{.kind = AF_ARG_INT, .u.i = 0}};
+    int32_t s1, s2;
+    af_arg sum1[2] = {{.kind = AF_ARG_VALUE, .u.value = z}, {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = dims}}};
+    assert_int_equal(af_graph_add_node(g, "aten::sum.dim_IntList", sum1, 2, &m1, 1, &s1), AF_OK); /* n5 */
+    af_arg sum2[2] = {{.kind = AF_ARG_VALUE, .u.value = w}, {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = dims}}};
+    assert_int_equal(af_graph_add_node(g, "aten::sum.dim_IntList", sum2, 2, &m1, 1, &s2), AF_OK); /* n6 */
+    int32_t outs[4] = {b, c, s1, s2};
+    assert_int_equal(af_graph_set_outputs(g, outs, 4), AF_OK);
+    af_fuse_options keep = {.no_merge = 1};
+    af_fusion_plan *plan;
+    assert_int_equal(af_fuse_plan_new(g, &keep, &plan), AF_OK);
+    assert_int_equal(plan->n_groups, 5);
+    af_fuse_plan_free(plan);
+    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+    assert_int_equal(plan->n_groups, 2);
+    int32_t ga = plan->group_of_node[0], gc = plan->group_of_node[4];
+    assert_true(ga >= 0 && gc >= 0 && ga != gc);
+    assert_int_equal(plan->group_of_node[2], ga);
+    assert_int_equal(plan->group_of_node[1], -1);
+    assert_int_equal(plan->group_of_node[3], -1);
+    assert_int_equal(plan->group_of_node[5], gc);
+    assert_int_equal(plan->group_of_node[6], gc);
+    const af_fusion_group *A = &plan->groups[ga], *C = &plan->groups[gc];
+    assert_int_equal(A->last_node, 0); /* before the extern reading a */
+    assert_int_equal(A->n_nodes, 2);
+    assert_int_equal(A->nodes[0], 0);
+    assert_int_equal(A->nodes[1], 2);
+    assert_int_equal(A->n_inputs, 2);
+    assert_int_equal(A->n_outputs, 2); /* a (the extern's) and b (returned) */
+    assert_int_equal(A->reduce_mask, 0);
+    assert_int_equal(C->last_node, 6);
+    assert_int_equal(C->n_nodes, 3);
+    assert_int_equal(C->n_reductions, 2);
+    assert_int_equal(C->reduce_mask, 1u);
+    assert_int_equal(C->iter_value, z); /* the loop is the reductions' */
+    assert_int_equal(C->n_inputs, 3);
+    assert_int_equal(C->n_outputs, 3);
+    (void)e;
+    assert_source_has_then_free(g, plan, "af_kernel_count = 2");
+}
+
 /* A lone pointwise node gets a kernel (cheaper on the host than ATen's call, same bytes); so does a
  * lone column reduction of a CPU tensor (measured no slower than ATen's sum); a lone row reduction,
  * or a CUDA one, stays ATen's unless min_nodes is 1. */
@@ -115,9 +176,9 @@ static void test_lone_nodes_and_min_group(void **state) {
         assert_int_equal(af_graph_add_node(g, "aten::sum.dim_IntList", row_args, 2, &mr, 1, &rr), AF_OK); /* -> [4] */
         int32_t outs[3] = {a, r, rr};
         assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
-        af_fuse_options opts = {.device_types = cuda ? 1u << AF_DEVICE_CUDA : 0};
+        af_fuse_options opts = {.device_types = cuda ? 1u << AF_DEVICE_CUDA : 0, .no_merge = 1};
         af_fusion_plan *plan;
-        assert_int_equal(af_fuse_plan_new(g, cuda ? &opts : NULL, &plan), AF_OK);
+        assert_int_equal(af_fuse_plan_new(g, &opts, &plan), AF_OK);
         if (!cuda) {
             assert_int_equal(plan->n_groups, 2); /* the exp, the column sum */
             assert_int_equal(plan->group_of_node[0], 0);
@@ -126,7 +187,7 @@ static void test_lone_nodes_and_min_group(void **state) {
         assert_int_equal(plan->group_of_node[2], -1);
         af_fuse_plan_free(plan);
         if (!cuda) {
-            af_fuse_options one = {.min_nodes = 1};
+            af_fuse_options one = {.min_nodes = 1, .no_merge = 1};
             assert_int_equal(af_fuse_plan_new(g, &one, &plan), AF_OK);
             assert_int_equal(plan->n_groups, 3);
             af_fuse_plan_free(plan);
@@ -161,6 +222,10 @@ static void test_random_nodes(void **state) {
     assert_int_equal(af_fuse_node_ok(g, 0), 1);
     af_fusion_plan *plan;
     assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+    assert_int_equal(plan->n_groups, 1); /* one loop, independent: merged (same seed, same counters) */
+    af_fuse_plan_free(plan);
+    af_fuse_options keep = {.no_merge = 1};
+    assert_int_equal(af_fuse_plan_new(g, &keep, &plan), AF_OK);
     assert_int_equal(plan->n_groups, 2); /* n0 alone still gets a kernel */
     assert_true(plan->group_of_node[0] >= 0 && plan->group_of_node[1] >= 0);
     assert_true(plan->group_of_node[0] != plan->group_of_node[1]);
@@ -670,6 +735,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chain_siblings_and_closing),
         cmocka_unit_test(test_lone_nodes_and_min_group),
+        cmocka_unit_test(test_independent_groups_merge),
         cmocka_unit_test(test_random_nodes),
         cmocka_unit_test(test_wide_group),
         cmocka_unit_test(test_windows),
