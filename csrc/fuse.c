@@ -704,11 +704,19 @@ static int reads_dependent_of(const af_node *n, const int32_t *value_group, cons
  *   - the later one's, when nothing outside the earlier group reads its values before that step;
  *   - the earlier one's, when every input of the later group is made before that step.
  * Either way neither group depends on the other through any path. Groups with windows, recomputed
- * members or epilogue members (phased kernels) stay as they are. */
+ * members or epilogue members (phased kernels) stay as they are.
+ *
+ * A merge saves one kernel step's host time (a launch on a GPU); it must not cost memory or
+ * threads: the moved kernel keeps its inputs alive longer (moved later) or makes its outputs
+ * earlier (moved earlier), so the bytes that may be live longer are bounded (AF_MERGE_GROWTH), and
+ * a pointwise group joins a reduction group (whose kernel parallelizes over the reduction's kept
+ * dims only: one row, or few columns, run on one thread) only over a small loop (AF_MERGE_MIXED). */
 
 #define AF_MERGE_LOOKBACK 16 /* earlier groups a group may join */
 #define AF_MERGE_OPERANDS 32 /* most inputs + outputs of a merged kernel (CUDA parameter space) */
 #define AF_MERGE_SPAN 48     /* most nodes a kernel moves: values stay where they were just written */
+#define AF_MERGE_GROWTH (INT64_C(256) << 10) /* most bytes a merge may keep live longer */
+#define AF_MERGE_MIXED (INT64_C(1) << 16)    /* largest loop in which a pointwise group joins reductions */
 
 /* 1 when group gi may merge at all: every member its own (no recomputed members), no window or
  * shifted member, no member reading a reduction of the group (an epilogue). */
@@ -743,6 +751,12 @@ static int reads_group(const af_graph *g, const af_fusion_plan *plan, const af_f
         if (prod >= 0 && plan->group_of_node[prod] == maker) return 1;
     }
     return 0;
+}
+
+static int64_t values_nbytes(const af_graph *g, const int32_t *vals, int32_t n) {
+    int64_t total = 0;
+    for (int32_t k = 0; k < n; k++) total += af_tensor_meta_nbytes(&af_graph_value(g, vals[k])->meta);
+    return total;
 }
 
 /* Sorted union of two sorted node lists into *out (malloc'd). */
@@ -830,6 +844,13 @@ static int32_t first_read(const merge_state *s, int32_t gi) {
     return at;
 }
 
+/* Records node i as a reader of every value in a (lists included, nested or not). */
+static void note_ext_reads(const af_arg *a, int32_t i, int32_t *ext_first) {
+    if (a->kind == AF_ARG_VALUE) ext_first[a->u.value] = i;
+    else if (a->kind == AF_ARG_LIST)
+        for (int32_t j = 0; j < a->u.list.n; j++) note_ext_reads(&a->u.list.items[j], i, ext_first);
+}
+
 /* The step making gi's last input: an extern node, or another kernel's step (-1: inputs only). */
 static int32_t inputs_ready(const merge_state *s, int32_t gi) {
     const af_fusion_group *grp = &s->plan->groups[gi];
@@ -863,14 +884,7 @@ static int merge_independent_groups(const af_graph *g, af_fusion_plan *plan) {
     for (int32_t i = nn - 1; i >= 0; i--) {
         if (plan->group_of_node[i] >= 0) continue; /* a kernel member's reads are its group's inputs */
         const af_node *n = af_graph_node(g, i);
-        for (int32_t a = 0; a < n->n_args; a++) {
-            const af_arg *arg = &n->args[a];
-            int32_t n_items = arg->kind == AF_ARG_LIST ? arg->u.list.n : 1;
-            for (int32_t j = 0; j < n_items; j++) {
-                const af_arg *x = arg->kind == AF_ARG_LIST ? &arg->u.list.items[j] : arg;
-                if (x->kind == AF_ARG_VALUE) s.ext_first[x->u.value] = i;
-            }
-        }
+        for (int32_t a = 0; a < n->n_args; a++) note_ext_reads(&n->args[a], i, s.ext_first);
     }
     n_edges = 0;
     for (int32_t gi = 0; gi < ng; gi++) s.head[gi] = -1;
@@ -900,13 +914,20 @@ static int merge_independent_groups(const af_graph *g, af_fusion_plan *plan) {
             if (ga->reduce_mask && gb->reduce_mask && ga->reduce_mask != gb->reduce_mask) continue;
             if (ga->n_inputs + gb->n_inputs + ga->n_outputs + gb->n_outputs > AF_MERGE_OPERANDS) continue;
             if (!same_loop(&af_graph_value(g, ga->iter_value)->meta, ib)) continue;
+            if (!ga->reduce_mask != !gb->reduce_mask && af_tensor_meta_numel(ib) > AF_MERGE_MIXED) continue;
             if (reads_group(g, plan, gb, a) || reads_group(g, plan, ga, b)) continue;
             /* e runs first, l later; two kernels at one node keep apart (their order there is the steps') */
             int32_t e = ga->last_node <= gb->last_node ? a : b, l = e == a ? b : a;
             int32_t lo = plan->groups[e].last_node, hi = plan->groups[l].last_node, at;
             if (lo == hi || hi - lo > AF_MERGE_SPAN) continue;
-            if (first_read(&s, e) > hi) at = hi;         /* e's kernel may wait for l's step */
-            else if (inputs_ready(&s, l) < lo) at = lo;  /* l's inputs are all made by e's step */
+            const af_fusion_group *ge = &plan->groups[e], *gl = &plan->groups[l];
+            /* e's kernel may wait for l's step (its inputs then live until there, its outputs
+             * are made later), or l's inputs are all made by e's step (its outputs made earlier) */
+            if (first_read(&s, e) > hi &&
+                values_nbytes(g, ge->inputs, ge->n_inputs) - values_nbytes(g, ge->outputs, ge->n_outputs) <= AF_MERGE_GROWTH)
+                at = hi;
+            else if (inputs_ready(&s, l) < lo && values_nbytes(g, gl->outputs, gl->n_outputs) <= AF_MERGE_GROWTH)
+                at = lo;
             else continue;
             if ((st = merge_into(plan, a, b, at))) goto done;
             s.merged_to[b] = a;

@@ -111,7 +111,8 @@ def _planned(gm: fx.GraphModule):
 def source_of(gm: fx.GraphModule, sm_count: int = 1) -> str:
     """The CUDA source a program would compile for gm's CUDA groups."""
     b, sunk, _origin = _planned(gm)
-    return _C.cuda_codegen(sunk or b.graph, sm_count=sm_count, window_sources=config.window_sources())[0]
+    return _C.cuda_codegen(sunk or b.graph, sm_count=sm_count, window_sources=config.window_sources(),
+                           merge=config.merge_kernels())[0]
 
 
 def eager_values(gm: fx.GraphModule, args) -> dict:
@@ -127,7 +128,8 @@ def run_groups(gm: fx.GraphModule, args, sm_count: int = 1, vectorized: bool | N
     (group index, launch facts, [(FX node or a name, emulated, eager)] per output). vectorized:
     None launches as the runtime would, True/False forces the variant (where it exists)."""
     b, sunk, origin = _planned(gm)
-    source, launches = _C.cuda_codegen(sunk or b.graph, sm_count=sm_count, window_sources=config.window_sources())
+    source, launches = _C.cuda_codegen(sunk or b.graph, sm_count=sm_count, window_sources=config.window_sources(),
+                           merge=config.merge_kernels())
     dll = _library(source)
     env = eager_values(gm, args)
 

@@ -898,6 +898,54 @@ def test_independent_kernels_of_one_loop_merge(merge, monkeypatch):
         assert lowered.program.num_kernels == 6, groups
 
 
+def _early_value_then_big_temporaries(x, y, w):
+    a = aten.mul.Tensor(x, 2.0)  # a kernel an mm reads at once
+    t = aten.mm.default(a, w)
+    for _ in range(3):  # the step's peak: temporaries between the two kernels
+        t = aten.mm.default(aten.cat.default([t, t], 1), aten.cat.default([w, w], 0))
+    b = aten.exp.default(y)  # independent of a's kernel, one loop with it; y exists from the start
+    return aten.sum.default(t), aten.mm.default(b, w)
+
+
+@pytest.mark.parametrize("n", [8, 512])
+def test_a_merge_never_keeps_big_values_live_longer(n, monkeypatch):
+    """exp(y) could run in x*2's kernel, before the temporaries: its output would then live through
+    the step's peak. Small, it merges; big (1 MB), it keeps its own kernel and the peak is the one
+    without merging (a merge saves a kernel step, never memory)."""
+    from aotfuse.bench import _cpu_peak
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(n, n, generator=g) * 0.1 for _ in range(3)]
+    gm = make_fx(_early_value_then_big_temporaries)(*args)
+    result = {}
+    for merge in ("1", "0"):
+        monkeypatch.setenv("AOTFUSE_MERGE_KERNELS", merge)
+        lowered = lower(gm)
+        for a, r in zip(lowered(list(args)), _early_value_then_big_temporaries(*args)):
+            assert_close(a, r, f"n={n}, merge={merge}", atol=1e-4, rtol=1e-4)
+        result[merge] = (lowered.program.num_kernels, _cpu_peak(lambda: lowered(list(args))))
+    if n == 8:
+        assert result["1"][0] == 1 and result["0"][0] == 2, result
+    else:
+        assert result["1"] == result["0"], result
+
+
+@pytest.mark.parametrize("rows", [8, 512])
+def test_a_big_pointwise_kernel_keeps_its_threads_apart_from_a_reduction(rows):
+    """A column sum's kernel parallelizes over its columns only (few here); a pointwise kernel of
+    the same loop joins it only where the loop is small (up to 65536 elements), and keeps its own
+    kernel, parallel over every element, above that."""
+    def f(x, y):
+        return aten.exp.default(x), aten.sum.dim_IntList(y, [0])
+
+    g = torch.Generator().manual_seed(1)
+    args = [torch.randn(rows, 256, generator=g) for _ in range(2)]
+    lowered = lower(make_fx(f)(*args))
+    for a, r in zip(lowered(list(args)), f(*args)):
+        assert_close(a, r, f"rows={rows}", atol=1e-4, rtol=1e-5)
+    assert lowered.program.num_kernels == (1 if rows * 256 <= 65536 else 2)
+
+
 def window_cases(x, y, s, t):
     """Paddings and slice assignments as AOTAutograd gives them (Longformer's banded attention makes
     all of these): pads on both sides, crops, a fill value, slice_backward (zeros around a
