@@ -1,6 +1,6 @@
 """Where a compiled training step spends its host time, step by step (the C runtime's profiler).
 
-    python benchmarks/profile_steps.py [--model BertForMaskedLM] [--size reduced] [--dtype fp32] [--steps 5]
+    python benchmarks/profile_steps.py [--model BertForMaskedLM] [--size reduced] [--dtype fp32] [--steps 5] [--phases]
 
 Longformer (whose `.item()` needs a graph break) runs as `torch.compile(model, backend="aotfuse")`, as the
 seed benchmark's fallback does, and every Dynamo graph's programs are profiled (stages g<k> forward/backward).
@@ -43,6 +43,9 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--phases", action="store_true",
+                    help="also time each phase of a step (zero_grad, forward, backward, optimizer step; medians "
+                         "over --steps, contenders interleaved) for aotfuse, eager and torch.compile")
     ap.add_argument("--kernels", action="store_true",
                     help="also run one step of each under torch.profiler and list the top device kernels by time "
                          "(CUDA; on the CPU the top ops by self CPU time): where the GPU time goes")
@@ -113,9 +116,48 @@ def main(argv=None) -> None:
     print("slowest extern steps:")
     for sec, line in sorted(slowest, reverse=True)[:a.top]:
         print(f"  {sec * 1e3:7.2f} ms  {line}")
+    if a.phases:
+        for p in programs.values():
+            p.profiling = False  # the phases are timed as a user runs them
+        inductor_model = copy.deepcopy(eager)
+        inductor = torch.compile(inductor_model, backend="inductor", dynamic=False)
+        opt_i = torch.optim.SGD(inductor_model.parameters(), lr=1e-4)
+        _phase_table([("aotfuse", compiled, opt_c), ("eager", eager, opt_e), ("torch.compile", inductor, opt_i)],
+                     inputs, a.steps, a.device)
     if a.kernels:
         for name, call, opt in (("aotfuse", compiled, opt_c), ("eager", eager, opt_e)):
             _kernel_table(name, lambda: _step(call, opt, inputs, a.device), a.device, a.top)
+
+
+def _phase_table(contenders: list, inputs: dict, steps: int, device: str) -> None:
+    """Median time of each phase of a step per contender (two warm-up steps each, then `steps`
+    rounds with the contenders interleaved): where a compiled step gains or loses against another."""
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    times = {name: {"zero_grad": [], "forward": [], "backward": [], "optimizer": []} for name, _c, _o in contenders}
+    for rnd in range(steps + 2):
+        for name, call, opt in contenders:
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            sync()
+            t1 = time.perf_counter()
+            loss = call(**inputs).loss
+            sync()
+            t2 = time.perf_counter()
+            loss.backward()
+            sync()
+            t3 = time.perf_counter()
+            opt.step()
+            sync()
+            t4 = time.perf_counter()
+            if rnd >= 2:
+                for key, dt in zip(times[name], (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                    times[name][key].append(dt)
+    print(f"phases (ms, medians of {steps} steps): " + ", ".join(times[contenders[0][0]]))
+    for name, phases in times.items():
+        print(f"  {name:14s} " + "  ".join(f"{k} {statistics.median(v) * 1e3:7.3f}" for k, v in phases.items()))
 
 
 def _kernel_table(name: str, step, device: str, top: int) -> None:
