@@ -533,10 +533,11 @@ static void emit_members_impl(af_strbuf *sb, const af_graph *g, const af_fusion_
     }
 }
 
-/* Transcendental expressions: worth a store and a load rather than a second evaluation. */
+/* Transcendental expressions and random numbers (af_rand: 20 rounds of Threefry): worth a store and
+ * a load rather than a second evaluation. */
 static int expensive(const af_op_info *info) {
     static const char *const calls[] = {"af_exp", "af_erf", "af_tanh", "logf", "log1pf", "af_pow", "expm1f", "exp2f", "log2f",
-                                        "log10f", "sinf", "cosf", "tanf", "atanf", "erfcf"};
+                                        "log10f", "sinf", "cosf", "tanf", "atanf", "erfcf", "af_rand"};
     if (!info->c_expr) return 0;
     for (size_t k = 0; k < sizeof calls / sizeof calls[0]; k++)
         if (strstr(info->c_expr, calls[k])) return 1;

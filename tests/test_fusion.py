@@ -388,6 +388,24 @@ def test_reduction_epilogues_run_in_one_phased_kernel(case, dtype):
         assert "aten::exp.default, cached */" in kernel and kernel.count("af_exp(") == 1, kernel
 
 
+def test_random_numbers_a_later_phase_reads_are_kept_not_drawn_again():
+    """A dropout inside a decomposed layer norm's kernel (pre-LN residual streams, GPT2 with
+    AOTFUSE_DECOMPOSE_NORMS=1): the mean's pass and the normalizing pass both read the random
+    numbers; they are drawn once (Threefry is 20 rounds) and kept for the later pass."""
+    from aotfuse.decompositions import default_decompositions
+
+    def fn(x, seed):
+        u = torch.ops.aotfuse.rng_uniform(seed, [37, 200])
+        return F.layer_norm(x + x * (u > 0.1) * 1.11, (200,))
+
+    x, seed = torch.randn(37, 200, generator=torch.Generator().manual_seed(4)), torch.tensor(12345)
+    lowered = lower(make_fx(fn, decomposition_table=default_decompositions(norms=True))(x, seed))
+    assert_close(lowered([x, seed])[0], fn(x, seed), "layer norm of a dropout's residual", atol=2e-6, rtol=1e-5)
+    src = lowered.program.source
+    assert "phases)" in src and "aotfuse::rng_uniform.default, cached */" in src, src[-3000:]
+    assert src.count("= af_rand(sv") == 1, src[-3000:]
+
+
 @pytest.mark.parametrize("width", [37, 1024, 1025, 5000, 30522])
 def test_row_sums_add_in_float_chunks_as_accurately_as_aten(width):
     """Row sums (plain, and a phased kernel's) add float partial sums, one a vector lane, over chunks
