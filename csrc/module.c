@@ -761,20 +761,20 @@ static PyObject *op_kind(PyObject *m, PyObject *arg) {
 }
 
 /* partition(graph, roles, num_fwd_outputs, min_cut=True, max_dist_from_bw=.., reduction_ratio=..,
- *           ban_materialized_bw=..) -> dict(saved=[value ids], forward=[node idx], backward=[node idx in
+ *           ban_materialized_bw=.., ban_chained_random=..) -> dict(saved=[value ids], forward=[node idx], backward=[node idx in
  *           run order], recomputed=int, saved_bytes=int, cut_value=int) */
 static PyObject *partition(PyObject *m, PyObject *args, PyObject *kwds) {
     (void)m;
     static char *kwlist[] = {"graph", "roles", "num_fwd_outputs", "min_cut", "max_dist_from_bw", "reduction_ratio",
-                             "ban_materialized_bw", NULL};
+                             "ban_materialized_bw", "ban_chained_random", NULL};
     GraphObject *graph;
     Py_buffer roles;
     int nfwd, min_cut = 1;
     af_partition_options o = af_partition_default_options();
     long long max_dist = o.max_dist_from_bw;
-    int ratio = o.reduction_ratio, ban_bw = o.ban_materialized_bw;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!y*i|pLip", kwlist, &GraphType, &graph, &roles, &nfwd, &min_cut,
-                                     &max_dist, &ratio, &ban_bw))
+    int ratio = o.reduction_ratio, ban_bw = o.ban_materialized_bw, ban_random = o.ban_chained_random;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!y*i|pLipp", kwlist, &GraphType, &graph, &roles, &nfwd, &min_cut,
+                                     &max_dist, &ratio, &ban_bw, &ban_random))
         return NULL;
     PyObject *result = NULL;
     af_partition *p = NULL;
@@ -786,6 +786,7 @@ static PyObject *partition(PyObject *m, PyObject *args, PyObject *kwds) {
     o.max_dist_from_bw = max_dist;
     o.reduction_ratio = ratio;
     o.ban_materialized_bw = ban_bw;
+    o.ban_chained_random = ban_random;
     int st = min_cut ? af_partition_min_cut(graph->g, roles.buf, nfwd, &o, &p)
                      : af_partition_default(graph->g, roles.buf, nfwd, &p);
     if (!st) st = af_partition_check(graph->g, roles.buf, nfwd, p);

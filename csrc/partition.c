@@ -202,12 +202,44 @@ static int materialized_backward(const joint_ctx *c, int32_t v, int32_t *stack, 
     return result;
 }
 
-static int should_ban(const joint_ctx *c, const af_partition_options *o, int32_t v, int32_t *stack, uint8_t *mark) {
+/* Random numbers (aotfuse::rng_uniform, a pointwise op: a pure function of the saved seed) are
+ * recomputed like other pointwise work: one dropout's mask in its own layer's backward. A value
+ * that needs several of them recomputed with it is another matter: a pre-LN model's residual
+ * stream, a chain of adds through every layer's dropout, would be rebuilt from the first layer on
+ * (GPT2 with norms decomposed: 25 Threefry draws an element in one kernel). Per value, the first
+ * two distinct random nodes among the recomputable ops it depends on (draws[2v], draws[2v+1]; -1
+ * for none); such values are banned when ban_chained_random is set. */
+static int32_t *random_draws(const joint_ctx *c) {
+    int32_t *draws = malloc(((size_t)2 * c->nv + 2) * sizeof(int32_t));
+    if (!draws) return NULL;
+    for (int32_t v = 0; v < 2 * c->nv; v++) draws[v] = -1;
+    for (int32_t n = 0; n < c->nn; n++) {
+        const af_node *node = af_graph_node(c->g, n);
+        int32_t set[2] = {node->op_id == AF_OP_RNG_UNIFORM ? n : -1, -1};
+        if (kind_fusible(node_kind(c, n)))
+            for (int32_t k = c->arg_start[n]; k < c->arg_start[n + 1] && set[1] < 0; k++)
+                for (int32_t j = 0; j < 2; j++) {
+                    int32_t r = draws[2 * c->args_flat[k] + j];
+                    if (r < 0 || r == set[0]) continue;
+                    if (set[0] < 0) set[0] = r;
+                    else if (set[1] < 0) set[1] = r;
+                }
+        for (int32_t o = 0; o < node->n_outputs; o++) {
+            draws[2 * (node->first_output + o)] = set[0];
+            draws[2 * (node->first_output + o) + 1] = set[1];
+        }
+    }
+    return draws;
+}
+
+static int should_ban(const joint_ctx *c, const af_partition_options *o, int32_t v, int32_t *stack, uint8_t *mark,
+                      const int32_t *draws) {
     int32_t p = af_graph_value(c->g, v)->producer;
     if (p < 0) return 1;
     af_op_kind kind = node_kind(c, p);
     if (kind == AF_KIND_VIEW) return 0;
     if (!kind_fusible(kind)) return 1; /* compute-heavy, random, extern: never recomputed */
+    if (o->ban_chained_random && draws && draws[2 * v + 1] >= 0) return 1;
     if (o->ban_materialized_bw && materialized_backward(c, v, stack, mark)) return 1;
     if (o->max_dist_from_bw > 0 && c->dist[v] > o->max_dist_from_bw && c->dist[v] < DIST_INF) return 1;
     if (o->reduction_ratio > 0) {
@@ -336,7 +368,7 @@ done:
 }
 
 af_partition_options af_partition_default_options(void) {
-    af_partition_options o = {.max_dist_from_bw = 1000, .reduction_ratio = 4, .ban_materialized_bw = 1};
+    af_partition_options o = {.max_dist_from_bw = 1000, .reduction_ratio = 4, .ban_materialized_bw = 1, .ban_chained_random = 1};
     return o;
 }
 
@@ -395,7 +427,7 @@ int af_partition_min_cut(const af_graph *g, const uint8_t *roles, int32_t num_fw
     joint_ctx c;
     af_flow *f = NULL;
     uint8_t *side = NULL, *stop = NULL, *mark = NULL, *node_ban = NULL;
-    int32_t *scratch = NULL;
+    int32_t *scratch = NULL, *draws = NULL;
     if ((st = ctx_build(&c, g, roles, num_fwd_outputs))) goto done;
     int32_t nv = c.nv, source = 2 * nv, sink = 2 * nv + 1;
     side = calloc((size_t)2 * nv + 2, 1);
@@ -409,7 +441,8 @@ int af_partition_min_cut(const af_graph *g, const uint8_t *roles, int32_t num_fw
     /* Bans are per node: a node runs whole, so if one output must not be recomputed (or the
      * node is compute-heavy, random, extern), none of its outputs is recomputed either. */
     node_ban = calloc((size_t)c.nn + 1, 1);
-    if (!node_ban) {
+    draws = o.ban_chained_random ? random_draws(&c) : NULL;
+    if (!node_ban || (o.ban_chained_random && !draws)) {
         st = af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
         goto done;
     }
@@ -417,7 +450,7 @@ int af_partition_min_cut(const af_graph *g, const uint8_t *roles, int32_t num_fw
         if (!node_fw_required(&c, n)) continue;
         const af_node *node = af_graph_node(g, n);
         for (int32_t k = 0; k < node->n_outputs && !node_ban[n]; k++)
-            node_ban[n] = (uint8_t)should_ban(&c, &o, node->first_output + k, scratch, mark);
+            node_ban[n] = (uint8_t)should_ban(&c, &o, node->first_output + k, scratch, mark, draws);
     }
     if ((st = af_flow_new(2 * nv + 2, &f))) goto done;
 #define EDGE(a, b, w)                                        \
@@ -457,6 +490,7 @@ done:
     free(mark);
     free(scratch);
     free(node_ban);
+    free(draws);
     ctx_free(&c);
     if (st) af_partition_free(p);
     else *out = p;

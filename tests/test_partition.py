@@ -229,6 +229,59 @@ def test_random_ops_are_not_recomputed(monkeypatch):
                    for n in bw.graph.nodes if n.op == "call_function")
 
 
+class _PreLNChain(nn.Module):
+    """A pre-LN residual stream: h = h + dropout(fc(ln(h))) per layer, then a final layer norm."""
+
+    def __init__(self, layers: int = 4, d: int = 16):
+        super().__init__()
+        self.lns = nn.ModuleList(nn.LayerNorm(d) for _ in range(layers + 1))
+        self.fcs = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        h = x
+        for ln, fc in zip(self.lns, self.fcs):
+            h = h + self.drop(fc(ln(h)))
+        return self.lns[-1](h).pow(2).sum()
+
+
+@pytest.mark.parametrize("ban", [True, False])
+def test_a_residual_stream_is_not_rebuilt_through_every_dropout(ban):
+    """With norms decomposed the backward reads the residual stream in kernels, and the min-cut
+    would rebuild it from the first layer on, every layer's random numbers drawn again in one kernel
+    (GPT2: 25 an element). ban_chained_random (the default) saves a value whose recompute needs two
+    or more random nodes instead; the gradients are the same."""
+    import collections
+    import functools
+
+    from aotfuse.decompositions import default_decompositions
+
+    torch.manual_seed(0)
+    model, x = _PreLNChain(), torch.randn(8, 16, requires_grad=True)
+    compiled = aotfuse.memory_efficient_fusion(
+        model, decompositions=default_decompositions(norms=True),
+        partition_fn=functools.partial(aotfuse.min_cut_rematerialization_partition, ban_chained_random=ban))
+    torch.manual_seed(1)
+    compiled(x).backward()
+    record = compiled._aotfuse_compiled.records[-1]
+    lowered = record.programs["backward"]
+    programs = [lowered.program] + [v.program for v in getattr(lowered, "variants", {}).values()]
+    draws = collections.Counter(grp for p in programs for op, _k, grp in p.node_groups()
+                                if op == "aotfuse::rng_uniform.default" and grp >= 0)
+    assert max(draws.values()) == (1 if ban else 4), draws
+    grads = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    if ban:  # the same masks (same seed) either way: the same gradients
+        torch.manual_seed(0)
+        other, x2 = _PreLNChain(), x.detach().clone().requires_grad_()
+        plain = aotfuse.memory_efficient_fusion(
+            other, decompositions=default_decompositions(norms=True),
+            partition_fn=functools.partial(aotfuse.min_cut_rematerialization_partition, ban_chained_random=False))
+        torch.manual_seed(1)
+        plain(x2).backward()
+        for i, (a, b) in enumerate(zip(grads, [x2.grad] + [p.grad for p in other.parameters()])):
+            assert_close(a, b, f"gradient {i}, banned against rebuilt", atol=1e-6, rtol=1e-5)
+
+
 def test_parameters_are_free_to_save():
     """A parameter lives anyway, so saving it costs nothing (torch's treat_parameters_as_free_to_save):
     a linear layer's backward reads its weight, not the transposed view the forward made, which

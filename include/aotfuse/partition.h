@@ -38,6 +38,8 @@ typedef struct {
     int64_t max_dist_from_bw;     /* ban recomputing values further than this from the backward (default 1000) */
     int32_t reduction_ratio;      /* ban recomputing ops whose output is this many times smaller than their inputs (4) */
     int32_t ban_materialized_bw;  /* ban recomputing values the backward materializes anyway (1) */
+    int32_t ban_chained_random;   /* ban recomputing values that need two or more random nodes
+                                     (aotfuse::rng_uniform) recomputed with them (1) */
 } af_partition_options;
 
 typedef struct {

@@ -178,10 +178,11 @@ def min_cut_rematerialization_partition(joint_module: fx.GraphModule, _joint_inp
     Example:
         >>> from torch._functorch.aot_autograd import aot_function
         >>> f = aot_function(fn, nop, partition_fn=aotfuse.min_cut_rematerialization_partition)
-    Options (keyword): max_dist_from_bw, reduction_ratio, ban_materialized_bw. Parameters and
+    Options (keyword): max_dist_from_bw, reduction_ratio, ban_materialized_bw, ban_chained_random. Parameters and
     buffers (static_lifetime_input_indices, or aotfuse_static_inputs) cost nothing to save.
     """
-    options = {k: kwargs.pop(k) for k in ("max_dist_from_bw", "reduction_ratio", "ban_materialized_bw") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("max_dist_from_bw", "reduction_ratio", "ban_materialized_bw", "ban_chained_random")
+               if k in kwargs}
     return _partition(joint_module, num_fwd_outputs, True, kwargs.get("static_lifetime_input_nodes"),
                       kwargs.get("aotfuse_static_inputs", static_lifetime_input_indices), **options)
 

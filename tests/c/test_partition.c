@@ -239,6 +239,44 @@ static void test_multi_output_compute_node_is_not_rerun(void **state) {
     af_graph_free(g);
 }
 
+/* A value whose recompute would draw two random nodes again (a residual stream through two
+ * dropouts) is saved; one drawing a single random node (a dropout's mask) is still recomputed.
+ * Without ban_chained_random the min cut rebuilds the stream from the first dropout on. */
+static void test_chained_random_values_are_saved(void **state) {
+    (void)state;
+    for (int ban = 0; ban < 2; ban++) {
+        af_graph *g = NULL;
+        assert_int_equal(af_graph_new(&g), AF_OK);
+        int32_t seed = input(g, "seed", 1), x = input(g, "x", 64), y1 = input(g, "y1", 64), y2 = input(g, "y2", 64),
+                t = input(g, "t", 64);
+        int32_t u1 = add(g, "aotfuse::rng_uniform.default", seed, -1, 64);
+        int32_t h1 = add(g, "aten::add.Tensor", x, add(g, "aten::mul.Tensor", y1, u1, 64), 64);
+        int32_t u2 = add(g, "aotfuse::rng_uniform.default", seed, -1, 64);
+        int32_t h2 = add(g, "aten::add.Tensor", h1, add(g, "aten::mul.Tensor", y2, u2, 64), 64);
+        int32_t out = add(g, "aten::mul.Tensor", h2, h2, 64);
+        int32_t g1 = add(g, "aten::mul.Tensor", t, h1, 64); /* the backward reads h1, h2 and the masks */
+        int32_t g2 = add(g, "aten::mul.Tensor", add(g, "aten::mul.Tensor", t, h2, 64), u2, 64);
+        int32_t g3 = add(g, "aten::mul.Tensor", g1, u1, 64);
+        int32_t outs[3] = {out, g2, g3};
+        assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
+        uint8_t roles[5] = {AF_ROLE_FWD_SEED, AF_ROLE_PRIMAL, AF_ROLE_PARAM, AF_ROLE_PARAM, AF_ROLE_TANGENT};
+        af_partition_options o = af_partition_default_options();
+        assert_int_equal(o.ban_chained_random, 1);
+        o.ban_chained_random = ban;
+        af_partition *p = NULL;
+        assert_int_equal(af_partition_min_cut(g, roles, 1, &o, &p), AF_OK);
+        check_partition(g, roles, 1, p);
+        int32_t h2_node = af_graph_value(g, h2)->producer, u1_node = af_graph_value(g, u1)->producer;
+        assert_true(p->in_backward[u1_node]); /* a mask: drawn again from the seed, never saved */
+        assert_int_equal(p->in_backward[h2_node], !ban);
+        int saved_h2 = 0;
+        for (int32_t i = 0; i < p->n_saved; i++) saved_h2 |= p->saved[i] == h2;
+        assert_int_equal(saved_h2, ban);
+        af_partition_free(p);
+        af_graph_free(g);
+    }
+}
+
 static void test_bad_arguments(void **state) {
     (void)state;
     af_graph *g = NULL;
@@ -268,6 +306,7 @@ int main(void) {
         cmocka_unit_test(test_pointwise_chain_is_recomputed),
         cmocka_unit_test(test_parameters_are_free_to_save),
         cmocka_unit_test(test_banned_ops_are_saved),
+        cmocka_unit_test(test_chained_random_values_are_saved),
         cmocka_unit_test(test_multi_output_compute_node_is_not_rerun),
         cmocka_unit_test(test_bad_arguments),
     };
