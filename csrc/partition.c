@@ -207,29 +207,26 @@ static int materialized_backward(const joint_ctx *c, int32_t v, int32_t *stack, 
  * that needs several of them recomputed with it is another matter: a pre-LN model's residual
  * stream, a chain of adds through every layer's dropout, would be rebuilt from the first layer on
  * (GPT2 with norms decomposed: 25 Threefry draws an element in one kernel). Per value, the first
- * two distinct random nodes among the recomputable ops it depends on (draws[2v], draws[2v+1]; -1
- * for none); such values are banned when ban_chained_random is set. */
-static int32_t *random_draws(const joint_ctx *c) {
-    int32_t *draws = malloc(((size_t)2 * c->nv + 2) * sizeof(int32_t));
-    if (!draws) return NULL;
-    for (int32_t v = 0; v < 2 * c->nv; v++) draws[v] = -1;
-    for (int32_t n = 0; n < c->nn; n++) {
-        const af_node *node = af_graph_node(c->g, n);
-        int32_t set[2] = {node->op_id == AF_OP_RNG_UNIFORM ? n : -1, -1};
-        if (kind_fusible(node_kind(c, n)))
-            for (int32_t k = c->arg_start[n]; k < c->arg_start[n + 1] && set[1] < 0; k++)
-                for (int32_t j = 0; j < 2; j++) {
-                    int32_t r = draws[2 * c->args_flat[k] + j];
-                    if (r < 0 || r == set[0]) continue;
-                    if (set[0] < 0) set[0] = r;
-                    else if (set[1] < 0) set[1] = r;
-                }
-        for (int32_t o = 0; o < node->n_outputs; o++) {
-            draws[2 * (node->first_output + o)] = set[0];
-            draws[2 * (node->first_output + o) + 1] = set[1];
-        }
+ * two distinct random nodes a recompute of it could draw again (draws[2v], draws[2v+1]; -1 for
+ * none): those of its recomputable producer's arguments, none past a value that is never
+ * recomputed (an extern's, or a banned node's: saved wherever something after it is recomputed).
+ * Such values are banned when ban_chained_random is set; node n's draws are set here, in node
+ * order, before its ban is decided (which then clears them). */
+static void node_draws(const joint_ctx *c, int32_t n, int32_t *draws) {
+    const af_node *node = af_graph_node(c->g, n);
+    int32_t set[2] = {node->op_id == AF_OP_RNG_UNIFORM ? n : -1, -1};
+    if (kind_fusible(node_kind(c, n)))
+        for (int32_t k = c->arg_start[n]; k < c->arg_start[n + 1] && set[1] < 0; k++)
+            for (int32_t j = 0; j < 2; j++) {
+                int32_t r = draws[2 * c->args_flat[k] + j];
+                if (r < 0 || r == set[0]) continue;
+                if (set[0] < 0) set[0] = r;
+                else if (set[1] < 0) set[1] = r;
+            }
+    for (int32_t o = 0; o < node->n_outputs; o++) {
+        draws[2 * (node->first_output + o)] = set[0];
+        draws[2 * (node->first_output + o) + 1] = set[1];
     }
-    return draws;
 }
 
 static int should_ban(const joint_ctx *c, const af_partition_options *o, int32_t v, int32_t *stack, uint8_t *mark,
@@ -441,16 +438,20 @@ int af_partition_min_cut(const af_graph *g, const uint8_t *roles, int32_t num_fw
     /* Bans are per node: a node runs whole, so if one output must not be recomputed (or the
      * node is compute-heavy, random, extern), none of its outputs is recomputed either. */
     node_ban = calloc((size_t)c.nn + 1, 1);
-    draws = o.ban_chained_random ? random_draws(&c) : NULL;
+    draws = o.ban_chained_random ? malloc(((size_t)2 * nv + 2) * sizeof(int32_t)) : NULL;
     if (!node_ban || (o.ban_chained_random && !draws)) {
         st = af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
         goto done;
     }
+    for (int32_t v = 0; draws && v < 2 * nv; v++) draws[v] = -1;
     for (int32_t n = 0; n < c.nn; n++) {
-        if (!node_fw_required(&c, n)) continue;
         const af_node *node = af_graph_node(g, n);
+        if (draws) node_draws(&c, n, draws);
+        if (!node_fw_required(&c, n)) continue;
         for (int32_t k = 0; k < node->n_outputs && !node_ban[n]; k++)
             node_ban[n] = (uint8_t)should_ban(&c, &o, node->first_output + k, scratch, mark, draws);
+        for (int32_t k = 0; draws && node_ban[n] && k < node->n_outputs; k++) /* never drawn again through it */
+            draws[2 * (node->first_output + k)] = draws[2 * (node->first_output + k) + 1] = -1;
     }
     if ((st = af_flow_new(2 * nv + 2, &f))) goto done;
 #define EDGE(a, b, w)                                        \

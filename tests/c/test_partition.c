@@ -52,7 +52,8 @@ static int32_t input(af_graph *g, const char *name, int64_t n) {
 
 static const char *const ops[] = {"aten::mul.Tensor", "aten::add.Tensor", "aten::exp.default", "aten::view.default",
                                   "aten::sum.dim_IntList", "aten::mm.default", "aten::native_dropout.default",
-                                  "aten::some_extern.default", "aten::tanh.default", "aten::amax.default"};
+                                  "aten::some_extern.default", "aten::tanh.default", "aten::amax.default",
+                                  "aotfuse::rng_uniform.default"};
 #define N_OPS ((uint32_t)(sizeof ops / sizeof ops[0]))
 
 static void check_partition(const af_graph *g, const uint8_t *roles, int32_t nfwd, const af_partition *p) {
@@ -277,6 +278,39 @@ static void test_chained_random_values_are_saved(void **state) {
     }
 }
 
+/* Draws stop at a value that is never recomputed: exp(h2) and tanh(h2), read from a saved h2 (an
+ * mm in the backward materializes it), redraw nothing and are recomputed, not saved, ban or no ban. */
+static void test_values_after_a_saved_chain_are_still_recomputed(void **state) {
+    (void)state;
+    for (int ban = 0; ban < 2; ban++) {
+        af_graph *g = NULL;
+        assert_int_equal(af_graph_new(&g), AF_OK);
+        int32_t seed = input(g, "seed", 1), x = input(g, "x", 64), y1 = input(g, "y1", 64), y2 = input(g, "y2", 64),
+                t = input(g, "t", 64);
+        int32_t u1 = add(g, "aotfuse::rng_uniform.default", seed, -1, 64);
+        int32_t h1 = add(g, "aten::add.Tensor", x, add(g, "aten::mul.Tensor", y1, u1, 64), 64);
+        int32_t u2 = add(g, "aotfuse::rng_uniform.default", seed, -1, 64);
+        int32_t h2 = add(g, "aten::add.Tensor", h1, add(g, "aten::mul.Tensor", y2, u2, 64), 64);
+        int32_t w = add(g, "aten::exp.default", h2, -1, 64), w2 = add(g, "aten::tanh.default", h2, -1, 64);
+        int32_t out = add(g, "aten::mul.Tensor", w, w2, 64);
+        int32_t gh = add(g, "aten::mm.default", t, h2, 64);
+        int32_t gw = add(g, "aten::mul.Tensor", add(g, "aten::mul.Tensor", t, w, 64), w2, 64);
+        int32_t outs[3] = {out, gh, gw};
+        assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
+        uint8_t roles[5] = {AF_ROLE_FWD_SEED, AF_ROLE_PRIMAL, AF_ROLE_PARAM, AF_ROLE_PARAM, AF_ROLE_TANGENT};
+        af_partition_options o = af_partition_default_options();
+        o.ban_chained_random = ban;
+        af_partition *p = NULL;
+        assert_int_equal(af_partition_min_cut(g, roles, 1, &o, &p), AF_OK);
+        check_partition(g, roles, 1, p);
+        assert_int_equal(p->n_saved, 1);
+        assert_int_equal(p->saved[0], h2);
+        assert_true(p->in_backward[af_graph_value(g, w)->producer] && p->in_backward[af_graph_value(g, w2)->producer]);
+        af_partition_free(p);
+        af_graph_free(g);
+    }
+}
+
 static void test_bad_arguments(void **state) {
     (void)state;
     af_graph *g = NULL;
@@ -307,6 +341,7 @@ int main(void) {
         cmocka_unit_test(test_parameters_are_free_to_save),
         cmocka_unit_test(test_banned_ops_are_saved),
         cmocka_unit_test(test_chained_random_values_are_saved),
+        cmocka_unit_test(test_values_after_a_saved_chain_are_still_recomputed),
         cmocka_unit_test(test_multi_output_compute_node_is_not_rerun),
         cmocka_unit_test(test_bad_arguments),
     };
