@@ -243,30 +243,41 @@ static void test_multi_output_compute_node_is_not_rerun(void **state) {
 /* A value whose recompute would draw two random nodes again (a residual stream through two
  * dropouts) is saved; one drawing a single random node (a dropout's mask) is still recomputed.
  * Without ban_chained_random the min cut rebuilds the stream from the first dropout on. */
+/* Inputs seed, x, y1, y2, t (roles as below) and a residual stream through two dropouts:
+ * h1 = x + y1 * u1, h2 = h1 + y2 * u2, u1 and u2 random numbers from the seed (ids in c[0..3]:
+ * u1, h1, u2, h2; c[4] is t). */
+static const uint8_t chain_roles[5] = {AF_ROLE_FWD_SEED, AF_ROLE_PRIMAL, AF_ROLE_PARAM, AF_ROLE_PARAM, AF_ROLE_TANGENT};
+
+static af_graph *two_dropout_chain(int32_t *c) {
+    af_graph *g = NULL;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    int32_t seed = input(g, "seed", 1), x = input(g, "x", 64), y1 = input(g, "y1", 64), y2 = input(g, "y2", 64);
+    c[4] = input(g, "t", 64);
+    c[0] = add(g, "aotfuse::rng_uniform.default", seed, -1, 64);
+    c[1] = add(g, "aten::add.Tensor", x, add(g, "aten::mul.Tensor", y1, c[0], 64), 64);
+    c[2] = add(g, "aotfuse::rng_uniform.default", seed, -1, 64);
+    c[3] = add(g, "aten::add.Tensor", c[1], add(g, "aten::mul.Tensor", y2, c[2], 64), 64);
+    return g;
+}
+
 static void test_chained_random_values_are_saved(void **state) {
     (void)state;
     for (int ban = 0; ban < 2; ban++) {
-        af_graph *g = NULL;
-        assert_int_equal(af_graph_new(&g), AF_OK);
-        int32_t seed = input(g, "seed", 1), x = input(g, "x", 64), y1 = input(g, "y1", 64), y2 = input(g, "y2", 64),
-                t = input(g, "t", 64);
-        int32_t u1 = add(g, "aotfuse::rng_uniform.default", seed, -1, 64);
-        int32_t h1 = add(g, "aten::add.Tensor", x, add(g, "aten::mul.Tensor", y1, u1, 64), 64);
-        int32_t u2 = add(g, "aotfuse::rng_uniform.default", seed, -1, 64);
-        int32_t h2 = add(g, "aten::add.Tensor", h1, add(g, "aten::mul.Tensor", y2, u2, 64), 64);
+        int32_t c[5];
+        af_graph *g = two_dropout_chain(c);
+        int32_t u1 = c[0], h1 = c[1], u2 = c[2], h2 = c[3], t = c[4];
         int32_t out = add(g, "aten::mul.Tensor", h2, h2, 64);
         int32_t g1 = add(g, "aten::mul.Tensor", t, h1, 64); /* the backward reads h1, h2 and the masks */
         int32_t g2 = add(g, "aten::mul.Tensor", add(g, "aten::mul.Tensor", t, h2, 64), u2, 64);
         int32_t g3 = add(g, "aten::mul.Tensor", g1, u1, 64);
         int32_t outs[3] = {out, g2, g3};
         assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
-        uint8_t roles[5] = {AF_ROLE_FWD_SEED, AF_ROLE_PRIMAL, AF_ROLE_PARAM, AF_ROLE_PARAM, AF_ROLE_TANGENT};
         af_partition_options o = af_partition_default_options();
         assert_int_equal(o.ban_chained_random, 1);
         o.ban_chained_random = ban;
         af_partition *p = NULL;
-        assert_int_equal(af_partition_min_cut(g, roles, 1, &o, &p), AF_OK);
-        check_partition(g, roles, 1, p);
+        assert_int_equal(af_partition_min_cut(g, chain_roles, 1, &o, &p), AF_OK);
+        check_partition(g, chain_roles, 1, p);
         int32_t h2_node = af_graph_value(g, h2)->producer, u1_node = af_graph_value(g, u1)->producer;
         assert_true(p->in_backward[u1_node]); /* a mask: drawn again from the seed, never saved */
         assert_int_equal(p->in_backward[h2_node], !ban);
@@ -283,26 +294,20 @@ static void test_chained_random_values_are_saved(void **state) {
 static void test_values_after_a_saved_chain_are_still_recomputed(void **state) {
     (void)state;
     for (int ban = 0; ban < 2; ban++) {
-        af_graph *g = NULL;
-        assert_int_equal(af_graph_new(&g), AF_OK);
-        int32_t seed = input(g, "seed", 1), x = input(g, "x", 64), y1 = input(g, "y1", 64), y2 = input(g, "y2", 64),
-                t = input(g, "t", 64);
-        int32_t u1 = add(g, "aotfuse::rng_uniform.default", seed, -1, 64);
-        int32_t h1 = add(g, "aten::add.Tensor", x, add(g, "aten::mul.Tensor", y1, u1, 64), 64);
-        int32_t u2 = add(g, "aotfuse::rng_uniform.default", seed, -1, 64);
-        int32_t h2 = add(g, "aten::add.Tensor", h1, add(g, "aten::mul.Tensor", y2, u2, 64), 64);
+        int32_t c[5];
+        af_graph *g = two_dropout_chain(c);
+        int32_t h2 = c[3], t = c[4];
         int32_t w = add(g, "aten::exp.default", h2, -1, 64), w2 = add(g, "aten::tanh.default", h2, -1, 64);
         int32_t out = add(g, "aten::mul.Tensor", w, w2, 64);
         int32_t gh = add(g, "aten::mm.default", t, h2, 64);
         int32_t gw = add(g, "aten::mul.Tensor", add(g, "aten::mul.Tensor", t, w, 64), w2, 64);
         int32_t outs[3] = {out, gh, gw};
         assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
-        uint8_t roles[5] = {AF_ROLE_FWD_SEED, AF_ROLE_PRIMAL, AF_ROLE_PARAM, AF_ROLE_PARAM, AF_ROLE_TANGENT};
         af_partition_options o = af_partition_default_options();
         o.ban_chained_random = ban;
         af_partition *p = NULL;
-        assert_int_equal(af_partition_min_cut(g, roles, 1, &o, &p), AF_OK);
-        check_partition(g, roles, 1, p);
+        assert_int_equal(af_partition_min_cut(g, chain_roles, 1, &o, &p), AF_OK);
+        check_partition(g, chain_roles, 1, p);
         assert_int_equal(p->n_saved, 1);
         assert_int_equal(p->saved[0], h2);
         assert_true(p->in_backward[af_graph_value(g, w)->producer] && p->in_backward[af_graph_value(g, w2)->producer]);
