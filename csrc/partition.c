@@ -236,7 +236,7 @@ static int should_ban(const joint_ctx *c, const af_partition_options *o, int32_t
     af_op_kind kind = node_kind(c, p);
     if (kind == AF_KIND_VIEW) return 0;
     if (!kind_fusible(kind)) return 1; /* compute-heavy, random, extern: never recomputed */
-    if (o->ban_chained_random && draws && draws[2 * v + 1] >= 0) return 1;
+    if (draws && draws[2 * v + 1] >= 0) return 1; /* draws: NULL unless ban_chained_random */
     if (o->ban_materialized_bw && materialized_backward(c, v, stack, mark)) return 1;
     if (o->max_dist_from_bw > 0 && c->dist[v] > o->max_dist_from_bw && c->dist[v] < DIST_INF) return 1;
     if (o->reduction_ratio > 0) {
