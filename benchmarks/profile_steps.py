@@ -92,9 +92,12 @@ def main(argv=None) -> None:
         if not runs:  # built but not run in these steps (a backward whose variant ran instead)
             continue
         listing = str(p).splitlines()[1:]  # one line per node after the signature
+        members = _kernel_members(p, listing)
         for kind, op, index, sec in steps:
             if kind == "extern" and 0 <= index < len(listing):
                 slowest.append((sec / max(runs, 1), f"{stage}: {listing[index].strip()[:110]}"))
+            elif kind == "kernel":
+                slowest.append((sec / max(runs, 1), f"{stage}: kernel {index}: {members.get(index, '?')}"))
             key = "fused kernels" if kind == "kernel" else op
             entry = by_op.setdefault(key, [0, 0.0])
             entry[0] += 1
@@ -113,7 +116,7 @@ def main(argv=None) -> None:
     print(f"{'op':48s} {'steps':>6s} {'ms/step':>9s} {'share':>6s}")
     for op, (n, sec) in sorted(by_op.items(), key=lambda kv: -kv[1][1])[:a.top]:
         print(f"{op:48s} {n:6d} {sec * 1e3:9.2f} {sec / step_c * 100:5.1f}%")
-    print("slowest extern steps:")
+    print("slowest steps (extern calls, and kernels by their members' ops and their first output's type):")
     for sec, line in sorted(slowest, reverse=True)[:a.top]:
         print(f"  {sec * 1e3:7.2f} ms  {line}")
     if a.phases:
@@ -158,6 +161,30 @@ def _phase_table(contenders: list, inputs: dict, steps: int, device: str) -> Non
     print(f"phases (ms, medians of {steps} steps): " + ", ".join(times[contenders[0][0]]))
     for name, phases in times.items():
         print(f"  {name:14s} " + "  ".join(f"{k} {statistics.median(v) * 1e3:7.3f}" for k, v in phases.items()))
+
+
+def _kernel_members(program, listing: list[str]) -> dict[int, str]:
+    """Per kernel (group index): its member ops in program order, shortened (`mul x3`), and the
+    type of the value its first member makes, as the program's listing prints it."""
+    ops: dict[int, list[str]] = {}
+    first: dict[int, str] = {}
+    for i, (op, _kind, group) in enumerate(program.node_groups()):
+        if group < 0:
+            continue
+        ops.setdefault(group, []).append(op.replace("aten::", "").split(".")[0])
+        if group not in first and i < len(listing) and "=" in listing[i]:
+            first[group] = listing[i].split("=", 1)[0].split(":", 1)[-1].strip()
+    out = {}
+    for group, names in ops.items():
+        runs: list[list] = []
+        for name in names:
+            if runs and runs[-1][0] == name:
+                runs[-1][1] += 1
+            else:
+                runs.append([name, 1])
+        text = ", ".join(n if c == 1 else f"{n} x{c}" for n, c in runs)
+        out[group] = f"{first.get(group, '')} [{len(names)} nodes] {text}"[:150]
+    return out
 
 
 def _kernel_table(name: str, step, device: str, top: int) -> None:

@@ -28,24 +28,33 @@ static const char *const prelude =
     "#else\n"
     "#define AF_GUARDED_LOADS\n"
     "#endif\n"
+    /* Every helper is inlined into its loops, whatever the size of the program's source: GCC's
+     * inliner stops at its unit-growth limits, and a helper called out of line (af_rand in a
+     * program of a hundred kernels) keeps its loop from vectorizing (tests/test_fusion.py,
+     * test_helpers_are_inlined_in_a_big_program). */
+    "#if defined(__GNUC__)\n"
+    "#define AF_INLINE static inline __attribute__((always_inline))\n"
+    "#else\n"
+    "#define AF_INLINE static inline\n"
+    "#endif\n"
     "#ifdef __FMA__\n"
     "#define AF_FMA(a, b, c) fmaf(a, b, c)\n"
     "#else\n"
     "#define AF_FMA(a, b, c) ((a) * (b) + (c))\n"
     "#endif\n"
-    "static inline float af_bf16_load(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }\n"
-    "static inline uint16_t af_bf16_store(float f) {\n"
+    "AF_INLINE float af_bf16_load(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }\n"
+    "AF_INLINE uint16_t af_bf16_store(float f) {\n"
     "  uint32_t u; memcpy(&u, &f, 4);\n"
     "  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);\n"
     "  u += 0x7fffu + ((u >> 16) & 1u); return (uint16_t)(u >> 16);\n"
     "}\n"
-    "static inline float af_f16_load(uint16_t h) {\n"
+    "AF_INLINE float af_f16_load(uint16_t h) {\n"
     "  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;\n"
     "  if (e == 0) { float f = (float)m * 5.9604644775390625e-8f; return sign ? -f : f; }\n"
     "  u = e == 31 ? (sign | 0x7f800000u | (m << 13)) : (sign | ((e + 112u) << 23) | (m << 13));\n"
     "  float f; memcpy(&f, &u, 4); return f;\n"
     "}\n"
-    "static inline uint16_t af_f16_store(float f) {\n"
+    "AF_INLINE uint16_t af_f16_store(float f) {\n"
     "  uint32_t x; memcpy(&x, &f, 4);\n"
     "  uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;\n"
     "  if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));\n"
@@ -60,7 +69,7 @@ static const char *const prelude =
      * below -87.3 it flushes to 0 where libm returns subnormals. erf: Taylor series below 0.5,
      * above it Numerical Recipes' erfc fit (fractional error < 1.2e-7). tanh: Taylor below 0.3,
      * 1 - 2 / (exp(2x) + 1) above. */
-    "static inline float af_exp(float x) {\n"
+    "AF_INLINE float af_exp(float x) {\n"
     "  float xc = x > 88.72283f ? 88.72283f : x;\n"
     "  xc = xc < -87.3f ? -87.3f : xc;\n"
     "  float n = floorf(xc * 1.44269504088896341f + 0.5f);\n"
@@ -76,7 +85,7 @@ static const char *const prelude =
     "  out = x > 88.72283f ? INFINITY : out;\n"
     "  return x != x ? x : out;\n"
     "}\n"
-    "static inline float af_erf(float x) {\n"
+    "AF_INLINE float af_erf(float x) {\n"
     "  float ax = fabsf(x), x2 = x * x;\n"
     "  float small = AF_FMA(x2, -0.0008548327023f, 0.005223977625f);\n"
     "  small = AF_FMA(x2, small, -0.02686617064f); small = AF_FMA(x2, small, 0.1128379167f);\n"
@@ -89,7 +98,7 @@ static const char *const prelude =
     "  float big = x < 0.0f ? erfc - 1.0f : 1.0f - erfc;\n"
     "  return ax < 0.5f ? small : big;\n"
     "}\n"
-    "static inline float af_tanh(float x) {\n"
+    "AF_INLINE float af_tanh(float x) {\n"
     "  float ax = fabsf(x), x2 = x * x;\n"
     "  float small = AF_FMA(x2, 0.0218694885f, -0.0539682540f); small = AF_FMA(x2, small, 0.133333333f);\n"
     "  small = AF_FMA(x2, small, -0.333333333f); small = x * AF_FMA(x2, small, 1.0f);\n"
@@ -392,7 +401,7 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
 int af_codegen_c(const af_graph *g, const af_fusion_plan *plan, char **source) {
     if (!g || !plan || !source) return af_error_set(AF_ERR_INVALID, "af_codegen_c: NULL argument");
     af_strbuf sb = {0};
-    af_strbuf_printf(&sb, "%s#define AF_FN static inline\n%s", prelude, af_cg_helpers_text);
+    af_strbuf_printf(&sb, "%s#define AF_FN AF_INLINE\n%s", prelude, af_cg_helpers_text);
     for (int32_t i = 0; i < plan->n_groups; i++) {
         if (plan->groups[i].device.type != AF_DEVICE_CPU) continue; /* another backend's */
         int st = emit_kernel(&sb, g, &plan->groups[i], i);
