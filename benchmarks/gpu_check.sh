@@ -26,7 +26,7 @@ python3 -c "import aotfuse._C as C, aotfuse.lower as L; L._add_nvrtc_search_dirs
 echo "== pytest -m cuda"
 PER_TEST=""
 python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST="--timeout 90"
-timeout 190 python3 -m pytest tests/test_cuda.py tests/test_scatter.py tests/test_reuse.py tests/test_autocast.py -m cuda -q -rfE -p no:cacheprovider $PER_TEST > "$OUT/pytest-cuda.log" 2>&1
+timeout 170 python3 -m pytest tests/test_cuda.py tests/test_scatter.py tests/test_reuse.py tests/test_autocast.py -m cuda -q -rfE -p no:cacheprovider $PER_TEST > "$OUT/pytest-cuda.log" 2>&1
 echo "pytest rc=$? ($(tail -n 1 "$OUT/pytest-cuda.log"))"
 
 echo "== seed benchmark (cuda: seed shapes; fp32 then bf16; eager, aotfuse, torch.compile)"
@@ -35,16 +35,22 @@ timeout 230 python3 -m aotfuse.bench --device cuda --dtypes fp32,bf16 --backends
   --repeats 10 --time-budget 140 --no-progress --out-dir "$OUT" > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"
 
+echo "== layer norm and softmax left to ATen (AOTFUSE_DECOMPOSE_NORMS=0's effect; decomposed is the default): Bert, GPT2 fp32"
+timeout 60 python3 -m aotfuse.bench --device cuda --models BertForMaskedLM,GPT2LMHeadModel --dtypes fp32 \
+  --backends eager,aotfuse-aten-norms --repeats 10 --time-budget 30 --no-progress --out-dir "$OUT" --name hf-cuda-aten-norms \
+  > "$OUT/bench-aten-norms.log" 2>&1
+echo "aten-norms bench rc=$?"
+
 echo "== host-time profile (Bert, seed shapes, fp32): is the step bound by the host? and the top GPU kernels"
 timeout 50 python3 benchmarks/profile_steps.py --device cuda --size seed --model BertForMaskedLM --steps 5 --threads 16 \
   --kernels > "$OUT/profile-bert-cuda.txt" 2>&1
 echo "profile rc=$?"; sed -n 1,4p "$OUT/profile-bert-cuda.txt"; grep -A 4 -E "^(aotfuse|eager): one step" "$OUT/profile-bert-cuda.txt"
 
 echo "== epilogue kernels (decomposed softmax / layer norm, seed Bert shapes) against ATen's"
-timeout 45 python3 benchmarks/epilogues.py --device cuda > "$OUT/epilogues-cuda.md" 2>&1
+timeout 35 python3 benchmarks/epilogues.py --device cuda > "$OUT/epilogues-cuda.md" 2>&1
 echo "epilogues rc=$?"; grep -E '^\| (layer_norm|add|softmax \||cross)' "$OUT/epilogues-cuda.md" | cut -c1-140
 
 echo "== summary ($(( $(date +%s) - start )) s)"
-for f in "$OUT"/hf-cuda-*.md; do [ -f "$f" ] && grep -E '^\| (model|[A-Za-z]+For|GPT2)' "$f" | cut -c1-200; done
+for f in "$OUT"/hf-cuda*.md; do [ -f "$f" ] && grep -E '^\| (model|[A-Za-z]+For|GPT2)' "$f" | cut -c1-200; done
 grep -E "^(FAILED|ERROR)" "$OUT/pytest-cuda.log" | cut -c1-200 | head -n 20
 tail -n 3 "$OUT/pytest-cuda.log"

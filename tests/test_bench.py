@@ -61,16 +61,16 @@ def test_tiny_run_writes_table_with_numeric_check(tmp_path, capsys):
         assert "chart skipped" in capsys.readouterr().err
 
 
-def test_host_size_and_the_decomposed_norms_contender(tmp_path):
-    """--size host (the seed's 12 layers, minimal tensors) and aotfuse+norms run and pass the check."""
+def test_host_size_and_the_aten_norms_contender(tmp_path):
+    """--size host (the seed's 12 layers, minimal tensors) and aotfuse-aten-norms run and pass the check."""
     bench.main(["--device", "cpu", "--size", "host", "--models", "GPT2LMHeadModel", "--dtypes", "fp32",
-                "--backends", "eager,aotfuse+norms", "--repeats", "2", "--out-dir", str(tmp_path), "--name", "host",
+                "--backends", "eager,aotfuse-aten-norms", "--repeats", "2", "--out-dir", str(tmp_path), "--name", "host",
                 "--no-progress"])
     md = (tmp_path / "host.md").read_text()
     rows = {r[2]: r for r in _table_rows(md)}
-    assert set(rows) == {"eager", "aotfuse+norms"}
-    assert rows["aotfuse+norms"][9].startswith("pass") and rows["aotfuse+norms"][10] == "ok", rows["aotfuse+norms"]
-    assert "12 layers" in md and "aotfuse+norms (on request)" in md
+    assert set(rows) == {"eager", "aotfuse-aten-norms"}
+    assert rows["aotfuse-aten-norms"][9].startswith("pass") and rows["aotfuse-aten-norms"][10] == "ok", rows["aotfuse-aten-norms"]
+    assert "12 layers" in md and "aotfuse-aten-norms (on request)" in md
 
 
 def test_capture_failure_is_a_fallback_row_not_an_abort(tmp_path):

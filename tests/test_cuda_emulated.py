@@ -203,18 +203,18 @@ def test_full_and_few_long_row_reductions_split_across_blocks(dtype, sm_count):
     assert all(l["split"] > 1 and l["workspace"] > 0 for l in ran), ran
 
 
-@pytest.mark.parametrize("dtype,norms", [("fp32", False), ("bf16", False), ("fp32", True)],
-                         ids=["fp32", "bf16", "fp32-decomposed-norms"])
+@pytest.mark.parametrize("dtype,aten_norms", [("fp32", False), ("bf16", False), ("fp32", True)],
+                         ids=["fp32", "bf16", "fp32-aten-norms"])
 @pytest.mark.parametrize("model", ["AlbertForMaskedLM", "GPT2LMHeadModel", "BertForMaskedLM", "LongformerForMaskedLM"])
-def test_seed_model_programs_cuda_kernels_match_eager(model, dtype, norms, monkeypatch):
+def test_seed_model_programs_cuda_kernels_match_eager(model, dtype, aten_norms, monkeypatch):
     """Every CUDA group of the four seed models' forward and backward programs (tiny configs),
-    on the real values of a training step, matches eager's values of the same nodes; with
-    AOTFUSE_DECOMPOSE_NORMS=1 the norms and softmax are phased kernels among them."""
+    on the real values of a training step, matches eager's values of the same nodes; the norms and
+    softmax are phased kernels among them (by default), or ATen calls (AOTFUSE_DECOMPOSE_NORMS=0)."""
     import aotfuse
     from aotfuse.bench import DTYPES, build_model
 
-    if norms:
-        monkeypatch.setenv("AOTFUSE_DECOMPOSE_NORMS", "1")
+    if aten_norms:
+        monkeypatch.setenv("AOTFUSE_DECOMPOSE_NORMS", "0")
     m, inputs, _ = build_model(model, "tiny", DTYPES[dtype], "cpu")
     torch._dynamo.reset()  # Longformer runs as Dynamo pieces: no graphs reused from an earlier test
     with cuda_emu.recording_programs() as programs:
@@ -225,8 +225,12 @@ def test_seed_model_programs_cuda_kernels_match_eager(model, dtype, norms, monke
     for gm, args in programs:
         kinds += [l["kind"] for l in cuda_emu.check(gm, args, f"{model} {dtype} {gm.__class__.__name__}")]
     assert len(kinds) >= 8 and "pointwise" in kinds, kinds
-    if norms:
-        assert any("phases)" in cuda_emu.source_of(gm) for gm, _ in programs), "no phased kernel"
+    aten_ops = {str(n.target) for gm, _ in programs for n in gm.graph.nodes if n.op == "call_function"}
+    natives = {t for t in aten_ops if "native_layer_norm" in t or "_softmax" in t}
+    if aten_norms:
+        assert natives, "AOTFUSE_DECOMPOSE_NORMS=0 keeps ATen's layer norm and softmax"
+    else:
+        assert not natives and any("phases)" in cuda_emu.source_of(gm) for gm, _ in programs), natives
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -44,8 +44,8 @@ __all__ = ["MODELS", "BACKENDS", "Settings", "Result", "run", "write_results", "
 
 MODELS = ("AlbertForMaskedLM", "GPT2LMHeadModel", "BertForMaskedLM", "LongformerForMaskedLM")
 BACKENDS = ("eager", "aotfuse", "torch.compile", "functorch")
-# on request only: aotfuse with layer norm and softmax decomposed and fused (AOTFUSE_DECOMPOSE_NORMS's effect)
-EXTRA_BACKENDS = ("aotfuse+norms",)
+# on request only: aotfuse with layer norm and softmax left to ATen's kernels (AOTFUSE_DECOMPOSE_NORMS=0)
+EXTRA_BACKENDS = ("aotfuse-aten-norms",)
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # the seed's tolerances: (atol, rtol)
 TOLERANCES = {torch.float32: (1e-4, 5e-3), torch.float16: (1e-2, 1e-1), torch.bfloat16: (1e-2, 1e-1)}
@@ -180,11 +180,11 @@ def _reason(e: BaseException) -> str:
 def _make(backend: str, model: torch.nn.Module, fallback: str | None = None) -> Callable:
     if backend == "eager":
         return model
-    if backend in ("aotfuse", "aotfuse+norms"):
+    if backend in ("aotfuse", "aotfuse-aten-norms"):
         import aotfuse
         from aotfuse.decompositions import default_decompositions
 
-        kwargs = {"decompositions": default_decompositions(norms=True)} if backend == "aotfuse+norms" else {}
+        kwargs = {"decompositions": default_decompositions(norms=False)} if backend == "aotfuse-aten-norms" else {}
         if fallback:
             kwargs["fallback"] = fallback
         return aotfuse.memory_efficient_fusion(model, **kwargs)
@@ -619,8 +619,8 @@ def write_results(results: list[Result], descriptions: list[str], out_dir: str, 
         "- contenders: eager; aotfuse = aotfuse.memory_efficient_fusion(model) (where it cannot capture the model "
         f"it is rebuilt with fallback={settings.aotfuse_fallback!r} and marked fallback); torch.compile = torch.compile(model, backend='inductor', "
         "dynamic=False); functorch = functorch.compile.memory_efficient_fusion(model), n/a where it does "
-        "not run on this torch; aotfuse+norms (on request) = aotfuse with layer norm and softmax decomposed "
-        "and fused (decompositions=default_decompositions(norms=True)).",
+        "not run on this torch; aotfuse-aten-norms (on request) = aotfuse with layer norm and softmax left to "
+        "ATen's kernels (decompositions=default_decompositions(norms=False)).",
         f"- models ({settings.size} size; random weights from config classes, nothing downloaded; config "
         f"defaults except: dropout probabilities {settings.dropout:g}, attention implementation "
         f"'{settings.attn}' (Longformer: its own); inputs: random input_ids and labels"

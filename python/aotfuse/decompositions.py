@@ -44,11 +44,12 @@ _DECOMPOSED = [
 ]
 
 
-# Layer norm and softmax (and their backwards) decompose into reductions whose epilogues (the
-# normalize, the divide) the CPU fuser cannot yet put in the same kernel; ATen's native kernels
-# do each in one pass, and measured faster (benchmarks/blocks.py, 1 thread: Bert layer 73 ms whole
-# vs 98 ms decomposed, GPT2 block 68 vs 85 ms) for the same saved bytes within 1%. They stay whole
-# until the fuser handles them; AOTFUSE_DECOMPOSE_NORMS=1 decomposes them anyway.
+# Layer norm and softmax (and their backwards) are decomposed by default: each becomes one phased
+# kernel with the pointwise work around it (the attention's scale, mask and dropout; the residual add
+# and dropout before a layer norm), on the CPU and on CUDA. Measured in in-process A/Bs (2026-12-02,
+# benchmarks/ab_env.py, after the C helpers became always_inline): 0.86-0.99 of the step at host size
+# (the regime of a fast GPU), 0.97-1.02 at the seed's shapes on the CPU, 0.99-1.01 at reduced size,
+# the same peak. AOTFUSE_DECOMPOSE_NORMS=0 keeps ATen's native kernels.
 #
 # Cross entropy's backward is the one place a norm-like op decides peak memory: ATen's nll_loss
 # backward makes a zero-filled [tokens x vocab] gradient, log_softmax's backward a second one, beside
@@ -62,25 +63,30 @@ _NORMS = [
     aten.native_layer_norm,
     aten.native_layer_norm_backward,
     aten._softmax,
-    aten._log_softmax,
     aten._softmax_backward_data,
-    aten._log_softmax_backward_data,
 ]
 
 
 _LOSS = [aten._log_softmax, aten._log_softmax_backward_data]
 
 
-def _loss_table() -> dict:
-    """log_softmax and its backward (torch's decompositions, used where kernels are generated for
-    the tensors' device) and nll_loss's forward and backward."""
-    table = {}
-    for op, fn in get_decompositions(_LOSS).items():
+def _where_kernels(table: dict) -> dict:
+    """The table's decompositions, each used only where kernels are generated for its first
+    tensor's device (elsewhere the op stays whole: decomposed, it would be many ATen calls)."""
+    out = {}
+    for op, fn in table.items():
         def decomposed(*args, _fn=fn, **kwargs):
             if not config.kernels_for(args[0].device):
                 return NotImplemented
             return _fn(*args, **kwargs)
-        table[op] = decomposed
+        out[op] = decomposed
+    return out
+
+
+def _loss_table() -> dict:
+    """log_softmax and its backward (torch's decompositions, used where kernels are generated for
+    the tensors' device) and nll_loss's forward and backward."""
+    table = _where_kernels(get_decompositions(_LOSS))
     table[aten.nll_loss_forward.default] = _nll_loss_forward
     table[aten.nll_loss_backward.default] = _nll_loss_backward
     return table
@@ -243,23 +249,24 @@ def _native_dropout(input, p, train):
 def default_decompositions(norms: bool | None = None, random: bool | None = None,
                            loss: bool | None = None) -> dict:
     """The table memory_efficient_fusion and aot_function use when given none (a fresh dict).
-    norms: also decompose layer norm and softmax (default: AOTFUSE_DECOMPOSE_NORMS, off).
+    norms: decompose layer norm and softmax too (default: on unless AOTFUSE_DECOMPOSE_NORMS=0 or no
+    kernels are generated).
     random: dropout with aotfuse's own generator, fused and recomputed (default: on unless
     AOTFUSE_FALLBACK_RANDOM=1 or no kernels are generated).
     loss: log_softmax and nll_loss (forward and backward) decomposed, so cross entropy is one fused
     row kernel each way (default: on unless AOTFUSE_DECOMPOSE_LOSS=0 or no kernels are generated)."""
     if norms is None:
-        norms = os.environ.get("AOTFUSE_DECOMPOSE_NORMS", "0") not in ("", "0")
+        norms = os.environ.get("AOTFUSE_DECOMPOSE_NORMS", "1") not in ("", "0") and config.fusion()
     if random is None:
         random = not config.fallback_random() and config.fusion()
     if loss is None:
         loss = os.environ.get("AOTFUSE_DECOMPOSE_LOSS", "1") not in ("", "0") and config.fusion()
-    table = get_decompositions(_DECOMPOSED + (_NORMS if norms else []))
+    table = get_decompositions(_DECOMPOSED)
     if loss:
-        table.update({k: v for k, v in _loss_table().items() if not (norms and k in table)})
+        table.update(_loss_table())
     if norms:
-        table[aten.var_mean.correction] = _var_mean
-        table[aten.native_layer_norm_backward.default] = _layer_norm_backward
+        table.update(_where_kernels({**get_decompositions(_NORMS), aten.var_mean.correction: _var_mean,
+                                     aten.native_layer_norm_backward.default: _layer_norm_backward}))
     if random:
         table[aten.native_dropout.default] = _native_dropout
     return table
