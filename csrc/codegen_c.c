@@ -31,7 +31,7 @@ static const char *const prelude =
     /* Every helper is inlined into its loops, whatever the size of the program's source: GCC's
      * inliner stops at its unit-growth limits, and a helper called out of line (af_rand in a
      * program of a hundred kernels) keeps its loop from vectorizing (tests/test_fusion.py,
-     * test_helpers_are_inlined_in_a_big_program). */
+     * test_helpers_are_inlined_whatever_the_inliners_limits). */
     "#if defined(__GNUC__)\n"
     "#define AF_INLINE static inline __attribute__((always_inline))\n"
     "#else\n"

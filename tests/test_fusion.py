@@ -388,6 +388,46 @@ def test_reduction_epilogues_run_in_one_phased_kernel(case, dtype):
         assert "aten::exp.default, cached */" in kernel and kernel.count("af_exp(") == 1, kernel
 
 
+@pytest.mark.parametrize("env,decomposed", [({}, True), ({"AOTFUSE_DECOMPOSE_NORMS": "0"}, False),
+                                            ({"AOTFUSE_FUSION": "0"}, False), ({"AOTFUSE_BACKEND": "cuda"}, False)],
+                         ids=["default", "switched-off", "no-fusion", "cpu-tensors-without-kernels"])
+def test_norms_are_decomposed_where_kernels_are_generated(monkeypatch, env, decomposed):
+    """Layer norm and softmax (and their backwards) are decomposed by default, into phased kernels
+    with the work around them; AOTFUSE_DECOMPOSE_NORMS=0, or a device without generated kernels,
+    keeps ATen's (decomposed without kernels they would be many ATen calls)."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.ln = torch.nn.Linear(24, 24), torch.nn.LayerNorm(24)
+
+        def forward(self, x):
+            return self.ln(torch.softmax(self.lin(x) * 0.5, -1) + x)
+
+    torch.manual_seed(3)
+    model = Block()
+    compiled = aotfuse.memory_efficient_fusion(model)
+    x = torch.randn(6, 24)
+    xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = compiled(xc)
+    g = torch.randn_like(out)
+    out.backward(g)
+    compiled_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref = model(xe)
+    ref.backward(g)
+    assert_close(out, ref, f"block output ({env})", atol=1e-5, rtol=1e-5)
+    assert_close(xc.grad, xe.grad, f"input gradient ({env})", atol=1e-5, rtol=1e-5)
+    for (name, p), cg in zip(model.named_parameters(), compiled_grads):
+        assert_close(cg, p.grad, f"{name}.grad ({env})", atol=1e-5, rtol=1e-5)
+    graphs = compiled._aotfuse_compiled.records[-1].graphs
+    targets = {str(n.target) for gm in graphs.values() for n in gm.graph.nodes if n.op == "call_function"}
+    natives = {t for t in targets if "native_layer_norm" in t or "_softmax" in t}
+    assert (not natives) == decomposed, natives
+
+
 def test_random_numbers_a_later_phase_reads_are_kept_not_drawn_again():
     """A dropout inside a decomposed layer norm's kernel (pre-LN residual streams, GPT2 with
     AOTFUSE_DECOMPOSE_NORMS=1): the mean's pass and the normalizing pass both read the random
