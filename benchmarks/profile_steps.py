@@ -6,7 +6,8 @@ Longformer (whose `.item()` needs a graph break) runs as `torch.compile(model, b
 seed benchmark's fallback does, and every Dynamo graph's programs are profiled (stages g<k> forward/backward).
 Runs one warm-up step, turns on `Program.profiling` for the forward and backward programs, runs
 --steps training steps and prints the time per op (extern ATen calls by op name, fused kernels
-together) against the whole step and against an eager step. On a GPU the times are launch (host)
+together) against the whole step and against an eager step, then the slowest steps (a kernel named by
+its member ops). On a GPU the times are launch (host)
 times, not kernel times. Nothing is written; copy what matters into benchmarks/results/.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import itertools
 import statistics
 import sys
 import time
@@ -176,12 +178,7 @@ def _kernel_members(program, listing: list[str]) -> dict[int, str]:
             first[group] = listing[i].split("=", 1)[0].split(":", 1)[-1].strip()
     out = {}
     for group, names in ops.items():
-        runs: list[list] = []
-        for name in names:
-            if runs and runs[-1][0] == name:
-                runs[-1][1] += 1
-            else:
-                runs.append([name, 1])
+        runs = [(name, len(list(same))) for name, same in itertools.groupby(names)]
         text = ", ".join(n if c == 1 else f"{n} x{c}" for n, c in runs)
         out[group] = f"{first.get(group, '')} [{len(names)} nodes] {text}"[:150]
     return out
