@@ -1,5 +1,6 @@
 """Small models through memory_efficient_fusion: outputs, every gradient and three optimizer steps
 match eager (fp32: atol 1e-4, rtol 5e-3)."""
+import copy
 import math
 
 import pytest
@@ -117,6 +118,29 @@ def test_batchnorm_eval_uses_running_stats():
     check_module(model, torch.randn(4, 3, 6, 6), steps=1)
     model.eval()
     check_module(model, torch.randn(4, 3, 6, 6), steps=1)
+
+
+def test_batchnorm_in_bfloat16_updates_running_stats_in_kernels():
+    """A CPU batch norm in bfloat16 keeps its new running statistics in bfloat16, where torch's meta
+    function says float32: the C core is told their real dtype (lower._real_dtypes), so the kernel
+    copying them into the buffers runs as generated (it fell back to ATen calls every step before)."""
+    torch.manual_seed(0)
+    model = BNNet().to(torch.bfloat16)
+    eager, compiled_base = model, copy.deepcopy(model)
+    compiled = aotfuse.memory_efficient_fusion(compiled_base)
+    x = torch.randn(4, 3, 6, 6, dtype=torch.bfloat16)
+    for step in range(3):
+        out_e, out_c = eager(x), compiled(x)
+        assert_close(out_c, out_e, f"step {step} output", atol=1e-2, rtol=1e-1)
+        out_e.float().sum().backward()
+        out_c.float().sum().backward()
+        for (name, pc), pe in zip(compiled_base.named_parameters(), eager.parameters()):
+            assert_close(pc.grad, pe.grad, f"step {step} grad of {name}", atol=1e-2, rtol=1e-1)
+        for (name, bc), be in zip(compiled_base.named_buffers(), eager.buffers()):
+            assert_close(bc, be, f"step {step} buffer {name}", atol=1e-2, rtol=1e-1)
+    assert int(compiled_base.bn.num_batches_tracked) == 3 and compiled_base.bn.running_mean.dtype == torch.bfloat16
+    programs = [low.program for rec in compiled._aotfuse_compiled.records for low in rec.programs.values()]
+    assert programs and all(p.kernel_fallbacks == 0 for p in programs), [p.kernel_fallbacks for p in programs]
 
 
 def test_dropout_p0():

@@ -618,7 +618,10 @@ def _mixed_norm(x: Any, params: Sequence[Any]) -> bool:
 def _real_dtypes(gm: fx.GraphModule) -> dict:
     """{node: {output index (a placeholder: 0): dtype}} where a value's dtype at run time is not its
     traced one: the float32 statistics of mixed-type CPU norms (_MIXED_NORM_FORWARDS), in the
-    forward that computes them and, as placeholders, in the backward that reads them."""
+    forward that computes them and, as placeholders, in the backward that reads them; and the new
+    running statistics of a CPU batch norm in float16/bfloat16 (`_native_batch_norm_legit_functional`'s
+    outputs 3 and 4), which ATen keeps in the running statistics' dtype where the meta function says
+    float32."""
     def val(a: Any) -> Any:
         return a.meta.get("val") if isinstance(a, fx.Node) else None
 
@@ -632,6 +635,14 @@ def _real_dtypes(gm: fx.GraphModule) -> dict:
             if _mixed_norm(val(node.args[0]), [val(node.args[i]) for i in params if i < len(node.args)]) and \
                     isinstance(outs, (list, tuple)):
                 fixes[node] = {k: torch.float32 for k in stats if k < len(outs) and outs[k].dtype != torch.float32}
+            x = val(node.args[0])
+            if node.target is _aten._native_batch_norm_legit_functional.default and isinstance(x, torch.Tensor) and \
+                    x.device.type == "cpu" and isinstance(outs, (list, tuple)) and len(outs) == 5:
+                for k in (3, 4):  # new running mean and variance: the dtype of the running ones (args 3, 4)
+                    running = val(node.args[k]) if k < len(node.args) else None
+                    if isinstance(running, torch.Tensor) and isinstance(outs[k], torch.Tensor) and \
+                            outs[k].dtype != running.dtype:
+                        fixes.setdefault(node, {})[k] = running.dtype
         elif node.target in _MIXED_NORM_BACKWARDS:
             x, params, stats = _MIXED_NORM_BACKWARDS[node.target]
             if _mixed_norm(val(node.args[x]), [val(node.args[i]) for i in params if i < len(node.args)]):
