@@ -631,11 +631,9 @@ def _real_dtypes(gm: fx.GraphModule) -> dict:
             continue
         if node.target in _MIXED_NORM_FORWARDS:
             params, stats = _MIXED_NORM_FORWARDS[node.target]
-            outs = node.meta.get("val")
-            if _mixed_norm(val(node.args[0]), [val(node.args[i]) for i in params if i < len(node.args)]) and \
-                    isinstance(outs, (list, tuple)):
+            outs, x = node.meta.get("val"), val(node.args[0])
+            if _mixed_norm(x, [val(node.args[i]) for i in params if i < len(node.args)]) and isinstance(outs, (list, tuple)):
                 fixes[node] = {k: torch.float32 for k in stats if k < len(outs) and outs[k].dtype != torch.float32}
-            x = val(node.args[0])
             if node.target is _aten._native_batch_norm_legit_functional.default and isinstance(x, torch.Tensor) and \
                     x.device.type == "cpu" and isinstance(outs, (list, tuple)) and len(outs) == 5:
                 for k in (3, 4):  # new running mean and variance: the dtype of the running ones (args 3, 4)
