@@ -476,7 +476,8 @@ def test_helpers_are_inlined_whatever_the_inliners_limits(tmp_path, monkeypatch)
     x, seed = torch.randn(8, 16, generator=g), torch.tensor(2024)
     lowered = lower(make_fx(fn, decomposition_table=default_decompositions())(x, seed, *ws))
     src = lowered.program.source
-    assert lowered.program.num_kernels == 4 and src.count("af_rand(sv") == 4 and "af_erf(" in src and "af_exp(" in src, src
+    # the four layers' kernels share one body (af_rand inlined once), each with its own stream
+    assert lowered.program.num_kernels == 4 and src.count("af_rand(sv") == 1 and "af_erf(" in src and "af_exp(" in src, src
     assert_close(lowered([x, seed, *ws])[0], fn(x, seed, *ws), "dropout layers", atol=1e-5, rtol=1e-5)
     objects = list(tmp_path.glob("*.so"))  # the program's, and rng_uniform's own (the eager call)
     assert any("af_erf(" in o.with_suffix(".c").read_text() for o in objects), list(tmp_path.iterdir())
@@ -485,6 +486,35 @@ def test_helpers_are_inlined_whatever_the_inliners_limits(tmp_path, monkeypatch)
         local = {line.split()[-1] for line in symbols.splitlines() if line.split()[-2:-1] == ["t"]}
         helpers = {name for name in local if name.startswith("af_") and not name.startswith("af_kernel_")}
         assert not helpers, f"{obj.name}: helpers called out of line: {sorted(helpers)}"
+
+
+def test_repeated_layers_share_kernel_bodies_each_with_its_own_dropout_stream(tmp_path, monkeypatch):
+    """Kernels that differ only in their nodes' ids and their dropouts' streams (a model's layers)
+    are compiled once: one body, called by each kernel's wrapper with that kernel's streams. The
+    streams must stay apart: three dropouts of p = 0.5 in a row, one a layer, each behind an mm
+    (so each is a kernel of its own, the same kernel), keep an eighth of the elements when their
+    masks are independent and a half if a body had drawn one mask for all."""
+    monkeypatch.setenv("AOTFUSE_CACHE_DIR", str(tmp_path))
+    eye = torch.eye(64)
+
+    def fn(x, seed, eye):
+        for stream in (1, 2, 3):
+            keep = torch.ops.aotfuse.rng_uniform(seed, [64, 64], stream) > 0.5
+            x = (x * keep * 2.0) @ eye
+        return x
+
+    x, seed = torch.ones(64, 64), torch.tensor(99)
+    lowered = lower(make_fx(fn)(x, seed, eye))
+    src = lowered.program.source
+    assert lowered.program.num_kernels == 3, src
+    assert src.count("AF_BODY void af_body_") == 1 and src.count("af_rand(sv") == 1, src
+    for stream in (1, 2, 3):
+        assert f"static const uint64_t s[1] = {{{stream}ull}};" in src, src
+    got = lowered([x, seed, eye])[0]
+    assert_close(got, fn(x, seed, eye), "three dropouts behind mms", atol=0, rtol=0)
+    kept = (got != 0).float().mean().item()
+    assert abs(kept - 1 / 8) < 0.03, f"kept {kept:.3f} of the elements: the layers' masks are not independent"
+    assert set(got.unique().tolist()) <= {0.0, 8.0}
 
 
 @pytest.mark.parametrize("width", [37, 1024, 1025, 5000, 30522])

@@ -91,6 +91,48 @@ static void test_chain_siblings_and_closing(void **state) {
     af_graph_free(g);
 }
 
+static int count_of(const char *text, const char *needle) {
+    int n = 0;
+    for (const char *at = strstr(text, needle); at; at = strstr(at + 1, needle)) n++;
+    return n;
+}
+
+/* Kernels that differ only in their nodes' ids (a model's repeated layers) share one body, which
+ * each kernel's wrapper calls; a kernel computing something else (an add, not a mul) has its own. */
+static void test_identical_kernels_share_a_body(void **state) {
+    (void)state;
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    af_tensor_meta m2 = f32(2);
+    int32_t x;
+    assert_int_equal(af_graph_add_input(g, "x", &m2, &x), AF_OK);
+    int32_t a = node(g, "aten::mul.Tensor", x, -1, 2);  /* group 0: exp(x * 0.5) */
+    int32_t b = node(g, "aten::exp.default", a, -1, 2);
+    int32_t e = node(g, "aten::mm.default", b, -1, 2);
+    int32_t f = node(g, "aten::mul.Tensor", e, -1, 2);  /* group 1: the same on other nodes */
+    int32_t h = node(g, "aten::exp.default", f, -1, 2);
+    int32_t e2 = node(g, "aten::mm.default", h, -1, 2);
+    int32_t k = node(g, "aten::add.Tensor", e2, -1, 2); /* group 2: exp(x + 0.5) */
+    int32_t l = node(g, "aten::exp.default", k, -1, 2);
+    int32_t outs[1] = {l};
+    assert_int_equal(af_graph_set_outputs(g, outs, 1), AF_OK);
+    af_fusion_plan *plan;
+    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+    assert_int_equal(plan->n_groups, 3);
+    char *src = NULL;
+    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
+    assert_int_equal(count_of(src, "AF_BODY void af_body_"), 2);
+    assert_non_null(strstr(src, "AF_BODY void af_body_0(char *const *p, const uint64_t *af_s)"));
+    assert_non_null(strstr(src, "AF_BODY void af_body_2(char *const *p, const uint64_t *af_s)"));
+    assert_non_null(strstr(src, "void af_kernel_0(char *const *p) { af_body_0(p, NULL); }"));
+    assert_non_null(strstr(src, "void af_kernel_1(char *const *p) { af_body_0(p, NULL); }"));
+    assert_non_null(strstr(src, "void af_kernel_2(char *const *p) { af_body_2(p, NULL); }"));
+    assert_non_null(strstr(src, "af_kernel_count = 3"));
+    free(src);
+    af_fuse_plan_free(plan);
+    af_graph_free(g);
+}
+
 /* Independent groups of one loop merge into one kernel, at the earlier step when the later one's
  * inputs are made by then (b beside a, whose value an extern reads at once), at the later step when
  * nothing reads the earlier one's values before it (c's kernel waits for the two column sums, a
@@ -309,7 +351,7 @@ static void test_windows(void **state) {
     assert_non_null(strstr(src, ">= 2 && "));
     assert_non_null(strstr(src, "< 10) ? q0[o0 - (2)] : ((float)-1)"));
     /* no if-converted (masked) loads in a kernel with windows: GCC 12 lost elements in them */
-    assert_non_null(strstr(src, "AF_GUARDED_LOADS void af_kernel_"));
+    assert_non_null(strstr(src, "AF_GUARDED_LOADS AF_BODY void af_body_"));
     free(src);
     af_fuse_plan_free(plan);
     af_graph_free(g);
@@ -743,6 +785,7 @@ int main(void) {
         cmocka_unit_test(test_a_window_computes_a_source_read_through_views),
         cmocka_unit_test(test_a_copy_of_views_of_a_window_computes_the_window),
         cmocka_unit_test(test_boxes),
+        cmocka_unit_test(test_identical_kernels_share_a_body),
         cmocka_unit_test(test_recomputed_members),
         cmocka_unit_test(test_recompute_reads_a_materialized_member),
         cmocka_unit_test(test_recompute_reads_a_value_stored_anyway),
