@@ -422,9 +422,10 @@ typedef struct {
 static int is_ident(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_'; }
 
 /* Locals named by node ids: v<id> values, c<id> phase caches, acc<id>/accf<id>/nan<id>
- * accumulators, sv<id>/iv<id> random seeds and indices. */
+ * accumulators, sv<id>/iv<id> random seeds and indices, s<id>_<dim>/u<id>_<dim> a window's
+ * coordinates. */
 static int local_prefix(const char *t, size_t letters) {
-    static const char *const prefixes[] = {"v", "c", "acc", "accf", "nan", "sv", "iv"};
+    static const char *const prefixes[] = {"v", "c", "acc", "accf", "nan", "sv", "iv", "s", "u"};
     for (size_t k = 0; k < sizeof prefixes / sizeof *prefixes; k++)
         if (strlen(prefixes[k]) == letters && !strncmp(t, prefixes[k], letters)) return 1;
     return 0;
@@ -465,10 +466,13 @@ static int rewrite_kernel(const char *text, int32_t index, af_c_kernel *k) {
             continue;
         }
         while (is_ident(*e)) e++;
+        /* <letters><id>, then (_<digits>)* kept as they are */
         size_t letters = 0;
         while (s + letters < e && s[letters] >= 'a' && s[letters] <= 'z') letters++;
-        int numbered = s + letters < e;
-        for (const char *d = s + letters; d < e; d++) numbered &= *d >= '0' && *d <= '9';
+        const char *d = s + letters, *id_end = d;
+        while (id_end < e && *id_end >= '0' && *id_end <= '9') id_end++;
+        int numbered = id_end > d;
+        for (const char *t = id_end; t < e && numbered; t++) numbered = *t == '_' ? t + 1 < e && t[1] >= '0' && t[1] <= '9' : *t >= '0' && *t <= '9';
         af_strbuf_printf(&body, "%.*s", (int)(e - s), s);
         if (!letters || !numbered || !local_prefix(s, letters)) {
             af_strbuf_printf(&key, "%.*s", (int)(e - s), s);
@@ -476,14 +480,14 @@ static int rewrite_kernel(const char *text, int32_t index, af_c_kernel *k) {
             continue;
         }
         /* a local: named in the key by the order in which its id first appears */
-        int64_t id = strtoll(s + letters, NULL, 10);
+        int64_t id = strtoll(d, NULL, 10);
         size_t o = 0;
         while (o < n_ids && ids[o] != id) o++;
         if (o == n_ids) {
             if ((st = grow((void **)&ids, &cap_ids, n_ids, sizeof *ids))) break;
             ids[n_ids++] = id;
         }
-        af_strbuf_printf(&key, "%.*s%zu", (int)letters, s, o);
+        af_strbuf_printf(&key, "%.*s%zu%.*s", (int)letters, s, o, (int)(e - id_end), id_end);
         int seed = letters == 2 && !strncmp(s, "sv", 2);
         s = e;
         /* af_rand(sv<id> + <stream>ull, iv<id>): the stream is this kernel's, read from af_s */

@@ -3,6 +3,7 @@ in fp32 and bf16, backward chains, seeded random graphs, the disk cache, and fal
 import os
 import platform
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -515,6 +516,28 @@ def test_repeated_layers_share_kernel_bodies_each_with_its_own_dropout_stream(tm
     kept = (got != 0).float().mean().item()
     assert abs(kept - 1 / 8) < 0.03, f"kept {kept:.3f} of the elements: the layers' masks are not independent"
     assert set(got.unique().tolist()) <= {0.0, 8.0}
+
+
+def test_repeated_window_kernels_share_a_body(tmp_path, monkeypatch):
+    """Window kernels (a padding whose source a pointwise node computes in the same kernel) name
+    their coordinates after node ids too (s<id>_<dim>, u<id>_<dim>); a model's repeated layers
+    still share one body (Longformer at host size: 290 backward kernels, 24 bodies)."""
+    monkeypatch.setenv("AOTFUSE_CACHE_DIR", str(tmp_path))
+    g = torch.Generator().manual_seed(8)
+    ws = [torch.randn(14, 12, generator=g) for _ in range(3)]
+
+    def fn(x, *ws):
+        for w in ws:  # a pad, a reshape, a pad (Longformer's chunking): one kernel of nested windows
+            y = F.pad(torch.tanh(x * 0.5), (0, 1), value=-1.0).reshape(-1)
+            x = F.pad(y, (0, 6)).reshape(6, 14) @ w
+        return x
+
+    x = torch.randn(6, 12, generator=g)
+    lowered = lower(make_fx(fn)(x, *ws))
+    src = lowered.program.source
+    assert lowered.program.num_kernels == 3 and re.search(r"\bu\d+_1\b", src), src
+    assert src.count("AF_BODY void af_body_") == 1, src
+    assert_close(lowered([x, *ws])[0], fn(x, *ws), "padded layers", atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("width", [37, 1024, 1025, 5000, 30522])
