@@ -187,7 +187,8 @@ def _kernel_members(program, listing: list[str]) -> dict[int, str]:
 def _kernel_table(name: str, step, device: str, top: int) -> None:
     """One step under torch.profiler: total device (or CPU) time and the top kernels (ops) by it.
     Our kernels are af_kernel_<group> (the program's group index; `_v` vectorized, `_f` a two-pass
-    reduction's finish)."""
+    reduction's finish); groups whose code is the same but for node ids (a model's layers) launch the
+    first such group's kernel, so one row sums them."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])

@@ -405,119 +405,13 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
 }
 
 /* Kernels that differ only in the names of their locals and in their dropouts' stream numbers
- * (a model's layers: the same shapes and ops, node ids and streams of their own) share one body.
- * Each kernel is emitted as it always was, then rewritten: its function becomes
- * af_body_<i>(p, af_s), its af_rand stream constants read af_s[j], and a key is made with every
- * local named by its order of first appearance. The first kernel with a key is emitted as a body;
- * every kernel gets a wrapper af_kernel_<i> passing its own streams to the body of its key. A
- * 12-layer model compiles each layer's kernels once (less C to compile, less code to run). */
+ * (a model's layers) share one body (af_cg_share): the first kernel with a key is emitted as
+ * af_body_<i>(p, af_s), noinline, and every kernel gets a wrapper af_kernel_<i> passing its own
+ * streams to its key's body. A 12-layer model compiles each layer's kernels once. */
 typedef struct {
-    char *key, *body; /* body: NULL where an earlier kernel's body is shared */
-    uint64_t hash;
-    int32_t index, shared_with;
-    uint64_t *streams;
-    int32_t n_streams;
+    af_cg_shared sh;
+    int32_t index, shared_with; /* shared_with: the entry whose body this kernel calls, -1: its own */
 } af_c_kernel;
-
-static int is_ident(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_'; }
-
-/* Locals named by node ids: v<id> values, c<id> phase caches, acc<id>/accf<id>/nan<id>
- * accumulators, sv<id>/iv<id> random seeds and indices, s<id>_<dim>/u<id>_<dim> a window's
- * coordinates. */
-static int local_prefix(const char *t, size_t letters) {
-    static const char *const prefixes[] = {"v", "c", "acc", "accf", "nan", "sv", "iv", "s", "u"};
-    for (size_t k = 0; k < sizeof prefixes / sizeof *prefixes; k++)
-        if (strlen(prefixes[k]) == letters && !strncmp(t, prefixes[k], letters)) return 1;
-    return 0;
-}
-
-static int grow(void **items, size_t *cap, size_t n, size_t size) {
-    if (n < *cap) return AF_OK;
-    size_t nc = *cap ? 2 * *cap : 16;
-    void *grown = realloc(*items, nc * size);
-    if (!grown) return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
-    *items = grown;
-    *cap = nc;
-    return AF_OK;
-}
-
-/* Rewrites kernel `index`'s text (as emit_kernel wrote it) into k's body and key. */
-static int rewrite_kernel(const char *text, int32_t index, af_c_kernel *k) {
-    char sig[64];
-    snprintf(sig, sizeof sig, "void af_kernel_%d(char *const *p) {", (int)index);
-    const char *at = strstr(text, sig), *colon = strchr(text, ':');
-    if (!at || !colon || colon > at) return af_error_set(AF_ERR_INVALID, "codegen: kernel %d has no header", (int)index);
-    af_strbuf key = {0}, body = {0};
-    int64_t *ids = NULL;
-    size_t n_ids = 0, cap_ids = 0, cap_streams = 0;
-    int st = AF_OK;
-    /* the header: the group's comment (the key leaves its number out) and attributes */
-    af_strbuf_printf(&key, "%.*s|", (int)(at - colon), colon);
-    af_strbuf_printf(&body, "%.*sAF_BODY void af_body_%d(char *const *p, const uint64_t *af_s) {\n  (void)af_s;", (int)(at - text),
-                     text, (int)index);
-    const char *s = at + strlen(sig);
-    while (*s && st == AF_OK) {
-        const char *e = s + 1;
-        if (!is_ident(*s) || (*s >= '0' && *s <= '9')) { /* punctuation, or a number with its suffix */
-            if (*s >= '0' && *s <= '9') while (is_ident(*e) || *e == '.') e++;
-            af_strbuf_printf(&key, "%.*s", (int)(e - s), s);
-            af_strbuf_printf(&body, "%.*s", (int)(e - s), s);
-            s = e;
-            continue;
-        }
-        while (is_ident(*e)) e++;
-        /* <letters><id>, then (_<digits>)* kept as they are */
-        size_t letters = 0;
-        while (s + letters < e && s[letters] >= 'a' && s[letters] <= 'z') letters++;
-        const char *d = s + letters, *id_end = d;
-        while (id_end < e && *id_end >= '0' && *id_end <= '9') id_end++;
-        int numbered = id_end > d;
-        for (const char *t = id_end; t < e && numbered; t++) numbered = *t == '_' ? t + 1 < e && t[1] >= '0' && t[1] <= '9' : *t >= '0' && *t <= '9';
-        af_strbuf_printf(&body, "%.*s", (int)(e - s), s);
-        if (!letters || !numbered || !local_prefix(s, letters)) {
-            af_strbuf_printf(&key, "%.*s", (int)(e - s), s);
-            s = e;
-            continue;
-        }
-        /* a local: named in the key by the order in which its id first appears */
-        int64_t id = strtoll(d, NULL, 10);
-        size_t o = 0;
-        while (o < n_ids && ids[o] != id) o++;
-        if (o == n_ids) {
-            if ((st = grow((void **)&ids, &cap_ids, n_ids, sizeof *ids))) break;
-            ids[n_ids++] = id;
-        }
-        af_strbuf_printf(&key, "%.*s%zu%.*s", (int)letters, s, o, (int)(e - id_end), id_end);
-        int seed = letters == 2 && !strncmp(s, "sv", 2);
-        s = e;
-        /* af_rand(sv<id> + <stream>ull, iv<id>): the stream is this kernel's, read from af_s */
-        if (seed && !strncmp(s, " + ", 3) && s[3] >= '0' && s[3] <= '9') {
-            char *end;
-            unsigned long long stream = strtoull(s + 3, &end, 10);
-            if (strncmp(end, "ull", 3)) continue;
-            if ((st = grow((void **)&k->streams, &cap_streams, (size_t)k->n_streams, sizeof *k->streams))) break;
-            af_strbuf_printf(&key, " + S");
-            af_strbuf_printf(&body, " + af_s[%d]", (int)k->n_streams);
-            k->streams[k->n_streams++] = (uint64_t)stream;
-            s = end + 3;
-        }
-    }
-    free(ids);
-    if (st) {
-        free(key.buf);
-        free(body.buf);
-        return st;
-    }
-    if ((st = af_strbuf_finish(&key, &k->key))) {
-        free(body.buf);
-        return st;
-    }
-    if ((st = af_strbuf_finish(&body, &k->body))) return st;
-    uint64_t h = 1469598103934665603ull; /* FNV-1a */
-    for (const char *c = k->key; *c; c++) h = (h ^ (uint8_t)*c) * 1099511628211ull;
-    k->hash = h;
-    return AF_OK;
-}
 
 int af_codegen_c(const af_graph *g, const af_fusion_plan *plan, char **source) {
     if (!g || !plan || !source) return af_error_set(AF_ERR_INVALID, "af_codegen_c: NULL argument");
@@ -537,14 +431,14 @@ int af_codegen_c(const af_graph *g, const af_fusion_plan *plan, char **source) {
         af_c_kernel *k = &ks[n++];
         k->index = i;
         k->shared_with = -1;
-        st = rewrite_kernel(text, i, k);
+        st = af_cg_share(text, i, 0, &k->sh);
         free(text);
         if (st) break;
         for (int32_t j = 0; j < n - 1; j++)
-            if (ks[j].shared_with < 0 && ks[j].hash == k->hash && !strcmp(ks[j].key, k->key)) {
+            if (ks[j].shared_with < 0 && af_cg_same_key(&ks[j].sh, &k->sh)) {
                 k->shared_with = j;
-                free(k->body);
-                k->body = NULL;
+                free(k->sh.text);
+                k->sh.text = NULL;
                 break;
             }
     }
@@ -553,13 +447,13 @@ int af_codegen_c(const af_graph *g, const af_fusion_plan *plan, char **source) {
         af_strbuf_printf(&sb, "%s#define AF_FN AF_INLINE\n%s", prelude, af_cg_helpers_text);
         for (int32_t j = 0; j < n; j++) {
             const af_c_kernel *k = &ks[j];
-            if (k->body) af_strbuf_printf(&sb, "%s", k->body);
+            if (k->sh.text) af_strbuf_printf(&sb, "%s", k->sh.text);
             const af_c_kernel *b = k->shared_with >= 0 ? &ks[k->shared_with] : k;
             if (k->shared_with >= 0) af_strbuf_printf(&sb, "\n/* group %d: the body of group %d */\n", (int)k->index, (int)b->index);
             af_strbuf_printf(&sb, "void af_kernel_%d(char *const *p) {", (int)k->index);
-            if (k->n_streams) {
-                af_strbuf_printf(&sb, " static const uint64_t s[%d] = {", (int)k->n_streams);
-                for (int32_t q = 0; q < k->n_streams; q++) af_strbuf_printf(&sb, "%s%" PRIu64 "ull", q ? ", " : "", k->streams[q]);
+            if (k->sh.n_streams) {
+                af_strbuf_printf(&sb, " static const uint64_t s[%d] = {", (int)k->sh.n_streams);
+                for (int32_t q = 0; q < k->sh.n_streams; q++) af_strbuf_printf(&sb, "%s%" PRIu64 "ull", q ? ", " : "", k->sh.streams[q]);
                 af_strbuf_printf(&sb, "}; af_body_%d(p, s); }\n", (int)b->index);
             } else {
                 af_strbuf_printf(&sb, " af_body_%d(p, NULL); }\n", (int)b->index);
@@ -567,11 +461,7 @@ int af_codegen_c(const af_graph *g, const af_fusion_plan *plan, char **source) {
         }
         af_strbuf_printf(&sb, "\nconst int af_kernel_count = %d;\n", (int)plan->n_groups);
     }
-    for (int32_t j = 0; j < n; j++) {
-        free(ks[j].key);
-        free(ks[j].body);
-        free(ks[j].streams);
-    }
+    for (int32_t j = 0; j < n; j++) af_cg_shared_free(&ks[j].sh);
     free(ks);
     if (st) {
         free(sb.buf);

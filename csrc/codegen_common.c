@@ -918,3 +918,162 @@ int af_cg_is_phased(const int32_t *phases, int32_t n_nodes, int32_t last_phase) 
     for (int32_t m = 0; m < n_nodes; m++) rows |= (phases[m] & AF_CG_ROW) != 0;
     return last_phase > 0 || rows;
 }
+
+/* ------------------------------------------------------------------ kernels shared between groups */
+
+static int ident_char(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_'; }
+
+/* Locals named by node ids: v<id> values, c<id> phase caches, acc<id>/accf<id>/nan<id> and CUDA's
+ * sacc<id>/saccf<id>/sh<id> accumulators, sv<id>/iv<id> random seeds and indices, s<id>_<dim> and
+ * u<id>_<dim> a window's coordinates. */
+static int local_prefix(const char *t, size_t letters) {
+    static const char *const prefixes[] = {"v", "c", "acc", "accf", "nan", "sv", "iv", "s", "u", "sacc", "saccf", "sh"};
+    for (size_t k = 0; k < sizeof prefixes / sizeof *prefixes; k++)
+        if (strlen(prefixes[k]) == letters && !strncmp(t, prefixes[k], letters)) return 1;
+    return 0;
+}
+
+/* At s: " + <digits>ull" after a random seed's name: the stream's value and the text's end. */
+static int stream_at(const char *s, uint64_t *value, const char **end) {
+    if (strncmp(s, " + ", 3) || s[3] < '0' || s[3] > '9') return 0;
+    char *e;
+    unsigned long long v = strtoull(s + 3, &e, 10);
+    if (strncmp(e, "ull", 3)) return 0;
+    *value = (uint64_t)v;
+    *end = e + 3;
+    return 1;
+}
+
+static int grow_ids(int64_t **ids, size_t *cap, size_t n) {
+    if (n < *cap) return AF_OK;
+    size_t nc = *cap ? 2 * *cap : 64;
+    int64_t *grown = realloc(*ids, nc * sizeof *grown);
+    if (!grown) return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
+    *ids = grown;
+    *cap = nc;
+    return AF_OK;
+}
+
+int af_cg_share(const char *text, int32_t index, int cuda, af_cg_shared *out) {
+    memset(out, 0, sizeof *out);
+    /* the kernel's streams, distinct, in order of first appearance (too many: left as constants) */
+    int inline_streams = 0;
+    for (const char *at = strstr(text, "af_rand(sv"); at && !inline_streams; at = strstr(at + 1, "af_rand(sv")) {
+        const char *t = at + 10, *end;
+        while (*t >= '0' && *t <= '9') t++;
+        uint64_t v;
+        if (!stream_at(t, &v, &end)) continue;
+        int32_t j = 0;
+        while (j < out->n_streams && out->streams[j] != v) j++;
+        if (j < out->n_streams) continue;
+        if (out->n_streams == AF_MAX_KERNEL_STREAMS) inline_streams = 1;
+        else out->streams[out->n_streams++] = v;
+    }
+    if (inline_streams) out->n_streams = 0;
+    char idx[16], sig[80];
+    snprintf(idx, sizeof idx, "%d", (int)index);
+    snprintf(sig, sizeof sig, "void af_kernel_%d(char *const *p) {", (int)index);
+    size_t nidx = strlen(idx);
+    const char *c_sig = cuda ? NULL : strstr(text, sig); /* C: the kernel becomes af_body_<index>(p, af_s) */
+    if (!cuda && !c_sig) return af_error_set(AF_ERR_INVALID, "codegen: kernel %d has no signature", (int)index);
+    af_strbuf key = {0}, body = {0};
+    int64_t *ids = NULL;
+    size_t n_ids = 0, cap_ids = 0;
+    const char *s = text, *sig_close = NULL; /* CUDA: the ") {" closing the signature being copied */
+    int st = AF_OK;
+    while (*s && st == AF_OK) {
+        if (s == c_sig) {
+            af_strbuf_printf(&body, "AF_BODY void af_body_%d(char *const *p, const uint64_t *af_s) {\n  (void)af_s;", (int)index);
+            af_strbuf_printf(&key, "signature|");
+            s += strlen(sig);
+            continue;
+        }
+        if (cuda && !strncmp(s, "extern \"C\" __global__", 21)) sig_close = strstr(s, ") {\n");
+        if (s == sig_close) { /* the streams' parameters */
+            for (int32_t j = 0; j < out->n_streams; j++) af_strbuf_printf(&body, ", const unsigned long long af_s%d", (int)j);
+            af_strbuf_printf(&key, ", %d streams", (int)out->n_streams);
+            sig_close = NULL;
+        }
+        const char *e = s + 1;
+        if (!ident_char(*s) || (*s >= '0' && *s <= '9')) { /* punctuation, or a number with its suffix */
+            if (*s >= '0' && *s <= '9') while (ident_char(*e) || *e == '.') e++;
+            af_strbuf_printf(&body, "%.*s", (int)(e - s), s);
+            af_strbuf_printf(&key, "%.*s", (int)(e - s), s);
+            s = e;
+            continue;
+        }
+        while (ident_char(*e)) e++;
+        af_strbuf_printf(&body, "%.*s", (int)(e - s), s);
+        if (e - s == 5 && !strncmp(s, "group ", 6) && !strncmp(e + 1, idx, nidx) && !ident_char(e[1 + nidx])) {
+            af_strbuf_printf(&body, " %s", idx); /* the comment naming the group: "group <index>" */
+            af_strbuf_printf(&key, "group @");
+            s = e + 1 + nidx;
+            continue;
+        }
+        if (e - s >= 10 + (long)nidx && !strncmp(s, "af_kernel_", 10) && !strncmp(s + 10, idx, nidx) &&
+            (s + 10 + nidx == e || s[10 + nidx] == '_')) {
+            af_strbuf_printf(&key, "af_kernel_@%.*s", (int)(e - s - 10 - (long)nidx), s + 10 + nidx); /* af_kernel_<index>[_v|_f] */
+            s = e;
+            continue;
+        }
+        /* <letters><id>(_<digits>)*, letters a local's prefix: named in the key by first appearance */
+        size_t letters = 0;
+        while (s + letters < e && s[letters] >= 'a' && s[letters] <= 'z') letters++;
+        const char *d = s + letters, *id_end = d;
+        while (id_end < e && *id_end >= '0' && *id_end <= '9') id_end++;
+        int local = letters && id_end > d && local_prefix(s, letters);
+        for (const char *t = id_end; t < e && local; t++) local = *t == '_' ? t + 1 < e && t[1] >= '0' && t[1] <= '9' : *t >= '0' && *t <= '9';
+        if (!local) {
+            af_strbuf_printf(&key, "%.*s", (int)(e - s), s);
+            s = e;
+            continue;
+        }
+        int64_t id = strtoll(d, NULL, 10);
+        size_t o = 0;
+        while (o < n_ids && ids[o] != id) o++;
+        if (o == n_ids) {
+            if ((st = grow_ids(&ids, &cap_ids, n_ids))) break;
+            ids[n_ids++] = id;
+        }
+        af_strbuf_printf(&key, "%.*s%zu%.*s", (int)letters, s, o, (int)(e - id_end), id_end);
+        int seed = letters == 2 && !strncmp(s, "sv", 2);
+        s = e;
+        uint64_t v;
+        const char *end;
+        if (seed && out->n_streams && stream_at(s, &v, &end)) { /* af_rand(sv<id> + <stream>ull, ...) */
+            int32_t j = 0;
+            while (out->streams[j] != v) j++; /* collected above */
+            af_strbuf_printf(&key, " + S%d", (int)j);
+            af_strbuf_printf(&body, cuda ? " + af_s%d" : " + af_s[%d]", (int)j);
+            s = end;
+        }
+    }
+    free(ids);
+    if (st) {
+        free(key.buf);
+        free(body.buf);
+        return st;
+    }
+    if ((st = af_strbuf_finish(&key, &out->key))) {
+        free(body.buf);
+        return st;
+    }
+    if ((st = af_strbuf_finish(&body, &out->text))) {
+        af_cg_shared_free(out);
+        return st;
+    }
+    uint64_t h = 1469598103934665603ull; /* FNV-1a */
+    for (const char *c = out->key; *c; c++) h = (h ^ (uint8_t)*c) * 1099511628211ull;
+    out->hash = h;
+    return AF_OK;
+}
+
+int af_cg_same_key(const af_cg_shared *a, const af_cg_shared *b) {
+    return a->key && b->key && a->hash == b->hash && !strcmp(a->key, b->key);
+}
+
+void af_cg_shared_free(af_cg_shared *s) {
+    free(s->key);
+    free(s->text);
+    s->key = s->text = NULL;
+}

@@ -528,16 +528,48 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
 
 int af_codegen_cuda(const af_graph *g, const af_fusion_plan *plan, int sm_count, char **source, af_cuda_launch *launch) {
     if (!g || !plan || !source || (!launch && plan->n_groups)) return af_error_set(AF_ERR_INVALID, "af_codegen_cuda: NULL argument");
+    /* a group whose kernels have the key of an earlier group's (af_cg_share: a model's repeated
+     * layers) launches that group's kernels with its own streams; its text is not emitted */
+    af_cg_shared *sh = calloc((size_t)(plan->n_groups > 0 ? plan->n_groups : 1), sizeof *sh);
+    if (!sh) return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
     af_strbuf sb = {0};
     af_strbuf_printf(&sb, "%s#define AF_FN static __device__ __forceinline__\n%s", prelude, af_cg_helpers_text);
-    for (int32_t i = 0; i < plan->n_groups; i++) {
+    int st = AF_OK;
+    for (int32_t i = 0; i < plan->n_groups && st == AF_OK; i++) {
         memset(&launch[i], 0, sizeof launch[i]);
+        launch[i].body = i;
         if (plan->groups[i].device.type != AF_DEVICE_CUDA) continue;
-        int st = emit_kernel(&sb, g, &plan->groups[i], i, sm_count, &launch[i]);
-        if (st) {
-            free(sb.buf);
-            return st;
+        af_strbuf kb = {0};
+        char *text = NULL;
+        if ((st = emit_kernel(&kb, g, &plan->groups[i], i, sm_count, &launch[i]))) {
+            free(kb.buf);
+            break;
         }
+        if (launch[i].kind == AF_CUDA_NONE) { /* nothing to launch: the text (a comment) as it is */
+            af_strbuf_printf(&sb, "%s", kb.buf ? kb.buf : "");
+            free(kb.buf);
+            continue;
+        }
+        if ((st = af_strbuf_finish(&kb, &text)) || (st = af_cg_share(text, i, 1, &sh[i]))) {
+            free(text);
+            break;
+        }
+        free(text);
+        launch[i].n_streams = sh[i].n_streams;
+        memcpy(launch[i].streams, sh[i].streams, sizeof launch[i].streams);
+        for (int32_t j = 0; j < i; j++)
+            if (launch[j].body == j && af_cg_same_key(&sh[j], &sh[i])) {
+                launch[i].body = j;
+                break;
+            }
+        if (launch[i].body == i) af_strbuf_printf(&sb, "%s", sh[i].text);
+        else af_strbuf_printf(&sb, "\n/* group %d: the kernels of group %d */\n", (int)i, (int)launch[i].body);
+    }
+    for (int32_t i = 0; i < plan->n_groups; i++) af_cg_shared_free(&sh[i]);
+    free(sh);
+    if (st) {
+        free(sb.buf);
+        return st;
     }
     return af_strbuf_finish(&sb, source);
 }

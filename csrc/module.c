@@ -866,14 +866,22 @@ static PyObject *cuda_codegen(PyObject *m, PyObject *args, PyObject *kwds) {
         const af_cuda_launch *l = &launch[i];
         const af_fusion_group *grp = &plan->groups[i];
         PyObject *ins = id_list(grp->inputs, grp->n_inputs), *outs = id_list(grp->outputs, grp->n_outputs);
-        PyObject *d = ins && outs ? Py_BuildValue("{s:s,s:i,s:L,s:L,s:i,s:L,s:L,s:i,s:O,s:O}", "kind", cuda_kind_names[l->kind],
-                                                  "threads", (int)l->threads, "blocks", (long long)l->blocks, "vec_blocks",
-                                                  (long long)l->vec_blocks, "split", (int)l->split, "finish_blocks",
-                                                  (long long)l->finish_blocks, "workspace", (long long)l->workspace, "nodes",
-                                                  (int)grp->n_nodes, "inputs", ins, "outputs", outs)
-                                  : NULL;
+        PyObject *streams = PyList_New(l->n_streams);
+        for (int32_t j = 0; streams && j < l->n_streams; j++) {
+            PyObject *v = PyLong_FromUnsignedLongLong((unsigned long long)l->streams[j]);
+            if (!v) Py_CLEAR(streams);
+            else PyList_SET_ITEM(streams, j, v);
+        }
+        PyObject *d = ins && outs && streams
+                          ? Py_BuildValue("{s:s,s:i,s:L,s:L,s:i,s:L,s:L,s:i,s:O,s:O,s:i,s:O}", "kind", cuda_kind_names[l->kind],
+                                          "threads", (int)l->threads, "blocks", (long long)l->blocks, "vec_blocks",
+                                          (long long)l->vec_blocks, "split", (int)l->split, "finish_blocks",
+                                          (long long)l->finish_blocks, "workspace", (long long)l->workspace, "nodes",
+                                          (int)grp->n_nodes, "inputs", ins, "outputs", outs, "body", (int)l->body, "streams", streams)
+                          : NULL;
         Py_XDECREF(ins);
         Py_XDECREF(outs);
+        Py_XDECREF(streams);
         if (!d || PyList_Append(list, d) < 0) Py_CLEAR(list);
         Py_XDECREF(d);
     }

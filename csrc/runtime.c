@@ -230,12 +230,12 @@ static int build_cuda_kernels(af_program *p) {
     for (int32_t i = 0; i < ng; i++) {
         const af_cuda_launch *l = &p->launch[i];
         if (l->kind == AF_CUDA_NONE) continue;
-        char name[48];
-        snprintf(name, sizeof name, "af_kernel_%d", (int)i);
+        char name[48]; /* a group sharing an earlier group's code (l->body) launches its kernels */
+        snprintf(name, sizeof name, "af_kernel_%d", (int)l->body);
         if ((st = af_cuda_function(p->cuda_module, name, &p->cuda_fns[3 * i]))) return st;
-        snprintf(name, sizeof name, "af_kernel_%d_v", (int)i);
+        snprintf(name, sizeof name, "af_kernel_%d_v", (int)l->body);
         if (l->vec_blocks > 0 && (st = af_cuda_function(p->cuda_module, name, &p->cuda_fns[3 * i + 1]))) return st;
-        snprintf(name, sizeof name, "af_kernel_%d_f", (int)i);
+        snprintf(name, sizeof name, "af_kernel_%d_f", (int)l->body);
         if (l->split > 0 && (st = af_cuda_function(p->cuda_module, name, &p->cuda_fns[3 * i + 2]))) return st;
     }
     return AF_OK;
@@ -280,7 +280,7 @@ static int build_kernels(af_program *p, const af_program_options *opts) {
     p->kernel_metas = malloc(((size_t)widest + 1) * sizeof *p->kernel_metas);
     p->kernel_objs = malloc(((size_t)widest + 1) * sizeof *p->kernel_objs);
     p->kernel_ptrs = malloc(((size_t)widest + 1) * sizeof *p->kernel_ptrs);
-    p->kernel_params = malloc(((size_t)widest + 2) * sizeof *p->kernel_params);
+    p->kernel_params = malloc(((size_t)widest + 2 + AF_MAX_KERNEL_STREAMS) * sizeof *p->kernel_params);
     p->empty_args = calloc((size_t)af_graph_num_values(p->graph) + 1, sizeof *p->empty_args);
     if (!p->kernel_metas || !p->kernel_objs || !p->kernel_ptrs || !p->kernel_params || !p->empty_args)
         return af_error_set(AF_ERR_NOMEM, "out of memory loading kernels");
@@ -715,6 +715,7 @@ static int launch_cuda(af_program *p, int32_t gi) {
         int aligned = l->vec_blocks > 0;
         for (int32_t k = 0; k < nops && aligned; k++) aligned = ((uintptr_t)p->kernel_ptrs[k] & 15u) == 0;
         for (int32_t k = 0; k < nops; k++) par[k] = &p->kernel_ptrs[k];
+        for (int32_t j = 0; j < l->n_streams; j++) par[nops + j] = (void *)&l->streams[j]; /* by value, after the operands */
         void *fn = p->cuda_fns[3 * gi + (aligned ? 1 : 0)];
         int64_t blocks = aligned ? l->vec_blocks : l->blocks;
         return af_cuda_launch_kernel(p->cuda_module, fn, grid_for(p, blocks, l->threads), 1, (unsigned)l->threads, p->stream, par);
@@ -730,6 +731,7 @@ static int launch_cuda(af_program *p, int32_t gi) {
     if (st == AF_OK) {
         par[0] = &ws_ptr;
         for (int32_t k = 0; k < nops; k++) par[k + 1] = &p->kernel_ptrs[k];
+        for (int32_t j = 0; j < l->n_streams; j++) par[nops + 1 + j] = (void *)&l->streams[j];
         st = af_cuda_launch_kernel(p->cuda_module, p->cuda_fns[3 * gi], grid_for(p, l->blocks, l->threads), (unsigned)l->split,
                             (unsigned)l->threads, p->stream, par);
         if (st == AF_OK)

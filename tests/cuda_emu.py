@@ -87,8 +87,10 @@ def _library(source: str) -> ctypes.CDLL:
     return dll
 
 
-def _launch(dll, name: str, tensors: list, grid_x: int, grid_y: int, threads: int) -> None:
-    args = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+def _launch(dll, name: str, tensors: list, grid_x: int, grid_y: int, threads: int, streams: list) -> None:
+    # the kernel's parameters: its operands' pointers, then its dropout streams by value (the
+    # trampoline casts each slot to its parameter's type)
+    args = (ctypes.c_void_p * (len(tensors) + len(streams)))(*[t.data_ptr() for t in tensors], *streams)
     fn = ctypes.cast(getattr(dll, f"emu_{name}"), ctypes.c_void_p)
     rc = dll.emu_launch(fn, args, grid_x, grid_y, threads)
     assert rc == 0, f"emu_launch({name}) returned {rc}"
@@ -174,18 +176,18 @@ def run_groups(gm: fx.GraphModule, args, sm_count: int = 1, vectorized: bool | N
             if o.dtype.is_floating_point:
                 o.fill_(float("nan"))
         ops = ins + outs
-        name = f"af_kernel_{gi}"
+        name = f"af_kernel_{l['body']}"  # an earlier group's kernels where this group's code is the same
         if l["split"]:  # two passes: columns, split rows
             ws = torch.full((l["workspace"] // 8,), float("nan"), dtype=torch.float64)
-            _launch(dll, name, [ws] + ops, _grid(l["blocks"], l["threads"], sm_count), l["split"], l["threads"])
-            _launch(dll, name + "_f", [ws] + ops, _grid(l["finish_blocks"], 256, sm_count), 1, 256)
+            _launch(dll, name, [ws] + ops, _grid(l["blocks"], l["threads"], sm_count), l["split"], l["threads"], l["streams"])
+            _launch(dll, name + "_f", [ws] + ops, _grid(l["finish_blocks"], 256, sm_count), 1, 256, l["streams"])
         else:
             aligned = l["vec_blocks"] > 0 and all(t.data_ptr() % 16 == 0 for t in ops)
             use_v = aligned if vectorized is None else (vectorized and l["vec_blocks"] > 0)
             if use_v:
                 assert aligned, f"group {gi}: the vectorized variant asked for unaligned operands"
             blocks = l["vec_blocks"] if use_v else l["blocks"]
-            _launch(dll, name + ("_v" if use_v else ""), ops, _grid(blocks, l["threads"], sm_count), 1, l["threads"])
+            _launch(dll, name + ("_v" if use_v else ""), ops, _grid(blocks, l["threads"], sm_count), 1, l["threads"], l["streams"])
         built = [vid if sunk is None else origin[vid] for vid in l["outputs"]]
         names = [b.value_nodes[vid] if vid not in b.derived else f"{b.derived[vid][0]} reshaped" for vid in built]
         yield gi, l, [(n, o, e) for n, o, (e, _) in zip(names, outs, expected)]

@@ -43,7 +43,8 @@ def test_every_op_table_expression_compiles(dtype, layout):
         assert any(l["vec_blocks"] > 0 for l in launches), "no vectorized variant for contiguous operands"
     for arch in ARCHS:
         kernels = compile_report(source, arch)
-        assert len(kernels) >= len(launches), (arch, kernels)
+        # groups whose code is the same (but for node ids) launch one kernel (`body`)
+        assert {f"af_kernel_{l['body']}" for l in launches} <= {k["name"] for k in kernels}, (arch, kernels)
         assert all(k["registers"] for k in kernels), kernels
 
 

@@ -100,7 +100,8 @@ def test_dropout_generator_matches_the_cpu_generator(kind):
     assert share_seeds(gm) == 1
     ran = cuda_emu.check(gm, (x, g), f"dropout {kind}")
     assert [l["kind"] for l in ran] == [kind], ran
-    assert "+ 1ull" in cuda_emu.source_of(gm)
+    # the streams are the kernel's parameters (af_cg_share), its launch passing 0 and 1
+    assert ran[0]["streams"] == [0, 1] and "+ af_s1, iv" in cuda_emu.source_of(gm), ran
 
 
 @pytest.mark.parametrize("width", [200, 3000], ids=["warp_rows", "block_rows"])

@@ -271,7 +271,8 @@ def test_dropout_cuda_source_compiles(kind):
                      decomposition_table=default_decompositions(random=True), tracing_mode="fake")(x, g)
         assert share_seeds(gm) == 1
         source, launches = _C.cuda_codegen(build_graph(gm, device="cuda:0").graph)
-        assert source.count("= af_rand(sv") == 2 and "+ 1ull, iv" in source, source
+        assert source.count("= af_rand(sv") == 2 and "+ af_s1, iv" in source, source  # streams: kernel parameters
+        assert [l["streams"] for l in launches] == [[0, 1]], launches
     for arch in (80, 90):
         kernels = compile_report(source, arch)
         assert kernels and all(k["registers"] for k in kernels)

@@ -87,6 +87,69 @@ static char *generate(af_graph *g, af_cuda_launch *launch, int32_t *n_groups) {
     return src;
 }
 
+static int count_of(const char *text, const char *needle) {
+    int n = 0;
+    for (const char *at = strstr(text, needle); at; at = strstr(at + 1, needle)) n++;
+    return n;
+}
+
+/* x * rng_uniform(seed, stream), exp'd, then an mm: one CUDA group a layer */
+static int32_t random_layer(af_graph *g, int32_t seed, int32_t in, int64_t stream, const char *op, const af_tensor_meta *m) {
+    af_arg items[2] = {{.kind = AF_ARG_INT, .u.i = m->sizes[0]}, {.kind = AF_ARG_INT, .u.i = m->sizes[1]}};
+    af_arg args[3] = {{.kind = AF_ARG_VALUE, .u.value = seed}, {.kind = AF_ARG_LIST, .u.list = {.n = 2, .items = items}},
+                      {.kind = AF_ARG_INT, .u.i = stream}};
+    int32_t r, mm;
+    assert_int_equal(af_graph_add_node(g, "aotfuse::rng_uniform.default", args, 3, m, 1, &r), AF_OK);
+    int32_t e = unary(g, "aten::exp.default", binary(g, op, in, r, m), m);
+    af_arg mm_args[2] = {{.kind = AF_ARG_VALUE, .u.value = e}, {.kind = AF_ARG_VALUE, .u.value = e}};
+    assert_int_equal(af_graph_add_node(g, "aten::mm.default", mm_args, 2, m, 1, &mm), AF_OK);
+    return mm;
+}
+
+/* Groups whose kernels differ only in node ids and dropout streams (a model's layers) launch the
+ * first one's kernels, each with its own streams as by-value parameters; a group computing
+ * something else keeps kernels of its own. */
+static void test_repeated_groups_share_kernels_with_their_streams(void **state) {
+    (void)state;
+    int64_t s2[2] = {64, 64}, t2[2] = {64, 1};
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    af_tensor_meta m = meta(s2, t2, 2, AF_DEVICE_CUDA);
+    af_tensor_meta seed_m = {.type = AF_VALUE_TENSOR, .dtype = AF_DTYPE_INT64, .device = {.type = AF_DEVICE_CUDA, .index = 0}, .ndim = 0};
+    int32_t seed, x;
+    assert_int_equal(af_graph_add_input(g, "seed", &seed_m, &seed), AF_OK);
+    assert_int_equal(af_graph_add_input(g, "x", &m, &x), AF_OK);
+    int32_t h = random_layer(g, seed, x, 1, "aten::mul.Tensor", &m);
+    h = random_layer(g, seed, h, 2, "aten::mul.Tensor", &m);
+    h = random_layer(g, seed, h, 3, "aten::add.Tensor", &m);
+    assert_int_equal(af_graph_set_outputs(g, &h, 1), AF_OK);
+    assert_int_equal(af_graph_verify(g), AF_OK);
+    af_fusion_plan *plan;
+    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+    assert_int_equal(plan->n_groups, 3);
+    af_cuda_launch l[3];
+    char *src = NULL;
+    assert_int_equal(af_codegen_cuda(g, plan, 132, &src, l), AF_OK);
+    assert_int_equal(l[0].body, 0);
+    assert_int_equal(l[1].body, 0);
+    assert_int_equal(l[2].body, 2);
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(l[i].kind, AF_CUDA_POINTWISE);
+        assert_int_equal(l[i].n_streams, 1);
+        assert_int_equal(l[i].streams[0], (uint64_t)(i + 1));
+    }
+    assert_int_equal(count_of(src, "__global__"), 2); /* groups 0 and 2 (no vectorized variant: the seed is 0-dim) */
+    assert_null(strstr(src, "af_kernel_1("));
+    assert_non_null(strstr(src, "/* group 1: the kernels of group 0 */"));
+    assert_non_null(strstr(src, "af_kernel_0(const int64_t *__restrict__ q0, const float *__restrict__ q1, float *__restrict__ q2, "
+                                "const unsigned long long af_s0) {"));
+    assert_non_null(strstr(src, " + af_s0, iv"));
+    assert_null(strstr(src, "ull, iv"));
+    free(src);
+    af_fuse_plan_free(plan);
+    af_graph_free(g);
+}
+
 static void test_pointwise_gets_a_vectorized_variant(void **state) {
     (void)state;
     int64_t store[8];
@@ -273,6 +336,7 @@ static void test_missing_nvrtc_is_a_clear_error(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_pointwise_gets_a_vectorized_variant),
+        cmocka_unit_test(test_repeated_groups_share_kernels_with_their_streams),
         cmocka_unit_test(test_odd_inner_size_has_no_vector_variant),
         cmocka_unit_test(test_row_reductions_use_a_warp_or_a_block),
         cmocka_unit_test(test_column_reductions_are_two_deterministic_passes),

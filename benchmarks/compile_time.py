@@ -1,0 +1,127 @@
+"""What the first call of a compiled training step costs, and how much of it is building kernels.
+
+For each model (built as aotfuse.bench builds it, random weights): one training step in a fresh
+process with an empty kernel cache (cold), then one more in another fresh process with the cache
+it left (warm: the kernels are loaded, not built); then every C file in that cache is compiled
+again alone and timed (the C compiler's share of the cold step), and its kernels and shared
+bodies are counted. Where NVRTC loads, the same programs planned for cuda:0 are compiled for sm_90
+and timed too (`aotfuse.nvrtc_check`; no GPU needed).
+
+    python benchmarks/compile_time.py [--models AlbertForMaskedLM,...] [--size host] [--out FILE.md]
+
+To compare two builds, run it once with each on PYTHONPATH.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+MODELS = ("AlbertForMaskedLM", "GPT2LMHeadModel", "BertForMaskedLM", "LongformerForMaskedLM")
+# the JIT's flags (csrc/jit_cpu.c) on an x86 CPU with AVX-512
+FLAGS = ["-O3", "-march=native", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno",
+         "-fno-trapping-math", "-fno-tree-pre", "-w", "-mprefer-vector-width=512", "-fopenmp"]
+
+
+def child(model: str, size: str, nvrtc: bool) -> None:
+    import warnings
+
+    import torch
+
+    from aotfuse import _C, bench, nvrtc_check
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    m, inputs, _ = bench.build_model(model, size, torch.float32, "cpu")
+    call = bench._make("aotfuse", m, fallback="dynamo" if model == "LongformerForMaskedLM" else None)
+    t = time.perf_counter()
+    call(**inputs).loss.backward()
+    print(f"FIRST_STEP {time.perf_counter() - t:.3f}")
+    if nvrtc and nvrtc_check.nvrtc_available() is None:
+        torch._dynamo.reset()  # Dynamo's pieces are compiled (and lowered) again, not taken from its cache
+        again = bench._make("aotfuse", m, fallback="dynamo" if model == "LongformerForMaskedLM" else None)
+        total, kernels = 0.0, 0
+        for _name, source, _launches in nvrtc_check.cuda_sources(nvrtc_check.captured_graphs(again, **inputs)):
+            t = time.perf_counter()
+            _C.nvrtc_compile(source, 90)
+            total += time.perf_counter() - t
+            kernels += source.count("__global__")
+        print(f"NVRTC {total:.3f} {kernels}")
+
+
+def first_step(model: str, size: str, cache: str, nvrtc: bool = False) -> tuple[float, str]:
+    """(seconds, NVRTC's cell: seconds and CUDA kernels compiled, or why not)."""
+    env = dict(os.environ, AOTFUSE_CACHE_DIR=cache)
+    out = subprocess.run([sys.executable, __file__, "--child", model, size, "nvrtc" if nvrtc else "-"], env=env,
+                         capture_output=True, text=True)
+    m = re.search(r"FIRST_STEP ([0-9.]+)", out.stdout)
+    if not m:
+        raise RuntimeError(f"{model}: the first step failed:\n{out.stderr[-2000:]}")
+    n = re.search(r"NVRTC ([0-9.]+) (\d+)", out.stdout)
+    return float(m.group(1)), f"{float(n.group(1)):.2f} ({n.group(2)} kernels)" if n else "no NVRTC"
+
+
+def cache_facts(cache: str, cc: str) -> dict:
+    sources = sorted(f for f in os.listdir(cache) if f.endswith(".c"))
+    text = [open(os.path.join(cache, f)).read() for f in sources]
+    compile_s = 0.0
+    for f in sources:
+        t = time.perf_counter()
+        subprocess.run([cc, *FLAGS, os.path.join(cache, f), "-o", os.path.join(cache, "timed.so"), "-lm"], check=True)
+        compile_s += time.perf_counter() - t
+    return {"programs": len(sources), "kernels": sum(len(re.findall(r"\bvoid af_kernel_\d+\(", s)) for s in text),
+            "bodies": sum(s.count("AF_BODY void af_body_") for s in text), "c_kb": sum(map(len, text)) / 1e3,
+            "so_kb": sum(os.path.getsize(os.path.join(cache, f)) for f in os.listdir(cache)
+                         if f.endswith(".so") and f != "timed.so") / 1e3,
+            "cc_s": compile_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--size", default="host")
+    ap.add_argument("--cc", default=os.environ.get("AOTFUSE_CC", "cc").split()[0])
+    ap.add_argument("--out", default=None, help="also write the table here (markdown)")
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child[0], args.child[1], args.child[2] == "nvrtc")
+        return
+    import aotfuse
+    import torch
+
+    lines = [f"# First call: cold and warm kernel cache, {args.size} size ({datetime.date.today()})", "",
+             f"machine: {platform.machine()} {platform.processor()} | {os.cpu_count()} CPUs | torch {torch.__version__} | "
+             f"aotfuse from {os.path.dirname(aotfuse.__file__)} | `python benchmarks/compile_time.py --size {args.size}`", "",
+             "| model | programs | kernels | bodies | C source (KB) | .so (KB) | C compiler (s) | first step cold (s) | warm (s) | NVRTC sm_90 (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for model in args.models.split(","):
+        cache = tempfile.mkdtemp(prefix="aotfuse-compile-time-")
+        try:
+            cold, _ = first_step(model, args.size, cache)
+            warm, nvrtc = first_step(model, args.size, cache, nvrtc=True)
+            f = cache_facts(cache, args.cc)
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+        lines.append(f"| {model} | {f['programs']} | {f['kernels']} | {f['bodies']} | {f['c_kb']:.0f} | {f['so_kb']:.0f} | "
+                     f"{f['cc_s']:.2f} | {cold:.1f} | {warm:.1f} | {nvrtc} |")
+        print(lines[-1], flush=True)
+    lines += ["", "C compiler: every C file of the cache compiled again alone with the JIT's flags, summed; "
+              "bodies: kernels compiled once for kernels that differ only in node ids and dropout streams; "
+              "NVRTC: the same programs planned for cuda:0 (aotfuse.nvrtc_check), compiled for sm_90, summed "
+              "(kernels: __global__ functions compiled, vectorized variants and finishing passes included)."]
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+        print("written:", args.out)
+
+
+if __name__ == "__main__":
+    main()
