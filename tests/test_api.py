@@ -379,6 +379,45 @@ def test_torch_compile_backend():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic-dynamic", "dynamic"])
+def test_torch_compile_backend_compiles_each_shape_of_a_dynamic_graph(dynamic, monkeypatch):
+    """Dynamo hands over graphs with symbolic shapes (after a recompile for a new shape, or with
+    dynamic=True); the C core compiles shapes, so each concrete signature gets programs of its own
+    (this raised BackendCompilerFailed before), matching eager in values and gradients; past
+    AOTFUSE_CACHE_SIZE shapes the graph runs uncompiled, with one warning."""
+    import functools
+    import warnings
+
+    from aotfuse.dynamo import aotfuse_backend
+
+    torch._dynamo.reset()
+    monkeypatch.setenv("AOTFUSE_CACHE_SIZE", "3")
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4))
+    twin = copy.deepcopy(model)
+    seen: list = []
+    compiled = torch.compile(twin, backend=functools.partial(aotfuse_backend, collect=seen), dynamic=dynamic)
+    g = torch.Generator().manual_seed(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in (3, 5, 7, 5, 9, 11):
+            x = torch.randn(batch, 8, generator=g)
+            out, ref = compiled(x), model(x)
+            assert_close(out, ref, f"batch {batch}: output")
+            out.square().sum().backward()
+            ref.square().sum().backward()
+            for (name, p), q in zip(twin.named_parameters(), model.parameters()):
+                assert_close(p.grad, q.grad, f"batch {batch}: grad of {name}")
+                p.grad, q.grad = None, None
+    # a forward and a backward program per shape compiled: 3, 5, 7 and 9 with dynamic=None (3 is
+    # Dynamo's static graph, the others its symbolic one's, whose bound of 3 leaves 11 uncompiled);
+    # 3, 5 and 7 with dynamic=True (9 and 11 uncompiled)
+    shapes = 4 if dynamic is None else 3
+    assert [stage for stage, _low in seen] == ["forward", "backward"] * shapes, seen
+    uncompiled = [w for w in caught if "run uncompiled" in str(w.message)]
+    assert len(uncompiled) == 1, [str(w.message) for w in caught]
+    torch._dynamo.reset()
+
+
 def test_torch_compile_backend_hands_its_programs_to_a_collector():
     import functools
 

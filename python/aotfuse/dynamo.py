@@ -21,19 +21,93 @@ def _compile_or_fallback(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     try:
         return lower(gm, example_inputs, saved_from)
     except UnsupportedError as e:
-        # Dynamo graphs can carry what the core does not take (symbolic shapes after a
-        # recompile, say): that graph runs as torch's own FX code, correctly.
+        # Dynamo graphs can carry what the core does not take: that graph runs as torch's own FX
+        # code, correctly. (Symbolic shapes never get here: _per_shape.)
         warnings.warn(f"aotfuse: a Dynamo graph runs uncompiled: {e}", stacklevel=2)
         from torch._functorch.aot_autograd import make_boxed_func
 
         return make_boxed_func(gm.forward)
 
 
+def _symbolic(example_inputs: Sequence[Any]) -> bool:
+    """Whether Dynamo handed over a graph with symbolic shapes (dynamic=True, or its automatic
+    dynamic shapes after a recompile for a new shape)."""
+    for x in example_inputs:
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return True
+        if isinstance(x, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in (*x.shape, *x.stride())):
+            return True
+    return False
+
+
+def _signature(args: Sequence[Any]) -> tuple:
+    return tuple((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad) if isinstance(a, torch.Tensor)
+                 else (type(a), a) for a in args)
+
+
+def _scalar_inputs(gm: torch.fx.GraphModule) -> list[int]:
+    """Positions of the inputs gm reads with `.item()`: Dynamo's unspecialized floats (dynamic=True
+    passes a module's float, a layer norm's eps, as a 0-dim tensor)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    read = {n.args[0] for n in gm.graph.nodes if n.op == "call_method" and n.target == "item"
+            and isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "placeholder"}
+    return [i for i, p in enumerate(placeholders) if p in read]
+
+
+def _with_scalars(gm: torch.fx.GraphModule, values: dict[int, Any]) -> torch.fx.GraphModule:
+    """gm with each `.item()` of input i replaced by values[i] (a number in the graph)."""
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, Any] = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node in list(graph.nodes):
+        if node.op == "call_method" and node.target == "item" and node.args[0] in placeholders:
+            value = values[placeholders.index(node.args[0])]
+            for user in list(node.users):
+                user.args = torch.fx.node.map_arg(user.args, lambda a: value if a is node else a)
+                user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a: value if a is node else a)
+            graph.erase_node(node)
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _per_shape(gm: torch.fx.GraphModule, collect: list | None, **kwargs: Any):
+    """A graph with symbolic shapes runs as programs compiled for each concrete signature its calls
+    bring (the C core compiles shapes, not formulas for them): the first call of a signature traces
+    gm again with its real inputs, so every size is a number (and every float Dynamo left as an
+    input is the call's value), and compiles it as Dynamo's static graphs are; up to
+    AOTFUSE_CACHE_SIZE signatures, then (one warning) gm runs uncompiled."""
+    from . import config
+
+    programs: dict[tuple, Any] = {}
+    warned: list[bool] = []
+    scalars = _scalar_inputs(gm)
+
+    def run(*args: Any) -> Any:
+        values = {i: args[i].item() for i in scalars}
+        key = (_signature(args), tuple(values.items()))
+        fn = programs.get(key)
+        if fn is None:
+            if len(programs) >= config.cache_size():
+                if not warned:
+                    warned.append(True)
+                    warnings.warn(f"aotfuse: a Dynamo graph with symbolic shapes met more than {config.cache_size()} "
+                                  "shapes (AOTFUSE_CACHE_SIZE); new ones run uncompiled", stacklevel=2)
+                return gm(*args)
+            fn = programs[key] = aotfuse_backend(_with_scalars(gm, values) if values else gm, list(args), collect, **kwargs)
+        return fn(*args)  # aot_module_simplified's convention: unboxed
+
+    return run
+
+
 def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], collect: list | None = None,
                     **kwargs: Any):
-    """The Dynamo backend. Example: torch.compile(model, backend="aotfuse", dynamic=False).
-    Each graph is partitioned by the C core's min-cut (as memory_efficient_fusion does). `collect`
-    (through functools.partial) receives every lowered program as (stage, Lowered), for profiling."""
+    """The Dynamo backend. Example: torch.compile(model, backend="aotfuse").
+    Each graph is partitioned by the C core's min-cut (as memory_efficient_fusion does); a graph with
+    symbolic shapes is compiled for each concrete shape it meets (_per_shape). `collect` (through
+    functools.partial) receives every lowered program as (stage, Lowered), for profiling."""
+    if _symbolic(example_inputs):
+        return _per_shape(gm, collect, **kwargs)
     state: dict[str, int] = {}
 
     def _keep(stage: str, low: Any) -> Any:
