@@ -1040,9 +1040,10 @@ int af_cg_share(const char *text, int32_t index, int cuda, af_cg_shared *out) {
         s = e;
         uint64_t v;
         const char *end;
+        int32_t j = 0;
         if (seed && out->n_streams && stream_at(s, &v, &end)) { /* af_rand(sv<id> + <stream>ull, ...) */
-            int32_t j = 0;
-            while (out->streams[j] != v) j++; /* collected above */
+            while (j < out->n_streams && out->streams[j] != v) j++; /* collected above */
+            if (j == out->n_streams) continue; /* not an af_rand's: stays a constant, in the key too */
             af_strbuf_printf(&key, " + S%d", (int)j);
             af_strbuf_printf(&body, cuda ? " + af_s%d" : " + af_s[%d]", (int)j);
             s = end;

@@ -133,6 +133,48 @@ static void test_identical_kernels_share_a_body(void **state) {
     af_graph_free(g);
 }
 
+/* A kernel with more distinct dropout streams than AF_MAX_KERNEL_STREAMS keeps them as constants
+ * (so only a kernel with the very same streams could share its body); with fewer they are af_s[j]. */
+static void test_many_streams_stay_constants(void **state) {
+    (void)state;
+    for (int n_streams = AF_MAX_KERNEL_STREAMS; n_streams <= AF_MAX_KERNEL_STREAMS + 1; n_streams++) {
+        af_graph *g;
+        assert_int_equal(af_graph_new(&g), AF_OK);
+        af_tensor_meta seed_m = {.type = AF_VALUE_TENSOR, .dtype = AF_DTYPE_INT64, .device = {.index = -1}, .ndim = 0};
+        af_tensor_meta m2 = f32(2);
+        int32_t seed, x;
+        assert_int_equal(af_graph_add_input(g, "seed", &seed_m, &seed), AF_OK);
+        assert_int_equal(af_graph_add_input(g, "x", &m2, &x), AF_OK);
+        af_arg items[2] = {{.kind = AF_ARG_INT, .u.i = 4}, {.kind = AF_ARG_INT, .u.i = 8}};
+        int32_t h = x;
+        for (int k = 0; k < n_streams; k++) {
+            af_arg args[3] = {{.kind = AF_ARG_VALUE, .u.value = seed}, {.kind = AF_ARG_LIST, .u.list = {.n = 2, .items = items}},
+                              {.kind = AF_ARG_INT, .u.i = 10 + k}};
+            int32_t r;
+            assert_int_equal(af_graph_add_node(g, "aotfuse::rng_uniform.default", args, 3, &m2, 1, &r), AF_OK);
+            h = node(g, "aten::mul.Tensor", h, r, 2);
+        }
+        assert_int_equal(af_graph_set_outputs(g, &h, 1), AF_OK);
+        af_fusion_plan *plan;
+        assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+        assert_int_equal(plan->n_groups, 1);
+        char *src = NULL;
+        assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
+        assert_int_equal(count_of(src, "af_rand(sv"), n_streams);
+        if (n_streams <= AF_MAX_KERNEL_STREAMS) {
+            assert_non_null(strstr(src, " + af_s[7], iv"));
+            assert_non_null(strstr(src, "static const uint64_t s[8] = {10ull, 11ull, 12ull, 13ull, 14ull, 15ull, 16ull, 17ull}"));
+        } else {
+            assert_null(strstr(src, "af_s["));
+            assert_non_null(strstr(src, " + 18ull, iv"));
+            assert_non_null(strstr(src, "void af_kernel_0(char *const *p) { af_body_0(p, NULL); }"));
+        }
+        free(src);
+        af_fuse_plan_free(plan);
+        af_graph_free(g);
+    }
+}
+
 /* Independent groups of one loop merge into one kernel, at the earlier step when the later one's
  * inputs are made by then (b beside a, whose value an extern reads at once), at the later step when
  * nothing reads the earlier one's values before it (c's kernel waits for the two column sums, a
@@ -786,6 +828,7 @@ int main(void) {
         cmocka_unit_test(test_a_copy_of_views_of_a_window_computes_the_window),
         cmocka_unit_test(test_boxes),
         cmocka_unit_test(test_identical_kernels_share_a_body),
+        cmocka_unit_test(test_many_streams_stay_constants),
         cmocka_unit_test(test_recomputed_members),
         cmocka_unit_test(test_recompute_reads_a_materialized_member),
         cmocka_unit_test(test_recompute_reads_a_value_stored_anyway),
