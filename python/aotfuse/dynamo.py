@@ -40,11 +40,6 @@ def _symbolic(example_inputs: Sequence[Any]) -> bool:
     return False
 
 
-def _signature(args: Sequence[Any]) -> tuple:
-    return tuple((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad) if isinstance(a, torch.Tensor)
-                 else (type(a), a) for a in args)
-
-
 def _scalar_inputs(gm: torch.fx.GraphModule) -> list[int]:
     """Positions of the inputs gm reads with `.item()`: Dynamo's unspecialized floats (dynamic=True
     passes a module's float, a layer norm's eps, as a 0-dim tensor)."""
@@ -71,7 +66,7 @@ def _with_scalars(gm: torch.fx.GraphModule, values: dict[int, Any]) -> torch.fx.
     return torch.fx.GraphModule(gm, graph)
 
 
-def _per_shape(gm: torch.fx.GraphModule, collect: list | None, **kwargs: Any):
+def _per_shape(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], collect: list | None, **kwargs: Any):
     """A graph with symbolic shapes runs as programs compiled for each concrete signature its calls
     bring (the C core compiles shapes, not formulas for them): the first call of a signature traces
     gm again with its real inputs, so every size is a number (and every float Dynamo left as an
@@ -82,10 +77,16 @@ def _per_shape(gm: torch.fx.GraphModule, collect: list | None, **kwargs: Any):
     programs: dict[tuple, Any] = {}
     warned: list[bool] = []
     scalars = _scalar_inputs(gm)
+    # what tells one call's signature from another's: the tensors with symbolic sizes or strides
+    # (parameters have none) and the non-tensor inputs (the symbols' values); dtypes, devices and
+    # requires_grad are Dynamo's guards (a change compiles a new graph)
+    shaped = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor) and _symbolic([x])]
+    plain = [i for i, x in enumerate(example_inputs) if not isinstance(x, torch.Tensor)]
 
     def run(*args: Any) -> Any:
         values = {i: args[i].item() for i in scalars}
-        key = (_signature(args), tuple(values.items()))
+        key = (tuple((args[i].shape, args[i].stride()) for i in shaped), tuple(args[i] for i in plain),
+               tuple(values.values()))
         fn = programs.get(key)
         if fn is None:
             if len(programs) >= config.cache_size():
@@ -107,7 +108,7 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
     symbolic shapes is compiled for each concrete shape it meets (_per_shape). `collect` (through
     functools.partial) receives every lowered program as (stage, Lowered), for profiling."""
     if _symbolic(example_inputs):
-        return _per_shape(gm, collect, **kwargs)
+        return _per_shape(gm, example_inputs, collect, **kwargs)
     state: dict[str, int] = {}
 
     def _keep(stage: str, low: Any) -> Any:
