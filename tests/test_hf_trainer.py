@@ -164,3 +164,52 @@ def test_run_mlm_example(tmp_path, monkeypatch):
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
     assert os.path.exists(tmp_path / "model.safetensors")
     assert isinstance(trainer.fused_model(trainer.model_wrapped), AOTModule)
+
+
+class _Ragged(torch.utils.data.Dataset):
+    """MLM examples of 4 to 16 tokens; the collator pads each batch to its longest."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(4, SEQ + 1, (n,), generator=g).tolist()
+        self.items = [torch.randint(5, VOCAB, (n_tok,), generator=g) for n_tok in lengths]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.items[i]}
+
+
+def test_torch_compile_backend_aotfuse_with_dynamic_padding(tmp_path):
+    """A model compiled with torch.compile(model, backend="aotfuse") trained by the Trainer on batches
+    padded to their longest example: a new sequence length makes Dynamo recompile with symbolic
+    shapes, which aotfuse compiles per shape (it raised BackendCompilerFailed at the second length
+    before); the losses match plain training. (accelerate's `--torch_compile_backend` takes only
+    the backends it lists, not aotfuse.)"""
+    shapes: set = set()
+
+    def pad(batch: list) -> dict:
+        n = max(len(b["input_ids"]) for b in batch)
+        ids = torch.zeros(len(batch), n, dtype=torch.long)
+        mask = torch.zeros(len(batch), n, dtype=torch.long)
+        for i, b in enumerate(batch):
+            ids[i, :len(b["input_ids"])] = b["input_ids"]
+            mask[i, :len(b["input_ids"])] = 1
+        labels = torch.where(mask.bool() & (torch.arange(n) % 3 == 0), ids, torch.full_like(ids, -100))
+        shapes.add(n)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    losses = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        args = _parse(tmp_path / str(compiled), "--max_steps", "4", "--save_strategy", "no", "--remove_unused_columns", "false",
+                      "--per_device_train_batch_size", "2")
+        model = torch.compile(_model(), backend="aotfuse") if compiled else _model()
+        trainer = Trainer(model=model, args=args, train_dataset=_Ragged(16, 3), data_collator=pad)
+        trainer.train()
+        losses[compiled] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    torch._dynamo.reset()
+    assert len(shapes) >= 3, shapes  # several padded lengths, so Dynamo went dynamic
+    assert len(losses[True]) == len(losses[False]) == 4
+    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), atol=ATOL, rtol=RTOL)

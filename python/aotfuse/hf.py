@@ -47,7 +47,8 @@ class TrainingArguments(transformers.TrainingArguments):
             raise ValueError(f"fusion must be one of {', '.join(FUSION_CHOICES)}, got {self.fusion!r}")
         if self.fusion == "aot" and self.torch_compile:
             raise ValueError("--fusion aot and --torch_compile are alternatives; pick one "
-                             "(torch.compile(model, backend='aotfuse') is --torch_compile_backend aotfuse)")
+                             "(for aotfuse under torch.compile, pass torch.compile(model, backend='aotfuse') as the "
+                             "model: accelerate's --torch_compile_backend takes only the backends it lists)")
 
 
 class Trainer(transformers.Trainer):
