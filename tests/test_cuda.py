@@ -9,7 +9,8 @@
 - the HF seed models in fp32/fp16/bf16 through aotfuse.testing (eager and a float64 reference);
 - kernels run on torch's current stream, their outputs come from torch's allocator, and a machine
   without NVRTC gets a clear error, or eager with one warning under fallback="eager";
-- the dropout generator gives the same bits on the GPU as on the CPU, forward and backward;
+- the dropout generator gives the same bits on the GPU as on the CPU, forward and backward, also in
+  kernels shared between groups (their streams passed as parameters);
 - logits nobody differentiates add no zero gradient to the backward's peak memory (both entry points).
 
 Skipped, with that reason, on a machine without a GPU (tests/conftest.py)."""
@@ -255,6 +256,29 @@ def test_dropout_generator_is_the_same_bits_on_cuda_and_cpu():
     assert_close(out, x.detach() * keep / (1 - p) * 3.0, "fused CUDA dropout against the generator's mask")
     (g,) = torch.autograd.grad(out.sum(), x)
     assert torch.equal(g != 0, keep), "the CUDA backward's mask is not the forward's"
+
+
+def test_shared_kernels_launch_with_each_groups_streams_on_cuda():
+    """Groups whose kernels differ only in node ids and dropout streams (a model's layers) launch
+    the first one's kernel, each with its own streams as by-value parameters (af_cg_share): the
+    device result equals the same program on the CPU bit for bit (the generator gives the same bits
+    on both), and three p = 0.5 dropouts in a row keep an eighth of the elements."""
+    import aotfuse.rng  # noqa: F401
+
+    def fn(x, seed, eye):
+        for stream in (1, 2, 3):
+            keep = torch.ops.aotfuse.rng_uniform(seed, [64, 64], stream) > 0.5
+            x = (x * keep * 2.0) @ eye
+        return x
+
+    args = (torch.ones(64, 64), torch.tensor(99), torch.eye(64))
+    gpu = lower(make_fx(fn, tracing_mode="fake")(*[a.cuda() for a in args]))
+    assert gpu.program.cuda_source.count("__global__") == 1, gpu.program.cuda_source
+    got = gpu([a.cuda() for a in args])[0]
+    want = lower(make_fx(fn)(*args))(list(args))[0]
+    assert got.device.type == "cuda" and torch.equal(got.cpu(), want), "shared CUDA kernels differ from the CPU program"
+    assert abs((got != 0).float().mean().item() - 1 / 8) < 0.03
+    assert gpu.program.kernel_fallbacks == 0
 
 
 @pytest.mark.parametrize("entry", ["memory_efficient_fusion", "torch.compile"])
