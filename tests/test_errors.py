@@ -22,6 +22,23 @@ def test_untraceable_function_raises_a_clear_error():
         msg = str(info.value)
         assert "data_dependent" in msg and "fallback='dynamo'" in msg and "backend='aotfuse'" in msg
 
+    assert "data-dependent control flow" in msg
+
+
+def test_a_partitioner_failure_is_reported_as_aotfuses_bug_not_the_models(monkeypatch):
+    import aotfuse.partition
+
+    def broken(*_args):
+        raise RuntimeError("reorder broke")
+
+    monkeypatch.setattr(aotfuse.partition, "_reorder", broken)
+    cf = aotfuse.aot_function(lambda x: (x.sin() * 2).sum())
+    with pytest.raises(aotfuse.CaptureError) as info:
+        cf(torch.randn(4, requires_grad=True))
+    msg = str(info.value)
+    assert "partitioning it failed: an aotfuse bug" in msg and "reorder broke" in msg
+    assert "data-dependent" not in msg
+
 
 class _Memo(torch.nn.Module):
     """Keeps tensors derived from a parameter in a dict in eval mode, as LeViT's attention-bias cache

@@ -2,7 +2,9 @@
 trained 2 SGD steps through memory_efficient_fusion against eager and float64
 (aotfuse.testing.compare_models): decoder-only models with rotary embeddings, RMS norm, SiLU
 gates and grouped-query attention (Llama, Qwen2), an encoder-decoder with relative position
-buckets (T5), a vision transformer (ViT), and Bert with transformers' default attention (SDPA)."""
+buckets (T5), a vision transformer (ViT), Bert with transformers' default attention (SDPA), and
+DeBERTa-v2 (disentangled attention; its scale is a tensor built in the forward, a constant in
+both graphs)."""
 from __future__ import annotations
 
 import pytest
@@ -43,6 +45,9 @@ MODELS = {
     "bert-sdpa": (lambda: transformers.BertForMaskedLM(transformers.BertConfig(
         vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)), _masked),
+    "deberta-v2": (lambda: transformers.DebertaV2ForMaskedLM(transformers.DebertaV2Config(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=64)), _masked),
 }
 
 

@@ -297,3 +297,26 @@ def test_parameters_are_free_to_save():
     # (the first one's would serve only the input's, which needs none)
     assert "primals_3" in saved, saved
     assert not [s for s in saved if s.startswith(("t_", "permute"))] and "t" not in saved, saved  # no views of it
+
+
+def test_backward_constants_come_before_the_nodes_moved_into_the_c_cores_order():
+    """The extractor may copy a constant (a tensor the forward built with torch.tensor, as
+    DeBERTa-v2's attention scale) anywhere in the backward; the C core's run order may read it
+    early. Seen as 'used before it has been defined' on DeBERTa-v2 (tests/test_more_models.py)."""
+    import torch.fx as fx
+
+    from aotfuse.partition import _reorder
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(torch.ops.aten.mul.Tensor, (x, x))
+    c = graph.get_attr("const")
+    b = graph.call_function(torch.ops.aten.add.Tensor, (a, c))
+    graph.output((b,))
+    root = nn.Module()
+    root.const = torch.tensor(3.0)
+    bw = fx.GraphModule(root, graph)
+    _reorder(bw, [a.name, b.name])  # lints the graph: raised before constants were moved first
+    assert [n.op for n in bw.graph.nodes] == ["placeholder", "get_attr", "call_function", "call_function", "output"]
+    x = torch.tensor([1.0, 2.0])
+    assert torch.equal(bw(x)[0], x * x + 3)

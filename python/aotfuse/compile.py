@@ -46,6 +46,7 @@ class _Record:
         self.saved_bytes = 0
         self.saved: list[tuple[str, tuple, str, int]] = []
         self.recomputed: list[str] = []
+        self.partition_failed = False
 
 
 def _compile_with_core(record: _Record, stage: str, gm: torch.fx.GraphModule, example_inputs: Any) -> Lowered:
@@ -69,7 +70,13 @@ def _recording_partition(record: _Record, partition_fn: Callable, lower_backward
         # aot_function marks no static inputs: the first num_params_buffers are the parameters and
         # buffers (free to save, they live anyway); only our partitioners take the hint
         kwargs["aotfuse_static_inputs"] = range(num_params_buffers)
-    fw, bw = partition_fn(joint_module, joint_inputs, **kwargs)
+    try:
+        fw, bw = partition_fn(joint_module, joint_inputs, **kwargs)
+    except UnsupportedError:
+        raise
+    except Exception:
+        record.partition_failed = True  # traced fine: the error is the partitioner's, not the model's
+        raise
     if lower_backward:
         # torch compiles the backward lazily, at the first backward call; lowering it here too
         # makes an unsupported backward fail (or fall back) at the first forward call instead,
@@ -445,7 +452,9 @@ class CompiledFunction:
             self._forget(entry)  # the next call of this signature tries (and explains) again
             hint = ("its kernels cannot be built on this machine; AOTFUSE_BACKEND=aten runs without them"
                     if isinstance(e, BackendUnavailable) else "an op or argument the C core cannot take"
-                    if isinstance(e, UnsupportedError) else "data-dependent control flow or an op AOTAutograd cannot trace")
+                    if isinstance(e, UnsupportedError) else "the graph was traced, but partitioning it failed: an aotfuse "
+                    "bug, please report it with this message" if entry.record.partition_failed
+                    else "data-dependent control flow or an op AOTAutograd cannot trace")
             raise CaptureError(
                 f"aotfuse could not capture {self.name} ({hint}).\nCause: {reason}\nWays out: "
                 f"torch.compile(model, backend='aotfuse') splits the graph around what cannot be captured; "

@@ -95,6 +95,11 @@ def _reorder(bw_module: fx.GraphModule, order: list[str]) -> None:
     if not placeholders:
         return
     cursor = placeholders[-1]
+    # constants (get_attr: tensors a model builds with torch.tensor in its forward) go first,
+    # wherever the extractor copied them, since the C core's order may use them at any point
+    for node in [n for n in bw_module.graph.nodes if n.op == "get_attr"]:
+        cursor.append(node)
+        cursor = node
     for name in order:
         node = by_name.get(name)
         if node is None or node.op != "call_function":
