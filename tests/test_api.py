@@ -219,6 +219,30 @@ def test_cache_bound_warns_once_and_stays_correct():
     assert cf.compile_count == 2
     msgs = [str(w.message) for w in caught if "aotfuse" in str(w.message)]
     assert len(msgs) == 1 and "input signatures" in msgs[0]
+    assert "Shapes that vary: argument 0 (1, 2, 3)" in msgs[0], msgs[0]
+
+
+def test_cache_bound_warning_names_the_keyword_inputs_whose_shapes_vary():
+    """Dynamic padding (a batch per length) is the usual way to fill the cache: the warning says
+    which inputs vary and how to keep them compiled."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.lin = nn.Embedding(10, 4), nn.Linear(4, 2)
+
+        def forward(self, input_ids, scale):
+            return self.lin(self.emb(input_ids)) * scale
+
+    model = Model()
+    compiled = aotfuse.memory_efficient_fusion(model, max_cache_size=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (5, 7, 9, 11):
+            ids = torch.randint(0, 10, (2, n))
+            assert_close(compiled(input_ids=ids, scale=2.0), model(ids, 2.0), f"length {n}")
+    msgs = [str(w.message) for w in caught if "aotfuse" in str(w.message)]
+    assert len(msgs) == 1, msgs
+    assert "Shapes that vary: input_ids (2x5, 2x7, 2x9)" in msgs[0] and "pad_to_multiple_of" in msgs[0], msgs[0]
 
 
 def test_module_state_dict_optimizer_and_modes():

@@ -137,6 +137,14 @@ def _leaf_key(x: Any, seen: dict) -> Any:
         return (type(x), id(x))
 
 
+def _arg_name(path: tuple) -> str:
+    """A pytree path into (args, kwargs) as a caller reads it: `input_ids`, `argument 0[1]`."""
+    rest = torch.utils._pytree.keystr(path[2:])
+    if path[0].idx == 0:
+        return f"argument {path[1].idx}{rest}"
+    return f"{path[1].key}{rest}"
+
+
 def _signature(leaves: list, spec: tuple, extra: tuple) -> tuple:
     seen: dict = {}
     keys = []
@@ -376,13 +384,37 @@ class CompiledFunction:
         it = iter(outs)
         return tree_unflatten([next(it) if c is None else c[0] for c in record.out_consts], record.out_spec)
 
+    def _varying_shapes(self, key: tuple, tree: Any) -> str:
+        """For the cache-full warning: the inputs whose shapes differ between the compiled signatures
+        and this call's, by their place in the arguments, and what to do about it."""
+        keys = [k for k in self._cache if k[0] == key[0]] + [key]  # same argument structure
+        varying = []
+        for i, leaf in enumerate(key[1]):
+            shapes = {k[1][i][2] for k in keys if isinstance(k[1][i], tuple) and len(k[1][i]) == 7}
+            if len(shapes) > 1 and isinstance(leaf, tuple) and len(leaf) == 7:
+                varying.append((i, sorted(shapes)))
+        if not varying:
+            return ""
+        try:
+            paths = [_arg_name(p) for p, _ in torch.utils._pytree.tree_flatten_with_path(tree)[0]]
+        except Exception:  # a pytree torch's paths do not cover: name leaves by position
+            paths = []
+        names = []
+        for i, shapes in varying[:3]:
+            where = paths[i] if len(paths) == len(key[1]) else f"input leaf {i}"
+            shown = ", ".join("x".join(map(str, sh)) for sh in shapes[:4]) + (", ..." if len(shapes) > 4 else "")
+            names.append(f"{where} ({shown})")
+        return (f" Shapes that vary: {'; '.join(names)}. Each shape compiles once: padding batches to a few "
+                f"fixed lengths (a data collator's pad_to_multiple_of, say) keeps them compiled, or raise the "
+                f"limit.")
+
     def _compile(self, key: tuple, leaves: list, spec: tuple, tree: Any) -> _Entry | None:
         limit = self.max_cache_size or config.cache_size()
         if len(self._cache) >= limit:
             if not self._warned_full:
                 warnings.warn(f"aotfuse: {self.name} has been compiled for {limit} input signatures (the "
-                              f"limit, AOTFUSE_CACHE_SIZE or max_cache_size); new signatures run eagerly.",
-                              stacklevel=4)
+                              f"limit, AOTFUSE_CACHE_SIZE or max_cache_size); new signatures run eagerly."
+                              f"{self._varying_shapes(key, tree)}", stacklevel=4)
                 self._warned_full = True
             return None
         record = _Record()

@@ -93,7 +93,9 @@ def _per_shape(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], collect:
                 if not warned:
                     warned.append(True)
                     warnings.warn(f"aotfuse: a Dynamo graph with symbolic shapes met more than {config.cache_size()} "
-                                  "shapes (AOTFUSE_CACHE_SIZE); new ones run uncompiled", stacklevel=2)
+                                  "shapes (AOTFUSE_CACHE_SIZE); new ones run uncompiled. Each shape compiles once: "
+                                  "padding batches to a few fixed lengths (a data collator's pad_to_multiple_of, "
+                                  "say) keeps them compiled, or raise the limit.", stacklevel=2)
                 return gm(*args)
             fn = programs[key] = aotfuse_backend(_with_scalars(gm, values) if values else gm, list(args), collect, **kwargs)
         return fn(*args)  # aot_module_simplified's convention: unboxed
