@@ -320,3 +320,89 @@ def test_backward_constants_come_before_the_nodes_moved_into_the_c_cores_order()
     assert [n.op for n in bw.graph.nodes] == ["placeholder", "get_attr", "call_function", "call_function", "output"]
     x = torch.tensor([1.0, 2.0])
     assert torch.equal(bw(x)[0], x * x + 3)
+
+
+def _graph_of(build):
+    import torch.fx as fx
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    outs = build(graph, x)
+    graph.output(tuple(outs))
+    return graph
+
+
+def _targets(graph):
+    return [str(n.target) for n in graph.nodes if n.op == "call_function"]
+
+
+def test_cse_merges_repeated_calls_and_keeps_what_differs():
+    """The same op on the same arguments is computed once; a different argument, or 1 against 1.0
+    (equal in Python, different ops' arguments), keeps its own node."""
+    from aotfuse.partition import _cse
+
+    aten = torch.ops.aten
+
+    def build(g, x):
+        a = g.call_function(aten.mul.Tensor, (x, x))
+        b = g.call_function(aten.mul.Tensor, (x, x))  # a again
+        c = g.call_function(aten.add.Tensor, (a, 1))
+        d = g.call_function(aten.add.Tensor, (b, 1.0))  # 1.0, not 1
+        e = g.call_function(aten.add.Tensor, (b, 1))  # c again, once b is a
+        f = g.call_function(aten.sum.dim_IntList, (e, [0]))
+        h = g.call_function(aten.sum.dim_IntList, (c, [1]))  # another dim
+        return [c, d, e, f, h]
+
+    graph = _graph_of(build)
+    _cse(graph)
+    graph.lint()
+    assert _targets(graph) == ["aten.mul.Tensor", "aten.add.Tensor", "aten.add.Tensor",
+                               "aten.sum.dim_IntList", "aten.sum.dim_IntList"]
+    out = next(n for n in graph.nodes if n.op == "output").args[0]
+    assert out[0] is out[2] and out[1] is not out[0]
+
+
+def test_cse_keeps_random_ops_and_calls_across_a_mutation():
+    from aotfuse.partition import _cse
+
+    aten = torch.ops.aten
+
+    def build(g, x):
+        r1 = g.call_function(aten.rand_like.default, (x,))
+        r2 = g.call_function(aten.rand_like.default, (x,))  # each draw is its own
+        s1 = g.call_function(aten.sin.default, (x,))
+        g.call_function(aten.copy_.default, (x, r1))  # x changes here
+        s2 = g.call_function(aten.sin.default, (x,))  # not s1
+        s3 = g.call_function(aten.sin.default, (x,))  # s2 again
+        return [r2, s1, s2, s3]
+
+    graph = _graph_of(build)
+    _cse(graph)
+    graph.lint()
+    assert _targets(graph) == ["aten.rand_like.default", "aten.rand_like.default", "aten.sin.default",
+                               "aten.copy_.default", "aten.sin.default"]
+
+
+def test_cse_keeps_apart_values_sharing_storage_with_the_outputs():
+    """Two identical views returned as outputs are two tensors in eager (the caller may mutate
+    one); torch's CSE keeps them apart too."""
+    from aotfuse.partition import _cse
+
+    aten = torch.ops.aten
+    base = torch.zeros(2, 2)
+
+    def build(g, x):
+        x.meta["val"] = base
+        outs = []
+        for _ in range(2):
+            v = g.call_function(aten.view.default, (x, [4]))
+            v.meta["val"] = base.view(4)
+            outs.append(v)
+        w1 = g.call_function(aten.cos.default, (x,))
+        w2 = g.call_function(aten.cos.default, (x,))  # private values: merged
+        w1.meta["val"], w2.meta["val"] = torch.zeros(2, 2), torch.zeros(2, 2)
+        return outs + [g.call_function(aten.add.Tensor, (w1, w2))]
+
+    graph = _graph_of(build)
+    _cse(graph)
+    assert _targets(graph) == ["aten.view.default", "aten.view.default", "aten.cos.default", "aten.add.Tensor"]

@@ -14,6 +14,7 @@ import inspect
 import operator
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from . import _C, config
@@ -72,6 +73,67 @@ def _extract(joint_module: fx.GraphModule, saved: list[fx.Node], num_fwd_outputs
             "static_lifetime_input_nodes" in inspect.signature(_extract_fwd_bwd_modules).parameters:
         kwargs["static_lifetime_input_nodes"] = static_lifetime_input_nodes
     return _extract_fwd_bwd_modules(joint_module, saved, saved_sym_nodes=[], **kwargs)
+
+
+def _frozen(a: Any) -> Any:
+    """An argument as a hashable key: containers as tuples, constants with their type (1, 1.0 and
+    True are equal in Python, not as op arguments); nodes stand for themselves."""
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__,) + tuple(_frozen(x) for x in a)
+    if isinstance(a, dict):
+        return ("dict",) + tuple((k, _frozen(v)) for k, v in a.items())
+    if isinstance(a, fx.Node):
+        return a
+    return (type(a), a)
+
+
+def _storage(node: fx.Node) -> Any:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return torch.multiprocessing.reductions.StorageWeakRef(val.untyped_storage())
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+def _cse(graph: fx.Graph) -> None:
+    """Common subexpressions once, in place, as torch's min-cut partitioner has them before it
+    cuts (its fx_graph_cse, without copying the graph or importing Inductor): a call of the same
+    op on the same arguments after an earlier one is replaced by it. Never merged: random ops
+    (each draws), aten.empty, values sharing storage with a graph output (distinct tensors in
+    eager), values with unbacked symbols, and calls on either side of an op that mutates an
+    argument (each mutation starts a new region)."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    out_storages = {s for s in map(_storage, output.all_input_nodes) if s is not None}
+    seen: dict[tuple, fx.Node] = {}
+    region = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        target = node.target
+        schema = getattr(target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            region += 1
+            continue
+        if isinstance(target, torch._ops.OpOverload) and (
+                torch.Tag.nondeterministic_seeded in target.tags or target.overloadpacket is torch.ops.aten.empty):
+            continue
+        if out_storages and _storage(node) in out_storages:
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            continue
+        try:
+            key = (target, _frozen(node.args), _frozen(node.kwargs), region)
+            prev = seen.get(key)
+        except TypeError:  # an unhashable argument: kept as it is
+            continue
+        if prev is None:
+            seen[key] = node
+        else:
+            node.replace_all_uses_with(prev)
+            graph.erase_node(node)
 
 
 def _merge_duplicate_getitems(graph: fx.Graph) -> None:
@@ -137,10 +199,7 @@ def _partition(joint_module: fx.GraphModule, num_fwd_outputs: int, min_cut: bool
                **options: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
     joint_module.graph.eliminate_dead_code()
     if min_cut:
-        # common subexpressions once, as torch's min-cut partitioner does before it cuts
-        from torch._functorch.compile_utils import fx_graph_cse
-
-        joint_module.graph = fx_graph_cse(joint_module.graph)
+        _cse(joint_module.graph)
     _merge_duplicate_getitems(joint_module.graph)
     share_seeds(joint_module)  # one seed draw for all dropouts, before the seeds are saved
     build = build_graph(joint_module, exact=True)
