@@ -394,6 +394,30 @@ def test_disable_env_runs_eager(monkeypatch):
     assert cf.compile_count == 0
 
 
+def test_disable_env_runs_torch_compile_graphs_uncompiled(monkeypatch):
+    """Under torch.compile(backend="aotfuse") too: Dynamo's graphs run as their own FX code, no C
+    program is built, and what aotfuse cannot do (a double backward) works as in eager."""
+    import functools
+
+    from aotfuse.dynamo import aotfuse_backend
+
+    torch._dynamo.reset()
+    monkeypatch.setenv("AOTFUSE_DISABLE", "1")
+    programs = []
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    compiled = torch.compile(model, backend=functools.partial(aotfuse_backend, collect=programs))
+    x = torch.randn(5, 4, requires_grad=True)
+    (g,) = torch.autograd.grad(compiled(x).sum(), x, create_graph=True)
+    (g2,) = torch.autograd.grad((g * g).sum(), x)
+    xr = x.detach().clone().requires_grad_()
+    (gr,) = torch.autograd.grad(model(xr).sum(), xr, create_graph=True)
+    (gr2,) = torch.autograd.grad((gr * gr).sum(), xr)
+    assert_close(g, gr, "first derivative")
+    assert_close(g2, gr2, "second derivative")
+    assert programs == []
+    torch._dynamo.reset()
+
+
 def test_torch_compile_backend():
     model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1))
     compiled = torch.compile(copy.deepcopy(model), backend="aotfuse", dynamic=False)

@@ -181,11 +181,13 @@ class _Ragged(torch.utils.data.Dataset):
         return {"input_ids": self.items[i]}
 
 
-def test_torch_compile_backend_aotfuse_with_dynamic_padding(tmp_path):
-    """A model compiled with torch.compile(model, backend="aotfuse") trained by the Trainer on batches
-    padded to their longest example: a new sequence length makes Dynamo recompile with symbolic
-    shapes, which aotfuse compiles per shape (it raised BackendCompilerFailed at the second length
-    before); the losses match plain training. (accelerate's `--torch_compile_backend` takes only
+@pytest.mark.parametrize("way", ["torch.compile", "fusion aot"])
+def test_dynamic_padding_trains_like_plain_training(tmp_path, way):
+    """The Trainer on batches padded to their longest example, either way aotfuse runs under it:
+    torch.compile(model, backend="aotfuse") as the model (a new sequence length makes Dynamo
+    recompile with symbolic shapes, which aotfuse compiles per shape; it raised
+    BackendCompilerFailed at the second length before), or `--fusion aot` (a signature per
+    length). The losses match plain training. (accelerate's `--torch_compile_backend` takes only
     the backends it lists, not aotfuse.)"""
     shapes: set = set()
 
@@ -203,13 +205,18 @@ def test_torch_compile_backend_aotfuse_with_dynamic_padding(tmp_path):
     losses = {}
     for compiled in (False, True):
         torch._dynamo.reset()
+        fusion = ("--fusion", "aot") if compiled and way == "fusion aot" else ()
         args = _parse(tmp_path / str(compiled), "--max_steps", "4", "--save_strategy", "no", "--remove_unused_columns", "false",
-                      "--per_device_train_batch_size", "2")
-        model = torch.compile(_model(), backend="aotfuse") if compiled else _model()
+                      "--per_device_train_batch_size", "2", *fusion)
+        model = torch.compile(_model(), backend="aotfuse") if compiled and way == "torch.compile" else _model()
         trainer = Trainer(model=model, args=args, train_dataset=_Ragged(16, 3), data_collator=pad)
+        shapes.clear()
         trainer.train()
         losses[compiled] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        if compiled and way == "fusion aot":  # one signature per length, none left to eager
+            fused = trainer.fused_model(trainer.model_wrapped)._aotfuse_compiled
+            assert fused.compile_count == len(shapes), (fused.compile_count, shapes)
     torch._dynamo.reset()
-    assert len(shapes) >= 3, shapes  # several padded lengths, so Dynamo went dynamic
+    assert len(shapes) >= 3, shapes  # several padded lengths (under torch.compile, Dynamo goes dynamic)
     assert len(losses[True]) == len(losses[False]) == 4
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), atol=ATOL, rtol=RTOL)

@@ -1,6 +1,7 @@
 """Environment configuration, read when used (so tests can change it).
 
-AOTFUSE_DISABLE=1      run every compiled function eagerly (for bisecting)
+AOTFUSE_DISABLE=1      run eagerly (for bisecting); torch.compile(backend="aotfuse") graphs run
+                       as their own FX code
 AOTFUSE_LOG=a,b        log stages: partition, lowering, fusion, codegen, cache (and "all")
 AOTFUSE_CACHE_SIZE=N   compiled signatures kept per function (default 8)
 AOTFUSE_CHECK_INPUTS=0 skip the C runtime's check of each input against the program
@@ -8,7 +9,8 @@ AOTFUSE_FUSION=0       no fused kernels: every node runs as an extern ATen call
 AOTFUSE_BACKEND=name   which tensors get generated kernels: auto (default; C for CPU tensors,
                        CUDA through NVRTC for CUDA tensors), c, cuda, or aten (none)
 AOTFUSE_NVRTC=path     the libnvrtc to use (else found beside torch, CUDA or the nvidia wheels)
-AOTFUSE_CACHE_DIR=dir  where compiled kernels are kept (default ~/.cache/aotfuse)
+AOTFUSE_CACHE_DIR=dir  where compiled kernels are kept (default $XDG_CACHE_HOME/aotfuse or
+                       ~/.cache/aotfuse)
 AOTFUSE_CONSTANT_FOLD=0  compute the values no input reaches every run (default: once, when
                        lowering; see constfold.py)
 AOTFUSE_FALLBACK_RANDOM=1  dropout with ATen's generator (eager's exact masks, a stored mask)
@@ -17,6 +19,10 @@ AOTFUSE_REUSE_BUFFERS=0  every kernel output freshly allocated (default: a kerne
                        the tensor of an intermediate that died earlier in the program)
 AOTFUSE_MERGE_KERNELS=0  independent kernels of one loop stay separate (default: merged into one,
                        fuse.c's merge_independent_groups)
+
+The README's Configuration table lists every switch, these and the lowering's own
+(AOTFUSE_DECOMPOSE_LOSS, AOTFUSE_DECOMPOSE_NORMS, AOTFUSE_SINK_COPIES, AOTFUSE_SINK_READS,
+AOTFUSE_WINDOW_SOURCES, AOTFUSE_OVERLAP_SUMS, AOTFUSE_CC).
 """
 from __future__ import annotations
 

@@ -108,7 +108,12 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
     """The Dynamo backend. Example: torch.compile(model, backend="aotfuse").
     Each graph is partitioned by the C core's min-cut (as memory_efficient_fusion does); a graph with
     symbolic shapes is compiled for each concrete shape it meets (_per_shape). `collect` (through
-    functools.partial) receives every lowered program as (stage, Lowered), for profiling."""
+    functools.partial) receives every lowered program as (stage, Lowered), for profiling.
+    AOTFUSE_DISABLE=1 (read when Dynamo compiles a graph) runs the graph as torch's own FX code."""
+    from . import config
+
+    if config.disabled():
+        return gm.forward
     if _symbolic(example_inputs):
         return _per_shape(gm, example_inputs, collect, **kwargs)
     state: dict[str, int] = {}
