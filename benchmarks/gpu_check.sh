@@ -29,9 +29,11 @@ python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST="--timeout 90"
 timeout 170 python3 -m pytest tests/test_cuda.py tests/test_scatter.py tests/test_reuse.py tests/test_autocast.py -m cuda -q -rfE -p no:cacheprovider $PER_TEST > "$OUT/pytest-cuda.log" 2>&1
 echo "pytest rc=$? ($(tail -n 1 "$OUT/pytest-cuda.log"))"
 
-echo "== seed benchmark (cuda: seed shapes; fp32 then bf16; eager, aotfuse, torch.compile)"
+echo "== seed benchmark (cuda: seed shapes; fp32 then bf16; eager, aotfuse, torch.compile, eager-sdpa)"
+# eager-sdpa: eager with torch's fused attention, no compile (seconds): how much of Inductor's bf16 lead
+# is its attention rewrite (fuse_attention: SDPA on CUDA in fp16/bf16, skipped in fp32 without TF32)
 # groups run dtype by dtype and results are written after each one; no new group after 140 s
-timeout 230 python3 -m aotfuse.bench --device cuda --dtypes fp32,bf16 --backends eager,aotfuse,torch.compile \
+timeout 230 python3 -m aotfuse.bench --device cuda --dtypes fp32,bf16 --backends eager,aotfuse,torch.compile,eager-sdpa \
   --repeats 10 --time-budget 140 --no-progress --out-dir "$OUT" > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"
 

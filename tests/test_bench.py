@@ -73,6 +73,29 @@ def test_host_size_and_the_aten_norms_contender(tmp_path):
     assert "12 layers" in md and "aotfuse-aten-norms (on request)" in md
 
 
+def test_eager_sdpa_yardstick_runs_torchs_fused_attention(tmp_path, monkeypatch):
+    """eager-sdpa switches the copy's attention to scaled_dot_product_attention (called once per
+    layer and step) and passes the check; Longformer, with an attention of its own, is n/a."""
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    bench.main(["--device", "cpu", "--size", "tiny", "--models", "BertForMaskedLM,LongformerForMaskedLM",
+                "--dtypes", "fp32", "--backends", "eager,eager-sdpa", "--repeats", "2", "--out-dir", str(tmp_path),
+                "--name", "sdpa", "--no-progress"])
+    md = (tmp_path / "sdpa.md").read_text()
+    rows = {(r[0], r[2]): r for r in _table_rows(md)}
+    bert = rows[("BertForMaskedLM", "eager-sdpa")]
+    assert bert[9].startswith("pass") and bert[10] == "ok", bert
+    assert rows[("LongformerForMaskedLM", "eager-sdpa")][10].startswith("n/a"), rows
+    assert len(calls) >= 3  # Bert's one layer: the first step, the memory step and the timed ones
+    assert "eager-sdpa (on request)" in md
+
+
 def test_capture_failure_is_a_fallback_row_not_an_abort(tmp_path):
     # Longformer calls .item() in its forward: aotfuse cannot capture it and falls back to eager
     settings = bench.Settings(device="cpu", size="tiny", repeats=1, warmup=1)

@@ -45,7 +45,7 @@ __all__ = ["MODELS", "BACKENDS", "Settings", "Result", "run", "write_results", "
 MODELS = ("AlbertForMaskedLM", "GPT2LMHeadModel", "BertForMaskedLM", "LongformerForMaskedLM")
 BACKENDS = ("eager", "aotfuse", "torch.compile", "functorch")
 # on request only: aotfuse with layer norm and softmax left to ATen's kernels (AOTFUSE_DECOMPOSE_NORMS=0)
-EXTRA_BACKENDS = ("aotfuse-aten-norms",)
+EXTRA_BACKENDS = ("aotfuse-aten-norms", "eager-sdpa")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # the seed's tolerances: (atol, rtol)
 TOLERANCES = {torch.float32: (1e-4, 5e-3), torch.float16: (1e-2, 1e-1), torch.bfloat16: (1e-2, 1e-1)}
@@ -180,6 +180,11 @@ def _reason(e: BaseException) -> str:
 def _make(backend: str, model: torch.nn.Module, fallback: str | None = None) -> Callable:
     if backend == "eager":
         return model
+    if backend == "eager-sdpa":  # what ATen's fused attention alone would give: a yardstick, not a compiler
+        model.set_attn_implementation("sdpa")
+        if getattr(model.config, "_attn_implementation", None) != "sdpa":
+            raise ValueError(f"{type(model).__name__} has no SDPA attention to switch to")
+        return model
     if backend in ("aotfuse", "aotfuse-aten-norms"):
         import aotfuse
         from aotfuse.decompositions import default_decompositions
@@ -237,7 +242,7 @@ def _first_step(c: Contender, backend: str, model: torch.nn.Module, inputs: dict
         return
     except Exception as e:  # noqa: BLE001 - a contender's failure is a row, never the end of the run
         c.reason = _reason(e)
-        c.status = "n/a" if backend == "functorch" else "failed"
+        c.status = "n/a" if backend in ("functorch", "eager-sdpa") else "failed"
         c.call = None
         model.zero_grad(set_to_none=True)
     if not backend.startswith("aotfuse"):
@@ -620,7 +625,10 @@ def write_results(results: list[Result], descriptions: list[str], out_dir: str, 
         f"it is rebuilt with fallback={settings.aotfuse_fallback!r} and marked fallback); torch.compile = torch.compile(model, backend='inductor', "
         "dynamic=False); functorch = functorch.compile.memory_efficient_fusion(model), n/a where it does "
         "not run on this torch; aotfuse-aten-norms (on request) = aotfuse with layer norm and softmax left to "
-        "ATen's kernels (decompositions=default_decompositions(norms=False)).",
+        "ATen's kernels (decompositions=default_decompositions(norms=False)); eager-sdpa (on request) = eager "
+        "with the model's attention switched to torch's scaled_dot_product_attention "
+        "(model.set_attn_implementation('sdpa'); n/a for Longformer): a yardstick for what fused attention "
+        "kernels (flash or memory-efficient on CUDA) alone give.",
         f"- models ({settings.size} size; random weights from config classes, nothing downloaded; config "
         f"defaults except: dropout probabilities {settings.dropout:g}, attention implementation "
         f"'{settings.attn}' (Longformer: its own); inputs: random input_ids and labels"
