@@ -33,14 +33,14 @@ echo "== seed benchmark (cuda: seed shapes; fp32 then bf16; eager, aotfuse, torc
 # eager-sdpa: eager with torch's fused attention, no compile (seconds): how much of Inductor's bf16 lead
 # is its attention rewrite (fuse_attention: SDPA on CUDA in fp16/bf16, skipped in fp32 without TF32)
 # groups run dtype by dtype and results are written after each one; no new group after 140 s
-timeout 230 python3 -m aotfuse.bench --device cuda --dtypes fp32,bf16 --backends eager,aotfuse,torch.compile,eager-sdpa \
+timeout 215 python3 -m aotfuse.bench --device cuda --dtypes fp32,bf16 --backends eager,aotfuse,torch.compile,eager-sdpa \
   --repeats 10 --time-budget 140 --no-progress --out-dir "$OUT" > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"
 
-echo "== layer norm and softmax left to ATen (AOTFUSE_DECOMPOSE_NORMS=0's effect; decomposed is the default): Bert, GPT2 fp32"
-timeout 60 python3 -m aotfuse.bench --device cuda --models BertForMaskedLM,GPT2LMHeadModel --dtypes fp32 \
-  --backends eager,aotfuse-aten-norms --repeats 10 --time-budget 30 --no-progress --out-dir "$OUT" --name hf-cuda-aten-norms \
-  > "$OUT/bench-aten-norms.log" 2>&1
+echo "== bf16, Bert and GPT2: layer norm and softmax left to ATen (AOTFUSE_DECOMPOSE_NORMS=0's effect), and attention left eager (AOTFUSE_FUSE_ATTENTION=0's)"
+timeout 75 python3 -m aotfuse.bench --device cuda --models BertForMaskedLM,GPT2LMHeadModel --dtypes bf16 \
+  --backends eager,aotfuse-aten-norms,aotfuse-eager-attn --repeats 10 --time-budget 40 --no-progress --out-dir "$OUT" \
+  --name hf-cuda-aten-norms-eager-attn > "$OUT/bench-aten-norms.log" 2>&1
 echo "aten-norms bench rc=$?"
 
 echo "== host-time profile (Bert, seed shapes, fp32): is the step bound by the host? and the top GPU kernels"

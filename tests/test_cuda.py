@@ -11,7 +11,8 @@
   without NVRTC gets a clear error, or eager with one warning under fallback="eager";
 - the dropout generator gives the same bits on the GPU as on the CPU, forward and backward, also in
   kernels shared between groups (their streams passed as parameters);
-- logits nobody differentiates add no zero gradient to the backward's peak memory (both entry points).
+- logits nobody differentiates add no zero gradient to the backward's peak memory (both entry points);
+- eager attention rewritten into SDPA (attention.py) trains like eager, and its dropout drops.
 
 Skipped, with that reason, on a machine without a GPU (tests/conftest.py)."""
 import os
@@ -417,3 +418,23 @@ def test_reads_of_views_and_windows_sources_on_cuda(dtype):
     assert got.is_cuda
     assert_close(got, ref, f"windows' computed sources ({dtype})", atol=atol * 10, rtol=rtol * 10)
     assert lowered.program.kernel_fallbacks == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_eager_attention_as_sdpa_on_cuda(dtype, monkeypatch):
+    """attention.py on CUDA (flash or memory-efficient kernels, extern calls of the C programs): one
+    chain rewritten, training like eager without dropout; with dropout, the outputs' mean over many
+    draws is the dropout-free output (ATen's generator draws inside SDPA)."""
+    from test_attention import Attention, _inputs, _rewritten
+
+    x, m = (t.cuda() for t in _inputs(dtype))
+    assert _rewritten(monkeypatch, Attention().cuda().to(dtype), x, m) == [1]
+    compare_models(lambda: Attention().cuda(), lambda: (x, m), dtype=dtype, steps=2, name="attention").assert_ok()
+    torch.manual_seed(0)
+    model = Attention(p=0.5).cuda()
+    compiled = aotfuse.memory_efficient_fusion(model)
+    xf, mf = x.float(), m.float()
+    outs = torch.stack([compiled(xf, mf).detach() for _ in range(200)])
+    model.eval()
+    assert torch.allclose(outs.mean(0), model(xf, mf).detach(), atol=0.1)
+    assert outs.std(0).max() > 0.01

@@ -180,7 +180,8 @@ def test_a_modules_fallback_runs_the_module_itself(fallback, monkeypatch):
             out.sum().backward(), expect.sum().backward()
             torch.testing.assert_close(model.lin.weight.grad, ref.lin.weight.grad)
             calls_after_capture = len(calls)
-    assert calls_after_capture <= 1  # the one capture attempt, then never again
+    # the capture attempts (attention.py's pre-dispatch trace, then AOTAutograd's), then never again
+    assert calls_after_capture <= 2
     assert compiled._aotfuse_compiled.module_fallback is not None  # later calls skip the tensor walk
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import operator
 import warnings
 import weakref
 from typing import Any, Callable
@@ -215,14 +216,50 @@ def _hashable(x: Any) -> bool:
 
 
 class _Entry:
-    __slots__ = ("compiled", "tensor_idx", "record", "fallback", "fallback_target")
+    __slots__ = ("compiled", "tensor_idx", "record", "fallback", "fallback_target", "traced_fn", "module")
 
-    def __init__(self, compiled, tensor_idx, record):
+    def __init__(self, compiled, tensor_idx, record, traced_fn=None, module=None):
         self.compiled = compiled
         self.tensor_idx = tensor_idx
         self.record = record
+        self.traced_fn = traced_fn  # [the function AOTAutograd traces]: flat_fn, or its graph with SDPA
+        self.module = module
         self.fallback: Callable | None = None  # set when this signature could not be captured
         self.fallback_target: Callable | None = None  # fallback without the skipped leading arguments
+
+
+def _has_active_dropout(module: nn.Module | None) -> bool:
+    return module is not None and any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training
+                                      for m in module.modules())
+
+
+def _fuse_attention_first(entry: _Entry, tensors: list, mode: str | None = None) -> None:
+    """Eager attention as SDPA (attention.py): traces the function at the pre-dispatch level and, where
+    attention chains matched, has AOTAutograd trace that graph instead. On CPU tensors ATen's fast SDPA
+    takes no dropout: a module with active dropout layers is not traced for it (unless forced)."""
+    mode = mode or config.fuse_attention()
+    if mode == "0":
+        return
+    on_cuda = any(t.is_cuda for t in tensors)
+    if not on_cuda and mode == "auto" and _has_active_dropout(entry.module):
+        return
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from .attention import fuse_attention
+
+    flat_fn = entry.traced_fn[0]
+    try:
+        gm = make_fx(flat_fn, pre_dispatch=True, tracing_mode="fake")(*tensors)
+    except Exception as e:  # noqa: BLE001 - the usual capture decides, and explains
+        config.emit("cache", f"attention: no pre-dispatch graph ({type(e).__name__}); traced as it is")
+        return
+    if any(n.op not in ("placeholder", "output", "get_attr") and not isinstance(n.target, torch._ops.OpOverload)
+           and n.target is not operator.getitem for n in gm.graph.nodes):
+        return  # grad-mode switches, higher-order ops: the function is traced as it is
+    found = fuse_attention(gm, force_cpu=mode == "1", grad_inputs=[t.requires_grad for t in tensors])
+    config.emit("cache", f"attention: {found} chain(s) as scaled_dot_product_attention")
+    if found:
+        entry.traced_fn[0] = gm
 
 
 def _without_leading(target: Callable, n: int, *args: Any, **kwargs: Any) -> Any:
@@ -344,6 +381,7 @@ class CompiledFunction:
         self._dynamo_fn: Callable | None = None
         self._last: _LastCall | None = None
         self.compile_count = 0
+        self.fuse_attention: str | None = None  # "auto", "1" or "0" over AOTFUSE_FUSE_ATTENTION (benchmarks)
         functools.update_wrapper(self, fn, updated=())
 
     # -- the call path: flatten, look up, run, rebuild --
@@ -443,8 +481,13 @@ class CompiledFunction:
             return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
 
         ours = functools.partial(_compile_with_core, record)
+        traced_fn = [flat_fn]  # the first run may swap in a graph of it with attention fused
+
+        def traced(*tensors):
+            return traced_fn[0](*tensors)
+
         compiled = _torch_aot_function(
-            flat_fn,
+            traced if self.fw_compiler is None else flat_fn,
             fw_compiler=self.fw_compiler or functools.partial(ours, "forward"),
             bw_compiler=self.bw_compiler or functools.partial(ours, "backward"),
             partition_fn=functools.partial(_recording_partition, record, self.partition_fn,
@@ -455,7 +498,7 @@ class CompiledFunction:
             inference_compiler=self.inference_compiler or (
                 functools.partial(ours, "inference") if self.fw_compiler is None else None),
         )
-        entry = _Entry(compiled, tensor_idx, record)
+        entry = _Entry(compiled, tensor_idx, record, traced_fn if self.fw_compiler is None else None, module)
         self._cache[key] = entry
         self.compile_count += 1
         config.emit("cache", f"{self.name}: compiling signature #{len(self._cache)}")
@@ -465,7 +508,10 @@ class CompiledFunction:
         """The first call of a signature traces, partitions, lowers (forward and backward) and runs."""
         try:
             with _tracing_flag():
-                outs = entry.compiled(*[leaves[i] for i in entry.tensor_idx])
+                tensors = [leaves[i] for i in entry.tensor_idx]
+                if entry.traced_fn is not None:
+                    _fuse_attention_first(entry, tensors, self.fuse_attention)
+                outs = entry.compiled(*tensors)
         except Exception as e:
             if "inference" in entry.record.programs or "forward" in entry.record.programs or isinstance(
                     e, torch.OutOfMemoryError):

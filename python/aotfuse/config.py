@@ -17,6 +17,8 @@ AOTFUSE_FALLBACK_RANDOM=1  dropout with ATen's generator (eager's exact masks, a
                        instead of aotfuse's fused counter-based one
 AOTFUSE_REUSE_BUFFERS=0  every kernel output freshly allocated (default: a kernel output may take
                        the tensor of an intermediate that died earlier in the program)
+AOTFUSE_FUSE_ATTENTION=auto  eager attention as torch's SDPA (attention.py): auto on CUDA tensors, and
+                       on CPU tensors where it has no dropout; 1 also with dropout on CPU; 0 never
 AOTFUSE_MERGE_KERNELS=0  independent kernels of one loop stay separate (default: merged into one,
                        fuse.c's merge_independent_groups)
 
@@ -82,6 +84,12 @@ def merge_kernels() -> bool:
 
 def overlap_sums() -> bool:
     return os.environ.get("AOTFUSE_OVERLAP_SUMS", "1") not in ("", "0")
+
+
+def fuse_attention() -> str:
+    """AOTFUSE_FUSE_ATTENTION: "auto" (default), "1" (also CPU attention with dropout), "0" (never)."""
+    v = os.environ.get("AOTFUSE_FUSE_ATTENTION", "auto").strip().lower()
+    return "0" if v in ("", "0", "off", "false") else "1" if v in ("1", "on", "true", "force") else "auto"
 
 
 def fallback_random() -> bool:

@@ -1,0 +1,167 @@
+"""Eager attention as torch's scaled_dot_product_attention (python/aotfuse/attention.py): which chains
+are rewritten, which are left alone, and that the rewritten models train like eager."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import aotfuse
+from aotfuse.testing import compare_models
+
+SDPA_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math")
+
+
+class Attention(nn.Module):
+    """One attention layer written out as eager attention, with switches for the variants models use."""
+
+    def __init__(self, p=0.0, mask=True, scale="mul", f32_softmax=False, return_probs=False, heads=2):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+        self.p, self.mask, self.scale, self.f32, self.return_probs, self.heads = (
+            p, mask, scale, f32_softmax, return_probs, heads)
+
+    def forward(self, x, m):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, 16 // self.heads).permute(2, 0, 3, 1, 4)
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        if self.scale == "mul":
+            scores = scores * (q.shape[-1] ** -0.5)
+        elif self.scale == "div":
+            scores = scores / math.sqrt(q.shape[-1])
+        if self.mask:
+            scores = scores + m
+        probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype) if self.f32 else torch.softmax(scores, -1)
+        probs = F.dropout(probs, self.p, self.training)
+        y = self.out(torch.matmul(probs, v).transpose(1, 2).reshape(b, s, 16))
+        return (y, probs) if self.return_probs else y
+
+
+def _inputs(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 16, generator=g, dtype=dtype)
+    m = torch.zeros(2, 1, 1, 5, dtype=dtype)
+    m[1, ..., -2:] = torch.finfo(dtype).min  # padding, as Hugging Face's masks
+    return x, m
+
+
+def _ops(model, *args, **kwargs):
+    return str(aotfuse.explain(aotfuse.memory_efficient_fusion(model), *args, **kwargs))
+
+
+def _rewritten(monkeypatch, model, *args) -> list:
+    """How many attention chains each capture of `model` rewrote (one entry per pre-dispatch trace)."""
+    import aotfuse.attention
+
+    counts = []
+    real = aotfuse.attention.fuse_attention
+
+    def counting(*a, **k):
+        counts.append(real(*a, **k))
+        return counts[-1]
+
+    monkeypatch.setattr(aotfuse.attention, "fuse_attention", counting)
+    aotfuse.memory_efficient_fusion(model)(*args)
+    monkeypatch.setattr(aotfuse.attention, "fuse_attention", real)
+    return counts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("variant", [{}, {"scale": "div"}, {"scale": None}, {"mask": False}, {"f32_softmax": True},
+                                     {"heads": 4}], ids=["mul", "div", "unscaled", "no-mask", "f32-softmax", "4-heads"])
+def test_eager_attention_becomes_sdpa_and_trains_like_eager(variant, dtype):
+    x, m = _inputs(dtype)
+    report = compare_models(lambda: Attention(**variant), lambda: (x, m), dtype=dtype, steps=2, name=str(variant))
+    report.assert_ok()
+    ops = _ops(Attention(**variant).to(dtype), x, m)
+    assert "_scaled_dot_product_flash_attention_for_cpu" in ops and "aten::bmm" not in ops, ops
+
+
+def test_what_reads_the_probabilities_keeps_the_attention_eager():
+    """output_attentions: the probabilities are an output, so there is nothing to fuse."""
+    x, m = _inputs()
+    report = compare_models(lambda: Attention(return_probs=True), lambda: (x, m), steps=2, name="probs")
+    report.assert_ok()
+    assert not any(op in _ops(Attention(return_probs=True), x, m) for op in SDPA_OPS)
+
+
+class LearnedBias(Attention):
+    """A learned additive bias in the mask's place (ALiBi-like, T5's relative bias): it needs a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(1, 2, 5, 5) * 0.1)
+
+    def forward(self, x, m):
+        return super().forward(x, m + self.bias)
+
+
+def test_a_mask_that_needs_a_gradient_keeps_the_attention_eager(monkeypatch):
+    x, m = _inputs()
+    assert _rewritten(monkeypatch, LearnedBias(), x, m) == [0]
+    report = compare_models(LearnedBias, lambda: (x, m), steps=2, name="learned bias")
+    report.assert_ok()
+    torch.manual_seed(0)
+    model, ref = LearnedBias(), LearnedBias()
+    ref.load_state_dict(model.state_dict())
+    aotfuse.memory_efficient_fusion(model)(x, m).sum().backward()
+    ref(x, m).sum().backward()
+    assert model.bias.grad is not None and model.bias.grad.abs().sum() > 0
+    torch.testing.assert_close(model.bias.grad, ref.bias.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_cpu_attention_with_dropout_stays_aotfuses_unless_forced(monkeypatch):
+    """On the CPU ATen's SDPA with dropout is its math path (eager's ops again, slower than aotfuse's
+    kernels): such attention is left alone, and a module with an active dropout layer is not even
+    traced for it; AOTFUSE_FUSE_ATTENTION=1 forces the rewrite, =0 turns it off everywhere."""
+    x, m = _inputs()
+    assert _rewritten(monkeypatch, Attention(), x, m) == [1]
+    assert _rewritten(monkeypatch, Attention(p=0.1), x, m) == [0]
+    model = Attention()
+    model.drop = nn.Dropout(0.1)  # a dropout layer anywhere: not traced for it
+    assert _rewritten(monkeypatch, model, x, m) == []
+    model.eval()  # inactive
+    assert _rewritten(monkeypatch, model, x, m) == [1]
+    monkeypatch.setenv("AOTFUSE_FUSE_ATTENTION", "1")
+    assert _rewritten(monkeypatch, Attention(p=0.1), x, m) == [1]
+    monkeypatch.setenv("AOTFUSE_FUSE_ATTENTION", "0")
+    assert _rewritten(monkeypatch, Attention(), x, m) == []
+
+
+def test_forced_sdpa_dropout_drops_at_the_rate_asked(monkeypatch):
+    """Dropout inside SDPA draws from ATen's generator: not eager's masks, but the same rate and scale."""
+    monkeypatch.setenv("AOTFUSE_FUSE_ATTENTION", "1")
+    torch.manual_seed(0)
+    model = Attention(p=0.5)
+    compiled = aotfuse.memory_efficient_fusion(model)
+    x, m = _inputs()
+    outs = torch.stack([compiled(x, m).detach() for _ in range(200)])
+    assert _rewritten(monkeypatch, Attention(p=0.5), x, m) == [1]
+    model.eval()
+    expected = model(x, m).detach()
+    # the output is linear in the dropped probabilities: the mean of many draws approaches the
+    # dropout-free output
+    assert torch.allclose(outs.mean(0), expected, atol=0.1), (outs.mean(0) - expected).abs().max()
+    assert outs.std(0).max() > 0.01  # it does drop
+
+
+@pytest.mark.parametrize("name", ["BertForMaskedLM", "GPT2LMHeadModel", "AlbertForMaskedLM"])
+def test_hugging_face_eager_attention_without_dropout_trains_like_eager(name):
+    """The seed models with attn_implementation='eager', no dropout and a padding mask: every layer's
+    attention is one SDPA call, and the model trains like eager in fp32 and bf16."""
+    pytest.importorskip("transformers")
+    from aotfuse import bench
+
+    _, inputs, _ = bench.build_model(name, "tiny", torch.float32, "cpu", dropout=0.0, attention_mask=True)
+    inputs["attention_mask"][1, -5:] = 0
+
+    def make():
+        return bench.build_model(name, "tiny", torch.float32, "cpu", dropout=0.0, attention_mask=True)[0]
+
+    for dtype in (torch.float32, torch.bfloat16):
+        compare_models(make, lambda: inputs, dtype=dtype, steps=2, name=name).assert_ok()
+    ops = _ops(make(), **inputs)
+    assert "_scaled_dot_product_flash_attention_for_cpu" in ops, ops
