@@ -17,6 +17,7 @@ AOTFUSE_FALLBACK_RANDOM=1  dropout with ATen's generator (eager's exact masks, a
                        instead of aotfuse's fused counter-based one
 AOTFUSE_REUSE_BUFFERS=0  every kernel output freshly allocated (default: a kernel output may take
                        the tensor of an intermediate that died earlier in the program)
+AOTFUSE_DROP_CLONES=0  keep clones of a value in its own layout (default: dropped before partitioning)
 AOTFUSE_FUSE_ATTENTION=auto  eager attention as torch's SDPA (attention.py): auto on CUDA tensors, and
                        on CPU tensors where it has no dropout; 1 also with dropout on CPU; 0 never
 AOTFUSE_MERGE_KERNELS=0  independent kernels of one loop stay separate (default: merged into one,
@@ -84,6 +85,10 @@ def merge_kernels() -> bool:
 
 def overlap_sums() -> bool:
     return os.environ.get("AOTFUSE_OVERLAP_SUMS", "1") not in ("", "0")
+
+
+def drop_clones() -> bool:
+    return os.environ.get("AOTFUSE_DROP_CLONES", "1") not in ("", "0")
 
 
 def fuse_attention() -> str:

@@ -136,6 +136,36 @@ def _cse(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
+def _drop_identity_clones(graph: fx.Graph) -> int:
+    """A clone in a functional graph copies a value nothing mutates: where the copy has the value's own
+    layout (sizes and strides) and is not a graph output (distinct tensors in eager), its readers read
+    the value. Dropout with p = 0 in training mode is such a clone (ATen's `dropout` returns
+    `input.clone()`), between the attention probabilities and the matmul reading them: kept, the
+    partitioner saved the copy and the values to recompute the probabilities from. Returns the count."""
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    outs = set(output.all_input_nodes)
+    dropped = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.clone.default or node in outs:
+            continue
+        if len(node.args) != 1 or node.kwargs.get("memory_format") not in (None, torch.preserve_format):
+            continue
+        src = node.args[0]
+        a, b = _val(node), _val(src) if isinstance(src, fx.Node) else None
+        if a is None or b is None or src.op == "placeholder" or a.shape != b.shape or a.stride() != b.stride() \
+                or a.dtype != b.dtype or a.device != b.device:
+            continue
+        node.replace_all_uses_with(src)
+        graph.erase_node(node)
+        dropped += 1
+    return dropped
+
+
+def _val(node: fx.Node) -> torch.Tensor | None:
+    val = node.meta.get("val")
+    return val if isinstance(val, torch.Tensor) else None
+
+
 def _merge_duplicate_getitems(graph: fx.Graph) -> None:
     """One FX node per value: a second getitem of the same output (AOTAutograd emits them for
     the backward) would make the extractor re-run the producer to get it."""
@@ -200,6 +230,8 @@ def _partition(joint_module: fx.GraphModule, num_fwd_outputs: int, min_cut: bool
     joint_module.graph.eliminate_dead_code()
     if min_cut:
         _cse(joint_module.graph)
+    if config.drop_clones():
+        _drop_identity_clones(joint_module.graph)
     _merge_duplicate_getitems(joint_module.graph)
     share_seeds(joint_module)  # one seed draw for all dropouts, before the seeds are saved
     build = build_graph(joint_module, exact=True)
