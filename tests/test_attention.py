@@ -165,3 +165,32 @@ def test_hugging_face_eager_attention_without_dropout_trains_like_eager(name):
         compare_models(make, lambda: inputs, dtype=dtype, steps=2, name=name).assert_ok()
     ops = _ops(make(), **inputs)
     assert "_scaled_dot_product_flash_attention_for_cpu" in ops, ops
+
+
+def test_llama_eager_attention_under_its_rotary_no_grad_is_rewritten(monkeypatch):
+    """Llama's rotary embedding runs under @torch.no_grad(): the pre-dispatch graph carries grad-mode
+    switches, which replay as they are; both layers' attention becomes SDPA and the model trains like
+    eager (grouped-query attention: k and v repeated before the matmul)."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=64, max_position_embeddings=64)
+
+    def make():
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).train()
+        model.set_attn_implementation("eager")
+        return model
+
+    ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, -4:] = 0
+    inputs = dict(input_ids=ids, labels=ids, attention_mask=mask)
+    import aotfuse.attention
+
+    counts = []
+    real = aotfuse.attention.fuse_attention
+    monkeypatch.setattr(aotfuse.attention, "fuse_attention", lambda *a, **k: counts.append(real(*a, **k)) or counts[-1])
+    for dtype in (torch.float32, torch.bfloat16):
+        compare_models(make, lambda: inputs, dtype=dtype, steps=2, name="llama").assert_ok()
+    assert counts and all(c == 2 for c in counts), counts

@@ -253,9 +253,14 @@ def _fuse_attention_first(entry: _Entry, tensors: list, mode: str | None = None)
     except Exception as e:  # noqa: BLE001 - the usual capture decides, and explains
         config.emit("cache", f"attention: no pre-dispatch graph ({type(e).__name__}); traced as it is")
         return
-    if any(n.op not in ("placeholder", "output", "get_attr") and not isinstance(n.target, torch._ops.OpOverload)
-           and n.target is not operator.getitem for n in gm.graph.nodes):
-        return  # grad-mode switches, higher-order ops: the function is traced as it is
+    # grad-mode switches (a rotary embedding's @torch.no_grad()) replay as they are when AOTAutograd
+    # traces the graph; anything else but ATen ops (higher-order ops) leaves the function as it is
+    other = {str(n.target) for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")
+             and not isinstance(n.target, torch._ops.OpOverload)
+             and n.target not in (operator.getitem, torch._C._set_grad_enabled)}
+    if other:
+        config.emit("cache", f"attention: the pre-dispatch graph has {', '.join(sorted(other))}; traced as it is")
+        return
     found = fuse_attention(gm, force_cpu=mode == "1", grad_inputs=[t.requires_grad for t in tensors])
     config.emit("cache", f"attention: {found} chain(s) as scaled_dot_product_attention")
     if found:
