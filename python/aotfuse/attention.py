@@ -33,14 +33,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .partition import _val
+
 aten = torch.ops.aten
 
 __all__ = ["fuse_attention"]
-
-
-def _val(node: Any) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def _only_user(node: fx.Node) -> fx.Node | None:
@@ -125,10 +122,9 @@ def _match(softmax: fx.Node, force_cpu: bool, needs_grad: set) -> dict | None:
         if mask in needs_grad:  # a learned bias: not every SDPA kernel gives the mask a gradient
             return None
         try:
-            torch.broadcast_shapes(mv.shape, xv.shape)
+            if torch.broadcast_shapes(mv.shape, xv.shape) != xv.shape:
+                return None
         except RuntimeError:
-            return None
-        if torch.broadcast_shapes(mv.shape, xv.shape) != xv.shape:
             return None
     if qv.device.type == "cpu" and p > 0 and not force_cpu:
         return None  # ATen's CPU SDPA with dropout is its math path: slower than ours
@@ -140,12 +136,10 @@ def _match(softmax: fx.Node, force_cpu: bool, needs_grad: set) -> dict | None:
 
 
 def _needing_grad(graph: fx.Graph, grad_inputs: list[bool] | None) -> set:
-    """The nodes computed from an input that requires grad (through any op)."""
+    """The nodes computed from an input that requires grad (through any op); without grad_inputs,
+    every input counts as one (a pre-dispatch trace's values do not say)."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    if grad_inputs is None:
-        seeds = {n for n in placeholders if getattr(_val(n), "requires_grad", False)}
-    else:
-        seeds = {n for n, g in zip(placeholders, grad_inputs) if g}
+    seeds = set(placeholders) if grad_inputs is None else {n for n, g in zip(placeholders, grad_inputs) if g}
     out = set(seeds)
     for node in graph.nodes:
         if node.op == "call_function" and any(a in out for a in node.all_input_nodes):
@@ -156,7 +150,7 @@ def _needing_grad(graph: fx.Graph, grad_inputs: list[bool] | None) -> set:
 def fuse_attention(gm: fx.GraphModule, force_cpu: bool = False, grad_inputs: list[bool] | None = None) -> int:
     """Rewrites every eager attention chain of a pre-dispatch graph into one SDPA call, in place.
     grad_inputs: whether each placeholder's tensor requires grad (a mask computed from one keeps its
-    chain as it is). Returns how many were rewritten."""
+    chain as it is; None: all do). Returns how many were rewritten."""
     graph = gm.graph
     needs_grad = _needing_grad(graph, grad_inputs)
     found = 0

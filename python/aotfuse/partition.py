@@ -75,6 +75,12 @@ def _extract(joint_module: fx.GraphModule, saved: list[fx.Node], num_fwd_outputs
     return _extract_fwd_bwd_modules(joint_module, saved, saved_sym_nodes=[], **kwargs)
 
 
+def _val(node: Any) -> torch.Tensor | None:
+    """A node's traced tensor value (meta["val"]), or None."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
 def _frozen(a: Any) -> Any:
     """An argument as a hashable key: containers as tuples, constants with their type (1, 1.0 and
     True are equal in Python, not as op arguments); nodes stand for themselves."""
@@ -88,8 +94,8 @@ def _frozen(a: Any) -> Any:
 
 
 def _storage(node: fx.Node) -> Any:
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
+    val = _val(node)
+    if val is None:
         return None
     try:
         return torch.multiprocessing.reductions.StorageWeakRef(val.untyped_storage())
@@ -151,7 +157,7 @@ def _drop_identity_clones(graph: fx.Graph) -> int:
         if len(node.args) != 1 or node.kwargs.get("memory_format") not in (None, torch.preserve_format):
             continue
         src = node.args[0]
-        a, b = _val(node), _val(src) if isinstance(src, fx.Node) else None
+        a, b = _val(node), _val(src)
         if a is None or b is None or src.op == "placeholder" or a.shape != b.shape or a.stride() != b.stride() \
                 or a.dtype != b.dtype or a.device != b.device:
             continue
@@ -161,9 +167,6 @@ def _drop_identity_clones(graph: fx.Graph) -> int:
     return dropped
 
 
-def _val(node: fx.Node) -> torch.Tensor | None:
-    val = node.meta.get("val")
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def _merge_duplicate_getitems(graph: fx.Graph) -> None:
