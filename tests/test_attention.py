@@ -2,6 +2,7 @@
 are rewritten, which are left alone, and that the rewritten models train like eager."""
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -18,11 +19,14 @@ SDPA_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_
 class Attention(nn.Module):
     """One attention layer written out as eager attention, with switches for the variants models use."""
 
-    def __init__(self, p=0.0, mask=True, scale="mul", f32_softmax=False, return_probs=False, heads=2):
+    def __init__(self, p=0.0, mask=True, scale="mul", f32_softmax=False, return_probs=False, heads=2, causal=None,
+                 upcast=False):
         super().__init__()
         self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
         self.p, self.mask, self.scale, self.f32, self.return_probs, self.heads = (
             p, mask, scale, f32_softmax, return_probs, heads)
+        self.causal, self.upcast = causal, upcast  # causal: the masked_fill's value (nanoGPT: -inf)
+        self.register_buffer("tril", torch.tril(torch.ones(8, 8)).view(1, 1, 8, 8))
 
     def forward(self, x, m):
         b, s, _ = x.shape
@@ -32,9 +36,16 @@ class Attention(nn.Module):
             scores = scores * (q.shape[-1] ** -0.5)
         elif self.scale == "div":
             scores = scores / math.sqrt(q.shape[-1])
+        if self.causal is not None:
+            scores = scores.masked_fill(self.tril[:, :, :s, :s] == 0, self.causal)
         if self.mask:
             scores = scores + m
-        probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype) if self.f32 else torch.softmax(scores, -1)
+        if self.upcast:
+            probs = torch.softmax(scores.float(), -1).to(q.dtype)
+        elif self.f32:
+            probs = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)
+        else:
+            probs = torch.softmax(scores, -1)
         probs = F.dropout(probs, self.p, self.training)
         y = self.out(torch.matmul(probs, v).transpose(1, 2).reshape(b, s, 16))
         return (y, probs) if self.return_probs else y
@@ -52,8 +63,9 @@ def _ops(model, *args, **kwargs):
     return str(aotfuse.explain(aotfuse.memory_efficient_fusion(model), *args, **kwargs))
 
 
-def _rewritten(monkeypatch, model, *args) -> list:
-    """How many attention chains each capture of `model` rewrote (one entry per pre-dispatch trace)."""
+def _rewritten(monkeypatch, model, *args, compiler=None) -> list:
+    """How many attention chains each capture of `model` rewrote (one entry per pre-dispatch trace);
+    compiler: memory_efficient_fusion by default."""
     import aotfuse.attention
 
     counts = []
@@ -64,14 +76,41 @@ def _rewritten(monkeypatch, model, *args) -> list:
         return counts[-1]
 
     monkeypatch.setattr(aotfuse.attention, "fuse_attention", counting)
-    aotfuse.memory_efficient_fusion(model)(*args)
+    torch._dynamo.reset()
+    (compiler or aotfuse.memory_efficient_fusion)(model)(*args)
     monkeypatch.setattr(aotfuse.attention, "fuse_attention", real)
     return counts
 
 
+def _dynamo(dynamic=False, collect=None):
+    """torch.compile(., backend="aotfuse"), its lowered programs appended to `collect`."""
+    from aotfuse.dynamo import aotfuse_backend
+
+    backend = functools.partial(aotfuse_backend, collect=collect) if collect is not None else "aotfuse"
+    return lambda model: torch.compile(model, backend=backend, dynamic=dynamic)
+
+
+def _dynamo_ops(model, *args, dynamic=False, **kwargs) -> dict:
+    """The ATen calls of the programs torch.compile(model, backend="aotfuse") ran for one training step."""
+    torch._dynamo.reset()
+    seen: list = []
+    out = _dynamo(dynamic, seen)(model)(*args, **kwargs)
+    (out.loss if hasattr(out, "loss") else out).sum().backward()
+    ops: dict = {}
+    for _, low in seen:
+        for op, n in low.extern_counts().items():
+            op = op.split(".")[0]  # without the overload
+            ops[op] = ops.get(op, 0) + n
+    torch._dynamo.reset()
+    return ops
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("variant", [{}, {"scale": "div"}, {"scale": None}, {"mask": False}, {"f32_softmax": True},
-                                     {"heads": 4}], ids=["mul", "div", "unscaled", "no-mask", "f32-softmax", "4-heads"])
+                                     {"heads": 4}, {"causal": float("-inf"), "mask": False},
+                                     {"causal": float("-inf")}, {"upcast": True}],
+                         ids=["mul", "div", "unscaled", "no-mask", "f32-softmax", "4-heads", "causal-fill",
+                              "causal-fill-and-mask", "upcast"])
 def test_eager_attention_becomes_sdpa_and_trains_like_eager(variant, dtype):
     x, m = _inputs(dtype)
     report = compare_models(lambda: Attention(**variant), lambda: (x, m), dtype=dtype, steps=2, name=str(variant))
@@ -86,6 +125,15 @@ def test_what_reads_the_probabilities_keeps_the_attention_eager():
     report = compare_models(lambda: Attention(return_probs=True), lambda: (x, m), steps=2, name="probs")
     report.assert_ok()
     assert not any(op in _ops(Attention(return_probs=True), x, m) for op in SDPA_OPS)
+
+
+def test_a_finite_masked_fill_keeps_the_attention_eager(monkeypatch):
+    """masked_fill(scores, c, -1e9) is not a mask: a row masked whole is uniform in eager, not in SDPA
+    (with -inf it is the same: such a row is NaN either way)."""
+    x, m = _inputs()
+    assert _rewritten(monkeypatch, Attention(causal=-1e9), x, m) == [0]
+    assert _rewritten(monkeypatch, Attention(causal=float("-inf")), x, m) == [1]
+    compare_models(lambda: Attention(causal=-1e9), lambda: (x, m), steps=2, name="finite fill").assert_ok()
 
 
 class LearnedBias(Attention):
@@ -148,6 +196,35 @@ def test_forced_sdpa_dropout_drops_at_the_rate_asked(monkeypatch):
     assert outs.std(0).max() > 0.01  # it does drop
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_torch_compile_rewrites_eager_attention_too(dtype, dynamic):
+    """torch.compile(backend="aotfuse"): each graph Dynamo hands over is traced at the pre-dispatch level
+    as memory_efficient_fusion's function is (symbolic shapes: each concrete shape's graph)."""
+    x, m = _inputs(dtype)
+    report = compare_models(Attention, lambda: (x, m), dtype=dtype, steps=2, compile_fn=_dynamo(dynamic),
+                            name=f"torch.compile dynamic={dynamic}")
+    report.assert_ok()
+    ops = _dynamo_ops(Attention().to(dtype), x, m, dynamic=dynamic)
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops and "aten::bmm" not in ops, ops
+
+
+def test_torch_compile_attention_rewrite_follows_the_same_switches(monkeypatch):
+    """Under torch.compile too: CPU attention with dropout is left alone (its graph not even traced for
+    it), AOTFUSE_FUSE_ATTENTION=1 forces the rewrite and =0 turns it off; the probabilities as an
+    output keep the chain."""
+    x, m = _inputs()
+    compiler = _dynamo()
+    assert _rewritten(monkeypatch, Attention(), x, m, compiler=compiler) == [1]
+    assert _rewritten(monkeypatch, Attention(p=0.1), x, m, compiler=compiler) == []
+    assert _rewritten(monkeypatch, Attention(return_probs=True), x, m, compiler=compiler) == [0]
+    monkeypatch.setenv("AOTFUSE_FUSE_ATTENTION", "1")
+    assert _rewritten(monkeypatch, Attention(p=0.1), x, m, compiler=compiler) == [1]
+    monkeypatch.setenv("AOTFUSE_FUSE_ATTENTION", "0")
+    assert _rewritten(monkeypatch, Attention(), x, m, compiler=compiler) == []
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("name", ["BertForMaskedLM", "GPT2LMHeadModel", "AlbertForMaskedLM"])
 def test_hugging_face_eager_attention_without_dropout_trains_like_eager(name):
     """The seed models with attn_implementation='eager', no dropout and a padding mask: every layer's
@@ -165,6 +242,11 @@ def test_hugging_face_eager_attention_without_dropout_trains_like_eager(name):
         compare_models(make, lambda: inputs, dtype=dtype, steps=2, name=name).assert_ok()
     ops = _ops(make(), **inputs)
     assert "_scaled_dot_product_flash_attention_for_cpu" in ops, ops
+    # torch.compile(backend="aotfuse") too: every layer's attention
+    compare_models(make, lambda: inputs, steps=2, name=name, compile_fn=_dynamo()).assert_ok()
+    model = make()
+    ops = _dynamo_ops(model, **inputs)
+    assert ops.get("aten::_scaled_dot_product_flash_attention_for_cpu") == model.config.num_hidden_layers, ops
 
 
 def test_llama_eager_attention_under_its_rotary_no_grad_is_rewritten(monkeypatch):

@@ -424,12 +424,17 @@ def test_reads_of_views_and_windows_sources_on_cuda(dtype):
 def test_eager_attention_as_sdpa_on_cuda(dtype, monkeypatch):
     """attention.py on CUDA (flash or memory-efficient kernels, extern calls of the C programs): one
     chain rewritten, training like eager without dropout; with dropout, the outputs' mean over many
-    draws is the dropout-free output (ATen's generator draws inside SDPA)."""
-    from test_attention import Attention, _inputs, _rewritten
+    draws is the dropout-free output (ATen's generator draws inside SDPA). torch.compile(backend="aotfuse")
+    rewrites it too, with dropout."""
+    from test_attention import Attention, _dynamo, _inputs, _rewritten
 
     x, m = (t.cuda() for t in _inputs(dtype))
     assert _rewritten(monkeypatch, Attention().cuda().to(dtype), x, m) == [1]
     compare_models(lambda: Attention().cuda(), lambda: (x, m), dtype=dtype, steps=2, name="attention").assert_ok()
+    assert _rewritten(monkeypatch, Attention(p=0.1).cuda().to(dtype), x, m, compiler=_dynamo()) == [1]
+    compare_models(lambda: Attention().cuda(), lambda: (x, m), dtype=dtype, steps=2, name="attention, torch.compile",
+                   compile_fn=_dynamo()).assert_ok()
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model = Attention(p=0.5).cuda()
     compiled = aotfuse.memory_efficient_fusion(model)

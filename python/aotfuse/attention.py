@@ -20,6 +20,9 @@ attn_mask=mask, dropout_p=p, scale=...)`, and AOTAutograd traces that graph inst
 (SDPA's forward and backward are then ATen calls of the C programs, the kernels around them fused as
 before). Where nothing matches, the function is traced as it is: the rewrite changes nothing else.
 
+Both entry points use it: memory_efficient_fusion traces the model's flattened function (the first
+call of each signature), torch.compile(backend="aotfuse") each graph Dynamo hands over (fused_graph).
+
 Where it applies (`AOTFUSE_FUSE_ATTENTION`): `auto` (default) on CUDA tensors, and on CPU tensors
 where the attention has no dropout (ATen's CPU flash kernel takes no dropout; its math path would be
 slower than aotfuse's own kernels: 206 against 124 ms for one attention's training step at
@@ -28,16 +31,18 @@ Dropout inside SDPA draws from ATen's generator, not aotfuse's.
 """
 from __future__ import annotations
 
-from typing import Any
+import operator
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 
+from . import config
 from .partition import _val
 
 aten = torch.ops.aten
 
-__all__ = ["fuse_attention"]
+__all__ = ["fuse_attention", "fused_graph"]
 
 
 def _only_user(node: fx.Node) -> fx.Node | None:
@@ -62,18 +67,34 @@ def _match(softmax: fx.Node, force_cpu: bool, needs_grad: set) -> dict | None:
         return None
     before: list = []  # from the softmax back to the first matmul
     after: list = []   # from the softmax on, before the last matmul
-    # backwards from the softmax: [add(mask)] <- [mul/div by a number] <- matmul(q, k^T)
-    mask = None
-    if _is(x, aten.add.Tensor) and len(x.args) == 2 and not x.kwargs and _only_user(x) is softmax:
-        a, b = x.args
-        if _is(a, aten.mul.Tensor, aten.div.Tensor, aten.matmul.default):
-            scores, mask = a, b
-        elif _is(b, aten.mul.Tensor, aten.div.Tensor, aten.matmul.default):
-            scores, mask = b, a
+    # backwards from the softmax: [to(float32)] <- [add(mask)] and/or [masked_fill(cond, -inf)]
+    # <- [mul/div by a number] <- matmul(q, k^T); each value read only by the next
+    if _is(x, aten.to.dtype) and len(x.args) == 2 and x.args[1] == torch.float32 and not x.kwargs \
+            and _only_user(x) is softmax:
+        before.append(x)  # an upcast for the softmax (SDPA's softmax is float32)
+        x = x.args[0]
+    scores_ops = (aten.mul.Tensor, aten.div.Tensor, aten.matmul.default, aten.masked_fill.Scalar, aten.add.Tensor)
+    mask = cond = None
+    while _only_user(x) is (before[-1] if before else softmax):
+        if cond is None and _is(x, aten.masked_fill.Scalar) and len(x.args) == 3 and not x.kwargs \
+                and x.args[2] == float("-inf"):
+            # masked_fill(s, c, -inf) is s + where(c, -inf, 0) exactly: a mask (finite fills are not
+            # the same on rows that are masked whole)
+            cond = x.args[1]
+            before.append(x)
+            x = x.args[0]
+        elif mask is None and _is(x, aten.add.Tensor) and len(x.args) == 2 and not x.kwargs:
+            a, b = x.args
+            if _is(a, *scores_ops):
+                scores, mask = a, b
+            elif _is(b, *scores_ops):
+                scores, mask = b, a
+            else:
+                return None
+            before.append(x)
+            x = scores
         else:
-            return None
-        before.append(x)
-        x = scores
+            break
     scale = 1.0
     if _is(x, aten.mul.Tensor, aten.div.Tensor) and len(x.args) == 2 and not x.kwargs:
         a, c = x.args
@@ -115,6 +136,15 @@ def _match(softmax: fx.Node, force_cpu: bool, needs_grad: set) -> dict | None:
         return None
     if len(args) > 2 and args[2] not in (None, torch.float32, qv.dtype):
         return None  # SDPA's softmax is float32 (the probabilities' dtype is the last matmul's: q's)
+    if cond is not None:
+        cv = _val(cond)
+        if cv is None or cv.dtype != torch.bool or cv.dim() > 4 or cv.device != qv.device:
+            return None
+        try:
+            if torch.broadcast_shapes(cv.shape, xv.shape) != xv.shape:
+                return None
+        except RuntimeError:
+            return None
     if mask is not None:
         mv = _val(mask)
         if mv is None or mv.dtype != qv.dtype or mv.dim() > 4 or mv.device != qv.device:
@@ -132,7 +162,7 @@ def _match(softmax: fx.Node, force_cpu: bool, needs_grad: set) -> dict | None:
         return None
     # consumers first: the order to erase them in
     dead = [y, *reversed(after), softmax, *before, kt]
-    return dict(q=q, k=k, v=v, mask=mask, p=p, scale=scale, out=y, dead=dead)
+    return dict(q=q, k=k, v=v, mask=mask, cond=cond, p=p, scale=scale, out=y, dead=dead)
 
 
 def _needing_grad(graph: fx.Graph, grad_inputs: list[bool] | None) -> set:
@@ -161,8 +191,12 @@ def fuse_attention(gm: fx.GraphModule, force_cpu: bool = False, grad_inputs: lis
         if m is None:
             continue
         with graph.inserting_before(m["out"]):
+            mask = m["mask"]
+            if m["cond"] is not None:  # True where the scores are -inf: a boolean mask is its negation
+                mask = (graph.call_function(aten.logical_not.default, (m["cond"],)) if mask is None else
+                        graph.call_function(aten.where.ScalarSelf, (m["cond"], float("-inf"), mask)))
             sdpa = graph.call_function(aten.scaled_dot_product_attention.default, (m["q"], m["k"], m["v"]),
-                                       {"attn_mask": m["mask"], "dropout_p": m["p"], "is_causal": False,
+                                       {"attn_mask": mask, "dropout_p": m["p"], "is_causal": False,
                                         "scale": m["scale"]})
         sdpa.meta.update(m["out"].meta)
         m["out"].replace_all_uses_with(sdpa)
@@ -175,3 +209,31 @@ def fuse_attention(gm: fx.GraphModule, force_cpu: bool = False, grad_inputs: lis
         gm.recompile()
     return found
 
+
+
+def fused_graph(fn: Callable, tensors: list, mode: str) -> fx.GraphModule | None:
+    """fn traced at the pre-dispatch level with its attention chains as SDPA, or None where none matched
+    or the graph cannot be replayed as ATen ops (then fn is traced as it is; AOTFUSE_LOG=cache says
+    why). mode: "auto" or "1" (AOTFUSE_FUSE_ATTENTION)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    try:
+        # a fake mode of its own, static shapes: not the one of a Dynamo compile under way (whose shape
+        # environment would take the trace's sizes for symbols without a source)
+        with torch._guards.tracing(None):
+            gm = make_fx(fn, pre_dispatch=True, tracing_mode="fake")(*tensors)
+    except Exception as e:  # noqa: BLE001 - the usual capture decides, and explains
+        config.emit("cache", f"attention: no pre-dispatch graph ({type(e).__name__}); traced as it is")
+        return None
+    # grad-mode switches (a rotary embedding's @torch.no_grad()) replay as they are when AOTAutograd
+    # traces the graph; anything else but ATen ops (higher-order ops, autocast) leaves fn as it is
+    other = {str(n.target) for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")
+             and not isinstance(n.target, torch._ops.OpOverload)
+             and n.target not in (operator.getitem, torch._C._set_grad_enabled)}
+    if other:
+        config.emit("cache", f"attention: the pre-dispatch graph has {', '.join(sorted(other))}; traced as it is")
+        return None
+    grad_inputs = [isinstance(t, torch.Tensor) and t.requires_grad for t in tensors]
+    found = fuse_attention(gm, force_cpu=mode == "1", grad_inputs=grad_inputs)
+    config.emit("cache", f"attention: {found} chain(s) as scaled_dot_product_attention")
+    return gm if found else None

@@ -45,7 +45,7 @@ __all__ = ["MODELS", "BACKENDS", "Settings", "Result", "run", "write_results", "
 MODELS = ("AlbertForMaskedLM", "GPT2LMHeadModel", "BertForMaskedLM", "LongformerForMaskedLM")
 BACKENDS = ("eager", "aotfuse", "torch.compile", "functorch")
 # on request only: aotfuse with layer norm and softmax left to ATen's kernels (AOTFUSE_DECOMPOSE_NORMS=0)
-EXTRA_BACKENDS = ("aotfuse-aten-norms", "aotfuse-eager-attn", "eager-sdpa")
+EXTRA_BACKENDS = ("aotfuse-aten-norms", "aotfuse-eager-attn", "aotfuse-dynamo", "eager-sdpa")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # the seed's tolerances: (atol, rtol)
 TOLERANCES = {torch.float32: (1e-4, 5e-3), torch.float16: (1e-2, 1e-1), torch.bfloat16: (1e-2, 1e-1)}
@@ -196,6 +196,8 @@ def _make(backend: str, model: torch.nn.Module, fallback: str | None = None) -> 
         if backend == "aotfuse-eager-attn":  # attention left as the model wrote it (AOTFUSE_FUSE_ATTENTION=0)
             compiled._aotfuse_compiled.fuse_attention = "0"
         return compiled
+    if backend == "aotfuse-dynamo":  # aotfuse as torch.compile's backend: Dynamo's graphs (may break)
+        return torch.compile(model, backend="aotfuse", dynamic=False)
     if backend == "torch.compile":
         return torch.compile(model, backend="inductor", dynamic=False)
     if backend == "functorch":
@@ -629,7 +631,8 @@ def write_results(results: list[Result], descriptions: list[str], out_dir: str, 
         "dynamic=False); functorch = functorch.compile.memory_efficient_fusion(model), n/a where it does "
         "not run on this torch; aotfuse-aten-norms (on request) = aotfuse with layer norm and softmax left to "
         "ATen's kernels (decompositions=default_decompositions(norms=False)); aotfuse-eager-attn (on request) = "
-        "aotfuse without its attention rewrite (AOTFUSE_FUSE_ATTENTION=0); eager-sdpa (on request) = eager "
+        "aotfuse without its attention rewrite (AOTFUSE_FUSE_ATTENTION=0); aotfuse-dynamo (on request) = "
+        "torch.compile(model, backend='aotfuse', dynamic=False); eager-sdpa (on request) = eager "
         "with the model's attention switched to torch's scaled_dot_product_attention "
         "(model.set_attn_implementation('sdpa'); n/a for Longformer): a yardstick for what fused attention "
         "kernels (flash or memory-efficient on CUDA) alone give.",

@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import operator
 import warnings
 import weakref
 from typing import Any, Callable
@@ -243,27 +242,10 @@ def _fuse_attention_first(entry: _Entry, tensors: list, mode: str | None = None)
     on_cuda = any(t.is_cuda for t in tensors)
     if not on_cuda and mode == "auto" and _has_active_dropout(entry.module):
         return
-    from torch.fx.experimental.proxy_tensor import make_fx
+    from .attention import fused_graph
 
-    from .attention import fuse_attention
-
-    flat_fn = entry.traced_fn[0]
-    try:
-        gm = make_fx(flat_fn, pre_dispatch=True, tracing_mode="fake")(*tensors)
-    except Exception as e:  # noqa: BLE001 - the usual capture decides, and explains
-        config.emit("cache", f"attention: no pre-dispatch graph ({type(e).__name__}); traced as it is")
-        return
-    # grad-mode switches (a rotary embedding's @torch.no_grad()) replay as they are when AOTAutograd
-    # traces the graph; anything else but ATen ops (higher-order ops) leaves the function as it is
-    other = {str(n.target) for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")
-             and not isinstance(n.target, torch._ops.OpOverload)
-             and n.target not in (operator.getitem, torch._C._set_grad_enabled)}
-    if other:
-        config.emit("cache", f"attention: the pre-dispatch graph has {', '.join(sorted(other))}; traced as it is")
-        return
-    found = fuse_attention(gm, force_cpu=mode == "1", grad_inputs=[t.requires_grad for t in tensors])
-    config.emit("cache", f"attention: {found} chain(s) as scaled_dot_product_attention")
-    if found:
+    gm = fused_graph(entry.traced_fn[0], tensors, mode)
+    if gm is not None:
         entry.traced_fn[0] = gm
 
 

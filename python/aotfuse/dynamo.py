@@ -103,11 +103,44 @@ def _per_shape(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], collect:
     return run
 
 
+def _has_active_dropout(gm: torch.fx.GraphModule) -> bool:
+    """Whether gm calls dropout with a literal p > 0 in training (Dynamo keeps functional calls)."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in (torch.nn.functional.dropout, torch.dropout):
+            continue
+        p = n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5)
+        train = n.kwargs.get("training", n.kwargs.get("train", n.args[2] if len(n.args) > 2 else True))
+        if isinstance(p, (int, float)) and p > 0 and train is True:
+            return True
+    return False
+
+
+def _attention_as_sdpa(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> torch.fx.GraphModule:
+    """gm with its eager attention chains as scaled_dot_product_attention (attention.py), traced at the
+    pre-dispatch level, or gm as it is. As memory_efficient_fusion: on CUDA, and on the CPU without
+    dropout (AOTFUSE_FUSE_ATTENTION)."""
+    from . import config
+    from .attention import fused_graph
+
+    mode = config.fuse_attention()
+    if mode == "0" or not any(n.op in ("call_function", "call_method") and "softmax" in str(n.target)
+                              for n in gm.graph.nodes):
+        return gm
+    if next(gm.parameters(), None) is not None or next(gm.buffers(), None) is not None:
+        return gm  # held by the graph, not inputs (Dynamo lifts them): a trace would bake them in
+    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+    if not on_cuda and mode == "auto" and _has_active_dropout(gm):
+        return gm
+    fused = fused_graph(gm, list(example_inputs), mode)
+    return gm if fused is None else fused
+
+
 def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], collect: list | None = None,
                     **kwargs: Any):
     """The Dynamo backend. Example: torch.compile(model, backend="aotfuse").
     Each graph is partitioned by the C core's min-cut (as memory_efficient_fusion does); a graph with
-    symbolic shapes is compiled for each concrete shape it meets (_per_shape). `collect` (through
+    symbolic shapes is compiled for each concrete shape it meets (_per_shape). Eager attention becomes
+    scaled_dot_product_attention first where it applies (_attention_as_sdpa). `collect` (through
     functools.partial) receives every lowered program as (stage, Lowered), for profiling.
     AOTFUSE_DISABLE=1 (read when Dynamo compiles a graph) runs the graph as torch's own FX code."""
     from . import config
@@ -141,7 +174,7 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
         return _keep("backward", low)
 
     compiled = aot_module_simplified(
-        gm,
+        _attention_as_sdpa(gm, example_inputs),
         example_inputs,
         fw_compiler=forward,
         bw_compiler=backward,
