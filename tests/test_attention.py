@@ -20,12 +20,13 @@ class Attention(nn.Module):
     """One attention layer written out as eager attention, with switches for the variants models use."""
 
     def __init__(self, p=0.0, mask=True, scale="mul", f32_softmax=False, return_probs=False, heads=2, causal=None,
-                 upcast=False):
+                 upcast=False, where=False):
         super().__init__()
         self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
         self.p, self.mask, self.scale, self.f32, self.return_probs, self.heads = (
             p, mask, scale, f32_softmax, return_probs, heads)
-        self.causal, self.upcast = causal, upcast  # causal: the masked_fill's value (nanoGPT: -inf)
+        # causal: the masked_fill's value (nanoGPT: -inf), or where(tril, scores, causal)'s
+        self.causal, self.upcast, self.where = causal, upcast, where
         self.register_buffer("tril", torch.tril(torch.ones(8, 8)).view(1, 1, 8, 8))
 
     def forward(self, x, m):
@@ -36,7 +37,9 @@ class Attention(nn.Module):
             scores = scores * (q.shape[-1] ** -0.5)
         elif self.scale == "div":
             scores = scores / math.sqrt(q.shape[-1])
-        if self.causal is not None:
+        if self.causal is not None and self.where:
+            scores = torch.where(self.tril[:, :, :s, :s] > 0, scores, self.causal)
+        elif self.causal is not None:
             scores = scores.masked_fill(self.tril[:, :, :s, :s] == 0, self.causal)
         if self.mask:
             scores = scores + m
@@ -108,9 +111,10 @@ def _dynamo_ops(model, *args, dynamic=False, **kwargs) -> dict:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("variant", [{}, {"scale": "div"}, {"scale": None}, {"mask": False}, {"f32_softmax": True},
                                      {"heads": 4}, {"causal": float("-inf"), "mask": False},
-                                     {"causal": float("-inf")}, {"upcast": True}],
+                                     {"causal": float("-inf")}, {"causal": float("-inf"), "mask": False, "where": True},
+                                     {"causal": float("-inf"), "where": True}, {"upcast": True}],
                          ids=["mul", "div", "unscaled", "no-mask", "f32-softmax", "4-heads", "causal-fill",
-                              "causal-fill-and-mask", "upcast"])
+                              "causal-fill-and-mask", "causal-where", "causal-where-and-mask", "upcast"])
 def test_eager_attention_becomes_sdpa_and_trains_like_eager(variant, dtype):
     x, m = _inputs(dtype)
     report = compare_models(lambda: Attention(**variant), lambda: (x, m), dtype=dtype, steps=2, name=str(variant))
@@ -128,10 +132,11 @@ def test_what_reads_the_probabilities_keeps_the_attention_eager():
 
 
 def test_a_finite_masked_fill_keeps_the_attention_eager(monkeypatch):
-    """masked_fill(scores, c, -1e9) is not a mask: a row masked whole is uniform in eager, not in SDPA
-    (with -inf it is the same: such a row is NaN either way)."""
+    """masked_fill(scores, c, -1e9) (or where(c, scores, -1e9)) is not a mask: a row masked whole is
+    uniform in eager, not in SDPA (with -inf it is the same: such a row is NaN either way)."""
     x, m = _inputs()
     assert _rewritten(monkeypatch, Attention(causal=-1e9), x, m) == [0]
+    assert _rewritten(monkeypatch, Attention(causal=-1e9, where=True), x, m) == [0]
     assert _rewritten(monkeypatch, Attention(causal=float("-inf")), x, m) == [1]
     compare_models(lambda: Attention(causal=-1e9), lambda: (x, m), steps=2, name="finite fill").assert_ok()
 

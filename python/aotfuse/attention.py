@@ -67,22 +67,29 @@ def _match(softmax: fx.Node, force_cpu: bool, needs_grad: set) -> dict | None:
         return None
     before: list = []  # from the softmax back to the first matmul
     after: list = []   # from the softmax on, before the last matmul
-    # backwards from the softmax: [to(float32)] <- [add(mask)] and/or [masked_fill(cond, -inf)]
-    # <- [mul/div by a number] <- matmul(q, k^T); each value read only by the next
+    # backwards from the softmax: [to(float32)] <- [add(mask)] and/or [masked_fill(c, -inf) or
+    # where(c, ., -inf)] <- [mul/div by a number] <- matmul(q, k^T); each value read only by the next
     if _is(x, aten.to.dtype) and len(x.args) == 2 and x.args[1] == torch.float32 and not x.kwargs \
             and _only_user(x) is softmax:
         before.append(x)  # an upcast for the softmax (SDPA's softmax is float32)
         x = x.args[0]
-    scores_ops = (aten.mul.Tensor, aten.div.Tensor, aten.matmul.default, aten.masked_fill.Scalar, aten.add.Tensor)
+    scores_ops = (aten.mul.Tensor, aten.div.Tensor, aten.matmul.default, aten.masked_fill.Scalar, aten.add.Tensor,
+                  aten.where.ScalarOther)
     mask = cond = None
+    keeps = False  # whether cond is True where the scores are kept (where) or where they are -inf (masked_fill)
     while _only_user(x) is (before[-1] if before else softmax):
+        # masked_fill(s, c, -inf) is s + where(c, -inf, 0) exactly, where(c, s, -inf) s + where(c, 0, -inf):
+        # masks (finite fills are not the same on rows that are masked whole)
         if cond is None and _is(x, aten.masked_fill.Scalar) and len(x.args) == 3 and not x.kwargs \
                 and x.args[2] == float("-inf"):
-            # masked_fill(s, c, -inf) is s + where(c, -inf, 0) exactly: a mask (finite fills are not
-            # the same on rows that are masked whole)
             cond = x.args[1]
             before.append(x)
             x = x.args[0]
+        elif cond is None and _is(x, aten.where.ScalarOther) and len(x.args) == 3 and not x.kwargs \
+                and x.args[2] == float("-inf"):
+            cond, keeps = x.args[0], True
+            before.append(x)
+            x = x.args[1]
         elif mask is None and _is(x, aten.add.Tensor) and len(x.args) == 2 and not x.kwargs:
             a, b = x.args
             if _is(a, *scores_ops):
@@ -162,7 +169,7 @@ def _match(softmax: fx.Node, force_cpu: bool, needs_grad: set) -> dict | None:
         return None
     # consumers first: the order to erase them in
     dead = [y, *reversed(after), softmax, *before, kt]
-    return dict(q=q, k=k, v=v, mask=mask, cond=cond, p=p, scale=scale, out=y, dead=dead)
+    return dict(q=q, k=k, v=v, mask=mask, cond=cond, keeps=keeps, p=p, scale=scale, out=y, dead=dead)
 
 
 def _needing_grad(graph: fx.Graph, grad_inputs: list[bool] | None) -> set:
@@ -192,9 +199,12 @@ def fuse_attention(gm: fx.GraphModule, force_cpu: bool = False, grad_inputs: lis
             continue
         with graph.inserting_before(m["out"]):
             mask = m["mask"]
-            if m["cond"] is not None:  # True where the scores are -inf: a boolean mask is its negation
-                mask = (graph.call_function(aten.logical_not.default, (m["cond"],)) if mask is None else
-                        graph.call_function(aten.where.ScalarSelf, (m["cond"], float("-inf"), mask)))
+            cond = m["cond"]
+            if cond is not None and m["keeps"]:  # SDPA's boolean mask: True where the scores are kept
+                mask = cond if mask is None else graph.call_function(aten.where.ScalarOther, (cond, mask, float("-inf")))
+            elif cond is not None:  # True where the scores are -inf
+                mask = (graph.call_function(aten.logical_not.default, (cond,)) if mask is None else
+                        graph.call_function(aten.where.ScalarSelf, (cond, float("-inf"), mask)))
             sdpa = graph.call_function(aten.scaled_dot_product_attention.default, (m["q"], m["k"], m["v"]),
                                        {"attn_mask": mask, "dropout_p": m["p"], "is_causal": False,
                                         "scale": m["scale"]})
