@@ -446,13 +446,14 @@ typedef struct {
 } ProgramObject;
 
 static PyObject *Program_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"graph", "fuse", "min_group", "devices", "reuse", "sink", "sink_reads", "window_sources", "merge", NULL};
+    static char *kwlist[] = {"graph", "fuse", "min_group", "devices", "reuse", "sink", "sink_reads", "window_sources", "merge",
+                             "lazy_jit", NULL};
     GraphObject *graph;
     af_program_options opts = {.fuse = 0, .min_group = 2};
     const char *devices = "all";
     int reuse = 1, sink = 1, sink_reads = 1, window_sources = 1, merge = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|pisppppp", kwlist, &GraphType, &graph, &opts.fuse, &opts.min_group, &devices,
-                                     &reuse, &sink, &sink_reads, &window_sources, &merge) ||
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|pispppppp", kwlist, &GraphType, &graph, &opts.fuse, &opts.min_group, &devices,
+                                     &reuse, &sink, &sink_reads, &window_sources, &merge, &opts.lazy_jit) ||
         !graph_alive(graph))
         return NULL;
     opts.no_reuse = !reuse;
@@ -603,6 +604,7 @@ static PyObject *Program_get_num(ProgramObject *self, void *which) {
     case 12: return PyLong_FromLongLong(af_program_fresh_bytes(self->p));
     case 13: return PyLong_FromLongLong(af_program_reuses_taken(self->p));
     case 14: return PyLong_FromLong(af_program_copies_sunk(self->p));
+    case 15: return PyBool_FromLong(af_program_kernels_loaded(self->p));
     case 8: {
         const char *src = af_program_cuda_source(self->p);
         if (!src) Py_RETURN_NONE;
@@ -696,9 +698,11 @@ static PyGetSetDef Program_getset[] = {
     {"num_inputs", (getter)Program_get_num, NULL, "number of inputs", (void *)0},
     {"num_nodes", (getter)Program_get_num, NULL, "number of graph nodes", (void *)1},
     {"num_steps", (getter)Program_get_num, NULL, "number of steps (extern calls + kernels)", (void *)6},
-    {"num_kernels", (getter)Program_get_num, NULL, "fused kernels compiled", (void *)3},
+    {"num_kernels", (getter)Program_get_num, NULL, "fused kernels (generated; compiled by the first run where lazy_jit)", (void *)3},
     {"kernel_fallbacks", (getter)Program_get_num, NULL, "kernel calls that ran as extern calls", (void *)4},
     {"cache_hit", (getter)Program_get_num, NULL, "the kernels came from the disk cache", (void *)5},
+    {"kernels_loaded", (getter)Program_get_num, NULL,
+     "the kernels are compiled and loaded (or there are none); False before a lazy_jit program's first run", (void *)15},
     {"source", (getter)Program_get_num, NULL, "the generated C source, or None", (void *)7},
     {"cuda_source", (getter)Program_get_num, NULL, "the generated CUDA source, or None", (void *)8},
     {"num_outputs", (getter)Program_get_num, NULL, "number of outputs", (void *)2},

@@ -89,6 +89,7 @@ struct af_program {
     int64_t profiled_runs;
     int64_t fallbacks;
     int cache_hit;
+    int jit_pending;        /* generated kernels not yet compiled and loaded (lazy_jit): at the first run */
     int check_inputs;
     int running;            /* a run is in progress (re-entry guard) */
 };
@@ -212,8 +213,8 @@ static int32_t cuda_device_of(const af_graph *g) {
     return found;
 }
 
-/* Generates, compiles and loads the CUDA groups' kernels on p->cuda_device. */
-static int build_cuda_kernels(af_program *p) {
+/* Generates the CUDA groups' kernels for p->cuda_device (load_kernels compiles and loads them). */
+static int gen_cuda_kernels(af_program *p) {
     int32_t ng = p->plan->n_groups;
     int st = af_cuda_load(1);
     if (st)
@@ -223,26 +224,49 @@ static int build_cuda_kernels(af_program *p) {
     p->launch = calloc((size_t)ng + 1, sizeof *p->launch);
     p->cuda_fns = calloc(3 * (size_t)ng + 1, sizeof *p->cuda_fns);
     if (!p->launch || !p->cuda_fns) return af_error_set(AF_ERR_NOMEM, "out of memory loading kernels");
-    if ((st = af_codegen_cuda(p->graph, p->plan, p->cuda_sm_count, &p->cuda_source, p->launch))) return st;
-    int hit = 0;
-    if ((st = af_cuda_module_load(p->cuda_source, p->cuda_device, &p->cuda_module, &hit))) return st;
-    p->cache_hit = p->module ? (p->cache_hit && hit) : hit;
-    for (int32_t i = 0; i < ng; i++) {
-        const af_cuda_launch *l = &p->launch[i];
-        if (l->kind == AF_CUDA_NONE) continue;
-        char name[48]; /* a group sharing an earlier group's code (l->body) launches its kernels */
-        snprintf(name, sizeof name, "af_kernel_%d", (int)l->body);
-        if ((st = af_cuda_function(p->cuda_module, name, &p->cuda_fns[3 * i]))) return st;
-        snprintf(name, sizeof name, "af_kernel_%d_v", (int)l->body);
-        if (l->vec_blocks > 0 && (st = af_cuda_function(p->cuda_module, name, &p->cuda_fns[3 * i + 1]))) return st;
-        snprintf(name, sizeof name, "af_kernel_%d_f", (int)l->body);
-        if (l->split > 0 && (st = af_cuda_function(p->cuda_module, name, &p->cuda_fns[3 * i + 2]))) return st;
+    return af_codegen_cuda(p->graph, p->plan, p->cuda_sm_count, &p->cuda_source, p->launch);
+}
+
+/* Compiles (or finds in the disk cache) and loads the generated kernels, C and CUDA: when the
+ * program is built, or at its first run where it was built with lazy_jit (a backward whose variant
+ * without some output gradients is the one that runs never compiles its own). A failure leaves
+ * the rest to a later try; nothing loaded is loaded twice. */
+static int load_kernels(af_program *p) {
+    int st;
+    int32_t ng = p->plan->n_groups;
+    if (p->source && !p->module) {
+        if ((st = af_jit_cpu_load(p->source, &p->module, &p->cache_hit))) return st;
+        p->num_threads = (int *)af_jit_symbol(p->module, "af_num_threads");
+        for (int32_t i = 0; i < ng; i++) {
+            if (p->plan->groups[i].device.type != AF_DEVICE_CPU) continue;
+            char name[32];
+            snprintf(name, sizeof name, "af_kernel_%d", (int)i);
+            *(void **)&p->kernels[i] = af_jit_symbol(p->module, name);
+            if (!p->kernels[i]) return af_error_set(AF_ERR_RUNTIME, "kernel %s missing from %s", name, af_jit_path(p->module));
+        }
     }
+    if (p->cuda_source && !p->cuda_module) {
+        int hit = 0;
+        if ((st = af_cuda_module_load(p->cuda_source, p->cuda_device, &p->cuda_module, &hit))) return st;
+        p->cache_hit = p->module ? (p->cache_hit && hit) : hit;
+        for (int32_t i = 0; i < ng; i++) {
+            const af_cuda_launch *l = &p->launch[i];
+            if (l->kind == AF_CUDA_NONE) continue;
+            char name[48]; /* a group sharing an earlier group's code (l->body) launches its kernels */
+            snprintf(name, sizeof name, "af_kernel_%d", (int)l->body);
+            if ((st = af_cuda_function(p->cuda_module, name, &p->cuda_fns[3 * i]))) return st;
+            snprintf(name, sizeof name, "af_kernel_%d_v", (int)l->body);
+            if (l->vec_blocks > 0 && (st = af_cuda_function(p->cuda_module, name, &p->cuda_fns[3 * i + 1]))) return st;
+            snprintf(name, sizeof name, "af_kernel_%d_f", (int)l->body);
+            if (l->split > 0 && (st = af_cuda_function(p->cuda_module, name, &p->cuda_fns[3 * i + 2]))) return st;
+        }
+    }
+    p->jit_pending = 0;
     return AF_OK;
 }
 
-/* Plans fusion groups, generates and compiles their kernels (C for CPU groups, CUDA for CUDA
- * groups). */
+/* Plans fusion groups and generates their kernels (C for CPU groups, CUDA for CUDA groups);
+ * compiles and loads them now, or at the first run with opts->lazy_jit. */
 static int build_kernels(af_program *p, const af_program_options *opts) {
     uint32_t devices = opts->device_types ? opts->device_types : AF_FUSE_ALL_DEVICES;
     p->cuda_device = cuda_device_of(p->graph);
@@ -259,19 +283,10 @@ static int build_kernels(af_program *p, const af_program_options *opts) {
     int32_t widest = 0;
     p->kernels = calloc((size_t)p->plan->n_groups, sizeof *p->kernels);
     if (!p->kernels) return af_error_set(AF_ERR_NOMEM, "out of memory loading kernels");
-    if (n_cpu) {
-        if ((st = af_codegen_c(p->graph, p->plan, &p->source))) return st;
-        if ((st = af_jit_cpu_load(p->source, &p->module, &p->cache_hit))) return st;
-        p->num_threads = (int *)af_jit_symbol(p->module, "af_num_threads");
-        for (int32_t i = 0; i < p->plan->n_groups; i++) {
-            if (p->plan->groups[i].device.type != AF_DEVICE_CPU) continue;
-            char name[32];
-            snprintf(name, sizeof name, "af_kernel_%d", (int)i);
-            *(void **)&p->kernels[i] = af_jit_symbol(p->module, name);
-            if (!p->kernels[i]) return af_error_set(AF_ERR_RUNTIME, "kernel %s missing from %s", name, af_jit_path(p->module));
-        }
-    }
-    if (n_cuda && (st = build_cuda_kernels(p))) return st;
+    if (n_cpu && (st = af_codegen_c(p->graph, p->plan, &p->source))) return st;
+    if (n_cuda && (st = gen_cuda_kernels(p))) return st;
+    p->jit_pending = 1;
+    if (!opts->lazy_jit && (st = load_kernels(p))) return st;
     for (int32_t i = 0; i < p->plan->n_groups; i++) {
         int32_t w = p->plan->groups[i].n_inputs + p->plan->groups[i].n_outputs;
         if (w > widest) widest = w;
@@ -614,7 +629,7 @@ error:
 }
 
 const af_graph *af_program_graph(const af_program *p) { return p ? p->graph : NULL; }
-int32_t af_program_num_kernels(const af_program *p) { return p && p->plan && (p->module || p->cuda_module) ? p->plan->n_groups : 0; }
+int32_t af_program_num_kernels(const af_program *p) { return p && p->plan && (p->source || p->cuda_source) ? p->plan->n_groups : 0; }
 const char *af_program_cuda_source(const af_program *p) { return p ? p->cuda_source : NULL; }
 int64_t af_program_kernel_fallbacks(const af_program *p) { return p ? p->fallbacks : 0; }
 int32_t af_program_buffer_reuses(const af_program *p) { return p ? p->n_reuses : 0; }
@@ -627,6 +642,8 @@ int32_t af_program_donor(const af_program *p, int32_t value) {
     return p && p->donor && value >= 0 && value < af_graph_num_values(p->graph) ? p->donor[value] : -1;
 }
 int af_program_cache_hit(const af_program *p) { return p ? p->cache_hit : 0; }
+
+int af_program_kernels_loaded(const af_program *p) { return p && !p->jit_pending; }
 const char *af_program_source(const af_program *p) { return p ? p->source : NULL; }
 int32_t af_program_num_steps(const af_program *p) { return p ? p->n_steps : 0; }
 void af_program_set_plain_outputs(af_program *p, int32_t first) {
@@ -1100,6 +1117,7 @@ static int run_program(af_program *p, af_obj *const *inputs, int32_t n_inputs, a
         st = af_error_set(AF_ERR_RUNTIME, "program is already running (re-entered from an extern call)");
     else if (p->check_inputs)
         st = af_bridge_check_tensors(inputs, p->input_metas, p->input_names, ni);
+    if (!st && p->jit_pending) st = load_kernels(p);
     if (st) {
         release_owned(inputs, n_inputs, owned);
         return st;

@@ -219,8 +219,8 @@ def recording_programs():
     graphs, runs = {}, []
     lower, call = lower_mod.lower, lower_mod.Lowered.__call__
 
-    def lowering(gm, example_inputs=None, saved_from=None):
-        low = lower(gm, example_inputs, saved_from)
+    def lowering(gm, example_inputs=None, saved_from=None, lazy=False):
+        low = lower(gm, example_inputs, saved_from, lazy=lazy)
         graphs[id(low)] = (low, gm)
         return low
 

@@ -45,12 +45,17 @@ def test_gradients_match_eager_whichever_outputs_are_differentiated(which):
         for (name, p), q in zip(model.named_parameters(), eager.parameters()):
             assert_close(p.grad, q.grad, f"grad of {name} ({which})")
     bw = compiled._aotfuse_compiled.records[-1].programs["backward"]
+    assert bw.program.num_kernels > 0
     if which == "all":
         assert not bw.variants
+        assert bw.program.kernels_loaded
     else:
         assert bw.variants, "the backward ran with dense zero gradients"
         for missing, variant in bw.variants.items():
             assert variant.program.num_inputs == bw.program.num_inputs - len(missing)
+            assert variant.program.kernels_loaded
+        # a backward's kernels compile at its first run: this one never ran
+        assert not bw.program.kernels_loaded and bw.program.source and not bw.program.cache_hit
 
 
 def test_the_zero_gradient_add_is_folded_away():
@@ -154,8 +159,8 @@ def test_dynamo_backend_gets_no_dense_zero_gradients_either(which):
     eager = copy.deepcopy(model)
     lowered, real = [], dyn.lower
 
-    def recording(gm, example_inputs=None, saved_from=None):
-        lowered.append(real(gm, example_inputs, saved_from))
+    def recording(gm, example_inputs=None, saved_from=None, lazy=False):
+        lowered.append(real(gm, example_inputs, saved_from, lazy=lazy))
         return lowered[-1]
 
     with mock.patch.object(dyn, "lower", recording):

@@ -36,6 +36,8 @@ typedef struct {
                                such views as they are (default: rewritten too, af_sink_copies) */
     int no_merge;           /* with fuse: independent groups of one loop stay separate kernels
                                (default: merged, af_fuse_options) */
+    int lazy_jit;           /* with fuse: generate the kernels now, compile and load them at the
+                               first run (af_program_kernels_loaded says which; cache_hit is 0 until then) */
 } af_program_options;
 
 /* Verifies g, plans it and resolves its steps. opts may be NULL (no fusion). On success the
@@ -47,6 +49,7 @@ int af_program_new(af_graph *g, const af_program_options *opts, af_program **out
 int32_t af_program_num_kernels(const af_program *p);
 int64_t af_program_kernel_fallbacks(const af_program *p);
 int af_program_cache_hit(const af_program *p);
+int af_program_kernels_loaded(const af_program *p); /* compiled and loaded (or none to load); 0 before a lazy_jit program's first run */
 const char *af_program_source(const af_program *p);
 const char *af_program_cuda_source(const af_program *p); /* NULL without CUDA kernels */
 int32_t af_program_num_steps(const af_program *p);

@@ -50,7 +50,10 @@ class _Record:
 
 
 def _compile_with_core(record: _Record, stage: str, gm: torch.fx.GraphModule, example_inputs: Any) -> Lowered:
-    lowered = lower(gm, example_inputs, saved_from=record.num_fwd_outputs if stage == "forward" else None)
+    # a backward's kernels compile at its first run: called without the gradients of outputs nobody
+    # differentiates (the logits beside a loss), it runs a variant program instead (Lowered._without)
+    lowered = lower(gm, example_inputs, saved_from=record.num_fwd_outputs if stage == "forward" else None,
+                    lazy=stage == "backward")
     # the backward's outputs (gradients) and the forward's after the user-visible ones (saved for
     # backward) are plain values: views among them need not be ATen's (AOTAutograd tracks the
     # aliasing of user outputs only)

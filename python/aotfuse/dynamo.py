@@ -17,9 +17,10 @@ from .partition import min_cut_rematerialization_partition
 __all__ = ["aotfuse_backend"]
 
 
-def _compile_or_fallback(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], saved_from: int | None = None):
+def _compile_or_fallback(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], saved_from: int | None = None,
+                         lazy: bool = False):
     try:
-        return lower(gm, example_inputs, saved_from)
+        return lower(gm, example_inputs, saved_from, lazy=lazy)
     except UnsupportedError as e:
         # Dynamo graphs can carry what the core does not take: that graph runs as torch's own FX
         # code, correctly. (Symbolic shapes never get here: _per_shape.)
@@ -167,7 +168,7 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
         return _keep("forward", low)
 
     def backward(bw: torch.fx.GraphModule, inputs: Sequence[Any]):
-        low = _compile_or_fallback(bw, inputs)
+        low = _compile_or_fallback(bw, inputs, lazy=True)  # kernels compiled at its first run, if any
         if isinstance(low, Lowered):  # gradients may be plain views; missing ones run a variant
             low.program.set_plain_outputs(0)
             low.keep_graph_for_missing(bw)

@@ -872,10 +872,13 @@ def missing_gradients(gm: fx.GraphModule, missing: tuple) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved_from: int | None = None) -> Lowered:
+def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved_from: int | None = None,
+          lazy: bool = False) -> Lowered:
     """Lowers an ATen-level FX graph (as AOTAutograd produces) into a C program. `saved_from`: a
     forward's outputs from that position on are saved for its backward, never written (they may
-    be constants, constfold.fold)."""
+    be constants, constfold.fold). `lazy`: the kernels are generated now and compiled at the
+    program's first run (a backward: the variant without some output gradients may be the one
+    that runs, Lowered._without)."""
     from .overlap import rewrite_overlap_sums
     from .rng import share_seeds
 
@@ -889,7 +892,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
     try:
         program = _C.Program(b.graph, fuse=fuse, devices=config.kernel_devices(), reuse=config.reuse_buffers(),
                              sink=config.sink_copies(), sink_reads=config.sink_reads(),
-                             window_sources=config.window_sources(), merge=config.merge_kernels())
+                             window_sources=config.window_sources(), merge=config.merge_kernels(), lazy_jit=lazy)
     except _C.Error as e:
         if "cannot be built here" in str(e) or "C compiler" in str(e):
             raise BackendUnavailable(str(e)) from e
@@ -908,5 +911,6 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
                     + "".join(f"\n  kernel {k}: {', '.join(v)}" for k, v in sorted(groups.items())))
         for src in (program.source, program.cuda_source):
             if src:
-                config.emit("codegen", f"(cache {'hit' if program.cache_hit else 'miss'})\n{src}")
+                how = "compiled at its first run" if lazy else f"cache {'hit' if program.cache_hit else 'miss'}"
+                config.emit("codegen", f"({how})\n{src}")
     return lowered

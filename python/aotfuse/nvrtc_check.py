@@ -40,8 +40,8 @@ def captured_graphs(fn: Any, *args: Any, **kwargs: Any) -> list[tuple[str, torch
 
     seen: list[tuple[str, torch.fx.GraphModule]] = []
 
-    def recording(gm, example_inputs=None, saved_from=None):
-        low = lower_mod.lower(gm, example_inputs, saved_from)
+    def recording(gm, example_inputs=None, saved_from=None, lazy=False):
+        low = lower_mod.lower(gm, example_inputs, saved_from, lazy=lazy)
         # the graph the program was built from: after the seeds are shared and constants folded
         seen.append((f"graph{len(seen)}", constfold.fold(gm, saved_from)))
         return low
