@@ -229,37 +229,51 @@ static int gen_cuda_kernels(af_program *p) {
 
 /* Compiles (or finds in the disk cache) and loads the generated kernels, C and CUDA: when the
  * program is built, or at its first run where it was built with lazy_jit (a backward whose variant
- * without some output gradients is the one that runs never compiles its own). A failure leaves
- * the rest to a later try; nothing loaded is loaded twice. */
+ * without some output gradients is the one that runs never compiles its own). A module is kept only
+ * once every kernel in it is found; on a failure the next run tries again. */
 static int load_kernels(af_program *p) {
-    int st;
+    int st = AF_OK;
     int32_t ng = p->plan->n_groups;
     if (p->source && !p->module) {
-        if ((st = af_jit_cpu_load(p->source, &p->module, &p->cache_hit))) return st;
-        p->num_threads = (int *)af_jit_symbol(p->module, "af_num_threads");
-        for (int32_t i = 0; i < ng; i++) {
+        af_jit_module *m = NULL;
+        if ((st = af_jit_cpu_load(p->source, &m, &p->cache_hit))) return st;
+        for (int32_t i = 0; i < ng && !st; i++) {
             if (p->plan->groups[i].device.type != AF_DEVICE_CPU) continue;
             char name[32];
             snprintf(name, sizeof name, "af_kernel_%d", (int)i);
-            *(void **)&p->kernels[i] = af_jit_symbol(p->module, name);
-            if (!p->kernels[i]) return af_error_set(AF_ERR_RUNTIME, "kernel %s missing from %s", name, af_jit_path(p->module));
+            *(void **)&p->kernels[i] = af_jit_symbol(m, name);
+            if (!p->kernels[i]) st = af_error_set(AF_ERR_RUNTIME, "kernel %s missing from %s", name, af_jit_path(m));
         }
+        if (st) {
+            for (int32_t i = 0; i < ng; i++) p->kernels[i] = NULL;
+            af_jit_module_free(m);
+            return st;
+        }
+        p->num_threads = (int *)af_jit_symbol(m, "af_num_threads");
+        p->module = m;
     }
     if (p->cuda_source && !p->cuda_module) {
         int hit = 0;
-        if ((st = af_cuda_module_load(p->cuda_source, p->cuda_device, &p->cuda_module, &hit))) return st;
-        p->cache_hit = p->module ? (p->cache_hit && hit) : hit;
-        for (int32_t i = 0; i < ng; i++) {
+        af_cuda_module *m = NULL;
+        if ((st = af_cuda_module_load(p->cuda_source, p->cuda_device, &m, &hit))) return st;
+        for (int32_t i = 0; i < ng && !st; i++) {
             const af_cuda_launch *l = &p->launch[i];
             if (l->kind == AF_CUDA_NONE) continue;
             char name[48]; /* a group sharing an earlier group's code (l->body) launches its kernels */
             snprintf(name, sizeof name, "af_kernel_%d", (int)l->body);
-            if ((st = af_cuda_function(p->cuda_module, name, &p->cuda_fns[3 * i]))) return st;
+            st = af_cuda_function(m, name, &p->cuda_fns[3 * i]);
             snprintf(name, sizeof name, "af_kernel_%d_v", (int)l->body);
-            if (l->vec_blocks > 0 && (st = af_cuda_function(p->cuda_module, name, &p->cuda_fns[3 * i + 1]))) return st;
+            if (!st && l->vec_blocks > 0) st = af_cuda_function(m, name, &p->cuda_fns[3 * i + 1]);
             snprintf(name, sizeof name, "af_kernel_%d_f", (int)l->body);
-            if (l->split > 0 && (st = af_cuda_function(p->cuda_module, name, &p->cuda_fns[3 * i + 2]))) return st;
+            if (!st && l->split > 0) st = af_cuda_function(m, name, &p->cuda_fns[3 * i + 2]);
         }
+        if (st) {
+            for (int32_t i = 0; i < 3 * ng; i++) p->cuda_fns[i] = NULL;
+            af_cuda_module_free(m);
+            return st;
+        }
+        p->cache_hit = p->module ? (p->cache_hit && hit) : hit;
+        p->cuda_module = m;
     }
     p->jit_pending = 0;
     return AF_OK;

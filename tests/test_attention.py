@@ -281,3 +281,55 @@ def test_llama_eager_attention_under_its_rotary_no_grad_is_rewritten(monkeypatch
     for dtype in (torch.float32, torch.bfloat16):
         compare_models(make, lambda: inputs, dtype=dtype, steps=2, name="llama").assert_ok()
     assert counts and all(c == 2 for c in counts), counts
+
+
+def _fused_count(fn, *args) -> int:
+    """How many chains fuse_attention rewrites in fn's pre-dispatch graph (q, k, v need gradients)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from aotfuse.attention import fuse_attention
+
+    return fuse_attention(make_fx(fn, pre_dispatch=True)(*args), grad_inputs=[True, True, True, False])
+
+
+def test_masks_sdpa_cannot_take_keep_the_attention_eager():
+    """A mask or condition that broadcasts the scores beyond q's batch and heads, or one of fewer than 2
+    dims, is not SDPA's attn_mask: such chains stay as they are (and run as in eager)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
+
+    def filled(q, k, v, c):
+        return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-1, -2)).masked_fill(c, float("-inf")), -1), v)
+
+    def added(q, k, v, m):
+        return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-1, -2)) + m, -1), v)
+
+    causal = torch.ones(4, 4).triu(1).bool()
+    assert _fused_count(filled, q, k, v, causal) == 1
+    assert _fused_count(filled, q, k, v, causal.expand(2, 1, 4, 4).clone()) == 0  # a batch of 2 from the mask
+    assert _fused_count(filled, q, k, v, torch.tensor([False, False, True, False])) == 0  # 1-D
+    assert _fused_count(added, q, k, v, torch.zeros(2, 2, 4, 4)) == 0
+    assert _fused_count(added, q, k, v, torch.zeros(4)) == 0
+    assert _fused_count(added, q, k, v, torch.zeros(1, 1, 4, 4)) == 1
+
+
+def test_torch_compile_rewrite_keeps_the_static_inputs(monkeypatch):
+    """AOTAutograd marks Dynamo's parameters static by metadata on Dynamo's own graph, not on the traced
+    one: the partitioner is told the same static inputs either way (free to save: they live anyway)."""
+    import aotfuse.dynamo
+
+    seen = []
+    real = aotfuse.dynamo.min_cut_rematerialization_partition
+
+    def recording(joint, joint_inputs, **kwargs):
+        seen.append(list(kwargs.get("aotfuse_static_inputs", kwargs.get("static_lifetime_input_indices")) or []))
+        return real(joint, joint_inputs, **kwargs)
+
+    monkeypatch.setattr(aotfuse.dynamo, "min_cut_rematerialization_partition", recording)
+    x, m = _inputs()
+    for mode in ("0", "auto"):
+        monkeypatch.setenv("AOTFUSE_FUSE_ATTENTION", mode)
+        torch._dynamo.reset()
+        torch.compile(Attention(), backend="aotfuse")(x, m).sum().backward()
+    torch._dynamo.reset()
+    assert len(seen) == 2 and seen[0] and seen[0] == seen[1], seen

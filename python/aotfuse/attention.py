@@ -78,8 +78,9 @@ def _match(softmax: fx.Node, force_cpu: bool, needs_grad: set) -> dict | None:
     mask = cond = None
     keeps = False  # whether cond is True where the scores are kept (where) or where they are -inf (masked_fill)
     while _only_user(x) is (before[-1] if before else softmax):
-        # masked_fill(s, c, -inf) is s + where(c, -inf, 0) exactly, where(c, s, -inf) s + where(c, 0, -inf):
-        # masks (finite fills are not the same on rows that are masked whole)
+        # masked_fill(s, c, -inf) is s + where(c, -inf, 0), where(c, s, -inf) s + where(c, 0, -inf): masks.
+        # A finite fill is not: a row it masks whole is uniform in eager. (A row -inf masks whole is NaN
+        # in eager and zeros in ATen's SDPA, as with an additive -inf mask.)
         if cond is None and _is(x, aten.masked_fill.Scalar) and len(x.args) == 3 and not x.kwargs \
                 and x.args[2] == float("-inf"):
             cond = x.args[1]
@@ -141,11 +142,14 @@ def _match(softmax: fx.Node, force_cpu: bool, needs_grad: set) -> dict | None:
         return None
     if not (qv.device == kv.device == vv.device) or qv.shape[:2] != kv.shape[:2] or kv.shape[:3] != vv.shape[:3]:
         return None
+    # the scores and the output have q's batch and heads: a mask or condition broadcast no further
+    if tuple(xv.shape) != (*qv.shape[:3], kv.shape[2]) or tuple(out.shape) != (*qv.shape[:3], vv.shape[3]):
+        return None
     if len(args) > 2 and args[2] not in (None, torch.float32, qv.dtype):
         return None  # SDPA's softmax is float32 (the probabilities' dtype is the last matmul's: q's)
     if cond is not None:
         cv = _val(cond)
-        if cv is None or cv.dtype != torch.bool or cv.dim() > 4 or cv.device != qv.device:
+        if cv is None or cv.dtype != torch.bool or not 2 <= cv.dim() <= 4 or cv.device != qv.device:
             return None
         try:
             if torch.broadcast_shapes(cv.shape, xv.shape) != xv.shape:
@@ -154,7 +158,7 @@ def _match(softmax: fx.Node, force_cpu: bool, needs_grad: set) -> dict | None:
             return None
     if mask is not None:
         mv = _val(mask)
-        if mv is None or mv.dtype != qv.dtype or mv.dim() > 4 or mv.device != qv.device:
+        if mv is None or mv.dtype != qv.dtype or not 2 <= mv.dim() <= 4 or mv.device != qv.device:
             return None
         if mask in needs_grad:  # a learned bias: not every SDPA kernel gives the mask a gradient
             return None

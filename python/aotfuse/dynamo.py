@@ -116,24 +116,36 @@ def _has_active_dropout(gm: torch.fx.GraphModule) -> bool:
     return False
 
 
-def _attention_as_sdpa(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> torch.fx.GraphModule:
+def _attention_as_sdpa(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[torch.fx.GraphModule, list | None]:
     """gm with its eager attention chains as scaled_dot_product_attention (attention.py), traced at the
     pre-dispatch level, or gm as it is. As memory_efficient_fusion: on CUDA, and on the CPU without
-    dropout (AOTFUSE_FUSE_ATTENTION)."""
+    dropout (AOTFUSE_FUSE_ATTENTION). Also returns, for a traced graph, the positions of AOTAutograd's
+    inputs that live anyway (else None: AOTAutograd reads them off Dynamo's graph, see _static_inputs)."""
     from . import config
     from .attention import fused_graph
 
     mode = config.fuse_attention()
     if mode == "0" or not any(n.op in ("call_function", "call_method") and "softmax" in str(n.target)
                               for n in gm.graph.nodes):
-        return gm
+        return gm, None
     if next(gm.parameters(), None) is not None or next(gm.buffers(), None) is not None:
-        return gm  # held by the graph, not inputs (Dynamo lifts them): a trace would bake them in
+        return gm, None  # held by the graph, not inputs (Dynamo lifts them): a trace would bake them in
     on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
     if not on_cuda and mode == "auto" and _has_active_dropout(gm):
-        return gm
+        return gm, None
     fused = fused_graph(gm, list(example_inputs), mode)
-    return gm if fused is None else fused
+    return (gm, None) if fused is None else (fused, _static_inputs(gm, fused))
+
+
+def _static_inputs(dynamo_gm: torch.fx.GraphModule, traced: torch.fx.GraphModule) -> list[int]:
+    """AOTAutograd's inputs that live anyway (free for the partitioner to save) when it traces `traced`,
+    a trace of Dynamo's graph with the same inputs: the constants the trace holds (AOTAutograd puts
+    them first) and the inputs Dynamo marked static (parameters, buffers). AOTAutograd finds the
+    latter through Dynamo's metadata on its own graph only (_try_get_metadata_from_dynamo)."""
+    held = sum(1 for _ in traced.parameters()) + sum(1 for _ in traced.buffers())
+    marked = [held + i for i, node in enumerate(dynamo_gm.graph.find_nodes(op="placeholder"))
+              if node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")]
+    return list(range(held)) + marked
 
 
 def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], collect: list | None = None,
@@ -157,8 +169,12 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
             collect.append((stage, low))
         return low
 
+    traced, static = _attention_as_sdpa(gm, example_inputs)
+
     def partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kw: Any):
         state["num_fwd_outputs"] = kw.get("num_fwd_outputs", 0)
+        if static is not None and not kw.get("static_lifetime_input_indices"):
+            kw["aotfuse_static_inputs"] = static
         return min_cut_rematerialization_partition(joint, joint_inputs, **kw)
 
     def forward(fw: torch.fx.GraphModule, inputs: Sequence[Any]):
@@ -175,7 +191,7 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
         return _keep("backward", low)
 
     compiled = aot_module_simplified(
-        _attention_as_sdpa(gm, example_inputs),
+        traced,
         example_inputs,
         fw_compiler=forward,
         bw_compiler=backward,
