@@ -656,7 +656,6 @@ int32_t af_program_donor(const af_program *p, int32_t value) {
     return p && p->donor && value >= 0 && value < af_graph_num_values(p->graph) ? p->donor[value] : -1;
 }
 int af_program_cache_hit(const af_program *p) { return p ? p->cache_hit : 0; }
-
 int af_program_kernels_loaded(const af_program *p) { return p && !p->jit_pending; }
 const char *af_program_source(const af_program *p) { return p ? p->source : NULL; }
 int32_t af_program_num_steps(const af_program *p) { return p ? p->n_steps : 0; }

@@ -202,8 +202,7 @@ def fuse_attention(gm: fx.GraphModule, force_cpu: bool = False, grad_inputs: lis
         if m is None:
             continue
         with graph.inserting_before(m["out"]):
-            mask = m["mask"]
-            cond = m["cond"]
+            mask, cond = m["mask"], m["cond"]
             if cond is not None and m["keeps"]:  # SDPA's boolean mask: True where the scores are kept
                 mask = cond if mask is None else graph.call_function(aten.where.ScalarOther, (cond, mask, float("-inf")))
             elif cond is not None:  # True where the scores are -inf
@@ -222,7 +221,6 @@ def fuse_attention(gm: fx.GraphModule, force_cpu: bool = False, grad_inputs: lis
         graph.lint()
         gm.recompile()
     return found
-
 
 
 def fused_graph(fn: Callable, tensors: list, mode: str) -> fx.GraphModule | None:
