@@ -180,3 +180,28 @@ def test_dynamo_backend_gets_no_dense_zero_gradients_either(which):
         assert any(low.variants for low in backwards), "a backward ran with dense zero gradients"
     else:
         assert not any(low.variants for low in backwards)
+
+
+def test_a_backward_whose_kernels_cannot_be_built_raises_and_a_later_step_builds_them(tmp_path, monkeypatch):
+    """A backward's kernels compile at its first run (lazy_jit): a C compiler failing there is a clear
+    error raised by backward(), and the next step compiles them and trains like eager."""
+    monkeypatch.setenv("AOTFUSE_CACHE_DIR", str(tmp_path))  # nothing compiled yet
+    torch.manual_seed(0)
+    model = TwoHeads()
+    eager = copy.deepcopy(model)
+    compiled = aotfuse.memory_efficient_fusion(model)
+    x = torch.randn(6, 8)
+    loss, logits, h = compiled(x)  # the forward's kernels compile now
+    bw = compiled._aotfuse_compiled.records[-1].programs["backward"]
+    assert bw.program.num_kernels > 0 and not bw.program.kernels_loaded
+    monkeypatch.setenv("AOTFUSE_CC", "/nonexistent/cc")
+    with pytest.raises(Exception, match="C compiler"):
+        (loss + logits.sum() + h.sum()).backward()
+    monkeypatch.delenv("AOTFUSE_CC")
+    for m in (model, eager):
+        m.zero_grad()
+        loss, logits, h = (compiled if m is model else eager)(x)
+        (loss + logits.sum() + h.sum()).backward()
+    assert compiled._aotfuse_compiled.records[-1].programs["backward"].program.kernels_loaded
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert_close(p.grad, q.grad, f"grad of {name}")
