@@ -333,3 +333,36 @@ def test_torch_compile_rewrite_keeps_the_static_inputs(monkeypatch):
         torch.compile(Attention(), backend="aotfuse")(x, m).sum().backward()
     torch._dynamo.reset()
     assert len(seen) == 2 and seen[0] and seen[0] == seen[1], seen
+
+
+class Attention3D(nn.Module):
+    """Heads folded into the batch ([batch * heads, L, E]), as hand-written blocks and torch's own
+    multi-head attention write it: bmm (or matmul), a [batch * heads, 1, S] padding mask or a causal
+    masked_fill, softmax, bmm."""
+
+    def __init__(self, bmm=True, causal=False, heads=2):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+        self.bmm, self.causal, self.heads = bmm, causal, heads
+
+    def forward(self, x, m):
+        b, s, _ = x.shape
+        h, d = self.heads, 16 // self.heads
+        q, k, v = (t.reshape(b, s, h, d).transpose(1, 2).reshape(b * h, s, d) for t in self.qkv(x).chunk(3, -1))
+        mm = torch.bmm if self.bmm else torch.matmul
+        scores = mm(q, k.transpose(1, 2)) / math.sqrt(d)
+        if self.causal:
+            scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+        scores = scores + m.reshape(b, 1, 1, s).expand(b, h, 1, s).reshape(b * h, 1, s)
+        y = mm(torch.softmax(scores, -1), v)
+        return self.out(y.reshape(b, h, s, d).transpose(1, 2).reshape(b, s, 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("variant", [{}, {"bmm": False}, {"causal": True}], ids=["bmm", "matmul", "causal"])
+def test_3d_attention_becomes_sdpa_and_trains_like_eager(variant, dtype):
+    x, m = _inputs(dtype)
+    report = compare_models(lambda: Attention3D(**variant), lambda: (x, m), dtype=dtype, steps=2, name=str(variant))
+    report.assert_ok()
+    ops = _ops(Attention3D(**variant).to(dtype), x, m)
+    assert "_scaled_dot_product_flash_attention_for_cpu" in ops and "aten::bmm" not in ops, ops

@@ -58,13 +58,18 @@ def _last_two(dims: tuple, rank: int) -> bool:
     return sorted(d % rank for d in dims) == [rank - 2, rank - 1]
 
 
+MATMULS = (aten.matmul.default, aten.bmm.default)
+
+
 def _match(softmax: fx.Node, force_cpu: bool, needs_grad: set) -> dict | None:
-    """The attention chain around `softmax`, or None."""
+    """The attention chain around `softmax`, or None. 4-D ([batch, heads, L, E]) or 3-D ([batch * heads,
+    L, E], bmm) attention."""
     args = softmax.args
     x = args[0]
     xv = _val(x)
-    if xv is None or xv.dim() != 4 or len(args) < 2 or args[1] % 4 != 3:
+    if xv is None or xv.dim() not in (3, 4) or len(args) < 2 or args[1] % xv.dim() != xv.dim() - 1:
         return None
+    rank = xv.dim()
     before: list = []  # from the softmax back to the first matmul
     after: list = []   # from the softmax on, before the last matmul
     # backwards from the softmax: [to(float32)] <- [add(mask)] and/or [masked_fill(c, -inf) or
@@ -73,7 +78,7 @@ def _match(softmax: fx.Node, force_cpu: bool, needs_grad: set) -> dict | None:
             and _only_user(x) is softmax:
         before.append(x)  # an upcast for the softmax (SDPA's softmax is float32)
         x = x.args[0]
-    scores_ops = (aten.mul.Tensor, aten.div.Tensor, aten.matmul.default, aten.masked_fill.Scalar, aten.add.Tensor,
+    scores_ops = (aten.mul.Tensor, aten.div.Tensor, *MATMULS, aten.masked_fill.Scalar, aten.add.Tensor,
                   aten.where.ScalarOther)
     mask = cond = None
     keeps = False  # whether cond is True where the scores are kept (where) or where they are -inf (masked_fill)
@@ -106,18 +111,18 @@ def _match(softmax: fx.Node, force_cpu: bool, needs_grad: set) -> dict | None:
     scale = 1.0
     if _is(x, aten.mul.Tensor, aten.div.Tensor) and len(x.args) == 2 and not x.kwargs:
         a, c = x.args
-        if not isinstance(c, (int, float)) or isinstance(c, bool) or c == 0 or not _is(a, aten.matmul.default):
+        if not isinstance(c, (int, float)) or isinstance(c, bool) or c == 0 or not _is(a, *MATMULS):
             return None
         if _only_user(x) is None:
             return None
         scale = float(c) if x.target is aten.mul.Tensor else 1.0 / float(c)
         before.append(x)
         x = a
-    if not _is(x, aten.matmul.default) or _only_user(x) is None:
+    if not _is(x, *MATMULS) or _only_user(x) is None:
         return None
     q, kt = x.args
     before.append(x)
-    if not _is(kt, aten.transpose.int) or not _last_two(kt.args[1:3], 4):
+    if not _is(kt, aten.transpose.int) or not _last_two(kt.args[1:3], rank):
         return None
     k = kt.args[0]
     # forwards from the softmax: [to(dtype)] -> [dropout(p, train)] -> matmul(., v)
@@ -132,24 +137,25 @@ def _match(softmax: fx.Node, force_cpu: bool, needs_grad: set) -> dict | None:
         p = float(y.args[1]) if y.args[2] else 0.0
         after.append(y)
         y = _only_user(y)
-    if not _is(y, aten.matmul.default) or y.args[0] is not (after[-1] if after else softmax) or len(y.args) != 2:
+    if not _is(y, *MATMULS) or y.args[0] is not (after[-1] if after else softmax) or len(y.args) != 2:
         return None
     v = y.args[1]
     qv, kv, vv, out = _val(q), _val(k), _val(v), _val(y)
-    if any(t is None or t.dim() != 4 for t in (qv, kv, vv, out)):
+    if any(t is None or t.dim() != rank for t in (qv, kv, vv, out)):
         return None
     if not (qv.dtype == kv.dtype == vv.dtype == out.dtype) or qv.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return None
-    if not (qv.device == kv.device == vv.device) or qv.shape[:2] != kv.shape[:2] or kv.shape[:3] != vv.shape[:3]:
+    b = rank - 2  # batch dims
+    if not (qv.device == kv.device == vv.device) or qv.shape[:b] != kv.shape[:b] or kv.shape[:b + 1] != vv.shape[:b + 1]:
         return None
     # the scores and the output have q's batch and heads: a mask or condition broadcast no further
-    if tuple(xv.shape) != (*qv.shape[:3], kv.shape[2]) or tuple(out.shape) != (*qv.shape[:3], vv.shape[3]):
+    if tuple(xv.shape) != (*qv.shape[:b + 1], kv.shape[b]) or tuple(out.shape) != (*qv.shape[:b + 1], vv.shape[b + 1]):
         return None
     if len(args) > 2 and args[2] not in (None, torch.float32, qv.dtype):
         return None  # SDPA's softmax is float32 (the probabilities' dtype is the last matmul's: q's)
     if cond is not None:
         cv = _val(cond)
-        if cv is None or cv.dtype != torch.bool or not 2 <= cv.dim() <= 4 or cv.device != qv.device:
+        if cv is None or cv.dtype != torch.bool or not 2 <= cv.dim() <= rank or cv.device != qv.device:
             return None
         try:
             if torch.broadcast_shapes(cv.shape, xv.shape) != xv.shape:
@@ -158,7 +164,7 @@ def _match(softmax: fx.Node, force_cpu: bool, needs_grad: set) -> dict | None:
             return None
     if mask is not None:
         mv = _val(mask)
-        if mv is None or mv.dtype != qv.dtype or not 2 <= mv.dim() <= 4 or mv.device != qv.device:
+        if mv is None or mv.dtype != qv.dtype or not 2 <= mv.dim() <= rank or mv.device != qv.device:
             return None
         if mask in needs_grad:  # a learned bias: not every SDPA kernel gives the mask a gradient
             return None
@@ -173,7 +179,9 @@ def _match(softmax: fx.Node, force_cpu: bool, needs_grad: set) -> dict | None:
         return None
     # consumers first: the order to erase them in
     dead = [y, *reversed(after), softmax, *before, kt]
-    return dict(q=q, k=k, v=v, mask=mask, cond=cond, keeps=keeps, p=p, scale=scale, out=y, dead=dead)
+    mask_rank = max((_val(t).dim() for t in (mask, cond) if t is not None), default=0)
+    return dict(q=q, k=k, v=v, mask=mask, cond=cond, keeps=keeps, p=p, scale=scale, out=y, dead=dead, rank=rank,
+                mask_rank=mask_rank)
 
 
 def _needing_grad(graph: fx.Graph, grad_inputs: list[bool] | None) -> set:
@@ -208,9 +216,16 @@ def fuse_attention(gm: fx.GraphModule, force_cpu: bool = False, grad_inputs: lis
             elif cond is not None:  # True where the scores are -inf
                 mask = (graph.call_function(aten.logical_not.default, (cond,)) if mask is None else
                         graph.call_function(aten.where.ScalarSelf, (cond, float("-inf"), mask)))
-            sdpa = graph.call_function(aten.scaled_dot_product_attention.default, (m["q"], m["k"], m["v"]),
+            q, k, v = m["q"], m["k"], m["v"]
+            if m["rank"] == 3:  # SDPA's fused kernels take 4-D tensors: one head
+                q, k, v = (graph.call_function(aten.unsqueeze.default, (t, 1)) for t in (q, k, v))
+                if m["mask_rank"] == 3:
+                    mask = graph.call_function(aten.unsqueeze.default, (mask, 1))
+            sdpa = graph.call_function(aten.scaled_dot_product_attention.default, (q, k, v),
                                        {"attn_mask": mask, "dropout_p": m["p"], "is_causal": False,
                                         "scale": m["scale"]})
+            if m["rank"] == 3:
+                sdpa = graph.call_function(aten.squeeze.dim, (sdpa, 1))
         sdpa.meta.update(m["out"].meta)
         m["out"].replace_all_uses_with(sdpa)
         for dead in m["dead"]:
