@@ -125,9 +125,9 @@ def _attention_as_sdpa(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) 
     from .attention import fused_graph
 
     mode = config.fuse_attention()
-    if mode == "0" or not any(n.op in ("call_function", "call_method") and "softmax" in str(n.target)
-                              for n in gm.graph.nodes):
-        return gm, None
+    called = {str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method")}
+    if mode == "0" or not any("softmax" in t for t in called) or not any("matmul" in t or "bmm" in t for t in called):
+        return gm, None  # no softmax between matmuls (torch.matmul, @, bmm): nothing to trace for
     if next(gm.parameters(), None) is not None or next(gm.buffers(), None) is not None:
         return gm, None  # held by the graph, not inputs (Dynamo lifts them): a trace would bake them in
     on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
