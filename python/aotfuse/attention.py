@@ -61,6 +61,18 @@ def _last_two(dims: tuple, rank: int) -> bool:
 MATMULS = (aten.matmul.default, aten.bmm.default)
 
 
+def _mask_fits(node: fx.Node, dtype: torch.dtype, device: torch.device, scores: torch.Tensor) -> bool:
+    """Whether node's value can be SDPA's attn_mask for these scores: of that dtype and device, 2 to
+    rank dims, broadcasting to the scores' shape (not widening it)."""
+    val = _val(node)
+    if val is None or val.dtype != dtype or val.device != device or not 2 <= val.dim() <= scores.dim():
+        return False
+    try:
+        return torch.broadcast_shapes(val.shape, scores.shape) == scores.shape
+    except RuntimeError:
+        return False
+
+
 def _match(softmax: fx.Node, force_cpu: bool, needs_grad: set) -> dict | None:
     """The attention chain around `softmax`, or None. 4-D ([batch, heads, L, E]) or 3-D ([batch * heads,
     L, E], bmm) attention."""
@@ -153,26 +165,10 @@ def _match(softmax: fx.Node, force_cpu: bool, needs_grad: set) -> dict | None:
         return None
     if len(args) > 2 and args[2] not in (None, torch.float32, qv.dtype):
         return None  # SDPA's softmax is float32 (the probabilities' dtype is the last matmul's: q's)
-    if cond is not None:
-        cv = _val(cond)
-        if cv is None or cv.dtype != torch.bool or not 2 <= cv.dim() <= rank or cv.device != qv.device:
-            return None
-        try:
-            if torch.broadcast_shapes(cv.shape, xv.shape) != xv.shape:
-                return None
-        except RuntimeError:
-            return None
-    if mask is not None:
-        mv = _val(mask)
-        if mv is None or mv.dtype != qv.dtype or not 2 <= mv.dim() <= rank or mv.device != qv.device:
-            return None
-        if mask in needs_grad:  # a learned bias: not every SDPA kernel gives the mask a gradient
-            return None
-        try:
-            if torch.broadcast_shapes(mv.shape, xv.shape) != xv.shape:
-                return None
-        except RuntimeError:
-            return None
+    if cond is not None and not _mask_fits(cond, torch.bool, qv.device, xv):
+        return None
+    if mask is not None and (not _mask_fits(mask, qv.dtype, qv.device, xv) or mask in needs_grad):
+        return None  # (a learned bias: not every SDPA kernel gives the mask a gradient)
     if qv.device.type == "cpu" and p > 0 and not force_cpu:
         return None  # ATen's CPU SDPA with dropout is its math path: slower than ours
     if qv.device.type not in ("cpu", "cuda"):
