@@ -108,6 +108,15 @@ def _dynamo_ops(model, *args, dynamic=False, **kwargs) -> dict:
     return ops
 
 
+def _assert_becomes_sdpa_and_trains_like_eager(cls, variant: dict, dtype: torch.dtype) -> None:
+    """cls(**variant) trains like eager (and float64), and its attention is one SDPA call, no bmm left."""
+    x, m = _inputs(dtype)
+    report = compare_models(lambda: cls(**variant), lambda: (x, m), dtype=dtype, steps=2, name=str(variant))
+    report.assert_ok()
+    ops = _ops(cls(**variant).to(dtype), x, m)
+    assert "_scaled_dot_product_flash_attention_for_cpu" in ops and "aten::bmm" not in ops, ops
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("variant", [{}, {"scale": "div"}, {"scale": None}, {"mask": False}, {"f32_softmax": True},
                                      {"heads": 4}, {"causal": float("-inf"), "mask": False},
@@ -116,11 +125,7 @@ def _dynamo_ops(model, *args, dynamic=False, **kwargs) -> dict:
                          ids=["mul", "div", "unscaled", "no-mask", "f32-softmax", "4-heads", "causal-fill",
                               "causal-fill-and-mask", "causal-where", "causal-where-and-mask", "upcast"])
 def test_eager_attention_becomes_sdpa_and_trains_like_eager(variant, dtype):
-    x, m = _inputs(dtype)
-    report = compare_models(lambda: Attention(**variant), lambda: (x, m), dtype=dtype, steps=2, name=str(variant))
-    report.assert_ok()
-    ops = _ops(Attention(**variant).to(dtype), x, m)
-    assert "_scaled_dot_product_flash_attention_for_cpu" in ops and "aten::bmm" not in ops, ops
+    _assert_becomes_sdpa_and_trains_like_eager(Attention, variant, dtype)
 
 
 def test_what_reads_the_probabilities_keeps_the_attention_eager():
@@ -361,8 +366,4 @@ class Attention3D(nn.Module):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("variant", [{}, {"bmm": False}, {"causal": True}], ids=["bmm", "matmul", "causal"])
 def test_3d_attention_becomes_sdpa_and_trains_like_eager(variant, dtype):
-    x, m = _inputs(dtype)
-    report = compare_models(lambda: Attention3D(**variant), lambda: (x, m), dtype=dtype, steps=2, name=str(variant))
-    report.assert_ok()
-    ops = _ops(Attention3D(**variant).to(dtype), x, m)
-    assert "_scaled_dot_product_flash_attention_for_cpu" in ops and "aten::bmm" not in ops, ops
+    _assert_becomes_sdpa_and_trains_like_eager(Attention3D, variant, dtype)
