@@ -10,6 +10,14 @@ needed).
     python benchmarks/compile_time.py [--models AlbertForMaskedLM,...] [--size host] [--out FILE.md]
 
 To compare two builds, run it once with each on PYTHONPATH.
+
+With --lengths L1,L2,...: what each new sequence length costs (batches padded to their longest
+example bring one per length). One fresh process per run, empty cache, steps at the model's own
+length then at each of L1, L2, ...; per length its first step and the C compiler's seconds in it,
+with kernel templates on (the default: a new shape calls the bodies earlier shapes compiled) and off
+(AOTFUSE_KERNEL_TEMPLATES=0), runs alternating, --repeats each:
+
+    python benchmarks/compile_time.py --models BertForMaskedLM --size reduced --lengths 120,112,104,96
 """
 from __future__ import annotations
 
@@ -38,7 +46,16 @@ def timed_compiler(argv: list[str]) -> int:
     return rc
 
 
-def child(model: str, size: str, nvrtc: bool) -> None:
+def _compiler_seconds() -> float:
+    """The C compiler's seconds so far in this run (timed_compiler's log)."""
+    try:
+        with open(os.environ[TIMER_LOG]) as f:
+            return sum(float(line) for line in f if line.strip())
+    except (KeyError, FileNotFoundError):
+        return 0.0
+
+
+def child(model: str, size: str, nvrtc: bool, lengths: list[int] | None = None) -> None:
     import warnings
 
     import torch
@@ -52,6 +69,13 @@ def child(model: str, size: str, nvrtc: bool) -> None:
     t = time.perf_counter()
     call(**inputs).loss.backward()
     print(f"FIRST_STEP {time.perf_counter() - t:.3f}")
+    gen = torch.Generator().manual_seed(2)
+    for length in lengths or ():  # a new signature each: its first step
+        batch, vocab = inputs["input_ids"].shape[0], m.config.vocab_size
+        step = {k: torch.randint(3, vocab, (batch, length), generator=gen) for k in ("input_ids", "labels")}
+        cc0, t = _compiler_seconds(), time.perf_counter()
+        call(**step).loss.backward()
+        print(f"LENGTH {length} {time.perf_counter() - t:.3f} {_compiler_seconds() - cc0:.3f}", flush=True)
     if nvrtc and nvrtc_check.nvrtc_available() is None:
         torch._dynamo.reset()  # Dynamo's pieces are compiled (and lowered) again, not taken from its cache
         again = bench._make("aotfuse", m, fallback="dynamo" if model == "LongformerForMaskedLM" else None)
@@ -64,19 +88,25 @@ def child(model: str, size: str, nvrtc: bool) -> None:
         print(f"NVRTC {total:.3f} {kernels}")
 
 
-def first_step(model: str, size: str, cache: str, nvrtc: bool = False, cc: str | None = None) -> tuple[float, str]:
-    """(seconds, NVRTC's cell: seconds and CUDA kernels compiled, or why not). With cc, every C
-    compile of the JIT goes through timed_compiler (its seconds in cache/compile-times)."""
-    env = dict(os.environ, AOTFUSE_CACHE_DIR=cache)
+def _run_child(model: str, size: str, cache: str, nvrtc: bool, cc: str | None, lengths: str = "-",
+               env_extra: dict | None = None) -> str:
+    env = dict(os.environ, AOTFUSE_CACHE_DIR=cache, **(env_extra or {}))
     if cc:
         env.update(AOTFUSE_CC=f"{sys.executable} {os.path.abspath(__file__)} --timed-cc {cc}",
                    **{TIMER_LOG: os.path.join(cache, "compile-times")})
-    out = subprocess.run([sys.executable, __file__, "--child", model, size, "nvrtc" if nvrtc else "-"], env=env,
+    out = subprocess.run([sys.executable, __file__, "--child", model, size, "nvrtc" if nvrtc else "-", lengths], env=env,
                          capture_output=True, text=True)
-    m = re.search(r"FIRST_STEP ([0-9.]+)", out.stdout)
-    if not m:
-        raise RuntimeError(f"{model}: the first step failed:\n{out.stderr[-2000:]}")
-    n = re.search(r"NVRTC ([0-9.]+) (\d+)", out.stdout)
+    if not re.search(r"FIRST_STEP ([0-9.]+)", out.stdout) or out.returncode:
+        raise RuntimeError(f"{model}: a step failed:\n{out.stderr[-2000:]}")
+    return out.stdout
+
+
+def first_step(model: str, size: str, cache: str, nvrtc: bool = False, cc: str | None = None) -> tuple[float, str]:
+    """(seconds, NVRTC's cell: seconds and CUDA kernels compiled, or why not). With cc, every C
+    compile of the JIT goes through timed_compiler (its seconds in cache/compile-times)."""
+    stdout = _run_child(model, size, cache, nvrtc, cc)
+    m = re.search(r"FIRST_STEP ([0-9.]+)", stdout)
+    n = re.search(r"NVRTC ([0-9.]+) (\d+)", stdout)
     return float(m.group(1)), f"{float(n.group(1)):.2f} ({n.group(2)} kernels)" if n else "no NVRTC"
 
 
@@ -91,6 +121,49 @@ def cache_facts(cache: str) -> dict:
             "cc_s": compile_s}
 
 
+def new_lengths(args) -> None:
+    import aotfuse
+    import torch
+
+    settings = (("templates", {}), ("off", {"AOTFUSE_KERNEL_TEMPLATES": "0"}))
+    lines = [f"# A new sequence length's first step, {args.size} size ({datetime.date.today()})", "",
+             f"machine: {platform.machine()} {platform.processor()} | {os.cpu_count()} CPUs | torch {torch.__version__} | "
+             f"1 thread | aotfuse from {os.path.dirname(aotfuse.__file__)} | `python benchmarks/compile_time.py "
+             f"--models {args.models} --size {args.size} --lengths {args.lengths} --repeats {args.repeats}`", "",
+             "| model | length | first step, templates (s) | C compiler, templates (s) | first step, off (s) | C compiler, off (s) |",
+             "|---|---|---|---|---|---|"]
+    for model in args.models.split(","):
+        runs: dict[str, list[dict]] = {name: [] for name, _ in settings}
+        for _ in range(args.repeats):
+            for name, env in settings:
+                cache = tempfile.mkdtemp(prefix="aotfuse-new-lengths-")
+                try:
+                    stdout = _run_child(model, args.size, cache, False, args.cc, args.lengths, env)
+                finally:
+                    shutil.rmtree(cache, ignore_errors=True)
+                row = {"first": (float(re.search(r"FIRST_STEP ([0-9.]+)", stdout).group(1)), None)}
+                for length, secs, cc_s in re.findall(r"LENGTH (\d+) ([0-9.]+) ([0-9.]+)", stdout):
+                    row[length] = (float(secs), float(cc_s))
+                runs[name].append(row)
+
+        def cell(name: str, key: str, i: int) -> str:
+            vals = [r[key][i] for r in runs[name] if r.get(key) and r[key][i] is not None]
+            return "-" if not vals else f"{min(vals):.2f}" if len(set(vals)) == 1 else f"{min(vals):.2f}-{max(vals):.2f}"
+
+        for key in ["first"] + args.lengths.split(","):
+            label = "model's own (cold)" if key == "first" else key
+            lines.append(f"| {model} | {label} | {cell('templates', key, 0)} | {cell('templates', key, 1)} | "
+                         f"{cell('off', key, 0)} | {cell('off', key, 1)} |")
+            print(lines[-1], flush=True)
+    lines += ["", "Each run a fresh process and an empty kernel cache; a length's first step includes tracing, "
+              "partitioning, lowering and the kernels it compiles (C compiler: the seconds of the C compiler calls "
+              "made in that step, timed through AOTFUSE_CC). off: AOTFUSE_KERNEL_TEMPLATES=0. Ranges over the runs."]
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+        print("written:", args.out)
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--timed-cc"]:
         sys.exit(timed_compiler(sys.argv[2:]))
@@ -99,10 +172,16 @@ def main() -> None:
     ap.add_argument("--size", default="host")
     ap.add_argument("--cc", default=os.environ.get("AOTFUSE_CC", "cc"), help="the C compiler the JIT calls (timed)")
     ap.add_argument("--out", default=None, help="also write the table here (markdown)")
-    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--lengths", default=None, help="L1,L2,...: each new sequence length's first step (see above)")
+    ap.add_argument("--repeats", type=int, default=2, help="with --lengths: runs per setting")
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child(args.child[0], args.child[1], args.child[2] == "nvrtc")
+        lengths = [int(n) for n in args.child[3].split(",")] if args.child[3] != "-" else None
+        child(args.child[0], args.child[1], args.child[2] == "nvrtc", lengths)
+        return
+    if args.lengths:
+        new_lengths(args)
         return
     import aotfuse
     import torch

@@ -1053,8 +1053,8 @@ int af_bridge_num_threads(int *n) {
     return AF_OK;
 }
 
-void af_bridge_run_kernel(void (*fn)(char *const *), char *const *ptrs) {
+void af_bridge_run_kernel(af_body_fn fn, char *const *ptrs, const uint64_t *streams, const int64_t *sizes, int num_threads) {
     Py_BEGIN_ALLOW_THREADS
-    fn(ptrs);
+    fn(ptrs, streams, sizes, num_threads);
     Py_END_ALLOW_THREADS
 }

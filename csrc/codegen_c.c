@@ -405,21 +405,38 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
 }
 
 /* Kernels that differ only in the names of their locals and in their dropouts' stream numbers
- * (a model's layers) share one body (af_cg_share): the first kernel with a key is emitted as
- * af_body_<i>(p, af_s), noinline, and every kernel gets a wrapper af_kernel_<i> passing its own
- * streams to its key's body. A 12-layer model compiles each layer's kernels once. */
-typedef struct {
-    af_cg_shared sh;
-    int32_t index, shared_with; /* shared_with: the entry whose body this kernel calls, -1: its own */
-} af_c_kernel;
+ * (a model's layers) share one body (af_cg_share): the first kernel with a key and literals is
+ * kept as af_body_<i>(p, af_s, af_n, af_num_threads), noinline, and every group calls its key's
+ * body with its own streams. A 12-layer model compiles each layer's kernels once. */
+void af_c_kernels_free(af_c_kernels *k) {
+    if (!k) return;
+    for (int32_t b = 0; b < k->n_bodies; b++) af_cg_shared_free(&k->bodies[b]);
+    free(k->bodies);
+    free(k->body_group);
+    free(k->body_of);
+    free(k->n_streams);
+    free(k->streams);
+    free(k);
+}
 
-int af_codegen_c(const af_graph *g, const af_fusion_plan *plan, char **source) {
-    if (!g || !plan || !source) return af_error_set(AF_ERR_INVALID, "af_codegen_c: NULL argument");
-    af_c_kernel *ks = calloc((size_t)(plan->n_groups > 0 ? plan->n_groups : 1), sizeof *ks);
-    if (!ks) return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
-    int32_t n = 0;
+int af_c_kernels_new(const af_graph *g, const af_fusion_plan *plan, af_c_kernels **out) {
+    if (!g || !plan || !out) return af_error_set(AF_ERR_INVALID, "af_c_kernels_new: NULL argument");
+    size_t ng = (size_t)(plan->n_groups > 0 ? plan->n_groups : 1);
+    af_c_kernels *k = calloc(1, sizeof *k);
+    if (!k) return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
+    k->n_groups = plan->n_groups;
+    k->bodies = calloc(ng, sizeof *k->bodies);
+    k->body_group = calloc(ng, sizeof *k->body_group);
+    k->body_of = malloc(ng * sizeof *k->body_of);
+    k->n_streams = calloc(ng, sizeof *k->n_streams);
+    k->streams = calloc(ng, sizeof *k->streams);
+    if (!k->bodies || !k->body_group || !k->body_of || !k->n_streams || !k->streams) {
+        af_c_kernels_free(k);
+        return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
+    }
     int st = AF_OK;
     for (int32_t i = 0; i < plan->n_groups && st == AF_OK; i++) {
+        k->body_of[i] = -1;
         if (plan->groups[i].device.type != AF_DEVICE_CPU) continue; /* another backend's */
         af_strbuf kb = {0};
         char *text = NULL;
@@ -428,44 +445,77 @@ int af_codegen_c(const af_graph *g, const af_fusion_plan *plan, char **source) {
             break;
         }
         if ((st = af_strbuf_finish(&kb, &text))) break;
-        af_c_kernel *k = &ks[n++];
-        k->index = i;
-        k->shared_with = -1;
-        st = af_cg_share(text, i, 0, &k->sh);
+        af_cg_shared *sh = &k->bodies[k->n_bodies];
+        st = af_cg_share(text, i, 0, sh);
         free(text);
         if (st) break;
-        for (int32_t j = 0; j < n - 1; j++)
-            if (ks[j].shared_with < 0 && af_cg_same_key(&ks[j].sh, &k->sh)) {
-                k->shared_with = j;
-                free(k->sh.text);
-                k->sh.text = NULL;
-                break;
-            }
+        k->n_streams[i] = sh->n_streams;
+        memcpy(k->streams[i], sh->streams, sizeof k->streams[i]);
+        int32_t b = 0;
+        while (b < k->n_bodies && !af_cg_same_key(&k->bodies[b], sh)) b++;
+        if (b == k->n_bodies) k->body_group[k->n_bodies++] = i;
+        else af_cg_shared_free(sh);
+        k->body_of[i] = b;
     }
-    af_strbuf sb = {0};
-    if (st == AF_OK) {
-        af_strbuf_printf(&sb, "%s#define AF_FN AF_INLINE\n%s", prelude, af_cg_helpers_text);
-        for (int32_t j = 0; j < n; j++) {
-            const af_c_kernel *k = &ks[j];
-            if (k->sh.text) af_strbuf_printf(&sb, "%s", k->sh.text);
-            const af_c_kernel *b = k->shared_with >= 0 ? &ks[k->shared_with] : k;
-            if (k->shared_with >= 0) af_strbuf_printf(&sb, "\n/* group %d: the body of group %d */\n", (int)k->index, (int)b->index);
-            af_strbuf_printf(&sb, "void af_kernel_%d(char *const *p) {", (int)k->index);
-            if (k->sh.n_streams) {
-                af_strbuf_printf(&sb, " static const uint64_t s[%d] = {", (int)k->sh.n_streams);
-                for (int32_t q = 0; q < k->sh.n_streams; q++) af_strbuf_printf(&sb, "%s%" PRIu64 "ull", q ? ", " : "", k->sh.streams[q]);
-                af_strbuf_printf(&sb, "}; af_body_%d(p, s); }\n", (int)b->index);
-            } else {
-                af_strbuf_printf(&sb, " af_body_%d(p, NULL); }\n", (int)b->index);
-            }
-        }
-        af_strbuf_printf(&sb, "\nconst int af_kernel_count = %d;\n", (int)plan->n_groups);
-    }
-    for (int32_t j = 0; j < n; j++) af_cg_shared_free(&ks[j].sh);
-    free(ks);
     if (st) {
-        free(sb.buf);
+        af_c_kernels_free(k);
         return st;
     }
+    *out = k;
+    return AF_OK;
+}
+
+/* Body b's text with the literals flagged in lift read from af_n: `((int)af_n[j])` (`long` for a
+ * value past INT_MAX), the type the literal had, so the expressions around it compute the same. */
+static void render_body(af_strbuf *sb, const af_cg_shared *b, const uint8_t *lift) {
+    size_t at = 0;
+    for (int32_t j = 0; lift && j < b->n_lits; j++) {
+        if (!lift[j]) continue;
+        size_t len = 0;
+        while (b->text[b->lit_at[j] + len] >= '0' && b->text[b->lit_at[j] + len] <= '9') len++;
+        af_strbuf_printf(sb, "%.*s((%s)af_n[%d])", (int)(b->lit_at[j] - at), b->text + at, b->lits[j] > INT32_MAX ? "long" : "int", (int)j);
+        at = b->lit_at[j] + len;
+    }
+    af_strbuf_printf(sb, "%s", b->text + at);
+}
+
+int af_c_render(const af_c_kernels *k, const uint8_t *skip, const uint8_t *const *lift, char **source) {
+    if (!k || !source) return af_error_set(AF_ERR_INVALID, "af_c_render: NULL argument");
+    af_strbuf sb = {0};
+    af_strbuf_printf(&sb, "%s#define AF_FN AF_INLINE\n%s", prelude, af_cg_helpers_text);
+    for (int32_t i = 0; i < k->n_groups; i++) {
+        int32_t b = k->body_of[i];
+        if (b < 0 || (skip && skip[b])) continue;
+        const af_cg_shared *body = &k->bodies[b];
+        const uint8_t *lb = lift ? lift[b] : NULL;
+        int lifted = 0;
+        for (int32_t j = 0; lb && j < body->n_lits; j++) lifted |= lb[j];
+        if (k->body_group[b] == i) render_body(&sb, body, lb);
+        else af_strbuf_printf(&sb, "\n/* group %d: the body of group %d */\n", (int)i, (int)k->body_group[b]);
+        af_strbuf_printf(&sb, "void af_kernel_%d(char *const *p) {", (int)i);
+        if (k->n_streams[i]) {
+            af_strbuf_printf(&sb, " static const uint64_t s[%d] = {", (int)k->n_streams[i]);
+            for (int32_t q = 0; q < k->n_streams[i]; q++) af_strbuf_printf(&sb, "%s%" PRIu64 "ull", q ? ", " : "", k->streams[i][q]);
+            af_strbuf_printf(&sb, "};");
+        }
+        if (lifted) {
+            af_strbuf_printf(&sb, " static const int64_t n[%d] = {", (int)body->n_lits);
+            for (int32_t j = 0; j < body->n_lits; j++) af_strbuf_printf(&sb, "%s%" PRId64, j ? ", " : "", body->lits[j]);
+            af_strbuf_printf(&sb, "};");
+        }
+        af_strbuf_printf(&sb, " af_body_%d(p, %s, %s, af_num_threads); }\n", (int)k->body_group[b], k->n_streams[i] ? "s" : "NULL",
+                         lifted ? "n" : "NULL");
+    }
+    af_strbuf_printf(&sb, "\nconst int af_kernel_count = %d;\n", (int)k->n_groups);
     return af_strbuf_finish(&sb, source);
+}
+
+int af_codegen_c(const af_graph *g, const af_fusion_plan *plan, char **source) {
+    if (!g || !plan || !source) return af_error_set(AF_ERR_INVALID, "af_codegen_c: NULL argument");
+    af_c_kernels *k = NULL;
+    int st = af_c_kernels_new(g, plan, &k);
+    if (st) return st;
+    st = af_c_render(k, NULL, NULL, source);
+    af_c_kernels_free(k);
+    return st;
 }

@@ -954,6 +954,46 @@ static int grow_ids(int64_t **ids, size_t *cap, size_t n) {
     return AF_OK;
 }
 
+/* At s (a digit): the end of the preprocessing number starting there (C's pp-number: digits,
+ * letters, '_', '.', and a sign after an exponent's e/E/p/P), so "1e-05f" is one token. */
+static const char *number_end(const char *s) {
+    const char *e = s + 1;
+    for (;;) {
+        if ((*e == '+' || *e == '-') && strchr("eEpP", e[-1])) e++;
+        else if (ident_char(*e) || *e == '.') e++;
+        else return e;
+    }
+}
+
+/* Whether the number token [s, e) may become an argument (af_cg_shared): plain decimal digits
+ * without a suffix or a leading zero, outside preprocessor lines, not an array's length or index
+ * (`[N]`) nor a case label. */
+static int liftable(const char *text, const char *s, const char *e, int in_directive) {
+    if (in_directive || (*s == '0' && e - s > 1) || e - s > 18) return 0;
+    for (const char *t = s; t < e; t++)
+        if (*t < '0' || *t > '9') return 0;
+    const char *b = s;
+    while (b > text && (b[-1] == ' ' || b[-1] == '\t')) b--;
+    if (b > text && b[-1] == '[') return 0;
+    return !(b - text >= 4 && !strncmp(b - 4, "case", 4) && (b - text == 4 || !ident_char(b[-5])));
+}
+
+static int push_literal(af_cg_shared *out, size_t *cap, int64_t value, size_t at) {
+    if ((size_t)out->n_lits == *cap) {
+        size_t nc = *cap ? 2 * *cap : 32;
+        int64_t *lits = realloc(out->lits, nc * sizeof *lits);
+        if (!lits) return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
+        out->lits = lits;
+        size_t *at_ = realloc(out->lit_at, nc * sizeof *at_);
+        if (!at_) return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
+        out->lit_at = at_;
+        *cap = nc;
+    }
+    out->lits[out->n_lits] = value;
+    out->lit_at[out->n_lits++] = at;
+    return AF_OK;
+}
+
 int af_cg_share(const char *text, int32_t index, int cuda, af_cg_shared *out) {
     memset(out, 0, sizeof *out);
     /* the kernel's streams, distinct, in order of first appearance (too many: left as constants) */
@@ -974,18 +1014,20 @@ int af_cg_share(const char *text, int32_t index, int cuda, af_cg_shared *out) {
     snprintf(idx, sizeof idx, "%d", (int)index);
     snprintf(sig, sizeof sig, "void af_kernel_%d(char *const *p) {", (int)index);
     size_t nidx = strlen(idx);
-    const char *c_sig = cuda ? NULL : strstr(text, sig); /* C: the kernel becomes af_body_<index>(p, af_s) */
+    const char *c_sig = cuda ? NULL : strstr(text, sig); /* C: the kernel becomes af_body_<index>(p, af_s, af_n, af_num_threads) */
     if (!cuda && !c_sig) return af_error_set(AF_ERR_INVALID, "codegen: kernel %d has no signature", (int)index);
     af_strbuf key = {0}, body = {0};
     int64_t *ids = NULL;
-    size_t n_ids = 0, cap_ids = 0;
+    size_t n_ids = 0, cap_ids = 0, cap_lits = 0;
     const char *s = text, *sig_close = NULL; /* CUDA: the ") {" closing the signature being copied */
-    int st = AF_OK;
+    int st = AF_OK, in_directive = 0, line_start = 1;
     while (*s && st == AF_OK) {
         if (s == c_sig) {
-            af_strbuf_printf(&body, "AF_BODY void af_body_%d(char *const *p, const uint64_t *af_s) {\n  (void)af_s;", (int)index);
+            af_strbuf_printf(&body, "AF_BODY void af_body_%d(char *const *p, const uint64_t *af_s, const int64_t *af_n, int af_num_threads) {\n"
+                             "  (void)af_s; (void)af_n; (void)af_num_threads;", (int)index);
             af_strbuf_printf(&key, "signature|");
             s += strlen(sig);
+            line_start = 0;
             continue;
         }
         if (cuda && !strncmp(s, "extern \"C\" __global__", 21)) sig_close = strstr(s, ") {\n");
@@ -994,9 +1036,28 @@ int af_cg_share(const char *text, int32_t index, int cuda, af_cg_shared *out) {
             af_strbuf_printf(&key, ", %d streams", (int)out->n_streams);
             sig_close = NULL;
         }
+        if (s[0] == '/' && (s[1] == '*' || s[1] == '/')) { /* a comment: in the text only */
+            const char *e = s[1] == '*' ? strstr(s + 2, "*/") : strchr(s, '\n');
+            e = e ? e + (s[1] == '*' ? 2 : 0) : s + strlen(s);
+            af_strbuf_printf(&body, "%.*s", (int)(e - s), s);
+            s = e;
+            continue;
+        }
+        if (*s == '\n') in_directive = 0, line_start = 1;
+        else if (*s == '#' && line_start) in_directive = 1;
+        else if (*s != ' ' && *s != '\t') line_start = 0;
         const char *e = s + 1;
         if (!ident_char(*s) || (*s >= '0' && *s <= '9')) { /* punctuation, or a number with its suffix */
-            if (*s >= '0' && *s <= '9') while (ident_char(*e) || *e == '.') e++;
+            if (*s >= '0' && *s <= '9') {
+                e = number_end(s);
+                if (liftable(text, s, e, in_directive)) { /* '#' in the key, its value apart */
+                    if ((st = push_literal(out, &cap_lits, strtoll(s, NULL, 10), body.len))) break;
+                    af_strbuf_printf(&key, "#");
+                    af_strbuf_printf(&body, "%.*s", (int)(e - s), s);
+                    s = e;
+                    continue;
+                }
+            }
             af_strbuf_printf(&body, "%.*s", (int)(e - s), s);
             af_strbuf_printf(&key, "%.*s", (int)(e - s), s);
             s = e;
@@ -1004,12 +1065,6 @@ int af_cg_share(const char *text, int32_t index, int cuda, af_cg_shared *out) {
         }
         while (ident_char(*e)) e++;
         af_strbuf_printf(&body, "%.*s", (int)(e - s), s);
-        if (e - s == 5 && !strncmp(s, "group ", 6) && !strncmp(e + 1, idx, nidx) && !ident_char(e[1 + nidx])) {
-            af_strbuf_printf(&body, " %s", idx); /* the comment naming the group: "group <index>" */
-            af_strbuf_printf(&key, "group @");
-            s = e + 1 + nidx;
-            continue;
-        }
         if (e - s >= 10 + (long)nidx && !strncmp(s, "af_kernel_", 10) && !strncmp(s + 10, idx, nidx) &&
             (s + 10 + nidx == e || s[10 + nidx] == '_')) {
             af_strbuf_printf(&key, "af_kernel_@%.*s", (int)(e - s - 10 - (long)nidx), s + 10 + nidx); /* af_kernel_<index>[_v|_f] */
@@ -1050,13 +1105,16 @@ int af_cg_share(const char *text, int32_t index, int cuda, af_cg_shared *out) {
         }
     }
     free(ids);
+    if (st == AF_OK && body.failed) st = af_error_set(AF_ERR_NOMEM, "out of memory generating code");
     if (st) {
         free(key.buf);
         free(body.buf);
+        af_cg_shared_free(out);
         return st;
     }
     if ((st = af_strbuf_finish(&key, &out->key))) {
         free(body.buf);
+        af_cg_shared_free(out);
         return st;
     }
     if ((st = af_strbuf_finish(&body, &out->text))) {
@@ -1069,12 +1127,21 @@ int af_cg_share(const char *text, int32_t index, int cuda, af_cg_shared *out) {
     return AF_OK;
 }
 
+int af_cg_same_skeleton(const af_cg_shared *a, const af_cg_shared *b) {
+    return a->key && b->key && a->hash == b->hash && a->n_lits == b->n_lits && !strcmp(a->key, b->key);
+}
+
 int af_cg_same_key(const af_cg_shared *a, const af_cg_shared *b) {
-    return a->key && b->key && a->hash == b->hash && !strcmp(a->key, b->key);
+    return af_cg_same_skeleton(a, b) && (!a->n_lits || !memcmp(a->lits, b->lits, (size_t)a->n_lits * sizeof *a->lits));
 }
 
 void af_cg_shared_free(af_cg_shared *s) {
     free(s->key);
     free(s->text);
+    free(s->lits);
+    free(s->lit_at);
     s->key = s->text = NULL;
+    s->lits = NULL;
+    s->lit_at = NULL;
+    s->n_lits = 0;
 }

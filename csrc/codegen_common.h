@@ -124,22 +124,7 @@ const char *af_cg_acc_init(const af_node *n);
 /* `<ctype> acc<v> = <init>;` for every reduction of the group (ctype "double" or "float"). */
 void af_cg_emit_acc_decls(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *ctype, const char *indent);
 
-/* Kernels shared between groups. A kernel's text (as an emitter wrote it for group `index`) is
- * rewritten so that its dropouts' streams are arguments (C: af_s[j], the kernel becoming
- * af_body_<index>(p, af_s); CUDA: by-value parameters af_s0, af_s1, ... appended to every
- * signature), and keyed with every local named by node id (v<id>, acc<id>, s<id>_<dim>, sh<id>,
- * ...) renamed by its order of first appearance and the group's number left out: two kernels with
- * one key compute the same function of their operands and streams. More than
- * AF_MAX_KERNEL_STREAMS distinct streams stay constants (then only kernels with the same ones
- * share). */
-typedef struct {
-    char *key, *text;
-    uint64_t hash;
-    int32_t n_streams;
-    uint64_t streams[AF_MAX_KERNEL_STREAMS];
-} af_cg_shared;
-int af_cg_share(const char *text, int32_t index, int cuda, af_cg_shared *out);
-int af_cg_same_key(const af_cg_shared *a, const af_cg_shared *b);
+
 void af_cg_shared_free(af_cg_shared *s);
 
 #endif

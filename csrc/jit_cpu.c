@@ -1,6 +1,7 @@
 /* CPU JIT: system C compiler + dlopen + an atomic disk cache (see include/aotfuse/jit.h). */
 #define _GNU_SOURCE
 #include "aotfuse/jit.h"
+#include "aotfuse/templates.h"
 
 #include <dlfcn.h>
 #include <errno.h>
@@ -45,6 +46,7 @@ static const char *vector_width_flag(void) {
 struct af_jit_module {
     void *handle;
     char path[4096];
+    int refs; /* under af_tmpl_lock */
 };
 
 uint64_t af_jit_hash(uint64_t h, const char *s) {
@@ -194,6 +196,7 @@ int af_jit_cpu_load(const char *source, af_jit_module **out, int *cache_hit) {
     snprintf(key, sizeof key, "%016" PRIx64, h);
     af_jit_module *m = calloc(1, sizeof *m);
     if (!m) return af_error_set(AF_ERR_NOMEM, "out of memory loading a module");
+    m->refs = 1;
     snprintf(m->path, sizeof m->path, "%s/%s.so", dir, key);
     int hit = 1;
     m->handle = open_checked(m->path, key);
@@ -218,8 +221,15 @@ void *af_jit_symbol(af_jit_module *m, const char *name) { return m && m->handle 
 
 const char *af_jit_path(const af_jit_module *m) { return m ? m->path : ""; }
 
+void af_jit_module_retain_locked(af_jit_module *m) { m->refs++; }
+
 void af_jit_module_free(af_jit_module *m) {
     if (!m) return;
+    af_tmpl_lock();
+    int last = --m->refs == 0;
+    if (last) af_tmpl_forget_locked(m); /* no body of it can be found any more */
+    af_tmpl_unlock();
+    if (!last) return;
     if (m->handle) dlclose(m->handle);
     free(m);
 }

@@ -26,6 +26,7 @@
 #include "aotfuse/ops.h"
 #include "aotfuse/partition.h"
 #include "aotfuse/runtime.h"
+#include "aotfuse/templates.h"
 
 static PyObject *AotfuseError;
 
@@ -447,13 +448,13 @@ typedef struct {
 
 static PyObject *Program_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"graph", "fuse", "min_group", "devices", "reuse", "sink", "sink_reads", "window_sources", "merge",
-                             "lazy_jit", NULL};
+                             "lazy_jit", "templates", NULL};
     GraphObject *graph;
     af_program_options opts = {.fuse = 0, .min_group = 2};
     const char *devices = "all";
-    int reuse = 1, sink = 1, sink_reads = 1, window_sources = 1, merge = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|pispppppp", kwlist, &GraphType, &graph, &opts.fuse, &opts.min_group, &devices,
-                                     &reuse, &sink, &sink_reads, &window_sources, &merge, &opts.lazy_jit) ||
+    int reuse = 1, sink = 1, sink_reads = 1, window_sources = 1, merge = 1, templates = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|pisppppppp", kwlist, &GraphType, &graph, &opts.fuse, &opts.min_group, &devices,
+                                     &reuse, &sink, &sink_reads, &window_sources, &merge, &opts.lazy_jit, &templates) ||
         !graph_alive(graph))
         return NULL;
     opts.no_reuse = !reuse;
@@ -461,6 +462,7 @@ static PyObject *Program_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     opts.no_sink_reads = !sink_reads;
     opts.no_shifted = !window_sources;
     opts.no_merge = !merge;
+    opts.no_templates = !templates;
     if (strcmp(devices, "cpu") == 0) opts.device_types = 1u << AF_DEVICE_CPU;
     else if (strcmp(devices, "cuda") == 0) opts.device_types = 1u << AF_DEVICE_CUDA;
     else if (strcmp(devices, "all") == 0) opts.device_types = 0;
@@ -605,6 +607,13 @@ static PyObject *Program_get_num(ProgramObject *self, void *which) {
     case 13: return PyLong_FromLongLong(af_program_reuses_taken(self->p));
     case 14: return PyLong_FromLong(af_program_copies_sunk(self->p));
     case 15: return PyBool_FromLong(af_program_kernels_loaded(self->p));
+    case 16: return PyLong_FromLong(af_program_bodies_reused(self->p));
+    case 17: return PyLong_FromLong(af_program_bodies_lifted(self->p));
+    case 18: {
+        const char *src = af_program_compiled_source(self->p);
+        if (!src) Py_RETURN_NONE;
+        return PyUnicode_FromString(src);
+    }
     case 8: {
         const char *src = af_program_cuda_source(self->p);
         if (!src) Py_RETURN_NONE;
@@ -704,6 +713,12 @@ static PyGetSetDef Program_getset[] = {
     {"kernels_loaded", (getter)Program_get_num, NULL,
      "the kernels are compiled and loaded (or there are none); False before a lazy_jit program's first run", (void *)15},
     {"source", (getter)Program_get_num, NULL, "the generated C source, or None", (void *)7},
+    {"compiled_source", (getter)Program_get_num, NULL,
+     "the C source compiled for this program: source less the bodies found among earlier programs' (templates), "
+     "or None when there is nothing to compile", (void *)18},
+    {"bodies_reused", (getter)Program_get_num, NULL, "C kernel bodies called from earlier programs' modules (not compiled here)", (void *)16},
+    {"bodies_lifted", (getter)Program_get_num, NULL,
+     "C kernel bodies compiled with some sizes as arguments (templates for later shapes)", (void *)17},
     {"cuda_source", (getter)Program_get_num, NULL, "the generated CUDA source, or None", (void *)8},
     {"num_outputs", (getter)Program_get_num, NULL, "number of outputs", (void *)2},
     {"buffer_reuses", (getter)Program_get_num, NULL, "kernel outputs planned to take a dead intermediate's tensor", (void *)9},
@@ -985,7 +1000,14 @@ static PyObject *op_table(PyObject *m, PyObject *unused) {
     return list;
 }
 
+static PyObject *kernel_templates(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyLong_FromLong(af_tmpl_count());
+}
+
 static PyMethodDef module_methods[] = {
+    {"kernel_templates", kernel_templates, METH_NOARGS, "C kernel bodies of live programs that later programs may call (templates)"},
     {"op_table", op_table, METH_NOARGS, "[(name, kind, C expression or None), ...]"},
     {"partition", (PyCFunction)(void (*)(void))partition, METH_VARARGS | METH_KEYWORDS,
      "partition(graph, roles: bytes, num_fwd_outputs, min_cut=True, ...) -> dict"},

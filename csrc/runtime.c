@@ -12,6 +12,7 @@
 #include "aotfuse/fuse.h"
 #include "aotfuse/jit.h"
 #include "aotfuse/jit_cuda.h"
+#include "aotfuse/templates.h"
 
 typedef struct {
     int32_t node;  /* extern step: the node; kernel step: -1 */
@@ -31,7 +32,15 @@ struct af_program {
     af_obj **values;        /* scratch: one slot per value, NULL between runs */
     af_fusion_plan *plan;   /* NULL without fusion */
     af_jit_module *module;
-    af_kernel_fn *kernels;  /* per group */
+    /* C kernels: bodies (af_c_kernels), each compiled into module or called from another program's
+     * (templates.h: ext_module[b] retained, NULL for the own module's) */
+    af_c_kernels *ck;
+    af_body_fn *body_fns;    /* per body */
+    af_jit_module **ext_module; /* per body */
+    uint8_t **lift;          /* per body: literals read from af_n (NULL: none) */
+    char *compile_source;    /* what module is compiled from: the bodies not found elsewhere (NULL: source) */
+    int32_t n_reused, n_lifted, n_compiled;
+    int use_templates;
     const af_tensor_meta **kernel_metas; /* scratch: operand metas of the widest group */
     af_obj **kernel_objs;   /* scratch */
     af_obj **empty_args;    /* per value: torch.empty_strided's arguments for a kernel output, built once */
@@ -48,7 +57,7 @@ struct af_program {
     int cuda_sm_count;
     void *stream;            /* torch's current stream, read once per run */
     int have_stream;
-    int *num_threads;        /* the C module's af_num_threads: torch.get_num_threads(), set once per run */
+    int num_threads;         /* the C kernels' threads: torch.get_num_threads(), read once per run */
     int have_threads;
     /* Views (op-table kind view) cost no ATen dispatch: a view read only by kernels (or by such
      * views) is folded, never made: the kernel reads its root value at a byte offset with the
@@ -177,7 +186,16 @@ void af_program_free(af_program *p) {
     free(p->input_metas);
     free(p->input_names);
     free(p->values);
-    free(p->kernels);
+    if (p->ck)
+        for (int32_t b = 0; b < p->ck->n_bodies; b++) {
+            if (p->ext_module) af_jit_module_free(p->ext_module[b]);
+            if (p->lift) free(p->lift[b]);
+        }
+    free(p->ext_module);
+    free(p->lift);
+    free(p->body_fns);
+    af_c_kernels_free(p->ck);
+    free(p->compile_source);
     free(p->kernel_metas);
     free(p->kernel_objs);
     if (p->empty_args)
@@ -234,24 +252,28 @@ static int gen_cuda_kernels(af_program *p) {
 static int load_kernels(af_program *p) {
     int st = AF_OK;
     int32_t ng = p->plan->n_groups;
-    if (p->source && !p->module) {
+    if (p->ck && !p->module && p->n_compiled) {
         af_jit_module *m = NULL;
-        if ((st = af_jit_cpu_load(p->source, &m, &p->cache_hit))) return st;
-        for (int32_t i = 0; i < ng && !st; i++) {
-            if (p->plan->groups[i].device.type != AF_DEVICE_CPU) continue;
+        if ((st = af_jit_cpu_load(p->compile_source ? p->compile_source : p->source, &m, &p->cache_hit))) return st;
+        for (int32_t b = 0; b < p->ck->n_bodies && !st; b++) {
+            if (p->ext_module[b]) continue;
             char name[32];
-            snprintf(name, sizeof name, "af_kernel_%d", (int)i);
-            *(void **)&p->kernels[i] = af_jit_symbol(m, name);
-            if (!p->kernels[i]) st = af_error_set(AF_ERR_RUNTIME, "kernel %s missing from %s", name, af_jit_path(m));
+            snprintf(name, sizeof name, "af_body_%d", (int)p->ck->body_group[b]);
+            *(void **)&p->body_fns[b] = af_jit_symbol(m, name);
+            if (!p->body_fns[b]) st = af_error_set(AF_ERR_RUNTIME, "kernel %s missing from %s", name, af_jit_path(m));
         }
+        /* the bodies it compiled, offered to later programs (an entry dies with the module) */
+        for (int32_t b = 0; b < p->ck->n_bodies && !st && p->use_templates; b++)
+            if (!p->ext_module[b]) st = af_tmpl_add(&p->ck->bodies[b], p->lift[b], m, p->body_fns[b]);
         if (st) {
-            for (int32_t i = 0; i < ng; i++) p->kernels[i] = NULL;
-            af_jit_module_free(m);
+            for (int32_t b = 0; b < p->ck->n_bodies; b++)
+                if (!p->ext_module[b]) p->body_fns[b] = NULL;
+            af_jit_module_free(m); /* its entries with it */
             return st;
         }
-        p->num_threads = (int *)af_jit_symbol(m, "af_num_threads");
         p->module = m;
     }
+    if (p->ck && !p->n_compiled) p->cache_hit = 1; /* nothing of its own to compile */
     if (p->cuda_source && !p->cuda_module) {
         int hit = 0;
         af_cuda_module *m = NULL;
@@ -279,6 +301,41 @@ static int load_kernels(af_program *p) {
     return AF_OK;
 }
 
+/* Generates the C kernels: the full source (af_program_source), then, with templates, each
+ * body either found among earlier programs' (called from their modules) or compiled here, with
+ * the literals af_tmpl_find flags read from af_n; compile_source holds only those. */
+static int plan_c_kernels(af_program *p) {
+    int st = af_c_kernels_new(p->graph, p->plan, &p->ck);
+    if (st || (st = af_c_render(p->ck, NULL, NULL, &p->source))) return st;
+    size_t nb = (size_t)(p->ck->n_bodies > 0 ? p->ck->n_bodies : 1);
+    p->body_fns = calloc(nb, sizeof *p->body_fns);
+    p->ext_module = calloc(nb, sizeof *p->ext_module);
+    p->lift = calloc(nb, sizeof *p->lift);
+    uint8_t *skip = calloc(nb, 1);
+    if (!p->body_fns || !p->ext_module || !p->lift || !skip) {
+        free(skip);
+        return af_error_set(AF_ERR_NOMEM, "out of memory loading kernels");
+    }
+    for (int32_t b = 0; b < p->ck->n_bodies && !st; b++) {
+        const af_cg_shared *body = &p->ck->bodies[b];
+        int found = 0, lifted = 0;
+        if (!(p->lift[b] = calloc((size_t)body->n_lits + 1, 1))) {
+            st = af_error_set(AF_ERR_NOMEM, "out of memory loading kernels");
+            break;
+        }
+        if (p->use_templates && (st = af_tmpl_find(body, &p->body_fns[b], &p->ext_module[b], p->lift[b], &found))) break;
+        for (int32_t j = 0; j < body->n_lits && !found; j++) lifted |= p->lift[b][j];
+        skip[b] = (uint8_t)found;
+        p->n_reused += found;
+        p->n_lifted += lifted;
+        p->n_compiled += !found;
+    }
+    if (!st && p->n_compiled && (p->n_reused || p->n_lifted))
+        st = af_c_render(p->ck, skip, (const uint8_t *const *)p->lift, &p->compile_source);
+    free(skip);
+    return st;
+}
+
 /* Plans fusion groups and generates their kernels (C for CPU groups, CUDA for CUDA groups);
  * compiles and loads them now, or at the first run with opts->lazy_jit. */
 static int build_kernels(af_program *p, const af_program_options *opts) {
@@ -295,9 +352,8 @@ static int build_kernels(af_program *p, const af_program_options *opts) {
         n_cuda += p->plan->groups[i].device.type == AF_DEVICE_CUDA;
     }
     int32_t widest = 0;
-    p->kernels = calloc((size_t)p->plan->n_groups, sizeof *p->kernels);
-    if (!p->kernels) return af_error_set(AF_ERR_NOMEM, "out of memory loading kernels");
-    if (n_cpu && (st = af_codegen_c(p->graph, p->plan, &p->source))) return st;
+    p->use_templates = !opts->no_templates;
+    if (n_cpu && (st = plan_c_kernels(p))) return st;
     if (n_cuda && (st = gen_cuda_kernels(p))) return st;
     p->jit_pending = 1;
     if (!opts->lazy_jit && (st = load_kernels(p))) return st;
@@ -658,6 +714,11 @@ int32_t af_program_donor(const af_program *p, int32_t value) {
 int af_program_cache_hit(const af_program *p) { return p ? p->cache_hit : 0; }
 int af_program_kernels_loaded(const af_program *p) { return p && !p->jit_pending; }
 const char *af_program_source(const af_program *p) { return p ? p->source : NULL; }
+int32_t af_program_bodies_reused(const af_program *p) { return p ? p->n_reused : 0; }
+int32_t af_program_bodies_lifted(const af_program *p) { return p ? p->n_lifted : 0; }
+const char *af_program_compiled_source(const af_program *p) {
+    return !p || !p->n_compiled ? NULL : p->compile_source ? p->compile_source : p->source;
+}
 int32_t af_program_num_steps(const af_program *p) { return p ? p->n_steps : 0; }
 void af_program_set_plain_outputs(af_program *p, int32_t first) {
     if (!p || !af_bridge_can_reinterpret()) return;
@@ -954,11 +1015,13 @@ static int run_kernel(af_program *p, int32_t gi) {
     }
     if (st) return st;
     if (grp->device.type == AF_DEVICE_CUDA) return launch_cuda(p, gi);
-    if (!p->have_threads && p->num_threads) { /* the kernels use as many threads as torch's own ops */
-        if ((st = af_bridge_num_threads(p->num_threads))) return st;
+    if (!p->have_threads) { /* the kernels use as many threads as torch's own ops */
+        if ((st = af_bridge_num_threads(&p->num_threads))) return st;
         p->have_threads = 1;
     }
-    af_bridge_run_kernel(p->kernels[gi], (char *const *)p->kernel_ptrs);
+    int32_t b = p->ck->body_of[gi];
+    af_bridge_run_kernel(p->body_fns[b], (char *const *)p->kernel_ptrs, p->ck->n_streams[gi] ? p->ck->streams[gi] : NULL,
+                         p->ck->bodies[b].lits, p->num_threads);
     return AF_OK;
 }
 

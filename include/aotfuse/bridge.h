@@ -16,6 +16,7 @@
 #ifndef AOTFUSE_BRIDGE_H
 #define AOTFUSE_BRIDGE_H
 
+#include "aotfuse/codegen.h"
 #include "aotfuse/ir.h"
 
 typedef struct af_obj af_obj;       /* a torch object (a PyObject underneath) */
@@ -104,7 +105,7 @@ int af_bridge_same_view(af_obj *const *objs, const af_tensor_meta *const *metas)
 /* torch.get_num_threads(): how many threads generated CPU kernels use (as torch's own ops do). */
 int af_bridge_num_threads(int *n);
 
-/* Calls a compiled kernel with the GIL released. */
-void af_bridge_run_kernel(void (*fn)(char *const *), char *const *ptrs);
+/* Calls a compiled kernel body (codegen.h) with the GIL released. */
+void af_bridge_run_kernel(af_body_fn fn, char *const *ptrs, const uint64_t *streams, const int64_t *sizes, int num_threads);
 
 #endif

@@ -26,7 +26,11 @@ void *af_jit_symbol(af_jit_module *m, const char *name);
 /* Where the module's shared object lives (for logs). */
 const char *af_jit_path(const af_jit_module *m);
 
-void af_jit_module_free(af_jit_module *m); /* NULL allowed; unloads */
+/* Modules are reference counted (a program holds its own and those whose bodies it calls,
+ * templates.h): free drops one reference and unloads at the last; NULL allowed. */
+void af_jit_module_free(af_jit_module *m);
+/* Adds a reference; the caller holds af_tmpl_lock (templates.h). */
+void af_jit_module_retain_locked(af_jit_module *m);
 
 /* Shared with the CUDA JIT: the cache folder (created if missing) and the key hash (64-bit
  * FNV-1a, chained: h = af_jit_hash(h, part), starting from 14695981039346656037). */

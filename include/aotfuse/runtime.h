@@ -38,6 +38,8 @@ typedef struct {
                                (default: merged, af_fuse_options) */
     int lazy_jit;           /* with fuse: generate the kernels now, compile and load them at the
                                first run (af_program_kernels_loaded says which; cache_hit is 0 until then) */
+    int no_templates;       /* with fuse: compile every C kernel body here, and offer none to later
+                               programs (default: call bodies earlier programs loaded, templates.h) */
 } af_program_options;
 
 /* Verifies g, plans it and resolves its steps. opts may be NULL (no fusion). On success the
@@ -51,6 +53,13 @@ int64_t af_program_kernel_fallbacks(const af_program *p);
 int af_program_cache_hit(const af_program *p);
 int af_program_kernels_loaded(const af_program *p); /* compiled and loaded (or none to load); 0 before a lazy_jit program's first run */
 const char *af_program_source(const af_program *p);
+/* Kernel templates (templates.h): C kernel bodies this program calls from earlier programs'
+ * modules (nothing compiled for them), and bodies it compiles with some literals read from af_n
+ * (templates for later shapes); the text it compiles (NULL: none; af_program_source when nothing
+ * was found or lifted). */
+int32_t af_program_bodies_reused(const af_program *p);
+int32_t af_program_bodies_lifted(const af_program *p);
+const char *af_program_compiled_source(const af_program *p);
 const char *af_program_cuda_source(const af_program *p); /* NULL without CUDA kernels */
 int32_t af_program_num_steps(const af_program *p);
 int32_t af_program_copies_sunk(const af_program *p); /* copies and reads computed from their sources (no_sink) */

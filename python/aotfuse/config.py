@@ -83,6 +83,10 @@ def merge_kernels() -> bool:
     return os.environ.get("AOTFUSE_MERGE_KERNELS", "1") not in ("", "0")
 
 
+def kernel_templates() -> bool:
+    return os.environ.get("AOTFUSE_KERNEL_TEMPLATES", "1") not in ("", "0")
+
+
 def overlap_sums() -> bool:
     return os.environ.get("AOTFUSE_OVERLAP_SUMS", "1") not in ("", "0")
 

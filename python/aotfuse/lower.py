@@ -892,7 +892,8 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
     try:
         program = _C.Program(b.graph, fuse=fuse, devices=config.kernel_devices(), reuse=config.reuse_buffers(),
                              sink=config.sink_copies(), sink_reads=config.sink_reads(),
-                             window_sources=config.window_sources(), merge=config.merge_kernels(), lazy_jit=lazy)
+                             window_sources=config.window_sources(), merge=config.merge_kernels(), lazy_jit=lazy,
+                             templates=config.kernel_templates())
     except _C.Error as e:
         if "cannot be built here" in str(e) or "C compiler" in str(e):
             raise BackendUnavailable(str(e)) from e
@@ -907,7 +908,9 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
                 groups.setdefault(group, []).append(op)
         config.emit("fusion", f"{program.num_kernels} kernels, {program.num_steps} steps for {program.num_nodes} nodes; "
                     f"{program.buffer_reuses} results take dead tensors ({program.reused_bytes / 1e6:.1f} MB a run, "
-                    f"{program.fresh_bytes / 1e6:.1f} MB of intermediates allocated)"
+                    f"{program.fresh_bytes / 1e6:.1f} MB of intermediates allocated); C kernel bodies: "
+                    f"{program.bodies_reused} called from earlier programs, {program.bodies_lifted} compiled with "
+                    "sizes as arguments"
                     + "".join(f"\n  kernel {k}: {', '.join(v)}" for k, v in sorted(groups.items())))
         for src in (program.source, program.cuda_source):
             if src:

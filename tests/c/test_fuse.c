@@ -122,11 +122,11 @@ static void test_identical_kernels_share_a_body(void **state) {
     char *src = NULL;
     assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
     assert_int_equal(count_of(src, "AF_BODY void af_body_"), 2);
-    assert_non_null(strstr(src, "AF_BODY void af_body_0(char *const *p, const uint64_t *af_s)"));
-    assert_non_null(strstr(src, "AF_BODY void af_body_2(char *const *p, const uint64_t *af_s)"));
-    assert_non_null(strstr(src, "void af_kernel_0(char *const *p) { af_body_0(p, NULL); }"));
-    assert_non_null(strstr(src, "void af_kernel_1(char *const *p) { af_body_0(p, NULL); }"));
-    assert_non_null(strstr(src, "void af_kernel_2(char *const *p) { af_body_2(p, NULL); }"));
+    assert_non_null(strstr(src, "AF_BODY void af_body_0(char *const *p, const uint64_t *af_s, const int64_t *af_n, int af_num_threads)"));
+    assert_non_null(strstr(src, "AF_BODY void af_body_2(char *const *p, const uint64_t *af_s, const int64_t *af_n, int af_num_threads)"));
+    assert_non_null(strstr(src, "void af_kernel_0(char *const *p) { af_body_0(p, NULL, NULL, af_num_threads); }"));
+    assert_non_null(strstr(src, "void af_kernel_1(char *const *p) { af_body_0(p, NULL, NULL, af_num_threads); }"));
+    assert_non_null(strstr(src, "void af_kernel_2(char *const *p) { af_body_2(p, NULL, NULL, af_num_threads); }"));
     assert_non_null(strstr(src, "af_kernel_count = 3"));
     free(src);
     af_fuse_plan_free(plan);
@@ -167,7 +167,7 @@ static void test_many_streams_stay_constants(void **state) {
         } else {
             assert_null(strstr(src, "af_s["));
             assert_non_null(strstr(src, " + 18ull, iv"));
-            assert_non_null(strstr(src, "void af_kernel_0(char *const *p) { af_body_0(p, NULL); }"));
+            assert_non_null(strstr(src, "void af_kernel_0(char *const *p) { af_body_0(p, NULL, NULL, af_num_threads); }"));
         }
         free(src);
         af_fuse_plan_free(plan);

@@ -1,0 +1,147 @@
+"""Kernel templates: a program for a new input shape calls the C kernel bodies earlier programs
+compiled wherever its kernels differ from theirs only in sizes (csrc/templates.c). What a new
+sequence length costs is then tracing and planning, not compiling; the values must be the new
+shape's, as if its kernels had been compiled for it."""
+import copy
+import functools
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+
+import aotfuse
+from aotfuse import _C
+from helpers import assert_close
+
+
+class Block(nn.Module):
+    """Rows whose length is the sequence length (a softmax over keys), a norm over the hidden size,
+    a transpose, broadcast biases and a residual: kernels whose sizes, strides and row counts
+    change with the sequence length while the hidden sizes stay."""
+
+    def __init__(self, hidden=24):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.fc, self.out = nn.Linear(hidden, 2 * hidden), nn.Linear(2 * hidden, hidden)
+
+    def forward(self, x):
+        h = self.norm(x)
+        scores = torch.softmax(h @ h.transpose(1, 2) * 0.25, dim=-1)
+        h = (scores @ h).transpose(0, 1).contiguous().transpose(0, 1)
+        h = self.out(nn.functional.gelu(self.fc(h))) + x
+        return (h * h).mean(), h.sum(dim=1)
+
+
+def _programs(record):
+    for low in record.programs.values():
+        yield low
+        yield from low.variants.values()
+
+
+def _train_shapes(compiled, model, shapes, double=None):
+    """Each shape through the compiled module and eager: outputs and gradients agree (and the loss
+    with a float64 copy's, when given)."""
+    g = torch.Generator().manual_seed(0)
+    for shape in shapes:
+        x = torch.randn(*shape, generator=g)
+        (loss, rows), (ref_loss, ref_rows) = compiled(x), model(x)
+        assert_close(loss, ref_loss, f"shape {shape}: loss")
+        assert_close(rows, ref_rows, f"shape {shape}: row sums")
+        if double is not None:
+            assert abs(loss.item() - double(x.double())[0].item()) < 1e-4 * max(1.0, abs(loss.item())), shape
+        (loss + rows.sum()).backward()
+        (ref_loss + ref_rows.sum()).backward()
+        for (name, p), q in zip(compiled.named_parameters(), model.parameters()):
+            assert_close(p.grad, q.grad, f"shape {shape}: grad of {name}")
+            p.grad = q.grad = None
+
+
+def test_new_shapes_call_the_bodies_earlier_shapes_compiled(monkeypatch):
+    monkeypatch.setenv("AOTFUSE_FUSE_ATTENTION", "0")  # keep the softmax over keys in a kernel
+    torch.manual_seed(0)
+    model = Block()
+    compiled = aotfuse.memory_efficient_fusion(copy.deepcopy(model))
+    shapes = [(2, 8, 24), (2, 12, 24), (2, 16, 24), (2, 20, 24), (3, 7, 24), (2, 12, 24)]
+    _train_shapes(compiled, model, shapes, double=copy.deepcopy(model).double())
+    records = compiled._aotfuse_compiled.records
+    assert len(records) == 5  # the last shape was the second's
+    during = _C.kernel_templates()
+    assert during > 0
+    for record in records[2:4]:  # sequence lengths 16 and 20: what 8 and 12 taught
+        progs = [low.program for low in _programs(record) if low.program.num_kernels]
+        assert progs
+        reused = sum(p.bodies_reused for p in progs)
+        compiled_here = [p for p in progs if p.compiled_source is not None]
+        assert reused > 0, [(p.bodies_reused, p.bodies_lifted) for p in progs]
+        # nothing compiled, or only what no earlier shape could serve
+        assert len(compiled_here) < len(progs), [(p.bodies_reused, p.bodies_lifted) for p in progs]
+        for p in compiled_here:
+            assert "af_n[" in p.compiled_source or p.bodies_reused < p.source.count("AF_BODY void af_body_")
+    # a template's sizes come from each caller: the bodies lifted for later shapes read af_n
+    lifted = [low.program for r in records for low in _programs(r) if low.program.bodies_lifted]
+    assert lifted and all("af_n[" in p.compiled_source for p in lifted)
+    # templates leave with the last program using them
+    del compiled, records, lifted
+    gc.collect()
+    assert _C.kernel_templates() < during
+
+
+def test_templates_off_compile_every_body_here(monkeypatch):
+    monkeypatch.setenv("AOTFUSE_FUSE_ATTENTION", "0")
+    monkeypatch.setenv("AOTFUSE_KERNEL_TEMPLATES", "0")
+    torch.manual_seed(1)
+    model = Block()
+    compiled = aotfuse.memory_efficient_fusion(copy.deepcopy(model))
+    before = _C.kernel_templates()
+    _train_shapes(compiled, model, [(2, 8, 24), (2, 12, 24), (2, 16, 24)])
+    for record in compiled._aotfuse_compiled.records:
+        for low in _programs(record):
+            p = low.program
+            assert p.bodies_reused == 0 and p.bodies_lifted == 0
+            if p.num_kernels and p.kernels_loaded:
+                assert p.compiled_source == p.source
+    assert _C.kernel_templates() == before  # nothing offered to later programs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hidden_sizes_and_dtypes_vary_too(dtype):
+    """Other hidden sizes and dtypes: bodies whose hidden size differs are templates too (or their
+    own kernels), never another size's kernel with the wrong values."""
+    torch.manual_seed(2)
+    for hidden in (16, 24, 40):
+        model = Block(hidden).to(dtype)
+        compiled = aotfuse.memory_efficient_fusion(copy.deepcopy(model))
+        g = torch.Generator().manual_seed(hidden)
+        for seq in (6, 10, 14):
+            x = torch.randn(2, seq, hidden, generator=g).to(dtype)
+            (loss, rows), (ref_loss, ref_rows) = compiled(x), model(x)
+            tol = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else {}
+            assert_close(loss, ref_loss, f"hidden {hidden}, seq {seq}, {dtype}: loss", **tol)
+            assert_close(rows, ref_rows, f"hidden {hidden}, seq {seq}, {dtype}: row sums", **tol)
+
+
+def test_torch_compile_backend_shapes_share_bodies():
+    """Under torch.compile(backend="aotfuse"), a graph Dynamo made dynamic is compiled per shape
+    (dynamo._per_shape); those programs find the bodies too."""
+    from aotfuse.dynamo import aotfuse_backend
+
+    torch._dynamo.reset()
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4))
+    twin = copy.deepcopy(model)
+    seen: list = []
+    compiled = torch.compile(twin, backend=functools.partial(aotfuse_backend, collect=seen), dynamic=True)
+    g = torch.Generator().manual_seed(3)
+    for batch in (3, 5, 7, 9):
+        x = torch.randn(batch, 8, generator=g)
+        out, ref = compiled(x), model(x)
+        assert_close(out, ref, f"batch {batch}: output")
+        out.square().sum().backward()
+        ref.square().sum().backward()
+        for (name, p), q in zip(twin.named_parameters(), model.parameters()):
+            assert_close(p.grad, q.grad, f"batch {batch}: grad of {name}")
+            p.grad = q.grad = None
+    progs = [low.program for _stage, low in seen if low.program.num_kernels]
+    assert sum(p.bodies_reused for p in progs[-2:]) > 0, [(p.bodies_reused, p.bodies_lifted) for p in progs]
+    torch._dynamo.reset()
