@@ -16,7 +16,7 @@ static const char *const prelude =
     "#include <math.h>\n"
     "#include <stdint.h>\n"
     "#include <string.h>\n"
-    "int af_num_threads = 1; /* set by the runtime before each run: torch.get_num_threads() */\n"
+    "int af_num_threads = 1; /* the wrappers' thread count (the runtime passes torch.get_num_threads() to the bodies) */\n"
     /* the helpers' polynomials use fused multiply-adds where the CPU has them (one rounding instead
      * of two: faster and slightly more accurate); member expressions stay unfused (-ffp-contract=off) */
     /* GCC 12's loop vectorizer, if-converting a window's guarded load into an AVX-512 masked
@@ -465,7 +465,7 @@ int af_c_kernels_new(const af_graph *g, const af_fusion_plan *plan, af_c_kernels
     return AF_OK;
 }
 
-/* Body b's text with the literals flagged in lift read from af_n: `((int)af_n[j])` (`long` for a
+/* Body b's text with the literals flagged in lift read from af_n: `((int)af_n[j])` (`int64_t` for a
  * value past INT_MAX), the type the literal had, so the expressions around it compute the same. */
 static void render_body(af_strbuf *sb, const af_cg_shared *b, const uint8_t *lift) {
     size_t at = 0;
@@ -473,7 +473,7 @@ static void render_body(af_strbuf *sb, const af_cg_shared *b, const uint8_t *lif
         if (!lift[j]) continue;
         size_t len = 0;
         while (b->text[b->lit_at[j] + len] >= '0' && b->text[b->lit_at[j] + len] <= '9') len++;
-        af_strbuf_printf(sb, "%.*s((%s)af_n[%d])", (int)(b->lit_at[j] - at), b->text + at, b->lits[j] > INT32_MAX ? "long" : "int", (int)j);
+        af_strbuf_printf(sb, "%.*s((%s)af_n[%d])", (int)(b->lit_at[j] - at), b->text + at, b->lits[j] > INT32_MAX ? "int64_t" : "int", (int)j);
         at = b->lit_at[j] + len;
     }
     af_strbuf_printf(sb, "%s", b->text + at);

@@ -117,6 +117,18 @@ static int run_compiler(char *const *argv, const char *log_path) {
     return af_error_set(AF_ERR_UNSUPPORTED, "the C compiler '%s' failed (status %d): %s", argv[0], status, log);
 }
 
+/* Chains the compiler's words and the flags into h. */
+static uint64_t config_hash(uint64_t h) {
+    char ccbuf[1024], *words[16];
+    int n = compiler_words(ccbuf, sizeof ccbuf, words, 16);
+    for (int i = 0; i < n; i++) h = af_jit_hash(h, words[i]);
+    for (int i = 0; i < N_BASE_FLAGS; i++) h = af_jit_hash(h, base_flags[i]);
+    if (vector_width_flag()) h = af_jit_hash(h, vector_width_flag());
+    return h;
+}
+
+uint64_t af_jit_cpu_config(void) { return config_hash(af_jit_hash(14695981039346656037ull, JIT_VERSION)); }
+
 /* dlopen + key check; 0 if the entry is missing, broken or someone else's. */
 static void *open_checked(const char *path, const char *key) {
     void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
@@ -183,15 +195,12 @@ static int compile_to(const char *dir, const char *key, const char *source, cons
 
 int af_jit_cpu_load(const char *source, af_jit_module **out, int *cache_hit) {
     if (!source || !out) return af_error_set(AF_ERR_INVALID, "af_jit_cpu_load: NULL argument");
-    char dir[4000], ccbuf[1024], *words[16];
+    char dir[4000];
     int st = af_jit_cache_dir(dir, sizeof dir);
     if (st) return st;
-    int n = compiler_words(ccbuf, sizeof ccbuf, words, 16);
     uint64_t h = af_jit_hash(14695981039346656037ull, JIT_VERSION);
     h = af_jit_hash(h, source);
-    for (int i = 0; i < n; i++) h = af_jit_hash(h, words[i]);
-    for (int i = 0; i < N_BASE_FLAGS; i++) h = af_jit_hash(h, base_flags[i]);
-    if (vector_width_flag()) h = af_jit_hash(h, vector_width_flag());
+    h = config_hash(h);
     char key[32];
     snprintf(key, sizeof key, "%016" PRIx64, h);
     af_jit_module *m = calloc(1, sizeof *m);

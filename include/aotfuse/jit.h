@@ -20,6 +20,10 @@ typedef struct af_jit_module af_jit_module;
 /* Compiles (or finds in the cache) `source` and loads it. *cache_hit says which, when not NULL. */
 int af_jit_cpu_load(const char *source, af_jit_module **out, int *cache_hit);
 
+/* A hash of the compiler (AOTFUSE_CC) and the flags af_jit_cpu_load would use now: part of the cache
+ * key, and of a kernel template's identity (templates.h). */
+uint64_t af_jit_cpu_config(void);
+
 /* A symbol of a loaded module, or NULL. */
 void *af_jit_symbol(af_jit_module *m, const char *name);
 

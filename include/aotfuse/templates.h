@@ -9,7 +9,15 @@
  * matches no entry is compiled as a template: the literals that differ from the most general
  * entry's (and those it lifts) are read from af_n, so the next shape that varies the same sizes
  * finds it. Values 0 and 1 stay in the text (a unit stride or size is what lets the compiler
- * vectorize). Entries are weak: a module's leave with it (af_jit_module_free). Thread-safe.
+ * vectorize): a lifted literal takes sizes > 1 only. An entry also holds the compiler and flags it
+ * was built with (af_jit_cpu_config): other settings find nothing. Entries are weak: a module's
+ * leave with it (af_jit_module_free). Thread-safe.
+ *
+ * A found or lifted body computes the same function as the program's own text, but a reduction
+ * whose length is an argument may add its terms in another order than the one with the length as
+ * a constant (the vectorizer's loop structure): the same shape's sums can differ in the last bits
+ * depending on which shapes a process compiled first. Under torch.use_deterministic_algorithms the
+ * lowering turns templates off (lower.py).
  */
 #ifndef AOTFUSE_TEMPLATES_H
 #define AOTFUSE_TEMPLATES_H

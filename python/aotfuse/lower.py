@@ -889,11 +889,13 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
     fuse = config.fusion()
     if fuse:
         _add_nvrtc_search_dirs()
+    # kernel templates (templates.h): a lifted reduction may add in another order than its own
+    # shape's constants would, so under deterministic algorithms each program compiles its own
     try:
         program = _C.Program(b.graph, fuse=fuse, devices=config.kernel_devices(), reuse=config.reuse_buffers(),
                              sink=config.sink_copies(), sink_reads=config.sink_reads(),
                              window_sources=config.window_sources(), merge=config.merge_kernels(), lazy_jit=lazy,
-                             templates=config.kernel_templates())
+                             templates=config.kernel_templates() and not torch.are_deterministic_algorithms_enabled())
     except _C.Error as e:
         if "cannot be built here" in str(e) or "C compiler" in str(e):
             raise BackendUnavailable(str(e)) from e

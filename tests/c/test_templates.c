@@ -63,6 +63,28 @@ static void test_which_literals_are_lifted(void **state) {
     af_cg_shared_free(&sh);
 }
 
+/* A lifted literal keeps the C type it had: int, or int64_t past INT_MAX; the others stay text. */
+static void test_lifted_literals_keep_their_type(void **state) {
+    (void)state;
+    const char *text = "void af_kernel_0(char *const *p) {\n  int64_t o = 3000000000 + 7 * i + 40;\n}\n";
+    af_cg_shared sh;
+    assert_int_equal(af_cg_share(text, 0, 0, &sh), AF_OK);
+    assert_int_equal(sh.n_lits, 3);
+    int32_t body_group = 0, body_of = 0, n_streams = 0;
+    uint64_t streams[1][AF_MAX_KERNEL_STREAMS] = {{0}};
+    af_c_kernels k = {.n_groups = 1, .n_bodies = 1, .bodies = &sh, .body_group = &body_group, .body_of = &body_of,
+                      .n_streams = &n_streams, .streams = streams};
+    uint8_t lift[3] = {1, 1, 0};
+    const uint8_t *lifts[1] = {lift};
+    char *src = NULL;
+    assert_int_equal(af_c_render(&k, NULL, lifts, &src), AF_OK);
+    assert_non_null(strstr(src, "int64_t o = ((int64_t)af_n[0]) + ((int)af_n[1]) * i + 40;"));
+    /* the wrapper passes the values */
+    assert_non_null(strstr(src, "static const int64_t n[3] = {3000000000, 7, 40}; af_body_0(p, NULL, n, af_num_threads);"));
+    free(src);
+    af_cg_shared_free(&sh);
+}
+
 /* y = x * 0.5 + bias, x [rows, cols], bias [cols] broadcast: one kernel. */
 static af_graph *bias_graph(int64_t rows, int64_t cols) {
     af_graph *g;
@@ -216,6 +238,7 @@ static void test_a_body_serves_other_shapes(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_which_literals_are_lifted),
+        cmocka_unit_test(test_lifted_literals_keep_their_type),
         cmocka_unit_test(test_a_body_serves_other_shapes),
     };
     return cmocka_run_group_tests_name("templates", tests, NULL, NULL);
