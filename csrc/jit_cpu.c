@@ -87,7 +87,8 @@ static int compiler_words(char *buf, size_t n, char **words, int max) {
     if (!cc || !*cc) cc = "cc";
     if (snprintf(buf, n, "%s", cc) >= (int)n) return -1;
     int k = 0;
-    for (char *tok = strtok(buf, " \t"); tok && k < max; tok = strtok(NULL, " \t")) words[k++] = tok;
+    char *save = NULL; /* strtok_r: the kernel templates ask for the compiler's words too */
+    for (char *tok = strtok_r(buf, " \t", &save); tok && k < max; tok = strtok_r(NULL, " \t", &save)) words[k++] = tok;
     return k;
 }
 
