@@ -17,6 +17,23 @@ def assert_close(actual, expected, what: str, atol: float = ATOL, rtol: float = 
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
 
 
+def assert_batches_train_like_eager(compiled, twin: torch.nn.Module, model: torch.nn.Module, batches, features: int,
+                                    seed: int = 3) -> None:
+    """For each batch size: a random [batch, features] input through `compiled` (which trains
+    `twin`) and `model`; outputs agree, and after the squared sum's backward so does every
+    gradient (cleared after each batch)."""
+    g = torch.Generator().manual_seed(seed)
+    for batch in batches:
+        x = torch.randn(batch, features, generator=g)
+        out, ref = compiled(x), model(x)
+        assert_close(out, ref, f"batch {batch}: output")
+        out.square().sum().backward()
+        ref.square().sum().backward()
+        for (name, p), q in zip(twin.named_parameters(), model.parameters()):
+            assert_close(p.grad, q.grad, f"batch {batch}: grad of {name}")
+            p.grad, q.grad = None, None
+
+
 def tensors_of(tree):
     from aotfuse._pytree import tree_flatten
 

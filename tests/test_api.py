@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import aotfuse
-from helpers import assert_close, tensors_of
+from helpers import assert_batches_train_like_eager, assert_close, tensors_of
 
 Pair = collections.namedtuple("Pair", "first second")
 
@@ -444,18 +444,9 @@ def test_torch_compile_backend_compiles_each_shape_of_a_dynamic_graph(dynamic, m
     twin = copy.deepcopy(model)
     seen: list = []
     compiled = torch.compile(twin, backend=functools.partial(aotfuse_backend, collect=seen), dynamic=dynamic)
-    g = torch.Generator().manual_seed(3)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for batch in (3, 5, 7, 5, 9, 11):
-            x = torch.randn(batch, 8, generator=g)
-            out, ref = compiled(x), model(x)
-            assert_close(out, ref, f"batch {batch}: output")
-            out.square().sum().backward()
-            ref.square().sum().backward()
-            for (name, p), q in zip(twin.named_parameters(), model.parameters()):
-                assert_close(p.grad, q.grad, f"batch {batch}: grad of {name}")
-                p.grad, q.grad = None, None
+        assert_batches_train_like_eager(compiled, twin, model, (3, 5, 7, 5, 9, 11), 8)
     # a forward and a backward program per shape compiled: 3, 5, 7 and 9 with dynamic=None (3 is
     # Dynamo's static graph, the others its symbolic one's, whose bound of 3 leaves 11 uncompiled);
     # 3, 5 and 7 with dynamic=True (9 and 11 uncompiled)

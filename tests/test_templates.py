@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import aotfuse
 from aotfuse import _C
-from helpers import assert_close
+from helpers import assert_batches_train_like_eager, assert_close
 
 
 class Block(nn.Module):
@@ -137,16 +137,7 @@ def test_torch_compile_backend_shapes_share_bodies():
     twin = copy.deepcopy(model)
     seen: list = []
     compiled = torch.compile(twin, backend=functools.partial(aotfuse_backend, collect=seen), dynamic=True)
-    g = torch.Generator().manual_seed(3)
-    for batch in (3, 5, 7, 9):
-        x = torch.randn(batch, 8, generator=g)
-        out, ref = compiled(x), model(x)
-        assert_close(out, ref, f"batch {batch}: output")
-        out.square().sum().backward()
-        ref.square().sum().backward()
-        for (name, p), q in zip(twin.named_parameters(), model.parameters()):
-            assert_close(p.grad, q.grad, f"batch {batch}: grad of {name}")
-            p.grad = q.grad = None
+    assert_batches_train_like_eager(compiled, twin, model, (3, 5, 7, 9), 8)
     progs = [low.program for _stage, low in seen if low.program.num_kernels]
     assert sum(p.bodies_reused for p in progs[-2:]) > 0, [(p.bodies_reused, p.bodies_lifted) for p in progs]
     torch._dynamo.reset()
