@@ -249,7 +249,10 @@ static int emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_
     af_cg_emit_unflatten(sb, "    ", "af_idx", "r", "b", 0, n_kept - 1, sp->sizes, sp->strides, nops);
     for (int32_t m = 0; m < grp->n_nodes; m++)
         if (cached[m])
-            af_strbuf_printf(sb, "    float c%d[%" PRId64 "]; /* kept from its phase for later ones */\n",
+            /* the length in parentheses: a literal af_cg_share may lift (a kernel template for other row
+             * lengths then declares a variable-length array; each shape's own generation decided
+             * the cache fits AF_PHASE_CACHE_BYTES) */
+            af_strbuf_printf(sb, "    float c%d[(%" PRId64 ")]; /* kept from its phase for later ones */\n",
                              (int)af_graph_node(g, grp->nodes[m])->first_output, sp->inner);
     for (int32_t ph = 0; ph <= last_phase; ph++) {
         /* every reduction of the phase is an OpenMP reduction: max/min with a NaN flag (|), sums (+) on

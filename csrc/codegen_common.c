@@ -703,7 +703,7 @@ void af_cg_emit_reduction_stores(af_strbuf *sb, const af_graph *g, const af_fusi
         const af_node *n = af_graph_node(g, af_graph_value(g, v)->producer);
         const char *at = column_strides ? "[c - c0]" : "";
         char val[96], off[64];
-        if (n->op_id == AF_OP_MEAN) snprintf(val, sizeof val, "(float)(acc%d%s / %" PRId64 ".0)", (int)v, at, count);
+        if (n->op_id == AF_OP_MEAN) snprintf(val, sizeof val, "(float)(acc%d%s / (double)%" PRId64 ")", (int)v, at, count); /* a liftable count */
         else snprintf(val, sizeof val, "(float)acc%d%s", (int)v, at);
         if (column_strides) snprintf(off, sizeof off, "c * %" PRId64, column_strides[k][0]);
         else snprintf(off, sizeof off, "b%d", (int)k);
@@ -882,7 +882,7 @@ void af_cg_emit_phase_end(af_strbuf *sb, const af_graph *g, const af_fusion_grou
         if (nan_flags && (n->op_id == AF_OP_AMAX || n->op_id == AF_OP_AMIN))
             af_strbuf_printf(sb, "%sfloat v%d = nan%d ? (float)NAN : (float)acc%d;\n", indent, v, v, v);
         else if (n->op_id == AF_OP_MEAN)
-            af_strbuf_printf(sb, "%sfloat v%d = (float)(acc%d / %" PRId64 ".0);\n", indent, v, v, inner);
+            af_strbuf_printf(sb, "%sfloat v%d = (float)(acc%d / (double)%" PRId64 ");\n", indent, v, v, inner);
         else af_strbuf_printf(sb, "%sfloat v%d = (float)acc%d;\n", indent, v, v);
         if (dt == AF_DTYPE_BFLOAT16) af_strbuf_printf(sb, "%sv%d = af_bf16_load(af_bf16_store(v%d));\n", indent, v, v);
         else if (dt == AF_DTYPE_FLOAT16) af_strbuf_printf(sb, "%sv%d = af_f16_load(af_f16_store(v%d));\n", indent, v, v);
