@@ -249,10 +249,11 @@ static int emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_
     af_cg_emit_unflatten(sb, "    ", "af_idx", "r", "b", 0, n_kept - 1, sp->sizes, sp->strides, nops);
     for (int32_t m = 0; m < grp->n_nodes; m++)
         if (cached[m])
-            /* the length in parentheses: a literal af_cg_share may lift (a kernel template for other row
-             * lengths then declares a variable-length array; each shape's own generation decided
-             * the cache fits AF_PHASE_CACHE_BYTES) */
-            af_strbuf_printf(sb, "    float c%d[(%" PRId64 ")]; /* kept from its phase for later ones */\n",
+            /* an array length, which af_cg_share never lifts: a kernel keeping values per row (the
+             * attention softmax over keys) is compiled for its own row length. Lifted (a
+             * variable-length array), Bert's step at a length such kernels served ran 5-6% slower
+             * (benchmarks/results/new-lengths-2026-12-02.md) */
+            af_strbuf_printf(sb, "    float c%d[%" PRId64 "]; /* kept from its phase for later ones */\n",
                              (int)af_graph_node(g, grp->nodes[m])->first_output, sp->inner);
     for (int32_t ph = 0; ph <= last_phase; ph++) {
         /* every reduction of the phase is an OpenMP reduction: max/min with a NaN flag (|), sums (+) on
