@@ -121,6 +121,14 @@ def cache_facts(cache: str) -> dict:
             "cc_s": compile_s}
 
 
+def _write(lines: list[str], out: str | None) -> None:
+    """The table, to `out` too (markdown) when given."""
+    if out:
+        with open(out, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+        print("written:", out)
+
+
 def new_lengths(args) -> None:
     import aotfuse
     import torch
@@ -158,10 +166,7 @@ def new_lengths(args) -> None:
     lines += ["", "Each run a fresh process and an empty kernel cache; a length's first step includes tracing, "
               "partitioning, lowering and the kernels it compiles (C compiler: the seconds of the C compiler calls "
               "made in that step, timed through AOTFUSE_CC). off: AOTFUSE_KERNEL_TEMPLATES=0. Ranges over the runs."]
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write("\n".join(lines) + "\n")
-        print("written:", args.out)
+    _write(lines, args.out)
 
 
 def main() -> None:
@@ -206,10 +211,7 @@ def main() -> None:
               "bodies: kernels compiled once for kernels that differ only in node ids and dropout streams; "
               "NVRTC: the same programs planned for cuda:0 (aotfuse.nvrtc_check), compiled for sm_90, summed "
               "(kernels: __global__ functions compiled, vectorized variants and finishing passes included)."]
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write("\n".join(lines) + "\n")
-        print("written:", args.out)
+    _write(lines, args.out)
 
 
 if __name__ == "__main__":
