@@ -1785,3 +1785,51 @@ def test_a_sunk_copy_reads_sources_whose_layout_is_checked():
     ref = _windows_of_a_scaled_projection(*args)
     for name, o, r in zip(("scores", "heads"), lowered(list(args)), ref):
         assert_close(o, r, name)
+
+
+def test_exp_is_accurate_and_keeps_special_values():
+    """af_exp (the C prelude's polynomial, special values from its arithmetic, no selects): within 2
+    ulps of the exact value over a sweep of the float range it does not flush, ATen's value for
+    infinities, NaN and the overflow edge, and 0 below about -87 where ATen returns tiny normals."""
+    sweep = torch.linspace(-86.9, 88.72, 200_003, dtype=torch.float64).float()
+    specials = torch.tensor([float("inf"), float("-inf"), float("nan"), 88.7228, 88.72283, 88.722839, 89.0, 89.1, 100.0,
+                             1e30, -1e30, 0.0, -0.0, 1e-30, -1e-30, 0.5, -0.5, 1.0])
+    flushed = torch.tensor([-87.0, -87.3, -87.31, -88.0, -100.0, -103.0, -104.0])
+    every = torch.cat([sweep, specials, flushed])
+    out = lower(make_fx(lambda x: torch.exp(x * 1.0))(every))([every])[0]
+    got, got_s, got_f = out.split([len(sweep), len(specials), len(flushed)])
+    exact = torch.exp(sweep.double())
+    ulp = torch.finfo(torch.float32).eps * exact.abs()  # an ulp of the result (2^-23 of it: at most two of its own)
+    err = ((got.double() - exact).abs() / ulp).max().item()
+    assert err <= 2.0, f"exp: {err:.2f} ulps from the exact value"
+    ref_s = torch.exp(specials)
+    assert torch.equal(got_s.isnan(), ref_s.isnan()), (got_s, ref_s)
+    keep = ~ref_s.isnan()
+    assert torch.equal(got_s[keep].isinf(), ref_s[keep].isinf()), (got_s, ref_s)
+    assert_close(got_s[keep], ref_s[keep], "exp of special values", atol=0, rtol=2.5e-7)
+    assert torch.equal(got_f, torch.zeros_like(got_f)) and torch.exp(flushed).max().item() < 2e-38, got_f
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_divides_rows_by_one_reciprocal(dtype):
+    """A phased kernel dividing a later phase's elements by a row value (softmax's sum) multiplies by
+    the value's reciprocal, computed once a row: the source says so, and the result is as close to
+    float64's as eager's within two ulps, masked (-inf) entries exactly 0."""
+    from aotfuse.decompositions import default_decompositions
+
+    x = torch.randn(64, 200) * 4
+    x[3, :150] = float("-inf")  # a masked row
+    x = x.to(dtype)
+    f = lambda x: torch.softmax(x, -1)
+    low = lower(make_fx(f, decomposition_table=default_decompositions(norms=True))(x))
+    src = low.program.source
+    assert re.search(r"const float rc(\d+) = 1\.0f / v\1;", src) and "by the reciprocal" in src, src
+    got = low([x])[0]
+    ref = torch.softmax(x.double(), -1)
+    assert torch.equal(got[3, :150], torch.zeros_like(got[3, :150]))
+    if dtype == torch.float32:  # exp's argument x - max carries its rounding, as eager's does
+        rel = lambda t: ((t.double() - ref).abs() / ref.clamp_min(1e-30)).max().item()
+        ours, eager = rel(got), rel(f(x))
+        assert ours <= eager + 2 * torch.finfo(torch.float32).eps, f"softmax float32: relative error {ours:.3g}, eager's {eager:.3g}"
+    else:  # the eager bf16 softmax rounds once at the end, as the kernel does
+        assert_close(got.float(), f(x).float(), "softmax bfloat16", atol=0, rtol=2 ** -7)
