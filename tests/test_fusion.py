@@ -1833,3 +1833,8 @@ def test_softmax_divides_rows_by_one_reciprocal(dtype):
         assert ours <= eager + 2 * torch.finfo(torch.float32).eps, f"softmax float32: relative error {ours:.3g}, eager's {eager:.3g}"
     else:  # the eager bf16 softmax rounds once at the end, as the kernel does
         assert_close(got.float(), f(x).float(), "softmax bfloat16", atol=0, rtol=2 ** -7)
+    # rc<id> is named by a node id, as v<id> is: two softmaxes of one shape still share one body
+    y = torch.randn(64, 64, dtype=dtype)
+    two = lower(make_fx(lambda y: torch.softmax(torch.softmax(y, -1) @ y, -1),
+                        decomposition_table=default_decompositions(norms=True))(y))
+    assert two.program.num_kernels == 2 and two.program.source.count("AF_BODY void") == 1, two.program.source
