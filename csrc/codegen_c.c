@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "aotfuse/jit.h"
 #include "aotfuse/strbuf.h"
 #include "codegen_common.h"
 
@@ -16,7 +17,8 @@ static const char *const prelude =
     "#include <math.h>\n"
     "#include <stdint.h>\n"
     "#include <string.h>\n"
-    "int af_num_threads = 1; /* the wrappers' thread count (the runtime passes torch.get_num_threads() to the bodies) */\n"
+    /* defined at the end: the JIT may compile the units ("//@af-unit" lines) as several files */
+    "extern int af_num_threads; /* the wrappers' thread count (the runtime passes torch.get_num_threads() to the bodies) */\n"
     /* the helpers' polynomials use fused multiply-adds where the CPU has them (one rounding instead
      * of two: faster and slightly more accurate); member expressions stay unfused (-ffp-contract=off) */
     /* GCC 12's loop vectorizer, if-converting a window's guarded load into an AVX-512 masked
@@ -495,8 +497,14 @@ int af_c_render(const af_c_kernels *k, const uint8_t *skip, const uint8_t *const
         const uint8_t *lb = lift ? lift[b] : NULL;
         int lifted = 0;
         for (int32_t j = 0; lb && j < body->n_lits; j++) lifted |= lb[j];
+        /* a unit: what the JIT may compile apart from the others (jit.h); a kernel calling an
+         * earlier group's body declares it, for the unit may land in another file than the body */
+        af_strbuf_printf(&sb, "\n" AF_C_UNIT_MARK "\n");
         if (k->body_group[b] == i) render_body(&sb, body, lb);
-        else af_strbuf_printf(&sb, "\n/* group %d: the body of group %d */\n", (int)i, (int)k->body_group[b]);
+        else
+            af_strbuf_printf(&sb, "/* group %d: the body of group %d */\n"
+                                  "void af_body_%d(char *const *, const uint64_t *, const int64_t *, int);\n",
+                             (int)i, (int)k->body_group[b], (int)k->body_group[b]);
         af_strbuf_printf(&sb, "void af_kernel_%d(char *const *p) {", (int)i);
         if (k->n_streams[i]) {
             af_strbuf_printf(&sb, " static const uint64_t s[%d] = {", (int)k->n_streams[i]);
@@ -511,7 +519,7 @@ int af_c_render(const af_c_kernels *k, const uint8_t *skip, const uint8_t *const
         af_strbuf_printf(&sb, " af_body_%d(p, %s, %s, af_num_threads); }\n", (int)k->body_group[b], k->n_streams[i] ? "s" : "NULL",
                          lifted ? "n" : "NULL");
     }
-    af_strbuf_printf(&sb, "\nconst int af_kernel_count = %d;\n", (int)k->n_groups);
+    af_strbuf_printf(&sb, "\nconst int af_kernel_count = %d;\nint af_num_threads = 1;\n", (int)k->n_groups);
     return af_strbuf_finish(&sb, source);
 }
 

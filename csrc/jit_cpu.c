@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <sched.h>
 #include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -92,16 +93,20 @@ static int compiler_words(char *buf, size_t n, char **words, int max) {
     return k;
 }
 
-/* Runs the compiler; on failure the message holds the start of its output. */
-static int run_compiler(char *const *argv, const char *log_path) {
+/* Starts the compiler, its output into log_path. */
+static int spawn_compiler(char *const *argv, const char *log_path, pid_t *pid) {
     posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 1, log_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&fa, 1, 2);
-    pid_t pid;
-    int err = posix_spawnp(&pid, argv[0], &fa, NULL, argv, environ);
+    if (posix_spawn_file_actions_init(&fa) != 0) return af_error_set(AF_ERR_NOMEM, "out of memory starting the C compiler");
+    int err = posix_spawn_file_actions_addopen(&fa, 1, log_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (!err) err = posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    if (!err) err = posix_spawnp(pid, argv[0], &fa, NULL, argv, environ);
     posix_spawn_file_actions_destroy(&fa);
     if (err) return af_error_set(AF_ERR_UNSUPPORTED, "cannot run the C compiler '%s' (%s): install one, or set AOTFUSE_CC, or AOTFUSE_FUSION=0 to run without fused kernels", argv[0], strerror(err));
+    return AF_OK;
+}
+
+/* Waits for a compiler spawn_compiler started; on failure the message holds the start of its output. */
+static int wait_compiler(pid_t pid, const char *argv0, const char *log_path) {
     int status = 0;
     while (waitpid(pid, &status, 0) < 0)
         if (errno != EINTR) return af_error_set(AF_ERR_RUNTIME, "waiting for the C compiler: %s", strerror(errno));
@@ -114,8 +119,15 @@ static int run_compiler(char *const *argv, const char *log_path) {
         fclose(f);
     }
     if (WIFEXITED(status) && WEXITSTATUS(status) == 127)
-        return af_error_set(AF_ERR_UNSUPPORTED, "the C compiler '%s' was not found: install one, or set AOTFUSE_CC, or AOTFUSE_FUSION=0", argv[0]);
-    return af_error_set(AF_ERR_UNSUPPORTED, "the C compiler '%s' failed (status %d): %s", argv[0], status, log);
+        return af_error_set(AF_ERR_UNSUPPORTED, "the C compiler '%s' was not found: install one, or set AOTFUSE_CC, or AOTFUSE_FUSION=0", argv0);
+    return af_error_set(AF_ERR_UNSUPPORTED, "the C compiler '%s' failed (status %d): %s", argv0, status, log);
+}
+
+/* Runs the compiler; on failure the message holds the start of its output. */
+static int run_compiler(char *const *argv, const char *log_path) {
+    pid_t pid;
+    int st = spawn_compiler(argv, log_path, &pid);
+    return st ? st : wait_compiler(pid, argv[0], log_path);
 }
 
 /* Chains the compiler's words and the flags into h. */
@@ -142,6 +154,150 @@ static void *open_checked(const char *path, const char *key) {
     return h;
 }
 
+/* ---------------------------------------------------------------- parallel compile (jit.h) */
+
+/* About a tenth of a second of `cc -O3`: a part smaller than this costs another compiler's start
+ * and a link for less than it saves. */
+#define MIN_PART_BYTES 12000
+#define MAX_PARTS 64
+
+/* Compilers one module may run at once: AOTFUSE_JIT_JOBS, else the CPUs this process may use (at
+ * most 16); a value that is not a positive integer is ignored. */
+static int jit_jobs(void) {
+    const char *e = getenv("AOTFUSE_JIT_JOBS");
+    if (e && *e) {
+        char *end = NULL;
+        long v = strtol(e, &end, 10);
+        if (end && *end == '\0' && v >= 1) return v > MAX_PARTS ? MAX_PARTS : (int)v;
+    }
+    long n = 0;
+#ifdef __linux__
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) n = CPU_COUNT(&set);
+#endif
+    if (n <= 0) n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : n > 16 ? 16 : (int)n;
+}
+
+/* Set once a split compile failed where the one-file compile then worked (a compiler that wants
+ * other flags, say): later modules go straight to the one-file path. */
+static int split_broken;
+
+typedef struct {
+    size_t at, len; /* from its AF_C_UNIT_MARK line to the next one (or the end) */
+    size_t index;
+} unit_span;
+
+static int longer_first(const void *a, const void *b) {
+    const unit_span *x = a, *y = b;
+    if (x->len != y->len) return x->len > y->len ? -1 : 1;
+    return x->index < y->index ? -1 : 1;
+}
+
+/* Writes the prelude and the units of part j (in source order); part 0 also gets the key. */
+static int write_part(const char *path, const char *source, size_t prelude, const unit_span *units, size_t n_units,
+                      const int *part_of, int j, const char *key) {
+    FILE *f = fopen(path, "w");
+    if (!f) return 0;
+    int ok = fwrite(source, 1, prelude, f) == prelude;
+    for (size_t u = 0; u < n_units && ok; u++)
+        if (part_of[u] == j) ok = fwrite(source + units[u].at, 1, units[u].len, f) == units[u].len;
+    if (j == 0 && ok) ok = fprintf(f, "\nconst char af_module_key[] = \"%s\";\n", key) > 0;
+    ok &= fclose(f) == 0;
+    return ok;
+}
+
+/* Compiles source into tmp_so as parts compiled at once and linked; 1 if it did, 0 where the
+ * source is too small to split, jobs is 1, or anything failed (*tried then says it ran a compiler;
+ * the caller compiles the source as one file, which reports the compiler's own error). Every file
+ * it writes is removed. */
+static int split_compile(const char *dir, const char *key, long salt, const char *source, const char *tmp_so, int *tried) {
+    int jobs = jit_jobs();
+    if (jobs < 2 || __atomic_load_n(&split_broken, __ATOMIC_RELAXED)) return 0;
+    const char *first = strstr(source, AF_C_UNIT_MARK "\n");
+    if (!first) return 0;
+    size_t prelude = (size_t)(first - source), n_units = 0, total = strlen(source) - prelude;
+    for (const char *q = first; q; q = strstr(q + 1, "\n" AF_C_UNIT_MARK "\n")) n_units++;
+    size_t parts = (size_t)jobs;
+    if (parts > n_units) parts = n_units;
+    if (parts > total / MIN_PART_BYTES) parts = total / MIN_PART_BYTES;
+    if (parts < 2) return 0;
+
+    unit_span *units = calloc(n_units, sizeof *units), *order = calloc(n_units, sizeof *order);
+    int *part_of = calloc(n_units, sizeof *part_of);
+    char(*paths)[3][4200] = calloc(parts, sizeof *paths); /* .c, .o, .log of each part */
+    pid_t *pids = calloc(parts, sizeof *pids);
+    char **argv = calloc(16 + N_BASE_FLAGS + 8 + parts, sizeof *argv);
+    size_t loads[MAX_PARTS] = {0};
+    int ok = units && order && part_of && paths && pids && argv;
+    size_t u = 0;
+    for (const char *q = first; ok && q; u++) {
+        const char *next = strstr(q + 1, "\n" AF_C_UNIT_MARK "\n");
+        units[u].at = (size_t)(q - source);
+        units[u].len = next ? (size_t)(next + 1 - q) : strlen(q);
+        units[u].index = u;
+        q = next ? next + 1 : NULL;
+    }
+    if (ok) { /* the longest unit first, each to the lightest part */
+        memcpy(order, units, n_units * sizeof *units);
+        qsort(order, n_units, sizeof *order, longer_first);
+        for (size_t k = 0; k < n_units; k++) {
+            size_t light = 0;
+            for (size_t j = 1; j < parts; j++)
+                if (loads[j] < loads[light]) light = j;
+            part_of[order[k].index] = (int)light;
+            loads[light] += order[k].len;
+        }
+    }
+    size_t written = 0, started = 0;
+    for (; ok && written < parts; written++) {
+        snprintf(paths[written][0], sizeof paths[written][0], "%s/.%s.%ld.p%zu.c", dir, key, salt, written);
+        snprintf(paths[written][1], sizeof paths[written][1], "%s/.%s.%ld.p%zu.o", dir, key, salt, written);
+        snprintf(paths[written][2], sizeof paths[written][2], "%s/.%s.%ld.p%zu.log", dir, key, salt, written);
+        ok = write_part(paths[written][0], source, prelude, units, n_units, part_of, (int)written, key);
+    }
+    char ccbuf[1024];
+    int n = ok ? compiler_words(ccbuf, sizeof ccbuf, argv, 16) : 0;
+    ok &= n > 0;
+    *tried = ok;
+    for (; ok && started < parts; started++) {
+        int k = n;
+        for (int i = 0; i < N_BASE_FLAGS; i++)
+            if (strcmp(base_flags[i], "-shared") != 0) argv[k++] = (char *)base_flags[i];
+        if (vector_width_flag()) argv[k++] = (char *)vector_width_flag();
+        argv[k++] = "-fopenmp";
+        argv[k++] = "-c";
+        argv[k++] = paths[started][0];
+        argv[k++] = "-o";
+        argv[k++] = paths[started][1];
+        argv[k] = NULL;
+        ok = spawn_compiler(argv, paths[started][2], &pids[started]) == AF_OK;
+    }
+    for (size_t j = 0; j < started; j++) ok &= wait_compiler(pids[j], argv[0], paths[j][2]) == AF_OK; /* waits for all */
+    if (ok) {
+        int k = n;
+        argv[k++] = "-shared";
+        argv[k++] = "-fPIC";
+        argv[k++] = "-fopenmp";
+        for (size_t j = 0; j < parts; j++) argv[k++] = paths[j][1];
+        argv[k++] = "-o";
+        argv[k++] = (char *)tmp_so;
+        argv[k++] = "-lm";
+        argv[k] = NULL;
+        ok = run_compiler(argv, paths[0][2]) == AF_OK;
+    }
+    for (size_t j = 0; j < written; j++)
+        for (int e = 0; e < 3; e++) unlink(paths[j][e]);
+    if (!ok) unlink(tmp_so);
+    free(units);
+    free(order);
+    free(part_of);
+    free(paths);
+    free(pids);
+    free(argv);
+    return ok;
+}
+
 static int compile_to(const char *dir, const char *key, const char *source, const char *final_path) {
     char tmp_c[4200], tmp_so[4200], log[4200];
     long salt = (long)getpid() ^ ((long)(uintptr_t)&salt >> 4);
@@ -164,12 +320,12 @@ static int compile_to(const char *dir, const char *key, const char *source, cons
         unlink(tmp_c);
         return af_error_set(AF_ERR_INVALID, "AOTFUSE_CC is empty or too long");
     }
-    int st = AF_OK;
+    int st = AF_OK, tried = 0, split = split_compile(dir, key, salt, source, tmp_so, &tried);
     /* a compiler without OpenMP's runtime (Apple's clang) still honours `omp simd` with
      * -fopenmp-simd: row sums add one float partial sum per vector lane only through it (a chunk
      * summed as one float was 10x less accurate); the last attempt takes neither */
     static const char *const omp_flags[] = {"-fopenmp", "-fopenmp-simd", NULL};
-    for (int attempt = 0; attempt < 3; attempt++) {
+    for (int attempt = 0; attempt < 3 && !split; attempt++) {
         int k = n;
         for (int i = 0; i < N_BASE_FLAGS; i++) argv[k++] = (char *)base_flags[i];
         if (vector_width_flag()) argv[k++] = (char *)vector_width_flag();
@@ -184,6 +340,7 @@ static int compile_to(const char *dir, const char *key, const char *source, cons
         if (strstr(af_error_message(), "not found") || strstr(af_error_message(), "cannot run")) break;
     }
     unlink(log);
+    if (tried && !split && st == AF_OK) __atomic_store_n(&split_broken, 1, __ATOMIC_RELAXED);
     if (st == AF_OK && rename(tmp_so, final_path) != 0)
         st = af_error_set(AF_ERR_RUNTIME, "cannot move %s into the cache: %s", tmp_so, strerror(errno));
     if (st != AF_OK) unlink(tmp_so);

@@ -301,6 +301,71 @@ def test_missing_compiler_is_a_clear_error_and_fusion_can_be_turned_off(tmp_path
     assert "OFF False 0" in off.stdout
 
 
+PARTS_SCRIPT = """
+import sys, torch, aotfuse
+def f(x, w):
+    acts = [torch.tanh, torch.sigmoid, torch.nn.functional.gelu, torch.nn.functional.silu, torch.sin, torch.cos,
+            torch.exp, torch.nn.functional.softplus, torch.erf, torch.atan]
+    for i in range(2 * len(acts)):
+        x = acts[i % len(acts)](x @ w * (0.5 + 0.01 * i)) + x
+    return x.sum()
+g = torch.Generator().manual_seed(0)
+x = torch.randn(16, 32, generator=g, requires_grad=True)
+w = (torch.randn(32, 32, generator=g) * 0.1).requires_grad_()
+cf = aotfuse.memory_efficient_fusion(f)
+y = cf(x, w)
+y.backward()
+assert cf.records[-1].programs["forward"].program.num_kernels >= 20
+torch.save((y.detach(), x.grad, w.grad), sys.argv[1] if len(sys.argv) > 1 else "out.pt")
+"""
+
+
+def test_large_modules_compile_in_parts_at_once_with_the_same_results(tmp_path):
+    """With two jobs the JIT compiles a large module as parts at once (`cc -c` each, then one link):
+    the results are bit for bit those of the one-file build (AOTFUSE_JIT_JOBS=1), and eager's to
+    float rounding; no temporary file stays in the cache."""
+    cc = tmp_path / "cc-log"
+    cc.write_text(f'#!/bin/sh\necho "$*" >> {tmp_path}/calls\nexec cc "$@"\n')
+    cc.chmod(0o755)
+    script = tmp_path / "parts.py"
+    script.write_text(PARTS_SCRIPT)
+    outs = {}
+    for jobs in ("2", "1"):
+        (tmp_path / "calls").write_text("")
+        env = {**os.environ, "AOTFUSE_CACHE_DIR": str(tmp_path / f"cache{jobs}"), "AOTFUSE_CC": str(cc),
+               "AOTFUSE_JIT_JOBS": jobs}
+        res = subprocess.run([sys.executable, str(script), str(tmp_path / f"out{jobs}.pt")], capture_output=True,
+                             text=True, env=env, timeout=300)
+        assert res.returncode == 0, res.stderr
+        calls = (tmp_path / "calls").read_text().splitlines()
+        parts = [c for c in calls if " -c " in c]
+        links = [c for c in calls if "-shared" in c and ".o " in c]
+        if jobs == "2":
+            assert len(parts) >= 2 and len(links) >= 1, calls  # the backward's module at least
+        else:
+            assert not parts and not links, calls
+        assert not list((tmp_path / f"cache{jobs}").glob(".*"))
+        outs[jobs] = torch.load(tmp_path / f"out{jobs}.pt")
+    for name, a, b in zip(("loss", "grad x", "grad w"), outs["2"], outs["1"]):
+        assert torch.equal(a, b), name
+    ns = {}
+    exec(PARTS_SCRIPT.split("g = torch.Generator")[0], ns)
+    runs = {}
+    for dtype in (torch.float32, torch.float64):  # eager, and the float64 reference
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(16, 32, generator=g, requires_grad=True)
+        w = (torch.randn(32, 32, generator=g) * 0.1).requires_grad_()
+        xd, wd = (t.detach().to(dtype).requires_grad_() for t in (x, w))
+        y = ns["f"](xd, wd)
+        y.backward()
+        runs[dtype] = (y.detach(), xd.grad, wd.grad)
+    for name, ours, eager, exact in zip(("loss", "grad x", "grad w"), outs["2"], runs[torch.float32],
+                                        runs[torch.float64]):
+        scale = exact.abs().max().item()
+        err, eager_err = ((ours.double() - exact).abs().max().item(), (eager.double() - exact).abs().max().item())
+        assert err <= 4 * eager_err + 1e-6 * scale, f"{name}: {err} from float64, eager {eager_err}"
+
+
 def test_cpu_vector_width_follows_torchs_capability_and_keys_the_cache(tmp_path):
     """On x86 the kernels are built for 512-bit vectors unless ATEN_CPU_CAPABILITY asks torch for less;
     the width is part of the disk cache's key, so a process under the other setting never loads them."""

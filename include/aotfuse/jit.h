@@ -17,7 +17,16 @@
 
 typedef struct af_jit_module af_jit_module;
 
-/* Compiles (or finds in the cache) `source` and loads it. *cache_hit says which, when not NULL. */
+/* Compiles (or finds in the cache) `source` and loads it. *cache_hit says which, when not NULL.
+ *
+ * A source whose kernels are marked off by AF_C_UNIT_MARK lines (the C codegen's: everything before
+ * the first mark is a prelude of static helpers and declarations) may be compiled as several files
+ * at once, each the prelude and some of the units, then linked into the one shared object: the
+ * units must reach each other only through declarations of non-static functions, and the source's
+ * non-static data must all lie in one unit. Up to AOTFUSE_JIT_JOBS compilers run at once (default:
+ * the CPUs this process may use, at most 16); 1 compiles every source as one file. A split compile
+ * that fails is retried as one file, which gives the compiler's own error. */
+#define AF_C_UNIT_MARK "//@af-unit"
 int af_jit_cpu_load(const char *source, af_jit_module **out, int *cache_hit);
 
 /* A hash of the compiler (AOTFUSE_CC) and the flags af_jit_cpu_load would use now: part of the cache
