@@ -84,6 +84,8 @@ struct af_program {
      * from its last use to that step only where the program's peak does not grow. */
     int32_t *donor;          /* per value: the dead value whose tensor this kernel output takes, or -1 */
     uint8_t *donated;        /* per value: kept past its last use for the output that takes it */
+    uint8_t *in_place;       /* per value: its donor is its extern's own first argument, dying at that step
+                              * (an index_add writing into the tensor it adds to) */
     int8_t *reuse_state;     /* per value: 0 donor not yet checked, 1 checked, -1 its layout differs (never reused) */
     int32_t n_reuses;        /* planned */
     int32_t n_sunk;          /* copies and reads af_sink_copies rewrote */
@@ -179,6 +181,7 @@ void af_program_free(af_program *p) {
     free(p->hold_root);
     free(p->donor);
     free(p->donated);
+    free(p->in_place);
     free(p->reuse_state);
     free(p->release);
     free(p->release_start);
@@ -480,6 +483,10 @@ static int later_freed_first(const void *a, const void *b) {
     return x->value < y->value ? -1 : x->value > y->value;
 }
 
+/* Externs whose out= overload may be handed their first argument's own tensor: ATen's structured
+ * index_add copies self into out only when they differ, then adds into out. */
+static int writes_into_first_arg(const af_node *n) { return strcmp(n->op, "aten::index_add.default") == 0; }
+
 /* Plans buffer reuse (see af_program's donor). Storages: a view shares its input's; an extern
  * whose schema annotates an alias may share its arguments' (those storages are never reused); a
  * storage is free after the last release of a value on it. Each kernel output, and each result
@@ -497,9 +504,10 @@ static int plan_reuse(af_program *p, const int32_t *step_of_node, int reuse) {
     uint8_t *bad = calloc((size_t)nv + 1, 1), *kept = calloc((size_t)nv + 1, 1);
     p->donor = malloc(((size_t)nv + 1) * sizeof(int32_t));
     p->donated = calloc((size_t)nv + 1, 1);
+    p->in_place = calloc((size_t)nv + 1, 1);
     p->reuse_state = calloc((size_t)nv + 1, 1);
     int st = AF_OK;
-    if (!root || !free_at || !donors || !live || !bad || !kept || !p->donor || !p->donated || !p->reuse_state) {
+    if (!root || !free_at || !donors || !live || !bad || !kept || !p->donor || !p->donated || !p->in_place || !p->reuse_state) {
         st = af_error_set(AF_ERR_NOMEM, "out of memory planning buffer reuse");
         goto done;
     }
@@ -555,6 +563,28 @@ static int plan_reuse(af_program *p, const int32_t *step_of_node, int reuse) {
         if (n && (n->n_outputs != 1 || af_op_get(n->op_id)->kind == AF_KIND_VIEW || /* _unsafe_view has an out= copy */
                   !af_extern_can_write_into(p->externs[p->steps[t].node])))
             continue;
+        if (n && writes_into_first_arg(n) && n->n_args > 0 && n->args[0].kind == AF_ARG_VALUE) {
+            /* in place: the first argument's storage dies here (read by no later step through any
+             * view), is no input's, output's or alias', the argument spans all of it with the
+             * result's layout (a view such as t(t(mm)) may), and no other argument shares it */
+            int32_t v = n->first_output, d = n->args[0].u.value, r = root[d];
+            const af_tensor_meta *m = &af_graph_value(g, v)->meta, *dm = &af_graph_value(g, d)->meta;
+            int ok = !bad[r] && !kept[r] && free_at[r] == t && m->type == AF_VALUE_TENSOR && dm->type == AF_VALUE_TENSOR &&
+                     m->storage_offset == 0 && dm->storage_offset == 0 && dm->dtype == m->dtype &&
+                     dm->device.type == m->device.type && dm->device.index == m->device.index &&
+                     af_tensor_meta_same_layout(dm, m, 1) && dense_bytes(m) > 0 &&
+                     af_tensor_meta_nbytes(dm) == af_tensor_meta_nbytes(&af_graph_value(g, r)->meta);
+            for (int32_t a = 1; a < n->n_args && ok; a++)
+                if (n->args[a].kind == AF_ARG_VALUE && root[n->args[a].u.value] == r) ok = 0;
+            if (ok) {
+                kept[r] = 1; /* no other result takes it */
+                p->donor[v] = d;
+                p->in_place[v] = 1;
+                p->n_reuses++;
+                p->reused_bytes += af_tensor_meta_nbytes(m);
+                continue;
+            }
+        }
         for (int32_t k = 0; k < (grp ? grp->n_outputs : 1); k++) {
             int32_t v = grp ? grp->outputs[k] : n->first_output;
             const af_tensor_meta *m = &af_graph_value(g, v)->meta;
@@ -906,10 +936,43 @@ static int take_donor(af_program *p, int32_t v, const af_tensor_meta *m) {
     return st;
 }
 
+/* An extern step whose result takes its own first argument's tensor (in_place): that argument
+ * stays in its slot for the call and is released after the step as planned; the plain call where
+ * someone else holds the tensor, its layout is not the planned one, or the overload refuses. */
+static int run_extern_in_place(af_program *p, int32_t i, int32_t v) {
+    int32_t d = p->donor[v];
+    af_obj *t = p->values[d];
+    const af_tensor_meta *dm = &af_graph_value(p->graph, d)->meta;
+    int st = AF_OK;
+    if (t && p->check_inputs && p->reuse_state[v] == 0) {
+        void *ptr = NULL;
+        st = af_bridge_tensor_data(&t, &dm, 1, &ptr);
+        if (st == AF_BRIDGE_LAYOUT_MISMATCH) p->reuse_state[v] = -1, st = AF_OK;
+        else if (st == AF_OK) p->reuse_state[v] = 1;
+        if (st) return st;
+    }
+    if (t && p->check_inputs && p->reuse_state[v] > 0) {
+        if (!af_obj_sole_ref(t)) {
+            p->reuses_refused++;
+        } else {
+            af_obj_retain(t);
+            st = af_extern_call_into(p->externs[i], p->values, t, &p->values[v]);
+            af_obj_release(t);
+            if (st != AF_BRIDGE_NOT_INTO) {
+                p->reuses_taken += st == AF_OK;
+                return st;
+            }
+            p->reuse_state[v] = -1;
+        }
+    }
+    return af_extern_call(p->externs[i], p->values, &p->values[v]);
+}
+
 /* An extern step whose result takes a donor: the op's out= overload writes into the donor's
  * tensor; the plain call where there is none left, or the overload refuses (then always). */
 static int run_extern_into(af_program *p, int32_t i) {
     int32_t v = af_graph_node(p->graph, i)->first_output;
+    if (p->in_place[v]) return run_extern_in_place(p, i, v);
     int st = take_donor(p, v, &af_graph_value(p->graph, v)->meta);
     if (st) return st;
     af_obj *into = p->values[v];

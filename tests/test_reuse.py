@@ -140,3 +140,58 @@ def test_reuse_on_cuda_matches_no_reuse():
         assert torch.equal(prog.run([x, w])[0], plain.run([x, w])[0])
     assert_close(prog.run([x, w])[0].cpu().double(), _chain(x.cpu().double(), w.cpu().double())[0], "cuda chain vs float64",
                  atol=1e-3, rtol=1e-4)
+
+
+def _mm_tt(x, w):
+    return aten.t.default(aten.t.default(aten.mm.default(x, w)))  # a view with its root's layout (held)
+
+
+def _index_add_inputs():
+    x, w = _chain_inputs()
+    return x, w, torch.tensor([3, 0, 3, 63, 7]), torch.randn(5, 64)
+
+
+def _index_add_donors(prog):
+    return [d for d in prog.buffer_donors() if d[2] == "aten::index_add.default"]
+
+
+def test_index_add_adds_into_its_first_arguments_tensor_where_that_dies():
+    """An index_add whose first argument dies at it (read by nothing later, no output, no input)
+    writes into that argument's own tensor (its out= overload given the argument itself): no
+    fresh tensor, no copy; the results are those of the program without reuse, run after run."""
+    def f(x, w, idx, src):
+        return (aten.mul.Tensor(aten.index_add.default(_mm_tt(x, w), 0, idx, src), 2.0),)
+
+    args = _index_add_inputs()
+    prog, plain = _program(f, *args), _program(f, *args, reuse=False)
+    assert _index_add_donors(prog), prog.buffer_donors()
+    for _ in range(3):
+        got, want = prog.run(list(args)), plain.run(list(args))
+        assert torch.equal(got[0], want[0])
+    assert_close(got[0], f(*args)[0], "index_add in place vs eager", atol=0, rtol=0)
+    assert prog.reuses_refused == 0 and prog.reuses_taken == 3 * prog.buffer_reuses
+
+
+@pytest.mark.parametrize("case", ["also an output", "read later", "source aliases it", "an input"])
+def test_index_add_never_writes_into_a_first_argument_still_needed(case):
+    """Where the first argument is returned, read by a later step, shares its storage with another
+    argument, or is a program input, index_add writes a fresh tensor: the argument keeps its values."""
+    def f(x, w, idx, src):
+        if case == "an input":
+            return (aten.mul.Tensor(aten.index_add.default(x, 0, idx, src), 2.0),)
+        y = _mm_tt(x, w)
+        if case == "also an output":
+            return aten.index_add.default(y, 0, idx, src), y
+        if case == "read later":
+            return (aten.add.Tensor(aten.index_add.default(y, 0, idx, src), y),)
+        return (aten.mul.Tensor(aten.index_add.default(y, 0, idx, aten.slice.Tensor(y, 0, 0, 5)), 2.0),)
+
+    args = _index_add_inputs()
+    x0 = args[0].clone()
+    prog = _program(f, *args)
+    assert not _index_add_donors(prog), prog.buffer_donors()
+    for _ in range(2):
+        got = prog.run(list(args))
+    for g, r, i in zip(got, f(*args), range(9)):
+        assert_close(g, r, f"{case}: output {i}", atol=1e-6, rtol=1e-6)
+    assert torch.equal(args[0], x0), "an input was written"

@@ -91,6 +91,10 @@ def overlap_sums() -> bool:
     return os.environ.get("AOTFUSE_OVERLAP_SUMS", "1") not in ("", "0")
 
 
+def embedding_grads() -> bool:
+    return os.environ.get("AOTFUSE_EMBEDDING_GRADS", "1") not in ("", "0")
+
+
 def drop_clones() -> bool:
     return os.environ.get("AOTFUSE_DROP_CLONES", "1") not in ("", "0")
 

@@ -879,11 +879,13 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
     be constants, constfold.fold). `lazy`: the kernels are generated now and compiled at the
     program's first run (a backward: the variant without some output gradients may be the one
     that runs, Lowered._without)."""
+    from .embedding_grads import rewrite_embedding_grad_sums
     from .overlap import rewrite_overlap_sums
     from .rng import share_seeds
 
     share_seeds(gm)  # an inference graph's dropouts (a training graph's were shared in its joint graph)
     rewrite_overlap_sums(gm)  # before folding, which would make the scatters' indices opaque constants
+    rewrite_embedding_grad_sums(gm)
     gm = constfold.fold(gm, saved_from)
     b = build_graph(gm)
     fuse = config.fusion()
