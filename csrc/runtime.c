@@ -1291,11 +1291,6 @@ static int run_program(af_program *p, af_obj *const *inputs, int32_t n_inputs, a
             st = run_kernel(p, p->steps[s].group);
         }
         if (!st && p->n_pinned) st = pin_step(p, s);
-        if (p->step_ns) { /* host time: a CUDA step's is its launch, not its kernel */
-            clock_gettime(CLOCK_MONOTONIC, &t1);
-            p->step_ns[s] += (int64_t)(t1.tv_sec - t0.tv_sec) * 1000000000 + (t1.tv_nsec - t0.tv_nsec);
-            t0 = t1;
-        }
         if (st) {
             release_all(p);
             p->running = 0;
@@ -1305,6 +1300,13 @@ static int run_program(af_program *p, af_obj *const *inputs, int32_t n_inputs, a
             if (p->donated && p->donated[p->release[r]]) continue; /* kept for the output taking it */
             af_obj_release(p->values[p->release[r]]);
             p->values[p->release[r]] = NULL;
+        }
+        /* host time, the releases after the step included (freeing a large tensor unmaps it on the
+         * CPU: counted with the step that read it last, not the next one); a CUDA step's is its launch */
+        if (p->step_ns) {
+            clock_gettime(CLOCK_MONOTONIC, &t1);
+            p->step_ns[s] += (int64_t)(t1.tv_sec - t0.tv_sec) * 1000000000 + (t1.tv_nsec - t0.tv_nsec);
+            t0 = t1;
         }
     }
     for (int32_t o = 0; o < no; o++) {

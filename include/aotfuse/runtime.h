@@ -91,8 +91,8 @@ void af_program_free(af_program *p); /* NULL allowed */
 
 const af_graph *af_program_graph(const af_program *p);
 
-/* Profiling: when on, each step's host time is accumulated over runs (CUDA steps: launch time
- * only). af_program_profile gives step `step`'s node (extern) or group (kernel) and its total
+/* Profiling: when on, each step's host time is accumulated over runs, the release of the values
+ * it read last included (CUDA steps: launch time only). af_program_profile gives step `step`'s node (extern) or group (kernel) and its total
  * nanoseconds (-1 when off or out of range). Turning it off clears the totals. */
 int af_program_set_profiling(af_program *p, int enabled);
 int64_t af_program_profile(const af_program *p, int32_t step, int32_t *node, int32_t *group);
