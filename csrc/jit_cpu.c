@@ -260,7 +260,7 @@ static int split_compile(const char *dir, const char *key, long salt, const char
     int n = ok ? compiler_words(ccbuf, sizeof ccbuf, argv, 16) : 0;
     ok &= n > 0;
     *tried = ok;
-    for (; ok && started < parts; started++) {
+    while (ok && started < parts) { /* started counts the compilers running: only they are waited for */
         int k = n;
         for (int i = 0; i < N_BASE_FLAGS; i++)
             if (strcmp(base_flags[i], "-shared") != 0) argv[k++] = (char *)base_flags[i];
@@ -272,6 +272,7 @@ static int split_compile(const char *dir, const char *key, long salt, const char
         argv[k++] = paths[started][1];
         argv[k] = NULL;
         ok = spawn_compiler(argv, paths[started][2], &pids[started]) == AF_OK;
+        if (ok) started++;
     }
     for (size_t j = 0; j < started; j++) ok &= wait_compiler(pids[j], argv[0], paths[j][2]) == AF_OK; /* waits for all */
     if (ok) {

@@ -55,8 +55,8 @@ def _match(add: fx.Node) -> tuple[fx.Node, fx.Node, list] | None:
             continue
         args = list(emb.args) + [emb.kwargs[k] for k in ("num_weights", "padding_idx", "scale_grad_by_freq")
                                  if k in emb.kwargs]
-        if len(args) != 5 or args[4]:
-            continue
+        if len(args) != 5 or args[4] is not False or not isinstance(args[3], int) or isinstance(args[3], bool):
+            continue  # a padding index known only at run time (a symbolic size) keeps the traced sum
         grad, ids = _val(args[0]), _val(args[1])
         x, e = _val(other), _val(emb)
         if grad is None or ids is None or x is None or e is None:
@@ -94,7 +94,7 @@ def rewrite_embedding_grad_sums(gm: fx.GraphModule) -> int:
             with graph.inserting_before(add):
                 flat_ids = call(aten.view.default, (ids, [-1]), aten.view.default(ival, [-1]))
                 rows = call(aten.view.default, (grad, [-1, width]), aten.view.default(gval, [-1, width]))
-                if isinstance(pad, int) and pad >= 0:  # the padding index's rows add nothing
+                if pad >= 0:  # the padding index's rows add nothing
                     is_pad = call(aten.eq.Scalar, (flat_ids, pad), aten.eq.Scalar(flat_ids.meta["val"], pad))
                     col = call(aten.unsqueeze.default, (is_pad, 1), aten.unsqueeze.default(is_pad.meta["val"], 1))
                     rows = call(aten.masked_fill.Scalar, (rows, col, 0.0),

@@ -6,6 +6,7 @@
  * and runs `cc`. Under valgrind (AOTFUSE_TEST_NO_RUN=1, set by `make valgrind`) the functions are
  * looked up but not called (-march=native code). The last test leaves the split turned off for
  * the process: keep it last. */
+#define _DEFAULT_SOURCE /* fork, sleep, mkdtemp */
 #define _POSIX_C_SOURCE 200809L
 #include <dirent.h>
 #include <setjmp.h>
@@ -15,6 +16,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -189,6 +192,38 @@ static void test_one_job_or_a_small_source_compiles_as_one_file(void **state) {
     }
 }
 
+/* A compiler that cannot be started: a clear error at once, and only the JIT's own children are
+ * waited for (a failed start once made it wait for any child: another thread's compiler, or a
+ * long-lived child of the process such as a data loader's worker). */
+static void test_a_missing_compiler_waits_for_no_other_child(void **state) {
+    (void)state;
+    sandbox s;
+    sandbox_new(&s, 0);
+    setenv("AOTFUSE_CC", "/nonexistent/cc", 1);
+    setenv("AOTFUSE_JIT_JOBS", "2", 1);
+    pid_t worker = fork();
+    assert_true(worker >= 0);
+    if (worker == 0) {
+        sleep(3);
+        _exit(42);
+    }
+    char *src = two_unit_source(20000, 9);
+    af_jit_module *m = NULL;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    assert_int_equal(af_jit_cpu_load(src, &m, NULL), AF_ERR_UNSUPPORTED);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    assert_null(m);
+    assert_non_null(strstr(af_error_message(), "C compiler"));
+    assert_true((t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9 < 2.5); /* not the worker's 3 s */
+    int status = 0;
+    assert_int_equal(waitpid(worker, &status, 0), worker); /* still ours to reap */
+    assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 42);
+    assert_int_equal(leftovers(&s), 0);
+    free(src);
+    sandbox_free(&s);
+}
+
 /* A compiler that refuses the parts: the module is built as one file all the same, and the next
  * large module does not try the parts again (this process's split stays off: the last test). */
 static void test_a_failed_split_falls_back_to_one_file(void **state) {
@@ -224,6 +259,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_a_large_source_compiles_in_parts),
         cmocka_unit_test(test_one_job_or_a_small_source_compiles_as_one_file),
+        cmocka_unit_test(test_a_missing_compiler_waits_for_no_other_child),
         cmocka_unit_test(test_a_failed_split_falls_back_to_one_file), /* last: turns the split off */
     };
     return cmocka_run_group_tests_name("jit_cpu", tests, NULL, NULL);
