@@ -497,7 +497,7 @@ class CompiledFunction:
     def _first_run(self, entry: _Entry, leaves: list, tree: Any) -> Any:
         """The first call of a signature traces, partitions, lowers (forward and backward) and runs."""
         try:
-            with _tracing_flag():
+            with _tracing_flag(), config.lazy_graph_modules():
                 tensors = [leaves[i] for i in entry.tensor_idx]
                 if entry.traced_fn is not None:
                     _fuse_attention_first(entry, tensors, self.fuse_attention)

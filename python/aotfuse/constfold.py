@@ -272,7 +272,7 @@ def _rebuild(gm: fx.GraphModule, nodes: list, folded: set, constants: list, valu
         env[node] = graph.node_copy(node, lambda n: env[n])
     graph.eliminate_dead_code()  # what only folded nodes read (the argument of a folded `_like` fill)
     graph.lint()
-    out = fx.GraphModule(attrs, graph, class_name=gm.__class__.__name__)
+    out = config.graph_module(attrs, graph, class_name=gm.__class__.__name__)
     out.meta.update(getattr(gm, "meta", {}))
     config.emit("lowering", f"constant folding: {len(constants)} values computed once: {len(fills)} fills, "
                 f"{len(kept_values)} distinct constants of {sum(_nbytes(v) for v, _n in kept_values)} bytes")

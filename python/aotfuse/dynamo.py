@@ -64,7 +64,9 @@ def _with_scalars(gm: torch.fx.GraphModule, values: dict[int, Any]) -> torch.fx.
                 user.args = torch.fx.node.map_arg(user.args, lambda a: value if a is node else a)
                 user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a: value if a is node else a)
             graph.erase_node(node)
-    return torch.fx.GraphModule(gm, graph)
+    from . import config
+
+    return config.graph_module(gm, graph)
 
 
 def _per_shape(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], collect: list | None, **kwargs: Any):
@@ -190,6 +192,19 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
             low.keep_graph_for_missing(bw)
         return _keep("backward", low)
 
+    with config.lazy_graph_modules():
+        compiled = _simplified(traced, example_inputs, forward, backward, _keep, partition)
+
+    @functools.wraps(compiled)  # same calling convention (boxed or not) and attributes
+    def run(*args: Any) -> Any:
+        outs = compiled(*args)
+        _no_zero_gradients(outs)  # outputs nobody differentiates get no dense zero gradient
+        return outs
+
+    return run
+
+
+def _simplified(traced: Any, example_inputs: Any, forward: Any, backward: Any, _keep: Any, partition: Any) -> Any:
     compiled = aot_module_simplified(
         traced,
         example_inputs,
@@ -199,14 +214,7 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
         partition_fn=partition,
         decompositions=default_decompositions(),
     )
-
-    @functools.wraps(compiled)  # same calling convention (boxed or not) and attributes
-    def run(*args: Any) -> Any:
-        outs = compiled(*args)
-        _no_zero_gradients(outs)  # outputs nobody differentiates get no dense zero gradient
-        return outs
-
-    return run
+    return compiled
 
 
 def _register() -> None:

@@ -151,7 +151,8 @@ class Lowered:
         missing = tuple(i for i, a in enumerate(args) if a is None)
         variant = self.variants.get(missing)
         if variant is None:
-            variant = lower(missing_gradients(self.graph_module, missing))
+            with config.lazy_graph_modules():
+                variant = lower(missing_gradients(self.graph_module, missing))
             variant.program.set_plain_outputs(0)
             self.variants[missing] = variant
         rest = [a for a in args if a is not None]
@@ -869,7 +870,7 @@ def missing_gradients(gm: fx.GraphModule, missing: tuple) -> fx.GraphModule:
                 if p in gone:
                     env[p] = zeros_for(p)
         env[node] = graph.node_copy(node, lambda n: env[n])
-    return fx.GraphModule(gm, graph)
+    return config.graph_module(gm, graph)
 
 
 def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved_from: int | None = None,
