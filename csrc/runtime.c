@@ -908,19 +908,24 @@ static int check_folded_views(af_program *p, int32_t gi) {
 /* Kernel output v takes its donor's tensor (planned by plan_reuse), if the donor is still held
  * here only: the tensor itself when the layouts agree, else a reinterpretation of its storage.
  * The first run checks the donor's layout against its metadata; one that differs is never used. */
+/* The first run checks the donor's tensor t against its planned layout dm: reuse_state 1 when it
+ * has it, -1 (never reused) when not. */
+static int check_donor_layout(af_program *p, int32_t v, af_obj *t, const af_tensor_meta *dm) {
+    if (p->reuse_state[v] != 0) return AF_OK;
+    void *ptr = NULL;
+    int st = af_bridge_tensor_data(&t, &dm, 1, &ptr);
+    if (st == AF_BRIDGE_LAYOUT_MISMATCH) p->reuse_state[v] = -1, st = AF_OK;
+    else if (st == AF_OK) p->reuse_state[v] = 1;
+    return st;
+}
+
 static int take_donor(af_program *p, int32_t v, const af_tensor_meta *m) {
     int32_t d = p->donor[v];
     af_obj *t = p->values[d];
     if (!t) return AF_OK;
     p->values[d] = NULL;
     const af_tensor_meta *dm = &af_graph_value(p->graph, d)->meta;
-    int st = AF_OK;
-    if (p->reuse_state[v] == 0) {
-        void *ptr = NULL;
-        st = af_bridge_tensor_data(&t, &dm, 1, &ptr);
-        if (st == AF_BRIDGE_LAYOUT_MISMATCH) p->reuse_state[v] = -1, st = AF_OK;
-        else if (st == AF_OK) p->reuse_state[v] = 1;
-    }
+    int st = check_donor_layout(p, v, t, dm);
     if (st == AF_OK && p->reuse_state[v] > 0 && p->check_inputs) {
         if (!af_obj_sole_ref(t)) {
             p->reuses_refused++;
@@ -942,15 +947,8 @@ static int take_donor(af_program *p, int32_t v, const af_tensor_meta *m) {
 static int run_extern_in_place(af_program *p, int32_t i, int32_t v) {
     int32_t d = p->donor[v];
     af_obj *t = p->values[d];
-    const af_tensor_meta *dm = &af_graph_value(p->graph, d)->meta;
-    int st = AF_OK;
-    if (t && p->check_inputs && p->reuse_state[v] == 0) {
-        void *ptr = NULL;
-        st = af_bridge_tensor_data(&t, &dm, 1, &ptr);
-        if (st == AF_BRIDGE_LAYOUT_MISMATCH) p->reuse_state[v] = -1, st = AF_OK;
-        else if (st == AF_OK) p->reuse_state[v] = 1;
-        if (st) return st;
-    }
+    int st = t && p->check_inputs ? check_donor_layout(p, v, t, &af_graph_value(p->graph, d)->meta) : AF_OK;
+    if (st) return st;
     if (t && p->check_inputs && p->reuse_state[v] > 0) {
         if (!af_obj_sole_ref(t)) {
             p->reuses_refused++;

@@ -26,15 +26,11 @@ import torch
 import torch.fx as fx
 
 from . import config
+from .partition import _val
 
 __all__ = ["rewrite_embedding_grad_sums"]
 
 aten = torch.ops.aten
-
-
-def _val(node: Any) -> torch.Tensor | None:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
 
 
 def _match(add: fx.Node) -> tuple[fx.Node, fx.Node, list] | None:
