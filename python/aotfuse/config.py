@@ -169,7 +169,7 @@ def lazy_graph_modules() -> Any:
     (torch's `_use_lazy_graph_module`, as torch.compile's own stack does): aotfuse runs the C
     programs, not the graphs' code, and every graph pass (partitioning, folding, the rewrites)
     made a GraphModule that generated its code at once (a third or later sequence length's first
-    step: 0.98-1.20 -> 0.89-0.92 s for Bert at the reduced size)."""
+    step, Bert at the reduced size: 0.98 -> 0.86 s, benchmarks/results/lazy-graph-modules-2026-12-02.md)."""
     try:
         from torch.fx._lazy_graph_module import _use_lazy_graph_module
     except ImportError:  # pragma: no cover - torch without it

@@ -192,8 +192,16 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
             low.keep_graph_for_missing(bw)
         return _keep("backward", low)
 
-    with config.lazy_graph_modules():
-        compiled = _simplified(traced, example_inputs, forward, backward, _keep, partition)
+    with config.lazy_graph_modules():  # the graphs made while tracing write their code only if read
+        compiled = aot_module_simplified(
+            traced,
+            example_inputs,
+            fw_compiler=forward,
+            bw_compiler=backward,
+            inference_compiler=lambda g, i: _keep("inference", _compile_or_fallback(g, i)),
+            partition_fn=partition,
+            decompositions=default_decompositions(),
+        )
 
     @functools.wraps(compiled)  # same calling convention (boxed or not) and attributes
     def run(*args: Any) -> Any:
@@ -202,19 +210,6 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
         return outs
 
     return run
-
-
-def _simplified(traced: Any, example_inputs: Any, forward: Any, backward: Any, _keep: Any, partition: Any) -> Any:
-    compiled = aot_module_simplified(
-        traced,
-        example_inputs,
-        fw_compiler=forward,
-        bw_compiler=backward,
-        inference_compiler=lambda g, i: _keep("inference", _compile_or_fallback(g, i)),
-        partition_fn=partition,
-        decompositions=default_decompositions(),
-    )
-    return compiled
 
 
 def _register() -> None:
