@@ -448,15 +448,18 @@ typedef struct {
 
 static PyObject *Program_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"graph", "fuse", "min_group", "devices", "reuse", "sink", "sink_reads", "window_sources", "merge",
-                             "lazy_jit", "templates", NULL};
+                             "lazy_jit", "templates", "huge_pages", NULL};
     GraphObject *graph;
     af_program_options opts = {.fuse = 0, .min_group = 2};
     const char *devices = "all";
     int reuse = 1, sink = 1, sink_reads = 1, window_sources = 1, merge = 1, templates = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|pisppppppp", kwlist, &GraphType, &graph, &opts.fuse, &opts.min_group, &devices,
-                                     &reuse, &sink, &sink_reads, &window_sources, &merge, &opts.lazy_jit, &templates) ||
+    long long huge_pages = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|pispppppppL", kwlist, &GraphType, &graph, &opts.fuse, &opts.min_group, &devices,
+                                     &reuse, &sink, &sink_reads, &window_sources, &merge, &opts.lazy_jit, &templates, &huge_pages) ||
         !graph_alive(graph))
         return NULL;
+    if (huge_pages < 0) return PyErr_Format(PyExc_ValueError, "huge_pages must be >= 0 (bytes; 0: off), not %lld", huge_pages);
+    opts.huge_pages_min = (int64_t)huge_pages;
     opts.no_reuse = !reuse;
     opts.no_sink = !sink;
     opts.no_sink_reads = !sink_reads;
@@ -605,6 +608,7 @@ static PyObject *Program_get_num(ProgramObject *self, void *which) {
     case 11: return PyLong_FromLongLong(af_program_reused_bytes(self->p));
     case 12: return PyLong_FromLongLong(af_program_fresh_bytes(self->p));
     case 13: return PyLong_FromLongLong(af_program_reuses_taken(self->p));
+    case 19: return PyLong_FromLongLong(af_program_huge_advised(self->p));
     case 14: return PyLong_FromLong(af_program_copies_sunk(self->p));
     case 15: return PyBool_FromLong(af_program_kernels_loaded(self->p));
     case 16: return PyLong_FromLong(af_program_bodies_reused(self->p));
@@ -724,6 +728,8 @@ static PyGetSetDef Program_getset[] = {
     {"buffer_reuses", (getter)Program_get_num, NULL, "kernel outputs planned to take a dead intermediate's tensor", (void *)9},
     {"reuses_refused", (getter)Program_get_num, NULL, "runs' donors found held elsewhere (freshly allocated instead)", (void *)10},
     {"reuses_taken", (getter)Program_get_num, NULL, "results that took their donor's tensor, over all runs so far", (void *)13},
+    {"huge_page_tensors", (getter)Program_get_num, NULL,
+     "fresh CPU tensors of at least huge_pages bytes given transparent huge pages, over all runs so far", (void *)19},
     {"reused_bytes", (getter)Program_get_num, NULL, "bytes per run of the results planned to take a dead value's tensor", (void *)11},
     {"fresh_bytes", (getter)Program_get_num, NULL, "bytes per run of the intermediates (not outputs) allocated fresh", (void *)12},
     {"copies_sunk", (getter)Program_get_num, NULL, "copies of views of pointwise values, and kernel members' reads of them, computed from their sources", (void *)14},

@@ -10,6 +10,7 @@
 
 #include "aotfuse/codegen.h"
 #include "aotfuse/fuse.h"
+#include "aotfuse/hugepages.h"
 #include "aotfuse/jit.h"
 #include "aotfuse/jit_cuda.h"
 #include "aotfuse/templates.h"
@@ -96,6 +97,13 @@ struct af_program {
     int64_t fresh_bytes;     /* planned: bytes of the intermediates (no outputs) allocated fresh: see af_program_fresh_bytes */
     int64_t reuses_refused;  /* runs in which a donor was found held elsewhere (released, not reused) */
     int64_t reuses_taken;    /* results that took their donor's tensor, over all runs */
+    /* Transparent huge pages (hugepages.h): fresh CPU tensors of at least huge_min bytes the
+     * program allocates are marked before their first touch. Kernel outputs always; an extern
+     * result of that size (huge_state 1, planned by plan_huge) is allocated here and written by
+     * the op's out= overload, -1 once the overload refused (then the plain call, always). */
+    int64_t huge_min;        /* 0: off */
+    int8_t *huge_state;      /* per value */
+    int64_t huge_advised;    /* tensors marked, over all runs */
     int64_t *step_ns;        /* per step: host time (profiling on), NULL when off */
     int64_t profiled_runs;
     int64_t fallbacks;
@@ -183,6 +191,7 @@ void af_program_free(af_program *p) {
     free(p->donated);
     free(p->in_place);
     free(p->reuse_state);
+    free(p->huge_state);
     free(p->release);
     free(p->release_start);
     free(p->input_ids);
@@ -626,6 +635,8 @@ done:
     return st;
 }
 
+static int plan_huge(af_program *p, int64_t min);
+
 int af_program_new(af_graph *g, const af_program_options *opts, af_program **out) {
     if (!g || !out) return af_error_set(AF_ERR_INVALID, "af_program_new: NULL argument");
     af_program_options o = {0};
@@ -716,6 +727,7 @@ int af_program_new(af_graph *g, const af_program_options *opts, af_program **out
     for (int32_t i = 0; i < nn; i++)
         if ((st = af_extern_new(g, i, &p->externs[i]))) goto error;
     if ((st = plan_reuse(p, step_of_node, !o.no_reuse))) goto error;
+    if ((st = plan_huge(p, o.huge_pages_min))) goto error;
     free(step_of_node);
     if (sunk) af_graph_free(given); /* the program runs (and owns) the rewritten graph */
     *out = p;
@@ -736,6 +748,7 @@ int32_t af_program_buffer_reuses(const af_program *p) { return p ? p->n_reuses :
 int32_t af_program_copies_sunk(const af_program *p) { return p ? p->n_sunk : 0; }
 int64_t af_program_reuses_refused(const af_program *p) { return p ? p->reuses_refused : 0; }
 int64_t af_program_reuses_taken(const af_program *p) { return p ? p->reuses_taken : 0; }
+int64_t af_program_huge_advised(const af_program *p) { return p ? p->huge_advised : 0; }
 int64_t af_program_reused_bytes(const af_program *p) { return p ? p->reused_bytes : 0; }
 int64_t af_program_fresh_bytes(const af_program *p) { return p ? p->fresh_bytes : 0; }
 int32_t af_program_donor(const af_program *p, int32_t value) {
@@ -905,6 +918,55 @@ static int check_folded_views(af_program *p, int32_t gi) {
     return st;
 }
 
+/* Which extern results get huge pages (p->huge_state 1): a single CPU tensor result of at
+ * least min bytes, dense from offset 0, of an op with an out= overload that is no view, taking
+ * no donor. Kernel outputs need no plan (their outputs are always allocated here). */
+static int plan_huge(af_program *p, int64_t min) {
+    const af_graph *g = p->graph;
+    int32_t nv = af_graph_num_values(g);
+    p->huge_min = min > 0 ? min : 0;
+    if (!p->huge_min) return AF_OK;
+    if (!(p->huge_state = calloc((size_t)nv + 1, 1))) return af_error_set(AF_ERR_NOMEM, "out of memory planning huge pages");
+    for (int32_t s = 0; s < p->n_steps; s++) {
+        if (p->steps[s].node < 0) continue;
+        const af_node *n = af_graph_node(g, p->steps[s].node);
+        if (n->n_outputs != 1 || af_op_get(n->op_id)->kind == AF_KIND_VIEW || !af_extern_can_write_into(p->externs[p->steps[s].node]))
+            continue;
+        int32_t v = n->first_output;
+        const af_tensor_meta *m = &af_graph_value(g, v)->meta;
+        if (m->type == AF_VALUE_TENSOR && m->device.type == AF_DEVICE_CPU && m->storage_offset == 0 &&
+            (!p->donor || p->donor[v] < 0) && dense_bytes(m) >= p->huge_min)
+            p->huge_state[v] = 1;
+    }
+    return AF_OK;
+}
+
+/* A fresh CPU tensor t of huge_min bytes or more, not yet written: its whole 2 MiB pages marked. */
+static int advise_fresh(af_program *p, af_obj *t, const af_tensor_meta *m) {
+    if (!p->huge_min || m->type != AF_VALUE_TENSOR || m->device.type != AF_DEVICE_CPU) return AF_OK;
+    int64_t b = af_tensor_meta_nbytes(m);
+    if (b < p->huge_min) return AF_OK;
+    void *ptr = NULL;
+    int st = af_bridge_data_ptrs(&t, 1, &ptr);
+    if (st == AF_OK && af_advise_huge_pages(ptr, b) > 0) p->huge_advised++;
+    return st;
+}
+
+/* An extern step with huge pages for its result (huge_state 1): the result allocated and marked
+ * here, written by the out= overload; the plain call where the overload refuses (then always). */
+static int run_extern_huge(af_program *p, int32_t i) {
+    int32_t v = af_graph_node(p->graph, i)->first_output;
+    const af_tensor_meta *m = &af_graph_value(p->graph, v)->meta;
+    af_obj *into = NULL;
+    int st = af_bridge_empty_cached(m, &p->empty_args[v], &into);
+    if (!st) st = advise_fresh(p, into, m);
+    if (!st) st = af_extern_call_into(p->externs[i], p->values, into, &p->values[v]);
+    af_obj_release(into);
+    if (st != AF_BRIDGE_NOT_INTO) return st;
+    p->huge_state[v] = -1;
+    return af_extern_call(p->externs[i], p->values, &p->values[v]);
+}
+
 /* Kernel output v takes its donor's tensor (planned by plan_reuse), if the donor is still held
  * here only: the tensor itself when the layouts agree, else a reinterpretation of its storage.
  * The first run checks the donor's layout against its metadata; one that differs is never used. */
@@ -1012,7 +1074,9 @@ static int run_kernel(af_program *p, int32_t gi) {
             int32_t v = grp->outputs[k];
             const af_tensor_meta *m = &af_graph_value(p->graph, v)->meta;
             if (p->donor && p->donor[v] >= 0 && (st = take_donor(p, v, m))) return st;
-            if (!p->values[v] && (st = af_bridge_empty_cached(m, &p->empty_args[v], &p->values[v]))) return st;
+            if (!p->values[v] && ((st = af_bridge_empty_cached(m, &p->empty_args[v], &p->values[v])) ||
+                                  (st = advise_fresh(p, p->values[v], m))))
+                return st;
             p->kernel_objs[ni + k] = p->values[v];
             p->kernel_metas[ni + k] = m;
         }
@@ -1280,6 +1344,8 @@ static int run_program(af_program *p, af_obj *const *inputs, int32_t n_inputs, a
                 af_obj_retain(p->values[n->first_output]);
             } else if (p->donor && n->n_outputs == 1 && p->donor[n->first_output] >= 0) {
                 st = run_extern_into(p, i);
+            } else if (p->huge_state && p->huge_state[n->first_output] > 0) {
+                st = run_extern_huge(p, i);
             } else {
                 st = p->view_state[i] > 0 && p->check_inputs ? run_view(p, i)
                                                              : af_extern_call(p->externs[i], p->values, &p->values[n->first_output]);

@@ -40,6 +40,10 @@ typedef struct {
                                first run (af_program_kernels_loaded says which; cache_hit is 0 until then) */
     int no_templates;       /* with fuse: compile every C kernel body here, and offer none to later
                                programs (default: call bodies earlier programs loaded, templates.h) */
+    int64_t huge_pages_min; /* CPU tensors of at least this many bytes that the program allocates
+                               (kernel outputs, and extern results through their out= overloads)
+                               get transparent huge pages before their first touch (hugepages.h);
+                               0: none */
 } af_program_options;
 
 /* Verifies g, plans it and resolves its steps. opts may be NULL (no fusion). On success the
@@ -71,6 +75,7 @@ int32_t af_program_copies_sunk(const af_program *p); /* copies and reads compute
 int32_t af_program_buffer_reuses(const af_program *p);
 int64_t af_program_reuses_refused(const af_program *p);
 int64_t af_program_reuses_taken(const af_program *p); /* results that took their donor, over all runs */
+int64_t af_program_huge_advised(const af_program *p); /* tensors given huge pages (huge_pages_min), over all runs */
 /* Planned bytes per run: results taking a donor's tensor; intermediates allocated fresh (kernel
  * outputs and extern results on storages of their own that are not program outputs, nor touched by
  * an aliasing op, and take no donor). */

@@ -17,6 +17,9 @@ AOTFUSE_FALLBACK_RANDOM=1  dropout with ATen's generator (eager's exact masks, a
                        instead of aotfuse's fused counter-based one
 AOTFUSE_REUSE_BUFFERS=0  every kernel output freshly allocated (default: a kernel output may take
                        the tensor of an intermediate that died earlier in the program)
+AOTFUSE_HUGE_PAGES=N    fresh CPU tensors of N MiB or more that a program allocates (kernel outputs,
+                       extern results) get transparent huge pages before their first write
+                       (madvise; default 32, where glibc's allocations are their own mmaps; 0: off)
 AOTFUSE_DROP_CLONES=0  keep clones of a value in its own layout (default: dropped before partitioning)
 AOTFUSE_FUSE_ATTENTION=auto  eager attention as torch's SDPA (attention.py): auto on CUDA tensors, and
                        on CPU tensors where it has no dropout; 1 also with dropout on CPU; 0 never
@@ -63,6 +66,16 @@ def fusion() -> bool:
 
 def constant_fold() -> bool:
     return os.environ.get("AOTFUSE_CONSTANT_FOLD", "1") not in ("", "0")
+
+
+def huge_pages() -> int:
+    """Bytes from which fresh CPU tensors a program allocates get transparent huge pages (0: off)."""
+    raw = os.environ.get("AOTFUSE_HUGE_PAGES", "32").strip()
+    try:
+        mib = float(raw) if raw else 32.0
+    except ValueError:
+        raise ValueError(f"AOTFUSE_HUGE_PAGES must be a size in MiB (0: off), not {raw!r}") from None
+    return max(0, int(mib * 2**20))
 
 
 def reuse_buffers() -> bool:
