@@ -20,6 +20,8 @@ AOTFUSE_REUSE_BUFFERS=0  every kernel output freshly allocated (default: a kerne
 AOTFUSE_HUGE_PAGES=N    fresh CPU tensors of N MiB or more that a program allocates (kernel outputs,
                        extern results) get transparent huge pages before their first write
                        (madvise; default 32, where glibc's allocations are their own mmaps; 0: off)
+AOTFUSE_LM_GRAD_CHUNKS=0  make a language-model head's float32 logits gradient whole, as traced
+                       (default: in vocabulary chunks, lm_grads.py)
 AOTFUSE_DROP_CLONES=0  keep clones of a value in its own layout (default: dropped before partitioning)
 AOTFUSE_FUSE_ATTENTION=auto  eager attention as torch's SDPA (attention.py): auto on CUDA tensors, and
                        on CPU tensors where it has no dropout; 1 also with dropout on CPU; 0 never
@@ -76,6 +78,10 @@ def huge_pages() -> int:
     except ValueError:
         raise ValueError(f"AOTFUSE_HUGE_PAGES must be a size in MiB (0: off), not {raw!r}") from None
     return max(0, int(mib * 2**20))
+
+
+def lm_grad_chunks() -> bool:
+    return os.environ.get("AOTFUSE_LM_GRAD_CHUNKS", "1") not in ("", "0")
 
 
 def reuse_buffers() -> bool:

@@ -821,7 +821,7 @@ def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = Fal
 
 def missing_gradients(gm: fx.GraphModule, missing: tuple) -> fx.GraphModule:
     """A copy of a backward graph without the placeholders at positions `missing` (gradients that
-    are zero): `add(g, x)` with such a g becomes x where x has the sum's shape, dtype and strides, a
+    are zero; views of them, such as slices, count as them): `add(g, x)` with such a g becomes x where x has the sum's shape, dtype and strides, a
     contiguous copy of x where only the strides differ (the nodes after it were traced with the sum's
     layout: views of x itself would not have the layouts their metadata gives, and every kernel
     reading them would fall back to ATen on each run); any other use reads one zeros tensor of g's
@@ -850,8 +850,12 @@ def missing_gradients(gm: fx.GraphModule, missing: tuple) -> fx.GraphModule:
         va, vb = a.meta["val"], b.meta["val"]
         return all(n == 1 or s == t for n, s, t in zip(va.shape, va.stride(), vb.stride()))
 
+    views = (aten.slice.Tensor, aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default)
     for node in gm.graph.nodes:
         if node in gone:
+            continue
+        if node.op == "call_function" and node.target in views and node.args and node.args[0] in gone:
+            gone.add(node)  # a view of zeros is zeros (lm_grads.py's chunks read the gradient's column slices)
             continue
         if node.op == "call_function" and node.target is aten.add.Tensor and not node.kwargs and len(node.args) == 2:
             a, b = node.args
@@ -881,12 +885,14 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
     program's first run (a backward: the variant without some output gradients may be the one
     that runs, Lowered._without)."""
     from .embedding_grads import rewrite_embedding_grad_sums
+    from .lm_grads import rewrite_lm_grad_chunks
     from .overlap import rewrite_overlap_sums
     from .rng import share_seeds
 
     share_seeds(gm)  # an inference graph's dropouts (a training graph's were shared in its joint graph)
     rewrite_overlap_sums(gm)  # before folding, which would make the scatters' indices opaque constants
     rewrite_embedding_grad_sums(gm)
+    rewrite_lm_grad_chunks(gm)
     gm = constfold.fold(gm, saved_from)
     b = build_graph(gm)
     fuse = config.fusion()

@@ -1,0 +1,252 @@
+"""A language-model head's logits gradient made in vocabulary chunks, never whole.
+
+The backward of `logits = h @ W^T (+ b)` followed by a cross entropy makes the logits' gradient G
+([tokens x vocab], the largest tensor of a step: 16 MB for Bert at the reduced size in float32, 411 MB
+for GPT2 at the seed's shapes) and reads it three times: `mm(G, W)` (the hidden states' gradient),
+`mm(G^T, h)` (the weight's) and a column sum (the bias'). G is at the backward's peak.
+
+Here G is made in K chunks of its columns (vocabulary slices; K from G's size, at most 8): for each
+chunk c, the elementwise computation that produced G runs on the slices of its [.., vocab] operands
+(the logits, a label mask...; per-row values such as the log-sum-exp broadcast as they are), and
+its three readers take that chunk: `mm(G_c, W[c])` summed over the chunks, `mm(G_c^T, h)` and the
+column sums concatenated. Only one chunk of G is alive at a time (the C runtime's buffer reuse gives
+each chunk the previous one's tensor), so the peak falls by about G's size, less a chunk.
+
+Row reductions of the elementwise computation (the cross entropy's per-row sums) read whole rows:
+they stay as traced, outside the chunks. The rewrite needs every reader of G to be one of the three
+above, and float32 or float64 G: the hidden states' gradient is a sum of K products, rounded once per
+chunk, which costs nothing visible in float32 but in bfloat16 would round K times where the single
+product rounds once (no CPU matmul gives a float32 result of bfloat16 operands). AOTFUSE_LM_GRAD_CHUNKS=0
+keeps the graph as traced.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from . import config
+from .partition import _val
+
+__all__ = ["rewrite_lm_grad_chunks", "chunk_count"]
+
+aten = torch.ops.aten
+
+CHUNK_BYTES = 4 << 20  # a chunk of G about this size: the mm's operands stay in the CPU's caches
+MAX_CHUNKS = 8
+MIN_VOCAB = 2048
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+_SAME = (aten.alias.default, aten.clone.default)
+_MOVABLE = (aten.t.default, aten.view.default, aten.permute.default, aten.transpose.int, aten.alias.default)
+
+
+def chunk_count(nbytes: int) -> int:
+    """How many chunks a G of nbytes is made in (1: not chunked)."""
+    if nbytes < 2 * CHUNK_BYTES:
+        return 1
+    return max(2, min(MAX_CHUNKS, math.ceil(nbytes / CHUNK_BYTES)))
+
+
+def _tensor(n: Any) -> torch.Tensor | None:
+    v = _val(n) if isinstance(n, fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _readers(g: fx.Node) -> tuple[list, list, list] | None:
+    """G's readers by kind: [mm(G, X)], [(t(G), mm(t(G), Y))], [sum(G, [0], keepdim)]; None where G
+    has another reader."""
+    left, right, sums = [], [], []
+    for u in g.users:
+        if u.op != "call_function":
+            return None
+        if u.target is aten.mm.default and u.args[0] is g and u.args[1] is not g and not u.kwargs:
+            left.append(u)
+        elif u.target is aten.t.default and u.users and all(
+                w.op == "call_function" and w.target is aten.mm.default and w.args[0] is u and w.args[1] is not g
+                and not w.kwargs for w in u.users):
+            right.extend((u, w) for w in u.users)
+        elif (u.target is aten.sum.dim_IntList and len(u.args) >= 2 and list(u.args[1]) in ([0], [-2])
+              and set(u.kwargs) <= {"keepdim"} and "dtype" not in u.kwargs):
+            sums.append(u)
+        else:
+            return None
+    return (left, right, sums) if (left or right) else None
+
+
+def _region(g: fx.Node, vocab: int) -> set[fx.Node] | None:
+    """The nodes G's chunks recompute on column slices: G and its ancestors that are elementwise
+    (or views keeping the last dim) with last dim `vocab`, every tensor operand either such a node,
+    a [.., vocab] leaf to slice, or broadcast along the last dim. None where G itself is not."""
+    region: set[fx.Node] = set()
+
+    def chunkable(n: fx.Node) -> bool:
+        v = _tensor(n)
+        if n.op != "call_function" or v is None or v.dim() == 0 or v.shape[-1] != vocab:
+            return False
+        t = n.target
+        if t in _VIEWS:
+            src = _tensor(n.args[0])
+            if src is None or src.dim() == 0 or src.shape[-1] != vocab or len(n.args) != 2 or n.kwargs:
+                return False
+        elif t in _SAME:
+            if set(n.kwargs) - ({"memory_format"} if t is aten.clone.default else set()):
+                return False
+            if n.kwargs.get("memory_format") not in (None, torch.contiguous_format, torch.preserve_format):
+                return False
+        elif t is aten._to_copy.default:
+            if set(n.kwargs) - {"dtype"}:
+                return False
+        elif not (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
+                  and not t._schema.is_mutable and torch.Tag.nondeterministic_seeded not in t.tags):
+            return False
+        for a in n.all_input_nodes:
+            av = _tensor(a)
+            if av is None:
+                return False
+            if av.dim() > 0 and av.shape[-1] not in (1, vocab):
+                return False
+        return True
+
+    if not chunkable(g):
+        return None
+    stack = [g]
+    while stack:
+        n = stack.pop()
+        if n in region:
+            continue
+        region.add(n)
+        for a in n.all_input_nodes:
+            if a not in region and chunkable(a):
+                stack.append(a)
+    return region
+
+
+def rewrite_lm_grad_chunks(gm: fx.GraphModule) -> int:
+    """Rewrites, in place, each logits gradient matched as the module docstring says into chunks;
+    returns how many."""
+    if not config.lm_grad_chunks():
+        return 0
+    graph, done = gm.graph, 0
+    for g in list(graph.nodes):
+        gv = _tensor(g)
+        if (g.op != "call_function" or gv is None or gv.dim() != 2 or gv.dtype not in (torch.float32, torch.float64)
+                or gv.shape[1] < MIN_VOCAB):
+            continue
+        k = chunk_count(gv.numel() * gv.element_size())
+        readers = _readers(g) if k > 1 else None
+        region = _region(g, gv.shape[1]) if readers else None
+        if region is None:
+            continue
+        if _chunk(graph, g, readers, region, k):
+            done += 1
+    if done:
+        gm.recompile()
+    return done
+
+
+def _chunk(graph: fx.Graph, g: fx.Node, readers: tuple[list, list, list], region: set[fx.Node], k: int) -> bool:
+    vocab = _tensor(g).shape[1]
+    width = -(-vocab // k)
+    width = -(-width // 64) * 64  # chunk boundaries on 64-column (256-byte) lines
+    left, right, sums = readers
+    made: list[fx.Node] = []
+
+    def call(target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
+        fake = [_tensor(a) if isinstance(a, fx.Node) else a for a in args]
+        fake = [[_tensor(x) if isinstance(x, fx.Node) else x for x in a] if isinstance(a, list) else a for a in fake]
+        val = target(*fake, **(kwargs or {}))
+        node = graph.call_function(target, args, kwargs or {})
+        node.meta["val"] = val
+        made.append(node)
+        return node
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first_reader = min(g.users, key=order.__getitem__)
+    if any(not isinstance(mm.args[1], fx.Node) for mm in left) or any(not isinstance(mm.args[1], fx.Node) for _t, mm in right):
+        return False
+
+    def early(x: fx.Node) -> fx.Node:
+        """x, or where it is made after G's first reader, a copy there of the views making it
+        (the weight's `t` is traced just before its matmul); anything else cannot move"""
+        if order[x] < order[first_reader]:
+            return x
+        if x.op != "call_function" or x.target not in _MOVABLE:
+            raise ValueError("an operand made after G's first reader")
+        return call(x.target, tuple(early(a) if isinstance(a, fx.Node) else a for a in x.args), dict(x.kwargs))
+
+    try:
+        with graph.inserting_before(first_reader):
+            xs = [early(mm.args[1]) for mm in left]
+            ys = [early(mm.args[1]) for _t, mm in right]
+            parts: dict[str, list] = {"left": [[] for _ in left], "right": [[] for _ in right], "sums": [[] for _ in sums]}
+            for c in range(k):
+                lo, hi = c * width, min(vocab, (c + 1) * width)
+                if lo >= hi:
+                    break
+                env: dict[fx.Node, fx.Node] = {}
+
+                def chunk(n: fx.Node) -> fx.Node:
+                    if n in env:
+                        return env[n]
+                    v = _tensor(n)
+                    if n not in region:  # a leaf: its columns, or the whole of it where it broadcasts
+                        out = n if v.dim() == 0 or v.shape[-1] == 1 else call(aten.slice.Tensor, (n, v.dim() - 1, lo, hi))
+                    else:
+                        args = tuple(chunk(a) if isinstance(a, fx.Node) else a for a in n.args)
+                        if n.target in _VIEWS:
+                            shape = list(n.args[1])
+                            if shape[-1] != -1:
+                                shape[-1] = hi - lo
+                            out = call(aten.view.default, (args[0], shape))
+                        else:
+                            out = call(n.target, args, dict(n.kwargs))
+                    env[n] = out
+                    return out
+
+                gc = chunk(g)
+                for i, x in enumerate(xs):
+                    parts["left"][i].append(call(aten.mm.default, (gc, call(aten.slice.Tensor, (x, 0, lo, hi)))))
+                gt = call(aten.t.default, (gc,)) if right else None
+                for i, y in enumerate(ys):
+                    parts["right"][i].append(call(aten.mm.default, (gt, y)))
+                for i, s in enumerate(sums):
+                    parts["sums"][i].append(call(aten.sum.dim_IntList, (gc, [0], bool(_keepdim(s)))))
+            news: list[tuple[fx.Node, fx.Node]] = []
+            for i, mm in enumerate(left):
+                total = parts["left"][i][0]
+                for p in parts["left"][i][1:]:
+                    total = call(aten.add.Tensor, (total, p))
+                news.append((mm, total))
+            for i, (_t, mm) in enumerate(right):
+                news.append((mm, call(aten.cat.default, (parts["right"][i], 0))))
+            for i, s in enumerate(sums):
+                news.append((s, call(aten.cat.default, (parts["sums"][i], 1 if _keepdim(s) else 0))))
+    except Exception:  # a view or layout the fake values refuse: keep the traced graph
+        for node in reversed(made):
+            graph.erase_node(node)
+        return False
+    for old, new in news:
+        ov, nv = _tensor(old), _tensor(new)
+        if ov is None or nv is None or tuple(ov.shape) != tuple(nv.shape) or ov.dtype != nv.dtype:
+            for node in reversed(made):
+                graph.erase_node(node)
+            return False
+    for old, new in news:
+        new.meta.update({key: val for key, val in old.meta.items() if key != "val"})
+        old.replace_all_uses_with(new)
+    # what only the old readers read goes: the readers, G's transposes, then G and its region where unread
+    for old, _new in news:
+        graph.erase_node(old)
+    for t, _mm in right:
+        if not t.users:
+            graph.erase_node(t)
+    for n in sorted(region, key=order.__getitem__, reverse=True):
+        if not n.users:
+            graph.erase_node(n)
+    return True
+
+
+def _keepdim(s: fx.Node) -> bool:
+    return bool(s.args[2]) if len(s.args) > 2 else bool(s.kwargs.get("keepdim", False))

@@ -1,0 +1,154 @@
+"""A language-model head's logits gradient made in vocabulary chunks (python/aotfuse/lm_grads.py):
+the [tokens x vocab] gradient of `h @ W^T + b` under a cross entropy is never whole; each column
+chunk feeds its share of the hidden states' gradient (summed), of the weight's and of the bias'
+(concatenated). Gradients are checked against eager and against float64, the program's peak
+against the same program made whole."""
+import copy
+
+import pytest
+import torch
+
+import aotfuse
+from aotfuse import lm_grads
+from aotfuse.bench import _cpu_peak
+from helpers import assert_close
+
+V, H, TOKENS = 4096, 32, 512  # the float32 gradient is 8 MiB: two chunks
+
+
+class Head(torch.nn.Module):
+    """An embedding, a hidden layer and a linear LM head (its own weight and bias) under a cross
+    entropy; `logits_loss` also differentiates the logits (their gradient is then not zero)."""
+
+    def __init__(self, logits_loss=False):
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, H)
+        self.proj = torch.nn.Linear(H, H)
+        self.head = torch.nn.Linear(H, V)
+        self.logits_loss = logits_loss
+
+    def forward(self, ids, labels):
+        h = torch.tanh(self.proj(self.emb(ids)))
+        logits = self.head(h)
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, V), labels.view(-1), ignore_index=-100)
+        if self.logits_loss:
+            loss = loss + logits.float().square().mean() * 1e-3
+        return loss, logits
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (4, TOKENS // 4), generator=g)
+    labels = torch.randint(0, V, (4, TOKENS // 4), generator=g)
+    labels[0, :7] = -100  # ignored tokens
+    return ids, labels
+
+
+def _run(model, dtype, compiled):
+    m = copy.deepcopy(model).to(dtype)
+    run = aotfuse.memory_efficient_fusion(m) if compiled else m
+    loss = run(*_batch())[0]
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in m.named_parameters()}, run
+
+
+def _backward_sources(cf):
+    bw = cf._aotfuse_compiled.records[-1].programs["backward"]
+    return [str(bw.program)] + [str(v.program) for v in bw.variants.values()]
+
+
+def _check_grads(model, dtype, what):
+    loss, ours, cf = _run(model, dtype, True)
+    eager_loss, eager, _ = _run(model, dtype, False)
+    exact_loss, exact, _ = _run(model, torch.float64, False)
+    eps = torch.finfo(dtype).eps
+    assert abs(loss.double() - exact_loss).item() <= 4 * abs(eager_loss.double() - exact_loss).item() + 8 * eps
+    for name in exact:
+        err = (ours[name].double() - exact[name]).abs().max().item()
+        eager_err = (eager[name].double() - exact[name]).abs().max().item()
+        scale = exact[name].abs().max().item()
+        assert err <= 4 * eager_err + 4 * eps * scale, f"{what} {dtype} {name}: {err} from float64, eager {eager_err}"
+    return cf
+
+
+@pytest.mark.parametrize("logits_loss", [False, True], ids=["loss only", "logits differentiated too"])
+def test_logits_gradient_in_chunks_matches_eager(logits_loss):
+    torch.manual_seed(0)
+    cf = _check_grads(Head(logits_loss), torch.float32, "Head")
+    sources = _backward_sources(cf)
+    # the program that ran: two chunks, each with its two matmuls (no whole [tokens x vocab] matmul)
+    ran = sources[-1] if not logits_loss else sources[0]
+    assert ran.count("aten::mm.default") >= 2 * 2 + 1, ran
+    assert "aten::cat.default" in ran, ran
+    assert f"f32[{TOKENS}, {V}] = aten::mm" not in ran and f"f32[{V}, {H}] = aten::mm" not in ran, ran
+    if not logits_loss:  # the zero logits gradient is dropped, not made as a zeros tensor
+        assert f"[4, {TOKENS // 4}, {V}] = aten::full" not in ran and "aten::zeros" not in ran, ran
+
+
+def test_peak_falls_and_results_match_the_whole_gradient(monkeypatch):
+    torch.manual_seed(0)
+    model = Head()
+    ids, labels = _batch()
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        m(ids, labels)[0].backward()
+
+    peaks, grads = {}, {}
+    for chunks in ("1", "0"):
+        monkeypatch.setenv("AOTFUSE_LM_GRAD_CHUNKS", chunks)
+        m = copy.deepcopy(model)
+        cf = aotfuse.memory_efficient_fusion(m)
+        step(cf)
+        peaks[chunks] = _cpu_peak(lambda: step(cf))
+        grads[chunks] = {n: p.grad.clone() for n, p in m.named_parameters()}
+    gradient = TOKENS * V * 4
+    assert peaks["1"] <= peaks["0"] - gradient // 4, f"peak with chunks {peaks['1']}, whole {peaks['0']}"
+    for name, g in grads["0"].items():  # the hidden states' part is a sum of 2 products here
+        assert_close(grads["1"][name], g, f"Head chunks vs whole {name}", atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["bf16", "AOTFUSE_LM_GRAD_CHUNKS=0"])
+def test_gradient_kept_whole_where_not_rewritten(how, monkeypatch):
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if how == "bf16" else torch.float32
+    if how == "AOTFUSE_LM_GRAD_CHUNKS=0":
+        monkeypatch.setenv("AOTFUSE_LM_GRAD_CHUNKS", "0")
+    cf = _check_grads(Head(), dtype, f"Head ({how})")
+    for src in _backward_sources(cf):
+        assert "aten::cat.default" not in src, src
+
+
+def _grad_readers(x, lse, w, h, extra):
+    """G = exp(x - lse) (x [tokens, vocab], lse [tokens, 1]) read by the three readers, and by a
+    whole sum where `extra`."""
+    aten = torch.ops.aten
+    g = aten.exp.default(aten.sub.Tensor(x, lse))
+    outs = [aten.mm.default(g, w), aten.mm.default(aten.t.default(g), h), aten.sum.dim_IntList(g, [0], True)]
+    if extra:
+        outs.append(aten.sum.default(g))
+    return tuple(outs)
+
+
+@pytest.mark.parametrize("extra", [False, True], ids=["three readers", "a fourth reader"])
+def test_rewrite_on_its_own(extra):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    g = torch.Generator().manual_seed(5)
+    args = (torch.randn(TOKENS, V, generator=g), torch.randn(TOKENS, 1, generator=g) + 8,
+            torch.randn(V, H, generator=g), torch.randn(TOKENS, H, generator=g), extra)
+    gm = make_fx(lambda *a: _grad_readers(*a, extra), tracing_mode="fake")(*args[:4])
+    want = gm(*args[:4])
+    assert lm_grads.rewrite_lm_grad_chunks(gm) == (0 if extra else 1)
+    got = gm(*args[:4])
+    mms = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
+    assert len(mms) == (2 if extra else 2 * 2), gm.graph
+    for a, b in zip(got, want):
+        assert_close(a, b, f"rewritten readers ({'extra' if extra else 'three'})", atol=1e-4, rtol=1e-5)
+
+
+def test_chunk_count():
+    assert lm_grads.chunk_count(1 << 20) == 1
+    assert lm_grads.chunk_count(8 << 20) == 2
+    assert lm_grads.chunk_count(16 << 20) == 4
+    assert lm_grads.chunk_count(1 << 30) == lm_grads.MAX_CHUNKS
