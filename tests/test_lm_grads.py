@@ -135,14 +135,20 @@ def test_rewrite_on_its_own(extra):
     from torch.fx.experimental.proxy_tensor import make_fx
 
     g = torch.Generator().manual_seed(5)
-    args = (torch.randn(TOKENS, V, generator=g), torch.randn(TOKENS, 1, generator=g) + 8,
-            torch.randn(V, H, generator=g), torch.randn(TOKENS, H, generator=g), extra)
+    vocab = 2 * V  # 16 MiB: four chunks
+    args = (torch.randn(TOKENS, vocab, generator=g), torch.randn(TOKENS, 1, generator=g) + 8,
+            torch.randn(vocab, H, generator=g), torch.randn(TOKENS, H, generator=g), extra)
     gm = make_fx(lambda *a: _grad_readers(*a, extra), tracing_mode="fake")(*args[:4])
     want = gm(*args[:4])
     assert lm_grads.rewrite_lm_grad_chunks(gm) == (0 if extra else 1)
     got = gm(*args[:4])
     mms = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
-    assert len(mms) == (2 if extra else 2 * 2), gm.graph
+    assert len(mms) == (2 if extra else 2 * 4), gm.graph
+    if not extra:  # the hidden states' partial products summed as they come, not all kept to the end
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        left = [n for n in mms if n.args[0].target is not torch.ops.aten.t.default]
+        adds = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor and n.args[1] in left]
+        assert len(adds) == len(left) - 1 and all(order[a] < order[m] for a, m in zip(adds, left[2:])), gm.graph
     for a, b in zip(got, want):
         assert_close(a, b, f"rewritten readers ({'extra' if extra else 'three'})", atol=1e-4, rtol=1e-5)
 
@@ -152,3 +158,23 @@ def test_chunk_count():
     assert lm_grads.chunk_count(8 << 20) == 2
     assert lm_grads.chunk_count(16 << 20) == 4
     assert lm_grads.chunk_count(1 << 30) == lm_grads.MAX_CHUNKS
+
+
+def test_chunks_are_not_chunked_again():
+    """A backward variant is lowered anew from the rewritten graph: chunks big enough to qualify
+    themselves (here 8 MiB each) must not be split again (the hidden states' partial products would
+    multiply)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from aotfuse.lower import missing_gradients
+
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        args = (torch.empty(4096, 16384), torch.empty(4096, 1), torch.empty(16384, H), torch.empty(4096, H))
+        gm = make_fx(lambda *a: _grad_readers(*a, False), tracing_mode="fake")(*args)
+    assert lm_grads.chunk_count(4096 * 16384 * 4) == lm_grads.MAX_CHUNKS
+    assert lm_grads.rewrite_lm_grad_chunks(gm) == 1
+    mms = sum(1 for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)
+    assert mms == 2 * lm_grads.MAX_CHUNKS
+    again = missing_gradients(gm, ())  # a copy, as a variant is made
+    assert lm_grads.rewrite_lm_grad_chunks(again) == 0
+    assert sum(1 for n in again.graph.nodes if n.target is torch.ops.aten.mm.default) == mms

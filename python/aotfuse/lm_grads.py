@@ -37,6 +37,7 @@ aten = torch.ops.aten
 CHUNK_BYTES = 4 << 20  # a chunk of G about this size: the mm's operands stay in the CPU's caches
 MAX_CHUNKS = 8
 MIN_VOCAB = 2048
+CHUNK_MARK = "aotfuse_lm_grad_chunk"
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _SAME = (aten.alias.default, aten.clone.default)
 _MOVABLE = (aten.t.default, aten.view.default, aten.permute.default, aten.transpose.int, aten.alias.default)
@@ -132,7 +133,7 @@ def rewrite_lm_grad_chunks(gm: fx.GraphModule) -> int:
     for g in list(graph.nodes):
         gv = _tensor(g)
         if (g.op != "call_function" or gv is None or gv.dim() != 2 or gv.dtype not in (torch.float32, torch.float64)
-                or gv.shape[1] < MIN_VOCAB):
+                or gv.shape[1] < MIN_VOCAB or g.meta.get(CHUNK_MARK)):
             continue
         k = chunk_count(gv.numel() * gv.element_size())
         readers = _readers(g) if k > 1 else None
@@ -206,8 +207,10 @@ def _chunk(graph: fx.Graph, g: fx.Node, readers: tuple[list, list, list], region
                     return out
 
                 gc = chunk(g)
-                for i, x in enumerate(xs):
-                    parts["left"][i].append(call(aten.mm.default, (gc, call(aten.slice.Tensor, (x, 0, lo, hi)))))
+                gc.meta[CHUNK_MARK] = True  # a chunk is never chunked again (a backward variant is lowered anew)
+                for i, x in enumerate(xs):  # summed as they come: one partial product alive at a time
+                    part = call(aten.mm.default, (gc, call(aten.slice.Tensor, (x, 0, lo, hi))))
+                    parts["left"][i] = [part if not parts["left"][i] else call(aten.add.Tensor, (parts["left"][i][0], part))]
                 gt = call(aten.t.default, (gc,)) if right else None
                 for i, y in enumerate(ys):
                     parts["right"][i].append(call(aten.mm.default, (gt, y)))
@@ -215,10 +218,7 @@ def _chunk(graph: fx.Graph, g: fx.Node, readers: tuple[list, list, list], region
                     parts["sums"][i].append(call(aten.sum.dim_IntList, (gc, [0], bool(_keepdim(s)))))
             news: list[tuple[fx.Node, fx.Node]] = []
             for i, mm in enumerate(left):
-                total = parts["left"][i][0]
-                for p in parts["left"][i][1:]:
-                    total = call(aten.add.Tensor, (total, p))
-                news.append((mm, total))
+                news.append((mm, parts["left"][i][0]))
             for i, (_t, mm) in enumerate(right):
                 news.append((mm, call(aten.cat.default, (parts["right"][i], 0))))
             for i, s in enumerate(sums):
