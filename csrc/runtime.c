@@ -927,6 +927,9 @@ static int plan_huge(af_program *p, int64_t min) {
     p->huge_min = min > 0 ? min : 0;
     if (!p->huge_min) return AF_OK;
     if (!(p->huge_state = calloc((size_t)nv + 1, 1))) return af_error_set(AF_ERR_NOMEM, "out of memory planning huge pages");
+    /* the allocation arguments per value (a program without kernels has none yet) */
+    if (!p->empty_args && !(p->empty_args = calloc((size_t)nv + 1, sizeof *p->empty_args)))
+        return af_error_set(AF_ERR_NOMEM, "out of memory planning huge pages");
     for (int32_t s = 0; s < p->n_steps; s++) {
         if (p->steps[s].node < 0) continue;
         const af_node *n = af_graph_node(g, p->steps[s].node);
@@ -941,10 +944,12 @@ static int plan_huge(af_program *p, int64_t min) {
     return AF_OK;
 }
 
-/* A fresh CPU tensor t of huge_min bytes or more, not yet written: its whole 2 MiB pages marked. */
+/* A fresh CPU tensor t of huge_min bytes or more, not yet written: its whole 2 MiB pages marked.
+ * Only a dense one from offset 0, whose data spans exactly its bytes (no range outside it is marked). */
 static int advise_fresh(af_program *p, af_obj *t, const af_tensor_meta *m) {
-    if (!p->huge_min || m->type != AF_VALUE_TENSOR || m->device.type != AF_DEVICE_CPU) return AF_OK;
-    int64_t b = af_tensor_meta_nbytes(m);
+    if (!p->huge_min || m->type != AF_VALUE_TENSOR || m->device.type != AF_DEVICE_CPU || m->storage_offset != 0)
+        return AF_OK;
+    int64_t b = dense_bytes(m);
     if (b < p->huge_min) return AF_OK;
     void *ptr = NULL;
     int st = af_bridge_data_ptrs(&t, 1, &ptr);

@@ -104,3 +104,32 @@ def test_config_reads_mib(monkeypatch):
     monkeypatch.setenv("AOTFUSE_HUGE_PAGES", "lots")
     with pytest.raises(ValueError, match="AOTFUSE_HUGE_PAGES"):
         config.huge_pages()
+
+
+def test_programs_without_kernels_allocate_large_extern_results_too():
+    """An extern result of the threshold's size in a program with no fused kernels (no fusion, or
+    nothing to fuse): allocated, marked and written through out= like any other."""
+    x, w = _inputs()
+
+    def f(x, w):
+        return (aten.mm.default(x, w),)
+
+    for fuse in (False, True):
+        gm = make_fx(f, tracing_mode="fake")(x, w)
+        prog = _C.Program(build_graph(gm).graph, fuse=fuse, huge_pages=2 * MIB)
+        for _ in range(2):
+            assert torch.equal(prog.run([x, w])[0], x @ w)
+        if _thp_supported():
+            assert prog.huge_page_tensors == 2, (fuse, prog.huge_page_tensors)
+
+
+def test_a_bias_free_linear_under_no_grad_at_the_default_threshold():
+    import aotfuse
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1024, 8192, bias=False)  # a 32 MiB result, one mm, no kernel
+    x = torch.randn(1024, 1024)
+    with torch.no_grad():
+        got = aotfuse.memory_efficient_fusion(lin)(x)
+        want = lin(x)
+    torch.testing.assert_close(got, want)

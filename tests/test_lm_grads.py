@@ -178,3 +178,59 @@ def test_chunks_are_not_chunked_again():
     again = missing_gradients(gm, ())  # a copy, as a variant is made
     assert lm_grads.rewrite_lm_grad_chunks(again) == 0
     assert sum(1 for n in again.graph.nodes if n.target is torch.ops.aten.mm.default) == mms
+
+
+def test_an_mlps_wide_activation_gradient_is_left_as_traced():
+    """The same three readers read a bias-free MLP's wide activation gradient: no softmax there (no exp
+    with a per-row value), so it stays whole (K partial products would only change its rounding)."""
+    import aotfuse.lower as lower_mod
+
+    counts = []
+    real = lm_grads.rewrite_lm_grad_chunks
+
+    def counting(gm):
+        counts.append(real(gm))
+        return counts[-1]
+
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(64, 4096, bias=False), torch.nn.Linear(4096, 64, bias=False)
+
+        def forward(self, x):
+            return self.down(torch.nn.functional.gelu(self.up(x)))
+
+    torch.manual_seed(0)
+    m, x = MLP(), torch.randn(1024, 64)
+    mc = copy.deepcopy(m)
+    lm_grads.rewrite_lm_grad_chunks = counting
+    try:
+        aotfuse.memory_efficient_fusion(mc)(x).square().sum().backward()
+    finally:
+        lm_grads.rewrite_lm_grad_chunks = real
+    m(x).square().sum().backward()
+    assert counts and not any(counts), counts
+    assert_close(mc.up.weight.grad, m.up.weight.grad, "MLP up.weight", atol=1e-4, rtol=1e-4)
+
+
+def test_two_matmuls_reading_one_transpose():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    aten = torch.ops.aten
+
+    def f(x, lse, w, h, h2):
+        g = aten.exp.default(aten.sub.Tensor(x, lse))
+        gt = aten.t.default(g)
+        return aten.mm.default(g, w), aten.mm.default(gt, h), aten.mm.default(gt, h2)
+
+    gen = torch.Generator().manual_seed(6)
+    args = (torch.randn(TOKENS, V, generator=gen), torch.randn(TOKENS, 1, generator=gen) + 8,
+            torch.randn(V, H, generator=gen), torch.randn(TOKENS, H, generator=gen), torch.randn(TOKENS, 3, generator=gen))
+    gm = make_fx(f, tracing_mode="fake")(*args)
+    want = gm(*args)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # erasing a node twice warns
+        assert lm_grads.rewrite_lm_grad_chunks(gm) == 1
+    for a, b in zip(gm(*args), want):
+        assert_close(a, b, "two readers of one transpose", atol=1e-4, rtol=1e-5)

@@ -205,3 +205,32 @@ def test_a_backward_whose_kernels_cannot_be_built_raises_and_a_later_step_builds
     assert compiled._aotfuse_compiled.records[-1].programs["backward"].program.kernels_loaded
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         assert_close(p.grad, q.grad, f"grad of {name}")
+
+
+def test_views_of_a_missing_gradient_added_are_dropped_others_read_its_zeros():
+    """A slice of a missing gradient that only adds read goes with it (lm_grads.py's chunks add the
+    gradient's column slices): no zeros tensor is made for it. A slice read otherwise is a view of the
+    zeros tensor of the whole gradient, with the layout it was traced with: an as_strided reader
+    addressing the storage, or a transpose, sees the strides and offset of the trace."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    aten = torch.ops.aten
+
+    def added(tangent, x):
+        return (aten.mul.Tensor(aten.add.Tensor(aten.slice.Tensor(tangent, 1, 8, 16), x), 2.0),)
+
+    def addressed(tangent, w):
+        s = aten.slice.Tensor(tangent, 1, 8, 16)  # [16, 8] at storage offset 8, strides (16, 1)
+        a = aten.as_strided.default(s, [16, 8], [16, 1], 8)
+        return (aten.mm.default(a, w), aten.t.default(aten.slice.Tensor(tangent, 1, 0, 8)))
+
+    t, x, w = torch.randn(16, 16), torch.randn(16, 8), torch.randn(8, 4)
+    variant = missing_gradients(make_fx(added, tracing_mode="fake")(t, x), (0,))
+    assert not [n for n in variant.graph.nodes if n.target in (aten.zeros.default, aten.slice.Tensor)], variant.graph
+    assert torch.equal(variant(x)[0], x * 2.0)
+    gm = make_fx(addressed, tracing_mode="fake")(t, w)
+    variant = missing_gradients(gm, (0,))
+    got = variant(w)
+    assert torch.equal(got[0], torch.zeros(16, 4)) and torch.equal(got[1], torch.zeros(8, 16))
+    traced = [n.meta["val"].stride() for n in gm.graph.nodes if n.target is aten.t.default]
+    assert got[1].stride() == traced[0] == (1, 16), "the transpose of the slice lost its traced layout"

@@ -76,8 +76,10 @@ def huge_pages() -> int:
     try:
         mib = float(raw) if raw else 32.0
     except ValueError:
-        raise ValueError(f"AOTFUSE_HUGE_PAGES must be a size in MiB (0: off), not {raw!r}") from None
-    return max(0, int(mib * 2**20))
+        mib = float("nan")
+    if not 0 <= mib <= 2**40:  # NaN fails too
+        raise ValueError(f"AOTFUSE_HUGE_PAGES must be a size in MiB from 0 (off) to 2^40, not {raw!r}")
+    return int(mib * 2**20)
 
 
 def lm_grad_chunks() -> bool:

@@ -14,7 +14,9 @@ each chunk the previous one's tensor), so the peak falls by about G's size, less
 
 Row reductions of the elementwise computation (the cross entropy's per-row sums) read whole rows:
 they stay as traced, outside the chunks. The rewrite needs every reader of G to be one of the three
-above, and float32 or float64 G: the hidden states' gradient is a sum of K products, rounded once per
+above, the weight's among them (a backward), G's computation to be a softmax's gradient (an exp and a
+per-row value: not an MLP's wide activations, whose gradients have the same readers), and float32 or
+float64 G: the hidden states' gradient is a sum of K products, rounded once per
 chunk, which costs nothing visible in float32 but in bfloat16 would round K times where the single
 product rounds once (no CPU matmul gives a float32 result of bfloat16 operands). AOTFUSE_LM_GRAD_CHUNKS=0
 keeps the graph as traced.
@@ -124,6 +126,16 @@ def _region(g: fx.Node, vocab: int) -> set[fx.Node] | None:
     return region
 
 
+def _softmax_like(region: set[fx.Node]) -> bool:
+    """Whether the region is a (log-)softmax's gradient: an exp, and a per-row value ([.., 1]) read.
+    A weight gradient's reader is required too (a backward): an MLP's wide activations, whose
+    gradients have the same three readers, are left as traced."""
+    has_exp = any(n.target is aten.exp.default for n in region)
+    per_row = any((v := _tensor(a)) is not None and v.dim() > 0 and v.shape[-1] == 1
+                  for n in region for a in n.all_input_nodes if a not in region)
+    return has_exp and per_row
+
+
 def rewrite_lm_grad_chunks(gm: fx.GraphModule) -> int:
     """Rewrites, in place, each logits gradient matched as the module docstring says into chunks;
     returns how many."""
@@ -137,8 +149,8 @@ def rewrite_lm_grad_chunks(gm: fx.GraphModule) -> int:
             continue
         k = chunk_count(gv.numel() * gv.element_size())
         readers = _readers(g) if k > 1 else None
-        region = _region(g, gv.shape[1]) if readers else None
-        if region is None:
+        region = _region(g, gv.shape[1]) if readers and readers[1] else None
+        if region is None or not _softmax_like(region):
             continue
         if _chunk(graph, g, readers, region, k):
             done += 1
@@ -239,7 +251,7 @@ def _chunk(graph: fx.Graph, g: fx.Node, readers: tuple[list, list, list], region
     # what only the old readers read goes: the readers, G's transposes, then G and its region where unread
     for old, _new in news:
         graph.erase_node(old)
-    for t, _mm in right:
+    for t in dict.fromkeys(t for t, _mm in right):  # two matmuls may read one transpose
         if not t.users:
             graph.erase_node(t)
     for n in sorted(region, key=order.__getitem__, reverse=True):

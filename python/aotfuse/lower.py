@@ -821,7 +821,7 @@ def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = Fal
 
 def missing_gradients(gm: fx.GraphModule, missing: tuple) -> fx.GraphModule:
     """A copy of a backward graph without the placeholders at positions `missing` (gradients that
-    are zero; views of them, such as slices, count as them): `add(g, x)` with such a g becomes x where x has the sum's shape, dtype and strides, a
+    are zero; views of them that only adds read, such as slices, count as them): `add(g, x)` with such a g becomes x where x has the sum's shape, dtype and strides, a
     contiguous copy of x where only the strides differ (the nodes after it were traced with the sum's
     layout: views of x itself would not have the layouts their metadata gives, and every kernel
     reading them would fall back to ATen on each run); any other use reads one zeros tensor of g's
@@ -850,12 +850,26 @@ def missing_gradients(gm: fx.GraphModule, missing: tuple) -> fx.GraphModule:
         va, vb = a.meta["val"], b.meta["val"]
         return all(n == 1 or s == t for n, s, t in zip(va.shape, va.stride(), vb.stride()))
 
+    # a view of a missing gradient that only adds (or such views) read is missing too (lm_grads.py's
+    # chunks add the gradient's column slices); one read otherwise is a view of the zeros tensor, with
+    # the layout traced for it
     views = (aten.slice.Tensor, aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default)
+    droppable: dict[fx.Node, bool] = {}
+
+    def only_added(n: fx.Node) -> bool:
+        if n not in droppable:
+            droppable[n] = bool(n.users) and all(
+                u.op == "call_function" and ((u.target is aten.add.Tensor and not u.kwargs and len(u.args) == 2)
+                                             or (u.target in views and u.args[0] is n and only_added(u)))
+                for u in n.users)
+        return droppable[n]
+
     for node in gm.graph.nodes:
         if node in gone:
             continue
-        if node.op == "call_function" and node.target in views and node.args and node.args[0] in gone:
-            gone.add(node)  # a view of zeros is zeros (lm_grads.py's chunks read the gradient's column slices)
+        if (node.op == "call_function" and node.target in views and node.args and node.args[0] in gone
+                and only_added(node)):
+            gone.add(node)
             continue
         if node.op == "call_function" and node.target is aten.add.Tensor and not node.kwargs and len(node.args) == 2:
             a, b = node.args
