@@ -1349,7 +1349,7 @@ static int run_program(af_program *p, af_obj *const *inputs, int32_t n_inputs, a
                 af_obj_retain(p->values[n->first_output]);
             } else if (p->donor && n->n_outputs == 1 && p->donor[n->first_output] >= 0) {
                 st = run_extern_into(p, i);
-            } else if (p->huge_state && p->huge_state[n->first_output] > 0) {
+            } else if (p->huge_state && n->n_outputs == 1 && p->huge_state[n->first_output] > 0) {
                 st = run_extern_huge(p, i);
             } else {
                 st = p->view_state[i] > 0 && p->check_inputs ? run_view(p, i)
