@@ -851,8 +851,8 @@ def missing_gradients(gm: fx.GraphModule, missing: tuple) -> fx.GraphModule:
         return all(n == 1 or s == t for n, s, t in zip(va.shape, va.stride(), vb.stride()))
 
     # a view of a missing gradient that only adds (or such views) read is missing too (lm_grads.py's
-    # chunks add the gradient's column slices); one read otherwise is a view of the zeros tensor, with
-    # the layout traced for it
+    # chunks add the gradient's column slices); one read otherwise is that view of the (contiguous)
+    # zeros tensor made for the gradient
     views = (aten.slice.Tensor, aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default)
     droppable: dict[fx.Node, bool] = {}
 
