@@ -193,7 +193,8 @@ def _chunk(graph: fx.Graph, g: fx.Node, readers: tuple[list, list, list], region
         with graph.inserting_before(first_reader):
             xs = [early(mm.args[1]) for mm in left]
             ys = [early(mm.args[1]) for _t, mm in right]
-            parts: dict[str, list] = {"left": [[] for _ in left], "right": [[] for _ in right], "sums": [[] for _ in sums]}
+            totals: list = [None] * len(left)  # the hidden states' gradients: running sums of the chunks' products
+            parts: dict[str, list] = {"right": [[] for _ in right], "sums": [[] for _ in sums]}
             for c in range(k):
                 lo, hi = c * width, min(vocab, (c + 1) * width)
                 if lo >= hi:
@@ -222,15 +223,14 @@ def _chunk(graph: fx.Graph, g: fx.Node, readers: tuple[list, list, list], region
                 gc.meta[CHUNK_MARK] = True  # a chunk is never chunked again (a backward variant is lowered anew)
                 for i, x in enumerate(xs):  # summed as they come: one partial product alive at a time
                     part = call(aten.mm.default, (gc, call(aten.slice.Tensor, (x, 0, lo, hi))))
-                    parts["left"][i] = [part if not parts["left"][i] else call(aten.add.Tensor, (parts["left"][i][0], part))]
+                    totals[i] = part if totals[i] is None else call(aten.add.Tensor, (totals[i], part))
                 gt = call(aten.t.default, (gc,)) if right else None
                 for i, y in enumerate(ys):
                     parts["right"][i].append(call(aten.mm.default, (gt, y)))
                 for i, s in enumerate(sums):
                     parts["sums"][i].append(call(aten.sum.dim_IntList, (gc, [0], bool(_keepdim(s)))))
             news: list[tuple[fx.Node, fx.Node]] = []
-            for i, mm in enumerate(left):
-                news.append((mm, parts["left"][i][0]))
+            news += list(zip(left, totals))
             for i, (_t, mm) in enumerate(right):
                 news.append((mm, call(aten.cat.default, (parts["right"][i], 0))))
             for i, s in enumerate(sums):
