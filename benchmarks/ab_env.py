@@ -5,9 +5,10 @@ alternating steps (the order flips each repetition), so that the machine's drift
     python benchmarks/ab_env.py --env AOTFUSE_SINK_COPIES --model LongformerForMaskedLM --size host
 
 prints each side's median step time, their ratio, each side's peak CPU allocation over one step
-(torch's allocation events, as `python -m aotfuse.bench` measures it) and each side's loss after the
+(torch's allocation events, as `python -m aotfuse.bench` measures it), each side's loss after the
 last step (the two copies start from the same weights and take the same steps, so the losses agree to
-rounding).
+rounding) and the programs and fused kernels each side lowered (none: that side ran programs lowered
+before, and the A/B says nothing).
 The variable is read when a program is lowered (each copy's first steps, Dynamo's pieces included),
 so it must be one read then (AOTFUSE_SINK_COPIES, AOTFUSE_REUSE_BUFFERS, AOTFUSE_CONSTANT_FOLD, ...).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import statistics
 import sys
@@ -25,6 +27,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import aotfuse  # noqa: E402
 from aotfuse.bench import DTYPES, SIZES, _cpu_peak, build_model  # noqa: E402
+from aotfuse.dynamo import aotfuse_backend  # noqa: E402
+from aotfuse.lower import LIVE  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,16 +47,27 @@ def main(argv: list[str] | None = None) -> None:
     model, inputs, desc = build_model(args.model, args.size, DTYPES[args.dtype], "cpu")
     saved = os.environ.get(args.env)
     sides = {}
+    programs = {}
     try:
         for side, value in (("A", args.a), ("B", args.b)):
             os.environ[args.env] = value
             m = aotfuse.memory_efficient_fusion(copy.deepcopy(model), fallback="dynamo")
+            # Dynamo keeps compiled graphs per code object (the model's forward and the functions it
+            # calls after a graph break), guarded on the backend but not on the module instance: with
+            # one backend, side B would run the graphs side A lowered (Longformer, which needs
+            # fallback="dynamo"). A backend object of its own per side keeps them apart.
+            compiled = m._aotfuse_compiled
+            compiled._dynamo_fn = torch.compile(compiled.fallback_fn, backend=functools.partial(aotfuse_backend),
+                                                dynamic=False)
             opt = torch.optim.SGD(m.parameters(), lr=1e-4)
+            made_before = set(LIVE)
             for _ in range(args.warmup):  # lowers every program with the variable at this value
                 opt.zero_grad(set_to_none=True)
                 m(**inputs).loss.backward()
                 opt.step()
+            made = list(set(LIVE) - made_before)  # this side's own programs (held by its module)
             sides[side] = (m, opt)
+            programs[side] = (len(made), sum(low.program.num_kernels for low in made))
     finally:
         if saved is None:
             os.environ.pop(args.env, None)
@@ -81,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{desc} | {args.dtype} | torch {torch.__version__} | {args.repeats} steps a side, {args.threads} thread(s)")
     for side, value in (("A", args.a), ("B", args.b)):
         print(f"  {args.env}={value}: step median {statistics.median(times[side]) * 1e3:.3f} ms, peak "
-              f"{peaks[side] / 1e6:.3f} MB, last loss {losses[side]:.6f}")
+              f"{peaks[side] / 1e6:.3f} MB, last loss {losses[side]:.6f}, {programs[side][0]} programs, "
+              f"{programs[side][1]} fused kernels")
     print(f"  A/B: {statistics.median(times['A']) / statistics.median(times['B']):.3f}")
 
 

@@ -56,6 +56,16 @@ static const char *const prelude =
     "  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);\n"
     "  u += 0x7fffu + ((u >> 16) & 1u); return (uint16_t)(u >> 16);\n"
     "}\n"
+    /* A value rounded to bf16 and kept in float, in 32-bit lanes (af_bf16_load(af_bf16_store(f)) packs
+     * to 16 bits and back: cross entropy's bf16 gradient kernel 4.35 -> 3.26 ms at 512 x 8192). */
+    "AF_INLINE float af_bf16_round(float f) {\n"
+    "  uint32_t u; memcpy(&u, &f, 4);\n"
+    "  uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u, q = (u | 0x400000u) & 0xffff0000u;\n"
+    "  r = (u & 0x7fffffffu) > 0x7f800000u ? q : r;\n"
+    "  memcpy(&f, &r, 4); return f;\n"
+    "}\n"
+    /* The bits of a value af_bf16_round made: its upper half, no rounding left to do. */
+    "AF_INLINE uint16_t af_bf16_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return (uint16_t)(u >> 16); }\n"
     "AF_INLINE float af_f16_load(uint16_t h) {\n"
     "  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;\n"
     "  if (e == 0) { float f = (float)m * 5.9604644775390625e-8f; return sign ? -f : f; }\n"
@@ -71,6 +81,17 @@ static const char *const prelude =
     "  uint32_t h = (((ax >> 23) - 112u) << 10) | ((ax >> 13) & 0x3ffu), r = ax & 0x1fffu;\n"
     "  if (r > 0x1000u || (r == 0x1000u && (h & 1u))) h++;\n"
     "  return (uint16_t)(sign | h);\n"
+    "}\n"
+    /* af_f16_load(af_f16_store(f)) without branches, in float: 13 mantissa bits rounded off (to
+     * nearest even), subnormal halves to a multiple of 2^-24, past 65504 infinity, NaN quiet. */
+    "AF_INLINE float af_f16_round(float f) {\n"
+    "  uint32_t u; memcpy(&u, &f, 4);\n"
+    "  uint32_t ax = u & 0x7fffffffu, n = (ax + 0xfffu + ((ax >> 13) & 1u)) & ~0x1fffu, t;\n"
+    "  float a; memcpy(&a, &ax, 4); a = nearbyintf(a * 16777216.0f) * 5.9604644775390625e-8f; memcpy(&t, &a, 4);\n"
+    "  n = n > 0x477fe000u ? 0x7f800000u : n;\n"
+    "  n = ax < 0x38800000u ? t : n;\n"
+    "  n = ax > 0x7f800000u ? 0x7fc00000u : n;\n"
+    "  n |= u & 0x80000000u; memcpy(&f, &n, 4); return f;\n"
     "}\n"
     /* exp, erf and tanh as branch-free polynomials, so that loops calling them vectorize (libm's
      * are scalar calls). exp: Cephes' reduction and degree-6 polynomial, within 1.5 ulp of the exact

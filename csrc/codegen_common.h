@@ -106,8 +106,9 @@ void af_cg_emit_phase_end(af_strbuf *sb, const af_graph *g, const af_fusion_grou
 void af_cg_emit_pointers(af_strbuf *sb, const af_fusion_group *grp, const af_cg_operand *ops);
 /* `const float v<value> = q<k>[o<k>]` for every input k. */
 void af_cg_emit_loads(af_strbuf *sb, const af_fusion_group *grp, const af_cg_operand *ops);
-/* `q<k>[<off_prefix><k>] = v<v>` converted to the operand's dtype. */
-void af_cg_emit_store_at(af_strbuf *sb, const char *indent, int32_t k, af_dtype dtype, const char *off_prefix, int32_t v);
+/* `q<k>[<off_prefix><k>] = v<v>` converted to the operand's dtype (a bf16 member's rounded value: its upper half). */
+void af_cg_emit_store_at(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent, int32_t k,
+                         af_dtype dtype, const char *off_prefix, int32_t v);
 /* Loads inputs at o<k>, computes the members (af_cg_emit_members with `modes`), stores elementwise outputs at o<k>. */
 void af_cg_emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops, const char *acc_at,
                      int modes);

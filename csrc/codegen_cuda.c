@@ -39,6 +39,9 @@ static const char *const prelude =
     "}\n"
     "static __device__ __forceinline__ float af_f16_load(uint16_t h) { float f; asm(\"cvt.f32.f16 %0, %1;\" : \"=f\"(f) : \"h\"(h)); return f; }\n"
     "static __device__ __forceinline__ uint16_t af_f16_store(float f) { uint16_t h; asm(\"cvt.rn.f16.f32 %0, %1;\" : \"=h\"(h) : \"f\"(f)); return h; }\n"
+    "static __device__ __forceinline__ float af_bf16_round(float f) { return af_bf16_load(af_bf16_store(f)); }\n"
+    "static __device__ __forceinline__ uint16_t af_bf16_bits(float f) { return (uint16_t)(__float_as_uint(f) >> 16); }\n"
+    "static __device__ __forceinline__ float af_f16_round(float f) { return af_f16_load(af_f16_store(f)); }\n"
     "static __device__ __forceinline__ float af_exp(float x) { return expf(x); }\n"
     "static __device__ __forceinline__ float af_erf(float x) { return erff(x); }\n"
     "static __device__ __forceinline__ float af_tanh(float x) { return tanhf(x); }\n";

@@ -68,6 +68,9 @@ static inline uint16_t af_bf16_store(float f) {
 }
 static inline float af_f16_load(uint16_t h) { _Float16 x; memcpy(&x, &h, 2); return (float)x; }
 static inline uint16_t af_f16_store(float f) { _Float16 x = (_Float16)f; uint16_t h; memcpy(&h, &x, 2); return h; }
+static inline float af_bf16_round(float f) { return af_bf16_load(af_bf16_store(f)); }
+static inline uint16_t af_bf16_bits(float f) { return (uint16_t)(__float_as_uint(f) >> 16); }
+static inline float af_f16_round(float f) { return af_f16_load(af_f16_store(f)); }
 static inline float af_exp(float x) { return expf(x); }
 static inline float af_erf(float x) { return erff(x); }
 static inline float af_tanh(float x) { return tanhf(x); }

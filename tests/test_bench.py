@@ -5,6 +5,7 @@ import csv
 import importlib.util
 import os
 import pathlib
+import re
 
 import pytest
 import torch
@@ -193,7 +194,26 @@ def test_ab_env_times_both_sides_of_a_switch(capsys, monkeypatch):
     out = capsys.readouterr().out
     lines = {v: line for line in out.splitlines() for v in ("=1:", "=0:") if v in line}
     assert set(lines) == {"=1:", "=0:"} and "A/B:" in out, out
-    losses = {v: float(line.rsplit("last loss ", 1)[1]) for v, line in lines.items()}
+    losses = {v: float(line.rsplit("last loss ", 1)[1].split(",")[0]) for v, line in lines.items()}
     assert losses["=1:"] == pytest.approx(losses["=0:"], rel=1e-5), out
     assert all("peak" in line and " ms" in line for line in lines.values()), out
     assert "AOTFUSE_SINK_COPIES" not in os.environ
+
+
+def test_ab_env_lowers_each_side_of_a_dynamo_fallback_model(capsys, monkeypatch):
+    """Longformer runs through Dynamo (fallback="dynamo"), which keeps compiled graphs per code
+    object: without a class of its own per side, side B ran side A's programs (both sides alike, every
+    such A/B reading about 1.0). Each side must lower its own: with AOTFUSE_FUSION=0 no kernels."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "ab_env.py"
+    spec = importlib.util.spec_from_file_location("ab_env", path)
+    ab_env = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab_env)
+    monkeypatch.delenv("AOTFUSE_FUSION", raising=False)
+    ab_env.main(["--env", "AOTFUSE_FUSION", "--model", "LongformerForMaskedLM", "--size", "tiny", "--repeats", "1",
+                 "--warmup", "1"])
+    out = capsys.readouterr().out
+    counts = {v: re.search(r"(\d+) programs, (\d+) fused kernels", line).groups()
+              for line in out.splitlines() for v in ("=1:", "=0:") if v in line}
+    assert set(counts) == {"=1:", "=0:"}, out
+    assert int(counts["=1:"][0]) >= 2 and int(counts["=0:"][0]) >= 2, out  # a forward and a backward each
+    assert int(counts["=1:"][1]) > 0 and int(counts["=0:"][1]) == 0, out

@@ -1925,3 +1925,28 @@ def test_softmax_divides_rows_by_one_reciprocal(dtype):
     two = lower(make_fx(lambda y: torch.softmax(torch.softmax(y, -1) @ y, -1),
                         decomposition_table=default_decompositions(norms=True))(y))
     assert two.program.num_kernels == 2 and two.program.source.count("AF_BODY void") == 1, two.program.source
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_rounding_in_kernels_matches_eager_bit_for_bit(dtype):
+    """A float32 value rounded to bf16/f16 in a kernel (af_bf16_round/af_f16_round, in 32-bit lanes)
+    and a rounded bf16 value stored as its upper half (af_bf16_bits) give eager's bits: every upper
+    half of a float32 with lower halves at the rounding boundaries (ties to even, just above and below,
+    f16's 13-bit boundary and subnormals included), infinities, overflow to infinity; NaN stays NaN."""
+    hi = torch.arange(-32768, 32768, dtype=torch.int32).mul(65536)
+    lows = torch.tensor([0, 1, 0x0FFF, 0x1000, 0x1001, 0x1FFF, 0x2000, 0x7FFF, 0x8000, 0x8001, 0xFFFF], dtype=torch.int32)
+    x = (hi[:, None] | lows[None, :]).reshape(-1).view(torch.float32)
+    for f, what in ((lambda x: (x * 1.0).to(dtype), "rounded and stored"),
+                    (lambda x: (x * 1.0).to(dtype) * 3, "rounded, multiplied, rounded, stored")):
+        low = lower(make_fx(f)(x))
+        src = low.program.source
+        name = "bf16" if dtype == torch.bfloat16 else "f16"
+        assert f"af_{name}_round(" in src and f"af_{name}_load(af_{name}_store(" not in src, src
+        if dtype == torch.bfloat16:
+            assert "af_bf16_bits(" in src, src
+        got, ref = low([x])[0], f(x)
+        assert torch.equal(got.isnan(), ref.isnan()), f"{dtype} {what}: NaN where eager has none, or none where it has"
+        keep = ~ref.isnan()
+        bad = (got[keep].view(torch.int16) != ref[keep].view(torch.int16)).nonzero()
+        assert bad.numel() == 0, (f"{dtype} {what}: {bad.numel()} of {int(keep.sum())} values differ from eager's, "
+                                  f"first at x = {x[keep][bad[0]].item()!r}")
