@@ -718,11 +718,13 @@ static int reads_dependent_of(const af_node *n, const int32_t *value_group, cons
 #define AF_MERGE_GROWTH (INT64_C(256) << 10) /* most bytes a merge may keep live longer */
 #define AF_MERGE_MIXED (INT64_C(1) << 16)    /* largest loop in which a pointwise group joins reductions */
 
-/* 1 when group gi may merge at all: every member its own (no recomputed members), no window or
- * shifted member, no member reading a reduction of the group (an epilogue). */
+/* 1 when group gi may merge: every member its own (no recomputed members), no window or shifted
+ * member; 2 when it also has members reading a reduction of the group (an epilogue: a phased
+ * kernel), 0 when it may not merge. */
 static int mergeable(const af_graph *g, const af_fusion_plan *plan, int32_t gi) {
     const af_fusion_group *grp = &plan->groups[gi];
     if (grp->window_of || grp->iter_value < 0) return 0;
+    int phased = 0;
     for (int32_t k = 0; k < grp->n_nodes; k++) {
         int32_t i = grp->nodes[k];
         af_window w;
@@ -731,10 +733,10 @@ static int mergeable(const af_graph *g, const af_fusion_plan *plan, int32_t gi) 
         for (int32_t a = 0; a < n->n_args; a++) {
             if (n->args[a].kind != AF_ARG_VALUE) continue;
             int32_t prod = af_graph_value(g, n->args[a].u.value)->producer;
-            if (prod >= 0 && plan->group_of_node[prod] == gi && af_fuse_reduction_ok(g, prod, NULL)) return 0;
+            if (prod >= 0 && plan->group_of_node[prod] == gi && af_fuse_reduction_ok(g, prod, NULL)) phased = 1;
         }
     }
-    return 1;
+    return phased ? 2 : 1;
 }
 
 static int same_loop(const af_tensor_meta *a, const af_tensor_meta *b) {
@@ -912,6 +914,10 @@ static int merge_independent_groups(const af_graph *g, af_fusion_plan *plan) {
             const af_fusion_group *ga = &plan->groups[a];
             if (ga->device.type != gb->device.type || ga->device.index != gb->device.index) continue;
             if (ga->reduce_mask && gb->reduce_mask && ga->reduce_mask != gb->reduce_mask) continue;
+            /* a phased kernel takes another group's members into its first pass: reductions over
+             * the same dims only (a one-hot pick's row sum beside cross entropy's max), never
+             * another phased kernel's phases */
+            if ((ok[a] == 2 || ok[b] == 2) && (ok[a] == ok[b] || !ga->reduce_mask || ga->reduce_mask != gb->reduce_mask)) continue;
             if (ga->n_inputs + gb->n_inputs + ga->n_outputs + gb->n_outputs > AF_MERGE_OPERANDS) continue;
             if (!same_loop(&af_graph_value(g, ga->iter_value)->meta, ib)) continue;
             if (!ga->reduce_mask != !gb->reduce_mask && af_tensor_meta_numel(ib) > AF_MERGE_MIXED) continue;
@@ -931,6 +937,7 @@ static int merge_independent_groups(const af_graph *g, af_fusion_plan *plan) {
             else continue;
             if ((st = merge_into(plan, a, b, at))) goto done;
             s.merged_to[b] = a;
+            if (ok[b] > ok[a]) ok[a] = ok[b];
             int32_t tail = a;
             while (s.chain[tail] >= 0) tail = s.chain[tail];
             s.chain[tail] = b;

@@ -86,6 +86,10 @@ def lm_grad_chunks() -> bool:
     return os.environ.get("AOTFUSE_LM_GRAD_CHUNKS", "1") not in ("", "0")
 
 
+def one_hot_picks() -> bool:
+    return os.environ.get("AOTFUSE_ONE_HOT_PICKS", "1") not in ("", "0")
+
+
 def reuse_buffers() -> bool:
     return os.environ.get("AOTFUSE_REUSE_BUFFERS", "1") not in ("", "0")
 

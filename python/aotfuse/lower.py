@@ -901,12 +901,14 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
     from .embedding_grads import rewrite_embedding_grad_sums
     from .lm_grads import rewrite_lm_grad_chunks
     from .overlap import rewrite_overlap_sums
+    from .picks import rewrite_one_hot_picks
     from .rng import share_seeds
 
     share_seeds(gm)  # an inference graph's dropouts (a training graph's were shared in its joint graph)
     rewrite_overlap_sums(gm)  # before folding, which would make the scatters' indices opaque constants
     rewrite_embedding_grad_sums(gm)
     rewrite_lm_grad_chunks(gm)
+    rewrite_one_hot_picks(gm)
     gm = constfold.fold(gm, saved_from)
     b = build_graph(gm)
     fuse = config.fusion()

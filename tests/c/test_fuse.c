@@ -4,6 +4,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -815,11 +816,67 @@ static void test_recompute_reads_a_value_stored_anyway(void **state) {
     assert_source_has_then_free(g, plan, "1 outputs");
 }
 
+/* A row sum of another input beside a phased kernel over the same rows (cross entropy's max and
+ * log-sum-exp, and a one-hot pick of the logits: picks.py) joins the phased kernel's first pass;
+ * a second phased kernel over the same rows stays apart (its phases would interleave with the
+ * first's), as does anything under no_merge. */
+static void test_a_row_sum_joins_a_phased_kernel(void **state) {
+    (void)state;
+    af_tensor_meta m2 = f32(2), mr = row_meta();
+    for (int second_phased = 0; second_phased < 2; second_phased++) {
+        int32_t x, y;
+        af_graph *g = graph_x(&x);
+        assert_int_equal(af_graph_add_input(g, "y", &m2, &y), AF_OK);
+        int32_t m = reduce(g, "aten::amax.default", x, 1, 1, &mr);     /* n0 */
+        int32_t d = node(g, "aten::sub.Tensor", x, m, 2);              /* n1: an epilogue */
+        int32_t e = node(g, "aten::exp.default", d, -1, 2);            /* n2 */
+        int32_t s = reduce(g, "aten::sum.dim_IntList", e, 1, 1, &mr);  /* n3: phase 1 */
+        int32_t outs[3] = {s, -1, -1};
+        if (second_phased) {
+            int32_t m2y = reduce(g, "aten::amax.default", y, 1, 1, &mr);  /* n4 */
+            int32_t dy = node(g, "aten::sub.Tensor", y, m2y, 2);           /* n5 */
+            outs[1] = reduce(g, "aten::sum.dim_IntList", dy, 1, 1, &mr);  /* n6 */
+        } else {
+            int32_t h = node(g, "aten::mul.Tensor", y, -1, 2);             /* n4: the pick */
+            outs[1] = reduce(g, "aten::sum.dim_IntList", h, 1, 1, &mr);   /* n5 */
+        }
+        assert_int_equal(af_graph_set_outputs(g, outs, 2), AF_OK);
+        af_fuse_options keep = {.no_merge = 1};
+        af_fusion_plan *plan;
+        assert_int_equal(af_fuse_plan_new(g, &keep, &plan), AF_OK);
+        assert_int_equal(plan->n_groups, 2);
+        af_fuse_plan_free(plan);
+        assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+        if (second_phased) {
+            assert_int_equal(plan->n_groups, 2);
+            af_fuse_plan_free(plan);
+            af_graph_free(g);
+            continue;
+        }
+        assert_int_equal(plan->n_groups, 1);
+        for (int32_t i = 0; i < 6; i++) assert_int_equal(plan->group_of_node[i], 0);
+        /* both row sums in the first pass (phase 0: the max and y's sum), the exp-sum in the second */
+        char *src = NULL;
+        assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
+        assert_non_null(strstr(src, "3 reductions, 2 phases"));
+        const char *ph0 = strstr(src, "/* phase 0 */"), *ph1 = strstr(src, "/* phase 1 */");
+        assert_true(ph0 && ph1 && ph0 < ph1);
+        char acc[32];
+        snprintf(acc, sizeof acc, "accf%d += v", (int)outs[1]);
+        const char *pick = strstr(src, acc);
+        assert_true(pick && pick > ph0 && pick < ph1);
+        free(src);
+        af_fuse_plan_free(plan);
+        af_graph_free(g);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_chain_siblings_and_closing),
         cmocka_unit_test(test_lone_nodes_and_min_group),
         cmocka_unit_test(test_independent_groups_merge),
+        cmocka_unit_test(test_a_row_sum_joins_a_phased_kernel),
         cmocka_unit_test(test_random_nodes),
         cmocka_unit_test(test_wide_group),
         cmocka_unit_test(test_windows),
