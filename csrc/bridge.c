@@ -585,6 +585,32 @@ int af_extern_may_alias(const af_extern *e) { return !e || e->may_alias; }
 
 int af_obj_sole_ref(const af_obj *o) { return o && Py_REFCNT((PyObject *)o) == 1; }
 
+/* The integer a call returned, or -1 (the error cleared). */
+static long long call_count(PyObject *r) {
+    long long n = r ? PyLong_AsLongLong(r) : -1;
+    Py_XDECREF(r);
+    if (PyErr_Occurred()) PyErr_Clear(), n = -1;
+    return n;
+}
+
+int af_obj_sole_owner(const af_obj *o) {
+    PyObject *t = (PyObject *)o;
+    if (!o || Py_REFCNT(t) != 1 || !py.torch) return 0;
+    if (call_count(PyObject_CallMethod(t, "_use_count", NULL)) != 1) return 0; /* the TensorImpl: ours alone */
+    PyObject *c = PyObject_GetAttrString(py.torch, "_C");
+    PyObject *count = c ? PyObject_GetAttrString(c, "_storage_Use_Count") : NULL;
+    PyObject *storage = count ? PyObject_CallMethod(t, "untyped_storage", NULL) : NULL;
+    PyObject *cdata = storage ? PyObject_GetAttrString(storage, "_cdata") : NULL;
+    /* the storage: our TensorImpl's reference and the temporary storage object's */
+    long long n = cdata ? call_count(PyObject_CallFunctionObjArgs(count, cdata, NULL)) : -1;
+    Py_XDECREF(cdata);
+    Py_XDECREF(storage);
+    Py_XDECREF(count);
+    Py_XDECREF(c);
+    if (PyErr_Occurred()) PyErr_Clear();
+    return n == 2;
+}
+
 /* The call's positional and keyword arguments (new references; kwargs may be NULL). */
 static int extern_args(af_extern *e, af_obj *const *values, PyObject **args_out, PyObject **kwargs_out) {
     const af_node *n = af_graph_node(e->graph, e->node_index);

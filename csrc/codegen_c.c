@@ -170,7 +170,7 @@ static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fus
                      (int)grp->n_outputs, columns, rows);
     af_strbuf_printf(sb, "void af_kernel_%d(char *const *p) {\n", (int)index);
     af_strbuf_printf(sb, "  typedef %s af_idx; /* index math: 32-bit where every offset fits */\n", narrow ? "int32_t" : "int64_t");
-    af_cg_emit_pointers(sb, grp, ops);
+    af_cg_emit_pointers(sb, g, grp, ops);
     /* columns per block: as many as give each thread a block, within [AF_COLUMN_BLOCK_MIN, AF_COLUMN_BLOCK] */
     af_strbuf_printf(sb, "  af_idx bs = (%" PRId64 " + af_num_threads - 1) / af_num_threads;\n", columns);
     af_strbuf_printf(sb, "  bs = bs < %d ? %d : bs > %d ? %d : bs;\n", AF_COLUMN_BLOCK_MIN, AF_COLUMN_BLOCK_MIN, AF_COLUMN_BLOCK,
@@ -278,7 +278,7 @@ static int emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_
                      (int)grp->n_outputs, sp->outer, sp->inner);
     af_strbuf_printf(sb, "void af_kernel_%d(char *const *p) {\n", (int)index);
     af_strbuf_printf(sb, "  typedef %s af_idx; /* index math: 32-bit where every offset fits */\n", af_cg_narrow_index(sp) ? "int32_t" : "int64_t");
-    af_cg_emit_pointers(sb, grp, ops);
+    af_cg_emit_pointers(sb, g, grp, ops);
     af_strbuf_printf(sb, "  %s\n  for (af_idx c = 0; c < %" PRId64 "; c++) {\n",
                      parallel ? "#pragma omp parallel for schedule(static) num_threads(af_num_threads)" : "", sp->outer);
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    af_idx b%d = 0;\n", (int)k);
@@ -366,7 +366,7 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
                      (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)grp->n_inputs, (int)grp->n_outputs, outer, inner);
     af_strbuf_printf(sb, "void af_kernel_%d(char *const *p) {\n", (int)index);
     af_strbuf_printf(sb, "  typedef %s af_idx; /* index math: 32-bit where every offset fits */\n", af_cg_narrow_index(&sp) ? "int32_t" : "int64_t");
-    af_cg_emit_pointers(sb, grp, ops);
+    af_cg_emit_pointers(sb, g, grp, ops);
     af_strbuf_printf(sb, "  %s\n  for (af_idx c = 0; c < %" PRId64 "; c++) {\n",
                      parallel ? "#pragma omp parallel for schedule(static) num_threads(af_num_threads)" : "", outer);
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    af_idx b%d = 0;\n", (int)k);
@@ -414,7 +414,7 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
                      (int)grp->n_nodes, (int)grp->n_inputs, (int)grp->n_outputs, numel);
     af_strbuf_printf(sb, "%svoid af_kernel_%d(char *const *p) {\n", af_cg_has_guarded_load(g, grp) ? "AF_GUARDED_LOADS " : "", (int)index);
     af_strbuf_printf(sb, "  typedef %s af_idx; /* index math: 32-bit where every offset fits */\n", af_cg_narrow_index(&sp) ? "int32_t" : "int64_t");
-    af_cg_emit_pointers(sb, grp, ops);
+    af_cg_emit_pointers(sb, g, grp, ops);
     if (numel == 0) {
         af_strbuf_printf(sb, "  (void)p;\n}\n");
         af_cg_space_free(&sp);

@@ -248,12 +248,14 @@ static void emit_window(af_strbuf *sb, const af_graph *g, const af_fusion_group 
     while (w->source >= 0 && k < grp->n_inputs && grp->inputs[k] != w->source) k++;
     const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
     af_arg fill = {.kind = AF_ARG_FLOAT, .u.f = w->value};
+    /* the fill as the window's dtype holds it (a bf16 pad with 0.1 is 0.10009765625, as in eager) */
+    af_dtype fill_as = af_graph_value(g, n->first_output)->meta.dtype;
     char ptr[16], off[48];
     if (w->source < 0) { /* box_fill: the value inside, base outside */
         af_strbuf_printf(sb, "%sfloat v%d = ", indent, (int)n->first_output);
         emit_guard_cond(sb, g, grp, w, iter);
         af_strbuf_printf(sb, " ? ");
-        emit_scalar(sb, &fill, AF_DTYPE_FLOAT32);
+        emit_scalar(sb, &fill, fill_as);
         af_strbuf_printf(sb, " : v%d; /* %s */\n", (int)w->base, n->op);
     } else if (k < grp->n_inputs) {
         snprintf(ptr, sizeof ptr, "q%d", (int)k);
@@ -264,7 +266,7 @@ static void emit_window(af_strbuf *sb, const af_graph *g, const af_fusion_group 
         af_cg_emit_load(sb, ops[k].dtype, ptr, off);
         af_strbuf_printf(sb, " : ");
         if (w->base >= 0) af_strbuf_printf(sb, "v%d", (int)w->base);
-        else emit_scalar(sb, &fill, AF_DTYPE_FLOAT32);
+        else emit_scalar(sb, &fill, fill_as);
         af_strbuf_printf(sb, "; /* %s */\n", n->op);
     } else { /* the source computed here */
         char inner[64];
@@ -285,7 +287,7 @@ static void emit_window(af_strbuf *sb, const af_graph *g, const af_fusion_group 
         af_strbuf_printf(sb, "%sv%d = v%d;\n%s} else {\n%sv%d = ", inner, (int)n->first_output, (int)w->source, indent, inner,
                          (int)n->first_output);
         if (w->base >= 0) af_strbuf_printf(sb, "v%d", (int)w->base);
-        else emit_scalar(sb, &fill, AF_DTYPE_FLOAT32);
+        else emit_scalar(sb, &fill, fill_as);
         af_strbuf_printf(sb, ";\n%s}\n", indent);
     }
 }
@@ -388,6 +390,7 @@ static void emit_explicit_window(af_strbuf *sb, const af_graph *g, const af_fusi
     af_fuse_window(g, grp->nodes[member], &w);
     int vw = (int)n->first_output;
     af_arg fill = {.kind = AF_ARG_FLOAT, .u.f = w.value};
+    af_dtype fill_as = af_graph_value(g, n->first_output)->meta.dtype; /* rounded as stored */
     char inner[72], off[4096]; /* 16 dims of 31-character coordinates and 20-digit strides fit twice over */
     snprintf(inner, sizeof inner, "%s  ", indent);
     af_strbuf_printf(sb, "%sfloat v%d;\n%sif ((1", indent, vw, indent);
@@ -397,7 +400,7 @@ static void emit_explicit_window(af_strbuf *sb, const af_graph *g, const af_fusi
     af_strbuf_printf(sb, ")) { /* %s */\n", n->op);
     if (w.source < 0) { /* box_fill: the value inside */
         af_strbuf_printf(sb, "%sv%d = ", inner, vw);
-        emit_scalar(sb, &fill, AF_DTYPE_FLOAT32);
+        emit_scalar(sb, &fill, fill_as);
         af_strbuf_printf(sb, ";\n");
     } else {
         af_frame S = {.ndim = P->ndim}, F;
@@ -445,7 +448,7 @@ static void emit_explicit_window(af_strbuf *sb, const af_graph *g, const af_fusi
     }
     af_strbuf_printf(sb, "%s} else {\n%sv%d = ", indent, inner, vw);
     if (w.base >= 0) af_strbuf_printf(sb, "v%d", (int)w.base);
-    else emit_scalar(sb, &fill, AF_DTYPE_FLOAT32);
+    else emit_scalar(sb, &fill, fill_as);
     af_strbuf_printf(sb, ";\n%s}\n", indent);
 }
 
@@ -611,10 +614,44 @@ int af_cg_is_reduction_value(const af_graph *g, int32_t v) {
 }
 
 /* The kernel's typed data pointers q<k>: inputs first (const), then outputs. */
-void af_cg_emit_pointers(af_strbuf *sb, const af_fusion_group *grp, const af_cg_operand *ops) {
+int32_t af_cg_in_place_input(const af_graph *g, const af_fusion_group *grp, int32_t k) {
+    if (k < 0 || k >= grp->n_outputs || grp->iter_value < 0 || af_cg_has_window(g, grp)) return -1;
+    int32_t o = grp->outputs[k];
+    const af_tensor_meta *om = &af_graph_value(g, o)->meta, *im = &af_graph_value(g, grp->iter_value)->meta;
+    if (om->type != AF_VALUE_TENSOR || om->storage_offset != 0 || !af_tensor_meta_dense(om) || om->ndim != im->ndim)
+        return -1;
+    for (int32_t d = 0; d < om->ndim; d++)
+        if (om->sizes[d] != im->sizes[d]) return -1;
+    int32_t mo = 0;
+    while (mo < grp->n_nodes && af_graph_node(g, grp->nodes[mo])->first_output != o) mo++;
+    if (mo == grp->n_nodes) return -1;
+    if (grp->n_reductions > 0) { /* stored in the last pass over the row, after which nothing reads */
+        int32_t last = 0, *phases = af_cg_phases(g, grp, &last);
+        if (!phases) return -1;
+        int ok = (phases[mo] & AF_CG_ROW) == 0 && phases[mo] == last;
+        free(phases);
+        if (!ok) return -1;
+    }
+    for (int32_t j = 0; j < grp->n_inputs; j++) {
+        const af_tensor_meta *dm = &af_graph_value(g, grp->inputs[j])->meta;
+        if (dm->type == AF_VALUE_TENSOR && af_tensor_meta_same_layout(dm, om, 1)) return j;
+    }
+    return -1;
+}
+
+int af_cg_may_alias(const af_graph *g, const af_fusion_group *grp, int32_t k) {
+    if (!g) return 0;
+    if (k >= grp->n_inputs) return af_cg_in_place_input(g, grp, k - grp->n_inputs) >= 0;
+    for (int32_t o = 0; o < grp->n_outputs; o++)
+        if (af_cg_in_place_input(g, grp, o) == k) return 1;
+    return 0;
+}
+
+void af_cg_emit_pointers(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops) {
     for (int32_t k = 0; k < grp->n_inputs + grp->n_outputs; k++)
-        af_strbuf_printf(sb, "  %s%s *restrict q%d = (%s%s *)p[%d];\n", k < grp->n_inputs ? "const " : "",
-                         af_cg_ctype(ops[k].dtype), (int)k, k < grp->n_inputs ? "const " : "", af_cg_ctype(ops[k].dtype), (int)k);
+        af_strbuf_printf(sb, "  %s%s *%sq%d = (%s%s *)p[%d];\n", k < grp->n_inputs ? "const " : "",
+                         af_cg_ctype(ops[k].dtype), af_cg_may_alias(g, grp, k) ? "" : "restrict ", (int)k,
+                         k < grp->n_inputs ? "const " : "", af_cg_ctype(ops[k].dtype), (int)k);
 }
 
 void af_cg_emit_loads(af_strbuf *sb, const af_fusion_group *grp, const af_cg_operand *ops) {

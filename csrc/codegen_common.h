@@ -103,7 +103,17 @@ void af_cg_emit_phase_stores(af_strbuf *sb, const af_graph *g, const af_fusion_g
  * (one thread of a row's several). */
 void af_cg_emit_phase_end(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
                           const int32_t *phases, int32_t ph, int64_t inner, int nan_flags, const char *indent, const char *guard);
-void af_cg_emit_pointers(af_strbuf *sb, const af_fusion_group *grp, const af_cg_operand *ops);
+/* `T *restrict q<k> = (T *)p[k];` for every operand (not restrict: an in-place pair's two). */
+void af_cg_emit_pointers(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops);
+/* The input whose tensor output k may be written into (the runtime decides: the input dies at this
+ * kernel and nobody else holds it; runtime.c's plan_reuse), or -1: one with output k's dtype and
+ * layout, which is dense and spans the iteration shape, in a kernel without windows whose output k
+ * is stored in its last pass (each element then read before it is written, by the same thread,
+ * and never again). */
+int32_t af_cg_in_place_input(const af_graph *g, const af_fusion_group *grp, int32_t k);
+/* Whether operand k (an input or an output) is one of such an in-place pair: their pointers are not
+ * restrict (they may address the same elements). */
+int af_cg_may_alias(const af_graph *g, const af_fusion_group *grp, int32_t k);
 /* `const float v<value> = q<k>[o<k>]` for every input k. */
 void af_cg_emit_loads(af_strbuf *sb, const af_fusion_group *grp, const af_cg_operand *ops);
 /* `q<k>[<off_prefix><k>] = v<v>` converted to the operand's dtype (a bf16 member's rounded value: its upper half). */

@@ -53,16 +53,16 @@ static const char *const prelude =
 /* "int" when every index the kernel forms fits in 31 bits with room for a grid stride. */
 static const char *index_type(const af_cg_space *sp) { return af_cg_narrow_index(sp) ? "int" : "int64_t"; }
 
-static void emit_signature(af_strbuf *sb, const af_fusion_group *grp, const af_cg_operand *ops, const char *name,
-                           int32_t index, const char *suffix, int threads, int workspace) {
+static void emit_signature(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
+                           const char *name, int32_t index, const char *suffix, int threads, int workspace) {
     /* two blocks per multiprocessor at least: without it ptxas squeezes 512-thread kernels into 32
      * registers (four blocks) and spills the phased ones */
     af_strbuf_printf(sb, "extern \"C\" __global__ void __launch_bounds__(%d, %d) %s_%d%s(", threads, threads > 256 ? 2 : 2048 / threads / 2,
                      name, (int)index, suffix);
     if (workspace) af_strbuf_printf(sb, "double *__restrict__ ws, ");
     for (int32_t k = 0; k < grp->n_inputs + grp->n_outputs; k++)
-        af_strbuf_printf(sb, "%s%s%s *__restrict__ q%d", k ? ", " : "", k < grp->n_inputs ? "const " : "",
-                         af_cg_ctype(ops[k].dtype), (int)k);
+        af_strbuf_printf(sb, "%s%s%s *%sq%d", k ? ", " : "", k < grp->n_inputs ? "const " : "",
+                         af_cg_ctype(ops[k].dtype), af_cg_may_alias(g, grp, k) ? "" : "__restrict__ ", (int)k);
     af_strbuf_printf(sb, ") {\n");
 }
 
@@ -117,7 +117,7 @@ static void emit_pointwise(af_strbuf *sb, const af_graph *g, const af_fusion_gro
     int32_t nops = sp->nops, nd = sp->nd;
     af_strbuf_printf(sb, "\n/* group %d: %d nodes, %d inputs, %d outputs, %" PRId64 " elements */\n", (int)index,
                      (int)grp->n_nodes, (int)grp->n_inputs, (int)grp->n_outputs, sp->numel);
-    emit_signature(sb, grp, sp->ops, "af_kernel", index, "", AF_THREADS, 0);
+    emit_signature(sb, g, grp, sp->ops, "af_kernel", index, "", AF_THREADS, 0);
     af_strbuf_printf(sb, "  for (%s i = (%s)blockIdx.x * %d + threadIdx.x; i < %" PRId64 "; i += (%s)gridDim.x * %d) {\n", it, it,
                      AF_THREADS, sp->numel, it, AF_THREADS);
     af_strbuf_printf(sb, "    %s r = i;\n", it);
@@ -134,7 +134,7 @@ static void emit_pointwise(af_strbuf *sb, const af_graph *g, const af_fusion_gro
     if (!vec) return;
     int64_t nvec = sp->numel / vec;
     int32_t in = nd - 1;
-    emit_signature(sb, grp, sp->ops, "af_kernel", index, "_v", AF_THREADS, 0);
+    emit_signature(sb, g, grp, sp->ops, "af_kernel", index, "_v", AF_THREADS, 0);
     af_strbuf_printf(sb, "  for (%s i = (%s)blockIdx.x * %d + threadIdx.x; i < %" PRId64 "; i += (%s)gridDim.x * %d) {\n", it, it,
                      AF_THREADS, nvec, it, AF_THREADS);
     af_strbuf_printf(sb, "    %s r = i * %d;\n", it, vec);
@@ -231,7 +231,7 @@ static void emit_rows(af_strbuf *sb, const af_graph *g, const af_fusion_group *g
     af_strbuf_printf(sb, "\n/* group %d: %d nodes (%d reductions), %d inputs, %d outputs, %" PRId64 " rows of %" PRId64 " */\n",
                      (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)grp->n_inputs, (int)grp->n_outputs, sp->outer,
                      sp->inner);
-    emit_signature(sb, grp, sp->ops, "af_kernel", index, "", threads, 0);
+    emit_signature(sb, g, grp, sp->ops, "af_kernel", index, "", threads, 0);
     emit_row_loop_begin(sb, g, grp, sp, tpr, rpb);
     af_cg_emit_acc_decls(sb, g, grp, "float", "    ");
     af_strbuf_printf(sb, "    for (%s i = lane; i < %" PRId64 "; i += %d) {\n", it, sp->inner, tpr);
@@ -284,7 +284,7 @@ static void emit_phased(af_strbuf *sb, const af_graph *g, const af_fusion_group 
     af_strbuf_printf(sb, "\n/* group %d: %d nodes (%d reductions, %d phases), %d inputs, %d outputs, %" PRId64 " rows of %" PRId64 " */\n",
                      (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)last_phase + 1, (int)grp->n_inputs,
                      (int)grp->n_outputs, sp->outer, sp->inner);
-    emit_signature(sb, grp, sp->ops, "af_kernel", index, "", threads, 0);
+    emit_signature(sb, g, grp, sp->ops, "af_kernel", index, "", threads, 0);
     emit_row_loop_begin(sb, g, grp, sp, tpr, rpb);
     for (int32_t ph = 0; ph <= last_phase; ph++) {
         for (int32_t m = 0; m < grp->n_nodes; m++) {
@@ -347,7 +347,7 @@ static void emit_ws_partials(af_strbuf *sb, const af_graph *g, const af_fusion_g
 static void emit_finish_begin(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp, int32_t index,
                               int64_t split, int64_t n) {
     const char *it = index_type(sp);
-    emit_signature(sb, grp, sp->ops, "af_kernel", index, "_f", AF_THREADS, 1);
+    emit_signature(sb, g, grp, sp->ops, "af_kernel", index, "_f", AF_THREADS, 1);
     af_strbuf_printf(sb, "  for (%s c = (%s)blockIdx.x * %d + threadIdx.x; c < %" PRId64 "; c += (%s)gridDim.x * %d) {\n", it, it,
                      AF_THREADS, n, it, AF_THREADS);
     af_cg_emit_acc_decls(sb, g, grp, "double", "    "); /* the chunks' totals add in double */
@@ -391,7 +391,7 @@ static void emit_split_rows(af_strbuf *sb, const af_graph *g, const af_fusion_gr
     af_strbuf_printf(sb, "\n/* group %d: %d nodes (%d reductions), %d inputs, %d outputs, %" PRId64 " rows of %" PRId64
                      ", split rows: %" PRId64 " chunks */\n", (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)grp->n_inputs,
                      (int)grp->n_outputs, rows, sp->inner, split);
-    emit_signature(sb, grp, sp->ops, "af_kernel", index, "", tpb, 1);
+    emit_signature(sb, g, grp, sp->ops, "af_kernel", index, "", tpb, 1);
     emit_shared_totals(sb, g, grp, tpb / 32);
     af_strbuf_printf(sb, "  const %s i0 = (%s)blockIdx.y * %" PRId64 ", i1 = i0 + %" PRId64 " < %" PRId64 " ? i0 + %" PRId64 " : %" PRId64 ";\n",
                      it, it, chunk, chunk, sp->inner, chunk, sp->inner);
@@ -452,7 +452,7 @@ static void emit_columns(af_strbuf *sb, const af_graph *g, const af_fusion_group
     af_strbuf_printf(sb, "\n/* group %d: %d nodes (%d column reductions), %d inputs, %d outputs, %" PRId64 " columns x %" PRId64
                      " rows, %" PRId64 " chunks */\n", (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)grp->n_inputs,
                      (int)grp->n_outputs, columns, rows, split);
-    emit_signature(sb, grp, sp->ops, "af_kernel", index, "", AF_COLUMN_TILE * AF_COLUMN_LANES, 1);
+    emit_signature(sb, g, grp, sp->ops, "af_kernel", index, "", AF_COLUMN_TILE * AF_COLUMN_LANES, 1);
     for (int32_t m = 0; m < grp->n_nodes; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
         if (af_op_get(n->op_id)->kind == AF_KIND_REDUCTION)

@@ -703,8 +703,9 @@ static int reads_dependent_of(const af_node *n, const int32_t *value_group, cons
  * and it can run at one of their two steps:
  *   - the later one's, when nothing outside the earlier group reads its values before that step;
  *   - the earlier one's, when every input of the later group is made before that step.
- * Either way neither group depends on the other through any path. Groups with windows, recomputed
- * members or epilogue members (phased kernels) stay as they are.
+ * Either way neither group depends on the other through any path. Groups with windows or
+ * recomputed members stay as they are; a group with epilogue members (a phased kernel) takes only a
+ * group reducing over the same dims, whose members join its first pass, and never another phased one.
  *
  * A merge saves one kernel step's host time (a launch on a GPU); it must not cost memory or
  * threads: the moved kernel keeps its inputs alive longer (moved later) or makes its outputs

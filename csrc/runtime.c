@@ -2,6 +2,7 @@
  * after the last step that reads them. */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime under -std=c11 */
 #include "aotfuse/runtime.h"
+#include "codegen_common.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -85,8 +86,10 @@ struct af_program {
      * from its last use to that step only where the program's peak does not grow. */
     int32_t *donor;          /* per value: the dead value whose tensor this kernel output takes, or -1 */
     uint8_t *donated;        /* per value: kept past its last use for the output that takes it */
-    uint8_t *in_place;       /* per value: its donor is its extern's own first argument, dying at that step
-                              * (an index_add writing into the tensor it adds to) */
+    uint8_t *in_place;       /* per value: 1 its donor is its extern's own first argument, dying at that step
+                              * (an index_add writing into the tensor it adds to); 2 its donor is an input
+                              * of its kernel dying there, which the kernel writes it into (a program input
+                              * too, where the run finds its data held by nobody else: af_obj_sole_owner) */
     int8_t *reuse_state;     /* per value: 0 donor not yet checked, 1 checked, -1 its layout differs (never reused) */
     int32_t n_reuses;        /* planned */
     int32_t n_sunk;          /* copies and reads af_sink_copies rewrote */
@@ -525,7 +528,10 @@ static int plan_reuse(af_program *p, const int32_t *step_of_node, int reuse) {
         free_at[v] = -1;
         p->donor[v] = -1;
     }
-    for (int32_t k = 0; k < af_graph_num_inputs(g); k++) bad[af_graph_input(g, k)] = 1;
+    /* 2: a program input (never a donor planned ahead; a kernel may still write its output into one
+     * that dies at its step and that the run finds nobody else holds); 1: held past the program or
+     * shared with an alias */
+    for (int32_t k = 0; k < af_graph_num_inputs(g); k++) bad[af_graph_input(g, k)] = 2;
     for (int32_t i = 0; i < nn; i++) {
         const af_node *n = af_graph_node(g, i);
         if (p->plan && p->plan->group_of_node[i] >= 0) continue; /* a kernel member: its outputs are new tensors */
@@ -598,6 +604,33 @@ static int plan_reuse(af_program *p, const int32_t *step_of_node, int reuse) {
             int32_t v = grp ? grp->outputs[k] : n->first_output;
             const af_tensor_meta *m = &af_graph_value(g, v)->meta;
             if (m->type != AF_VALUE_TENSOR || m->storage_offset != 0) continue;
+            int32_t j = grp ? af_cg_in_place_input(g, grp, k) : -1;
+            if (j >= 0) {
+                /* in place: the kernel writes output k into its input j's tensor (af_cg_in_place_input:
+                 * same layout, each element read before it is written), which dies at this step: no
+                 * view of it, no other operand of the kernel on its storage (a folded view included),
+                 * not an output or an alias' */
+                int32_t x = grp->inputs[j], d = p->fold_root[x] >= 0 ? p->fold_root[x] : x;
+                const af_tensor_meta *dm = &af_graph_value(g, d)->meta;
+                /* a folded view of d (the cross entropy's [tokens, vocab] view of the logits) spanning
+                 * all of it: the kernel reads d's tensor, and the output is d's storage in its layout */
+                int ok = root[d] == d && (bad[d] == 0 || bad[d] == 2) && !kept[d] && free_at[d] == t &&
+                         (d == x || (p->fold_delta[x] == 0 && dm->type == AF_VALUE_TENSOR && dm->dtype == m->dtype &&
+                                     dm->storage_offset == 0 && af_tensor_meta_dense(dm) &&
+                                     af_tensor_meta_nbytes(dm) == af_tensor_meta_nbytes(m)));
+                for (int32_t q = 0; q < grp->n_inputs && ok; q++) {
+                    int32_t y = grp->inputs[q], fy = p->fold_root[y] >= 0 ? p->fold_root[y] : y;
+                    if (q != j && root[fy] == d) ok = 0;
+                }
+                if (ok) {
+                    kept[d] = 1; /* no other result takes it */
+                    p->donor[v] = d;
+                    p->in_place[v] = 2;
+                    p->n_reuses++;
+                    p->reused_bytes += af_tensor_meta_nbytes(m);
+                    continue;
+                }
+            }
             int64_t want = dense_bytes(m);
             for (int32_t j = 0, tries = 0; j < n_donors && tries < REUSE_TRIES; j++) {
                 int32_t f = donors[j].free_step, d = donors[j].value;
@@ -1051,11 +1084,33 @@ static int run_extern_into(af_program *p, int32_t i) {
     return af_extern_call(p->externs[i], p->values, &p->values[v]);
 }
 
-/* Releases the donors a group's outputs would have taken (its nodes ran as extern calls). */
+/* Kernel output v written into its dying input's tensor (in_place 2), where this run finds the
+ * input's data held by its slot alone and laid out as planned: v's slot then holds a new tensor on
+ * its storage, the input's slot the input until its release after the step. Otherwise v is
+ * allocated as usual. */
+static int take_input_in_place(af_program *p, int32_t v) {
+    int32_t d = p->donor[v];
+    af_obj *t = p->values[d];
+    if (!t || !p->check_inputs) return AF_OK;
+    int st = check_donor_layout(p, v, t, &af_graph_value(p->graph, d)->meta);
+    if (st || p->reuse_state[v] <= 0) return st;
+    if (!af_obj_sole_owner(t)) {
+        p->reuses_refused++;
+        return AF_OK;
+    }
+    /* a tensor object of its own on d's storage, in v's layout: the output is never the input's
+     * object (whose Python attributes and hooks are not the output's) */
+    if ((st = af_bridge_reinterpret(t, &af_graph_value(p->graph, v)->meta, 0, &p->values[v]))) return st;
+    p->reuses_taken++;
+    return AF_OK;
+}
+
+/* Releases the donors a group's outputs would have taken (its nodes ran as extern calls); an
+ * input written in place stays: the nodes read it. */
 static void drop_donors(af_program *p, const af_fusion_group *grp) {
     for (int32_t k = 0; p->donor && k < grp->n_outputs; k++) {
         int32_t d = p->donor[grp->outputs[k]];
-        if (d < 0) continue;
+        if (d < 0 || p->in_place[grp->outputs[k]]) continue;
         af_obj_release(p->values[d]);
         p->values[d] = NULL;
     }
@@ -1078,7 +1133,8 @@ static int run_kernel(af_program *p, int32_t gi) {
         for (int32_t k = 0; k < no; k++) {
             int32_t v = grp->outputs[k];
             const af_tensor_meta *m = &af_graph_value(p->graph, v)->meta;
-            if (p->donor && p->donor[v] >= 0 && (st = take_donor(p, v, m))) return st;
+            if (p->donor && p->donor[v] >= 0 && (st = p->in_place[v] ? take_input_in_place(p, v) : take_donor(p, v, m)))
+                return st;
             if (!p->values[v] && ((st = af_bridge_empty_cached(m, &p->empty_args[v], &p->values[v])) ||
                                   (st = advise_fresh(p, p->values[v], m))))
                 return st;

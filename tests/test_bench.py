@@ -202,7 +202,7 @@ def test_ab_env_times_both_sides_of_a_switch(capsys, monkeypatch):
 
 def test_ab_env_lowers_each_side_of_a_dynamo_fallback_model(capsys, monkeypatch):
     """Longformer runs through Dynamo (fallback="dynamo"), which keeps compiled graphs per code
-    object: without a class of its own per side, side B ran side A's programs (both sides alike, every
+    object, guarded on the backend: with one backend for both, side B ran side A's programs (both sides alike, every
     such A/B reading about 1.0). Each side must lower its own: with AOTFUSE_FUSION=0 no kernels."""
     path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "ab_env.py"
     spec = importlib.util.spec_from_file_location("ab_env", path)

@@ -1950,3 +1950,13 @@ def test_16_bit_rounding_in_kernels_matches_eager_bit_for_bit(dtype):
         bad = (got[keep].view(torch.int16) != ref[keep].view(torch.int16)).nonzero()
         assert bad.numel() == 0, (f"{dtype} {what}: {bad.numel()} of {int(keep.sum())} values differ from eager's, "
                                   f"first at x = {x[keep][bad[0]].item()!r}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_windows_fill_is_the_value_its_dtype_holds(dtype):
+    """A pad of a bf16/f16 tensor with 0.1 holds 0.1 as the dtype rounds it (0.10009765625 in bf16),
+    also where the kernel reads the padded value on in float (found by a review: it used 0.1 itself)."""
+    x = torch.randn(8, 30).to(dtype)
+    f = lambda x: torch.nn.functional.pad(x, (1, 2), value=0.1).float() * 3.0
+    got = lower(make_fx(f)(x))([x])[0]
+    assert torch.equal(got, f(x)), (got[:, 0], f(x)[:, 0])

@@ -17,8 +17,10 @@ MIB = 1 << 20
 
 
 def _program(fn, *args, huge_pages):
+    """Without buffer reuse: the kernel output here would otherwise be written into the mm's dying
+    result (kernels in place) and allocate nothing."""
     gm = make_fx(fn, tracing_mode="fake")(*args)
-    return _C.Program(build_graph(gm).graph, fuse=True, huge_pages=huge_pages)
+    return _C.Program(build_graph(gm).graph, fuse=True, huge_pages=huge_pages, reuse=False)
 
 
 def _f(x, w):

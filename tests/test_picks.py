@@ -117,3 +117,37 @@ def test_a_chain_reaching_an_integer_leaf_is_left_alone():
     gm = make_fx(f, tracing_mode="fake")(x, k, t)
     assert rewrite_one_hot_picks(gm) == 0
     assert torch.equal(gm(x, k, t), f(x, k, t))
+
+
+def test_masks_compared_where_indices_could_collide_are_left_alone():
+    """An arange compared with a bf16 value is compared in bf16 (256 and 257 are one value there), a
+    uint8 arange wraps at 256: neither is one-hot, and neither is rewritten (found by a review: the
+    rewrite summed several elements' values)."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 300, generator=g)
+    t = torch.tensor([256, 3, 258, 257])
+    cases = [
+        lambda x, t: torch.where(torch.arange(300) == t[:, None].bfloat16(), x.exp(), 0.0).sum(-1),
+        lambda x, t: torch.where(torch.arange(300, dtype=torch.bfloat16) == t[:, None], x.exp(), 0.0).sum(-1),
+        lambda x, t: torch.where(torch.arange(300, dtype=torch.uint8) == t[:, None], x.exp(), 0.0).sum(-1),
+    ]
+    for k, f in enumerate(cases):
+        n, gm = _rewritten(f, x, t)
+        assert n == 0, k
+        assert torch.equal(gm(x, t), f(x, t)), k
+        assert torch.allclose(aotfuse.memory_efficient_fusion(f)(x, t), f(x, t), rtol=1e-6, atol=0), k
+
+
+def test_a_picked_negative_zero_keeps_its_sign_and_a_sum_over_every_dim_is_no_pick():
+    """The pick is a masked max, not a sum with zeros (which made -0.0 +0.0: 1 / x gave inf for
+    eager's -inf); sum(dim=None) is not a row sum (it made the capture fail)."""
+    x = torch.tensor([[-0.0, 1.0, 2.0], [3.0, -0.0, 5.0]])
+    t = torch.tensor([0, 1])
+    f = lambda x, t: torch.where(torch.arange(3) == t[:, None], 1.0 / x, 0.0).sum(-1)
+    n, gm = _rewritten(f, x, t)
+    assert n == 1
+    assert torch.equal(gm(x, t), f(x, t)) and torch.equal(gm(x, t), torch.tensor([float("-inf")] * 2))
+    assert torch.equal(aotfuse.memory_efficient_fusion(f)(x, t), f(x, t))
+    g = lambda x: torch.where(x > 0, x, 0.0).sum(dim=None)
+    y = torch.randn(3, 4)
+    assert torch.allclose(aotfuse.memory_efficient_fusion(g)(y), g(y))

@@ -8,14 +8,15 @@ is bf16) for every element of the row in a third pass after the log-sum-exp, onl
 
 Here the sum becomes that computation applied to picked values: V's elementwise ancestors that vary
 along the last dim are followed back to their leaves (the logits), each leaf is picked by its own
-masked row sum `sum(where(hit, leaf, 0), -1, keepdim=True)`, exact (one term, the rest zeros), which
-needs nothing from later passes, so it joins the kernel's first pass, and V's nodes are applied again
+masked row max `amax(where(hit, leaf, -inf), -1, keepdim=True)`, exact (one element, the rest -inf;
+-0.0 stays -0.0), which needs nothing from later passes, so it joins the kernel's first pass, and V's nodes are applied again
 to the picked [.., 1] values and the per-row values they read. The same operations on the same
 values in the same dtypes give the same bits; a row with no hit (an ignored target) gives 0, as the
 sum did. The cross entropy kernel at 512 x 8192 (bf16) loses its third pass: 2.55 -> 1.87 ms.
 
-`hit` must be an `eq` of an `arange` over the last dim (distinct values) with a per-row value, or
-such an `eq` and-ed (mul, logical_and) with per-row values: what _one_hot builds. AOTFUSE_ONE_HOT_PICKS=0
+`hit` must be an `eq` of an `arange` over the last dim (distinct values, compared in int32, int64,
+float32 or float64: a bf16 or uint8 comparison may make two of them one) with a per-row value, or such
+an `eq` and-ed (mul, logical_and) with per-row values: what _one_hot builds. AOTFUSE_ONE_HOT_PICKS=0
 keeps the graph as traced.
 """
 from __future__ import annotations
@@ -65,6 +66,18 @@ def _arange(n: Any, width: int) -> bool:
     return False
 
 
+_EXACT = (torch.int32, torch.int64, torch.float32, torch.float64)  # hold 0 .. 2**24 - 1 exactly
+
+
+def _exact_compare(a: Any, b: Any, width: int) -> bool:
+    """Whether eq(a, b) compares in a dtype holding 0 .. width - 1 exactly (then the arange's values
+    stay distinct: an int64 arange compared with a bf16 value is compared in bf16, where 256 and 257
+    are one value), both operands in such dtypes."""
+    va, vb = _tensor(a), _tensor(b)
+    return (va is not None and vb is not None and va.dtype in _EXACT and vb.dtype in _EXACT and width <= 2**24
+            and torch.promote_types(va.dtype, vb.dtype) in _EXACT)
+
+
 def _one_hot(hit: Any, width: int) -> bool:
     """Whether hit has at most one true along its last dim (of size width)."""
     if not isinstance(hit, fx.Node) or hit.op != "call_function" or hit.kwargs:
@@ -74,6 +87,8 @@ def _one_hot(hit: Any, width: int) -> bool:
         return False
     a = hit.args
     if hit.target is aten.eq.Tensor and len(a) == 2:
+        if not _exact_compare(a[0], a[1], width):
+            return False
         return (_arange(a[0], width) and _per_row(a[1], width)) or (_arange(a[1], width) and _per_row(a[0], width))
     if hit.target in (aten.mul.Tensor, aten.logical_and.default) and len(a) == 2 and all(isinstance(x, fx.Node) for x in a):
         return (_one_hot(a[0], width) and _per_row(a[1], width)) or (_one_hot(a[1], width) and _per_row(a[0], width))
@@ -129,7 +144,8 @@ def _match(s: fx.Node) -> tuple[fx.Node, fx.Node, int] | None:
     if (not isinstance(w, fx.Node) or w.op != "call_function" or w.target is not aten.where.self or w.kwargs
             or len(w.users) != 1 or wv is None or wv.dim() == 0 or not wv.dtype.is_floating_point):
         return None
-    if [d % wv.dim() for d in s.args[1]] != [wv.dim() - 1]:
+    dims = s.args[1] if len(s.args) > 1 else None
+    if not isinstance(dims, (list, tuple)) or [d % wv.dim() for d in dims] != [wv.dim() - 1]:
         return None
     hit, v, zero = w.args
     vv = _tensor(v)
@@ -168,12 +184,13 @@ def rewrite_one_hot_picks(gm: fx.GraphModule) -> int:
     """Rewrites, in place, every one-hot pick matched as the module docstring says; returns how many."""
     if not config.one_hot_picks():
         return 0
-    graph, done = gm.graph, 0
+    graph, done, tried = gm.graph, 0, False
     for s in list(graph.nodes):
         m = _match(s)
-        if m is not None and _pick(graph, s, *m):
-            done += 1
-    if done:
+        if m is not None:
+            tried = True  # its mask may have moved up, rewritten or not
+            done += _pick(graph, s, *m)
+    if tried:
         gm.recompile()
     return done
 
@@ -213,23 +230,24 @@ def _pick(graph: fx.Graph, s: fx.Node, hit: fx.Node, v: fx.Node, width: int) -> 
             args = tuple(pick(a) if isinstance(a, fx.Node) else a for a in x.args)
             kwargs = {k: (pick(a) if isinstance(a, fx.Node) else a) for k, a in x.kwargs.items()}
             out = call(x.target, args, kwargs)
-        elif xv.dtype.is_floating_point:  # a leaf: one term of its row, the rest zeros
-            # made as early as the leaf and hit allow: the fuser then puts it in the leaf's first
-            # row kernel (beside the softmax's max), not in a kernel of its own after it
+        elif xv.dtype.is_floating_point:  # a leaf: the row's one element, the rest -inf, its max
+            # (exact, and -0.0 stays -0.0, which a sum with zeros would make +0.0); made as early as
+            # the leaf and hit allow: the fuser then puts it in the leaf's first row kernel (beside
+            # the softmax's max), not in a kernel of its own after it
             at = x if order[x] > order[hit] else hit
             with graph.inserting_after(at):
-                zero = zero_like(x)
-            with graph.inserting_after(zero):
-                masked = call(aten.where.self, (hit, x, zero))
+                low = call(aten.scalar_tensor.default, (float("-inf"),), {"dtype": xv.dtype, "device": xv.device})
+            with graph.inserting_after(low):
+                masked = call(aten.where.self, (hit, x, low))
             with graph.inserting_after(masked):
-                out = call(aten.sum.dim_IntList, (masked, [-1], True))
+                out = call(aten.amax.default, (masked, [-1], True))
         else:
             raise ValueError("a leaf that is not floating point")
         picked[x] = out
         return out
 
     _hoist(hit, order)  # hit's computation (from the targets alone) as early as its inputs allow
-    order = {n: i for i, n in enumerate(graph.nodes)}
+    order = {n: i for i, n in enumerate(graph.nodes)}  # (the graph stays valid if the pick fails)
     with graph.inserting_before(s):
         try:
             value = pick(v)
