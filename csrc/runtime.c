@@ -506,6 +506,17 @@ static int writes_into_first_arg(const af_node *n) { return strcmp(n->op, "aten:
  * whose keeping until then leaves the program's peak (the bytes of the storages alive at each
  * step) where it was; at most REUSE_TRIES matching storages are weighed per result. */
 #define REUSE_TRIES 16
+
+/* v written into donor d's tensor at the step making it (in_place 1: an extern's own first
+ * argument; 2: an input of v's kernel); the storage `root` is then no other result's. */
+static void plan_in_place(af_program *p, uint8_t *kept, int32_t v, int32_t d, int32_t root, uint8_t kind) {
+    kept[root] = 1;
+    p->donor[v] = d;
+    p->in_place[v] = kind;
+    p->n_reuses++;
+    p->reused_bytes += af_tensor_meta_nbytes(&af_graph_value(p->graph, v)->meta);
+}
+
 static int plan_reuse(af_program *p, const int32_t *step_of_node, int reuse) {
     const af_graph *g = p->graph;
     int32_t nv = af_graph_num_values(g), nn = af_graph_num_nodes(g), ns = p->n_steps, n_donors = 0;
@@ -592,11 +603,7 @@ static int plan_reuse(af_program *p, const int32_t *step_of_node, int reuse) {
             for (int32_t a = 1; a < n->n_args && ok; a++)
                 if (n->args[a].kind == AF_ARG_VALUE && root[n->args[a].u.value] == r) ok = 0;
             if (ok) {
-                kept[r] = 1; /* no other result takes it */
-                p->donor[v] = d;
-                p->in_place[v] = 1;
-                p->n_reuses++;
-                p->reused_bytes += af_tensor_meta_nbytes(m);
+                plan_in_place(p, kept, v, d, r, 1);
                 continue;
             }
         }
@@ -623,11 +630,7 @@ static int plan_reuse(af_program *p, const int32_t *step_of_node, int reuse) {
                     if (q != j && root[fy] == d) ok = 0;
                 }
                 if (ok) {
-                    kept[d] = 1; /* no other result takes it */
-                    p->donor[v] = d;
-                    p->in_place[v] = 2;
-                    p->n_reuses++;
-                    p->reused_bytes += af_tensor_meta_nbytes(m);
+                    plan_in_place(p, kept, v, d, d, 2);
                     continue;
                 }
             }

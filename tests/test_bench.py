@@ -180,14 +180,20 @@ def test_profile_steps_lists_programs_and_kernels(capsys):
     assert "aotfuse: one step, self CPU time" in out and "eager: one step, self CPU time" in out, out
 
 
-def test_ab_env_times_both_sides_of_a_switch(capsys, monkeypatch):
-    """benchmarks/ab_env.py: two copies lowered with the switch at its two values, trained alike
-    (the same loss after the same steps), each side's time and peak printed; the variable is put
-    back as it was."""
+def _ab_env():
+    """benchmarks/ab_env.py as a module."""
     path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "ab_env.py"
     spec = importlib.util.spec_from_file_location("ab_env", path)
     ab_env = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ab_env)
+    return ab_env
+
+
+def test_ab_env_times_both_sides_of_a_switch(capsys, monkeypatch):
+    """benchmarks/ab_env.py: two copies lowered with the switch at its two values, trained alike
+    (the same loss after the same steps), each side's time and peak printed; the variable is put
+    back as it was."""
+    ab_env = _ab_env()
     monkeypatch.delenv("AOTFUSE_SINK_COPIES", raising=False)
     ab_env.main(["--env", "AOTFUSE_SINK_COPIES", "--model", "BertForMaskedLM", "--size", "host", "--repeats", "2",
                  "--warmup", "1"])
@@ -204,10 +210,7 @@ def test_ab_env_lowers_each_side_of_a_dynamo_fallback_model(capsys, monkeypatch)
     """Longformer runs through Dynamo (fallback="dynamo"), which keeps compiled graphs per code
     object, guarded on the backend: with one backend for both, side B ran side A's programs (both sides alike, every
     such A/B reading about 1.0). Each side must lower its own: with AOTFUSE_FUSION=0 no kernels."""
-    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "ab_env.py"
-    spec = importlib.util.spec_from_file_location("ab_env", path)
-    ab_env = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab_env)
+    ab_env = _ab_env()
     monkeypatch.delenv("AOTFUSE_FUSION", raising=False)
     ab_env.main(["--env", "AOTFUSE_FUSION", "--model", "LongformerForMaskedLM", "--size", "tiny", "--repeats", "1",
                  "--warmup", "1"])
