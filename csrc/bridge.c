@@ -85,6 +85,7 @@ static struct {
     PyObject *dtypes[AF_DTYPE_COUNT];
     PyObject *device_ctor;          /* torch.device */
     PyObject *handles_from_tensors; /* torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors */
+    PyObject *storage_use_count;    /* torch._C._storage_Use_Count (af_obj_sole_owner), looked up once */
     PyObject *empty_strided;        /* torch.empty_strided */
     PyObject *raw_stream;           /* torch._C._cuda_getCurrentRawStream, looked up at first use */
     PyObject *get_num_threads;      /* torch.get_num_threads, looked up at first use */
@@ -597,18 +598,43 @@ int af_obj_sole_owner(const af_obj *o) {
     PyObject *t = (PyObject *)o;
     if (!o || Py_REFCNT(t) != 1 || !py.torch) return 0;
     if (call_count(PyObject_CallMethod(t, "_use_count", NULL)) != 1) return 0; /* the TensorImpl: ours alone */
-    PyObject *c = PyObject_GetAttrString(py.torch, "_C");
-    PyObject *count = c ? PyObject_GetAttrString(c, "_storage_Use_Count") : NULL;
-    PyObject *storage = count ? PyObject_CallMethod(t, "untyped_storage", NULL) : NULL;
-    PyObject *cdata = storage ? PyObject_GetAttrString(storage, "_cdata") : NULL;
+    if (!py.storage_use_count) {
+        PyObject *c = PyObject_GetAttrString(py.torch, "_C");
+        py.storage_use_count = c ? PyObject_GetAttrString(c, "_storage_Use_Count") : NULL;
+        Py_XDECREF(c);
+        if (!py.storage_use_count) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    static Py_ssize_t fresh_refs = -1; /* a storage object nobody keeps: ours, and torch's own if it keeps one */
+    if (fresh_refs < 0) {
+        PyObject *e = PyObject_CallMethod(py.torch, "empty", "i", 1);
+        PyObject *es = e ? PyObject_CallMethod(e, "untyped_storage", NULL) : NULL;
+        if (es) fresh_refs = Py_REFCNT(es);
+        Py_XDECREF(es);
+        Py_XDECREF(e);
+        if (fresh_refs < 0) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    PyObject *storage = PyObject_CallMethod(t, "untyped_storage", NULL);
+    /* a storage object someone keeps (a saved-tensor hook packing t.untyped_storage()) is handed
+     * back as it is: then it has their reference too */
+    int ok = storage && Py_REFCNT(storage) <= fresh_refs;
+    /* memory torch does not own (from_numpy, from_blob, DLPack) may be seen elsewhere: such storage
+     * is not resizable */
+    PyObject *resizable = ok ? PyObject_CallMethod(storage, "resizable", NULL) : NULL;
+    ok = ok && resizable == Py_True;
+    PyObject *cdata = ok ? PyObject_GetAttrString(storage, "_cdata") : NULL;
     /* the storage: our TensorImpl's reference and the temporary storage object's */
-    long long n = cdata ? call_count(PyObject_CallFunctionObjArgs(count, cdata, NULL)) : -1;
+    long long n = cdata ? call_count(PyObject_CallFunctionObjArgs(py.storage_use_count, cdata, NULL)) : -1;
     Py_XDECREF(cdata);
+    Py_XDECREF(resizable);
     Py_XDECREF(storage);
-    Py_XDECREF(count);
-    Py_XDECREF(c);
     if (PyErr_Occurred()) PyErr_Clear();
-    return n == 2;
+    return ok && n == 2;
 }
 
 /* The call's positional and keyword arguments (new references; kwargs may be NULL). */

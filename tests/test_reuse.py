@@ -243,23 +243,46 @@ def test_a_kernel_writes_into_a_dying_input_that_nobody_else_holds():
     assert prog.reuses_taken == 3 and prog.reuses_refused == 0
 
 
-@pytest.mark.parametrize("held", ["the tensor", "a view of it", "its storage through another tensor"])
+_HELD = ["the tensor", "a view of it", "its storage through another tensor", "its storage object", "numpy memory"]
+
+
+@pytest.mark.parametrize("held", _HELD)
 def test_a_kernel_never_writes_into_an_input_someone_holds(held):
-    """The caller keeps the input, a view of it, or another tensor on its storage: the kernel's
-    output is a fresh tensor and what the caller holds is unchanged."""
+    """The caller keeps the input, a view of it, another tensor on its storage, its storage object
+    (a saved-tensor hook packing `t.untyped_storage()`), or the numpy array the input was made from:
+    the kernel's output is a fresh tensor and what the caller holds is unchanged. (The last two were
+    written into in a first version, found by a review.)"""
     x = torch.randn(64, 128)
     prog = _program(_exp2, x)
     want = _program(_exp2, x, reuse=False).run([x])[0]
     for _ in range(2):
-        mine = x.clone()
-        keep = mine if held == "the tensor" else mine[3] if held == "a view of it" else mine.view(128, 64)
-        before = keep.clone()
+        if held == "numpy memory":
+            arr = x.numpy().copy()
+            mine = torch.from_numpy(arr)
+            keep = torch.from_numpy(arr[:])  # another tensor on the same memory, outside torch's counts
+            del arr
+        else:
+            mine = x.clone()
+        if held == "the tensor":
+            keep = mine
+        elif held == "a view of it":
+            keep = mine[3]
+        elif held == "its storage through another tensor":
+            keep = mine.view(128, 64)
+        elif held == "its storage object":
+            storage = mine.untyped_storage()
+            keep = torch.empty(0).set_(storage, 0, mine.shape, mine.stride())
+            del storage
+            storage = keep.untyped_storage()  # kept as a hook keeps it
+            keep = None
+        before = (keep if keep is not None else torch.empty(0).set_(storage, 0, x.shape, x.stride())).clone()
         args = [mine]
         del mine
         out = prog.run(args)[0]
         assert torch.equal(out, want)
-        assert torch.equal(keep, before), "an input someone holds was written"
-        assert out.data_ptr() != keep.data_ptr()
+        seen = keep if keep is not None else torch.empty(0).set_(storage, 0, x.shape, x.stride())
+        assert torch.equal(seen, before), "an input someone holds was written"
+        assert out.data_ptr() != seen.data_ptr()
     assert prog.reuses_taken == 0 and prog.reuses_refused == 2
 
 
@@ -342,3 +365,26 @@ def test_the_loss_gradient_is_written_into_the_dying_logits(monkeypatch):
     assert sum(v.program.reuses_taken for v in variants) > 0
     held = [held_bw] + list(held_bw.variants.values())
     assert sum(v.program.reuses_refused for v in held) > 0
+
+
+def test_retain_graph_with_a_hook_keeping_the_storage_gives_the_same_second_backward():
+    """A saved-tensor hook packing `t.untyped_storage()` and retain_graph=True: the first backward
+    must not write into the saved activations the second reads (found by a review)."""
+    import aotfuse
+
+    def pack(t):
+        return (t.untyped_storage(), t.size(), t.stride(), t.storage_offset(), t.dtype)
+
+    def unpack(p):
+        s, size, stride, off, dtype = p
+        return torch.empty(0, dtype=dtype).set_(s, off, size, stride)
+
+    def f(x, w):
+        return (torch.softmax(x @ w, -1) * 3.0).logsumexp(-1).sum()
+
+    x, w = torch.randn(64, 32), torch.randn(32, 256, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        loss = aotfuse.memory_efficient_fusion(f)(x, w)
+    g1, = torch.autograd.grad(loss, w, retain_graph=True)
+    g2, = torch.autograd.grad(loss, w)
+    assert torch.equal(g1, g2)

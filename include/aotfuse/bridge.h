@@ -41,8 +41,9 @@ void af_obj_release(af_obj *o); /* NULL allowed */
  * its storage are other objects, which this does not see). */
 int af_obj_sole_ref(const af_obj *o);
 /* Whether o's data is ours alone: the only reference to the object, its TensorImpl held by it
- * alone, and its storage by that TensorImpl alone (no view, no autograd saved variable); 0 on any
- * doubt. A program input that passes may be written into (a kernel's output in place). */
+ * alone, its storage by that TensorImpl alone (no view, no autograd saved variable) and by no kept
+ * storage object, and that storage torch's own (resizable: not from_numpy's); 0 on any doubt. A
+ * program input that passes may be written into (a kernel's output in place). */
 int af_obj_sole_owner(const af_obj *o);
 
 /* Resolves node `node_index` of `g` into *out (owned by the caller, freed by af_extern_free). */
