@@ -202,6 +202,66 @@ static void emit_pointwise(af_strbuf *sb, const af_graph *g, const af_node *n, c
         af_strbuf_printf(sb, "%sv%d = (float)(v%d != 0.0f);\n", indent, (int)n->first_output, (int)n->first_output);
 }
 
+/* A frame's coordinates (explicit frames, below; the kernel's own, as o<k>, in plain windows):
+ * one integer C expression per dim. In a part of a split loop (af_cg_part) the dims in `known`
+ * have a known range over it, [lo, hi); a `tracked` dim's coordinate is the part's loop dim's
+ * minus shift. */
+typedef struct {
+    int32_t ndim;
+    char c[AF_MAX_DIMS][32];
+    uint32_t known, tracked;
+    int64_t lo[AF_MAX_DIMS], hi[AF_MAX_DIMS], shift[AF_MAX_DIMS];
+    af_cg_part *part;
+} af_frame;
+
+static void add_cut(af_cg_part *part, int64_t at) {
+    if (at <= part->lo || at >= part->hi) return;
+    for (int32_t j = 0; j < part->n_cuts; j++)
+        if (part->cuts[j] == at) return;
+    if (part->n_cuts == AF_CG_MAX_CUTS) part->overflow = 1;
+    else part->cuts[part->n_cuts++] = at;
+}
+
+/* A guard's bound on dim d of frame f, whose coordinate is `coord`: ` && coord >= lo && coord <
+ * hi`; nothing where f's range of the coordinate lies inside [lo, hi), ` && 0` where it lies outside.
+ * A comparison left on a tracked dim gives the part its cuts. Returns whether it wrote one. */
+static int emit_bound(af_strbuf *sb, const af_frame *f, int32_t d, const char *coord, int64_t lo, int64_t hi) {
+    if (f && ((f->known >> d) & 1u)) {
+        if (lo <= f->lo[d] && f->hi[d] <= hi) return 0;
+        if (f->hi[d] <= lo || hi <= f->lo[d]) {
+            af_strbuf_printf(sb, " && 0");
+            return 0;
+        }
+        if (f->part && ((f->tracked >> d) & 1u)) {
+            add_cut(f->part, lo + f->shift[d]);
+            add_cut(f->part, hi + f->shift[d]);
+        }
+    }
+    af_strbuf_printf(sb, " && %s >= %" PRId64 " && %s < %" PRId64, coord, lo, coord, hi);
+    return 1;
+}
+
+/* Whether frame f's ranges put the window's element outside its source throughout (some guarded
+ * coordinate's range misses the window): then it is its fill or base, and nothing else is emitted. */
+static int outside_throughout(const af_frame *f, const af_window *w) {
+    for (int32_t d = 0; f && d < f->ndim; d++)
+        if (((w->guard_mask >> d) & 1u) && ((f->known >> d) & 1u) &&
+            (f->hi[d] <= w->left[d] || w->left[d] + w->size[d] <= f->lo[d]))
+            return 1;
+    return 0;
+}
+
+/* `float v<out> = <base or fill>;`: a window member outside its source. */
+static void emit_outside(af_strbuf *sb, const af_graph *g, const af_node *n, const af_window *w, const char *indent) {
+    af_strbuf_printf(sb, "%sfloat v%d = ", indent, (int)n->first_output);
+    if (w->base >= 0) af_strbuf_printf(sb, "v%d", (int)w->base);
+    else {
+        af_arg fill = {.kind = AF_ARG_FLOAT, .u.f = w->value};
+        emit_scalar(sb, &fill, af_graph_value(g, n->first_output)->meta.dtype); /* as its dtype holds it */
+    }
+    af_strbuf_printf(sb, "; /* %s, outside its source */\n", n->op);
+}
+
 /* Whether some shifted member reads input k. */
 static int shifted_reads(const af_graph *g, const af_fusion_group *grp, int32_t window, int32_t k) {
     for (int32_t m = 0; m < grp->n_nodes; m++) {
@@ -223,17 +283,21 @@ static int64_t window_shift(const af_window *w, const af_tensor_meta *iter, cons
     return shift;
 }
 
-/* `(1 && o<c> >= lo && o<c> < hi ...)`: every coordinate the window guards inside its source. */
-static void emit_guard_cond(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_window *w,
-                            const af_tensor_meta *iter) {
+/* `(1 && o<c> >= lo && o<c> < hi ...)`: every coordinate the window guards inside its source (the
+ * bounds root, the kernel's frame, decides left out). Returns how many comparisons it wrote. */
+static int emit_guard_cond(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_window *w,
+                           const af_tensor_meta *iter, const af_frame *root) {
     uint32_t all = coord_dims(g, grp);
+    int left = 0;
     af_strbuf_printf(sb, "(1");
     for (int32_t d = 0; d < iter->ndim; d++) {
         if (!((w->guard_mask >> d) & 1u)) continue;
-        int32_t c = grp->n_inputs + grp->n_outputs + popcount32(all & ((1u << d) - 1u));
-        af_strbuf_printf(sb, " && o%d >= %" PRId64 " && o%d < %" PRId64, (int)c, w->left[d], (int)c, w->left[d] + w->size[d]);
+        char coord[16];
+        snprintf(coord, sizeof coord, "o%d", (int)(grp->n_inputs + grp->n_outputs + popcount32(all & ((1u << d) - 1u))));
+        left += emit_bound(sb, root, d, coord, w->left[d], w->left[d] + w->size[d]);
     }
     af_strbuf_printf(sb, ")");
+    return left;
 }
 
 /* A window member: its source (input k) at the shifted offset where every guarded coordinate (the
@@ -242,8 +306,12 @@ static void emit_guard_cond(af_strbuf *sb, const af_graph *g, const af_fusion_gr
  * source its shifted members compute is computed there instead: their inputs loaded at their
  * shifted offsets, their expressions after, all inside the guard. */
 static void emit_window(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops, int32_t member,
-                        const af_window *w, const char *indent) {
+                        const af_window *w, const af_frame *root, const char *indent) {
     const af_node *n = af_graph_node(g, grp->nodes[member]);
+    if (outside_throughout(root, w)) {
+        emit_outside(sb, g, n, w, indent);
+        return;
+    }
     int32_t k = 0;
     while (w->source >= 0 && k < grp->n_inputs && grp->inputs[k] != w->source) k++;
     const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
@@ -253,7 +321,7 @@ static void emit_window(af_strbuf *sb, const af_graph *g, const af_fusion_group 
     char ptr[16], off[48];
     if (w->source < 0) { /* box_fill: the value inside, base outside */
         af_strbuf_printf(sb, "%sfloat v%d = ", indent, (int)n->first_output);
-        emit_guard_cond(sb, g, grp, w, iter);
+        emit_guard_cond(sb, g, grp, w, iter, root);
         af_strbuf_printf(sb, " ? ");
         emit_scalar(sb, &fill, fill_as);
         af_strbuf_printf(sb, " : v%d; /* %s */\n", (int)w->base, n->op);
@@ -261,7 +329,7 @@ static void emit_window(af_strbuf *sb, const af_graph *g, const af_fusion_group 
         snprintf(ptr, sizeof ptr, "q%d", (int)k);
         snprintf(off, sizeof off, "o%d - (%" PRId64 ")", (int)k, window_shift(w, iter, &ops[k]));
         af_strbuf_printf(sb, "%sfloat v%d = ", indent, (int)n->first_output);
-        emit_guard_cond(sb, g, grp, w, iter);
+        if (emit_guard_cond(sb, g, grp, w, iter, root) && root && root->part) root->part->guarded_loads++;
         af_strbuf_printf(sb, " ? ");
         af_cg_emit_load(sb, ops[k].dtype, ptr, off);
         af_strbuf_printf(sb, " : ");
@@ -272,7 +340,7 @@ static void emit_window(af_strbuf *sb, const af_graph *g, const af_fusion_group 
         char inner[64];
         snprintf(inner, sizeof inner, "%s  ", indent);
         af_strbuf_printf(sb, "%sfloat v%d;\n%sif ", indent, (int)n->first_output, indent);
-        emit_guard_cond(sb, g, grp, w, iter);
+        if (emit_guard_cond(sb, g, grp, w, iter, root) && root && root->part) root->part->guarded_loads++;
         af_strbuf_printf(sb, " { /* %s, its source computed at its index */\n", n->op);
         for (int32_t q = 0; q < grp->n_inputs; q++) {
             if (!shifted_reads(g, grp, grp->nodes[member], q)) continue;
@@ -300,10 +368,6 @@ static void emit_window(af_strbuf *sb, const af_graph *g, const af_fusion_group 
  * f = (view's offset from x) + sum(s * view's strides), whose coordinates are (f / x's stride) %
  * x's size (x dense: fuse.c's view_chain). Inputs read in a frame are loaded at its coordinates
  * times their own strides (right-aligned: broadcast dims at 0). */
-typedef struct {
-    int32_t ndim;
-    char c[AF_MAX_DIMS][32];
-} af_frame;
 
 /* `(<it>)<base> + c * stride ...`: the offset of m's element at f's coordinates. */
 static void frame_offset(char *out, size_t cap, const af_frame *f, const af_tensor_meta *m, int64_t base, const char *it) {
@@ -316,36 +380,90 @@ static void frame_offset(char *out, size_t cap, const af_frame *f, const af_tens
     }
 }
 
+static int64_t gcd64(int64_t a, int64_t b) {
+    while (b) {
+        int64_t t = a % b;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
 /* Coordinate (f / X) % N of x's element at storage offset f = c0 + sum(s[d] * m's strides[d]) from
  * x's start, each s[d] in [0, size[d]) (every coordinate of a source lies inside it), x dense
  * (f / X < N always holds for its outermost dim). Simplified where the terms allow, so that a view
  * that only splits or merges dims costs no division: a term whose stride is a multiple of X * N adds
- * nothing (nor does c0's multiple of it); one whose stride is a multiple of X adds s * (stride / X);
- * the others, with what is left of c0, are divided by X only where they can reach X; the % N is
- * dropped where the quotient stays below N. Into out: a C expression of type it. */
+ * nothing (nor does c0's multiple of it); one whose stride is a multiple of X adds s * (stride / X)
+ * (a whole term); the others, with what is left of c0 (the rest), are divided by X only where
+ * they can reach X; the % N is dropped where the quotient stays below N. Two identities keep the
+ * quotients and remainders off a row's coordinate where its terms allow:
+ * - the rest is divided in units of M, the largest divisor of X that the rest's other terms, with
+ *   c0 % M, stay below: (M * a + r) / X = a / (X / M) for 0 <= r < M;
+ * - the % N is taken in units of K, the largest divisor of N that the other whole terms and the
+ *   divided rest stay below: (K * a + r) % N = (a % (N / K)) * K + r for 0 <= r < K.
+ * (Longformer's [8, 8, 32, 65] view of its [2, 4, 256, 65] scores read s0 / 4, invariant along a
+ * row, where it read (s0 * 16640 + s1 * 2080 + s2 * 65 + s3) / 66560; its chunks' (s0 * 64 + s2) %
+ * 256 is (s0 % 4) * 64 + s2.) Into out: a C expression of type it. */
 static void emit_unravel(char *out, size_t cap, const af_frame *S, const int64_t *size, const af_tensor_meta *m, int64_t c0,
                          int64_t X, int64_t N, const char *it) {
-    int64_t XN = X * N, rem_max, q_max = 0;
+    int64_t XN = X * N, rem_max, q_max = 0, M = 1, K = 1;
     c0 %= XN;
     rem_max = c0;
+    int negative = c0 < 0;
     for (int32_t d = 0; d < m->ndim; d++) {
         if (size[d] <= 1 || m->strides[d] % XN == 0) continue; /* (stride 0 included) */
+        negative |= m->strides[d] < 0;
         if (m->strides[d] % X) rem_max += (size[d] - 1) * m->strides[d];
         else q_max += (size[d] - 1) * (m->strides[d] / X);
     }
-    if (rem_max >= X) q_max += rem_max / X;
-    size_t n = (size_t)snprintf(out, cap, "%s(%s)0", q_max >= N ? "(" : "", it);
-    for (int32_t d = 0; d < m->ndim && n < cap; d++) /* the strides that step x's coordinate by whole units */
-        if (size[d] > 1 && m->strides[d] % XN && m->strides[d] % X == 0)
-            n += (size_t)snprintf(out + n, cap - n, " + %s * %" PRId64, S->c[d], m->strides[d] / X);
-    if (rem_max >= X && n < cap) { /* the rest, divided */
-        n += (size_t)snprintf(out + n, cap - n, " + ((%s)%" PRId64, it, c0);
-        for (int32_t d = 0; d < m->ndim && n < cap; d++)
-            if (size[d] > 1 && m->strides[d] % XN && m->strides[d] % X)
-                n += (size_t)snprintf(out + n, cap - n, " + %s * %" PRId64, S->c[d], m->strides[d]);
-        if (n < cap) n += (size_t)snprintf(out + n, cap - n, ") / %" PRId64, X);
+    int64_t rest_q = rem_max >= X ? rem_max / X : 0; /* the divided rest's largest value */
+    q_max += rest_q;
+#define AF_WHOLE(d) (size[d] > 1 && m->strides[d] % XN && m->strides[d] % X == 0)
+#define AF_REST(d) (size[d] > 1 && m->strides[d] % XN && m->strides[d] % X)
+    for (int32_t e = 0; e < m->ndim && rest_q && !negative; e++) { /* the unit M */
+        if (!AF_REST(e)) continue;
+        int64_t cand = gcd64(m->strides[e], X), below = c0 % cand;
+        if (cand <= M) continue;
+        for (int32_t d = 0; d < m->ndim; d++)
+            if (AF_REST(d) && m->strides[d] % cand) below += (size[d] - 1) * m->strides[d];
+        if (below < cand) M = cand;
     }
-    if (q_max >= N && n < cap) snprintf(out + n, cap - n, ") %% %" PRId64, N);
+    for (int32_t e = 0; e < m->ndim && q_max >= N && !negative; e++) { /* the unit K */
+        if (!AF_WHOLE(e)) continue;
+        int64_t cand = gcd64(m->strides[e] / X, N), below = rest_q;
+        if (cand <= K) continue;
+        for (int32_t d = 0; d < m->ndim; d++)
+            if (AF_WHOLE(d) && (m->strides[d] / X) % cand) below += (size[d] - 1) * (m->strides[d] / X);
+        if (below < cand) K = cand;
+    }
+    size_t n = 0;
+    if (K > 1) { /* (high % (N / K)) * K, high's terms those whose multiples of N / K it drops */
+        int64_t high_max = 0, NK = N / K;
+        for (int32_t d = 0; d < m->ndim; d++)
+            if (AF_WHOLE(d) && (m->strides[d] / X) % K == 0 && (m->strides[d] / X / K) % NK)
+                high_max += (size[d] - 1) * (m->strides[d] / X / K);
+        n = (size_t)snprintf(out, cap, "%s(%s)0", high_max >= NK ? "((" : "(", it);
+        for (int32_t d = 0; d < m->ndim && n < cap; d++)
+            if (AF_WHOLE(d) && (m->strides[d] / X) % K == 0 && (m->strides[d] / X / K) % NK)
+                n += (size_t)snprintf(out + n, cap - n, " + %s * %" PRId64, S->c[d], m->strides[d] / X / K);
+        if (high_max >= NK && n < cap) n += (size_t)snprintf(out + n, cap - n, ") %% %" PRId64, NK);
+        if (n < cap) n += (size_t)snprintf(out + n, cap - n, ") * %" PRId64, K);
+    } else {
+        n = (size_t)snprintf(out, cap, "%s(%s)0", q_max >= N ? "(" : "", it);
+    }
+    for (int32_t d = 0; d < m->ndim && n < cap; d++) /* the strides that step x's coordinate by whole units */
+        if (AF_WHOLE(d) && (K == 1 || (m->strides[d] / X) % K))
+            n += (size_t)snprintf(out + n, cap - n, " + %s * %" PRId64, S->c[d], m->strides[d] / X);
+    if (rest_q && n < cap) { /* the rest, divided */
+        n += (size_t)snprintf(out + n, cap - n, " + ((%s)%" PRId64, it, c0 / M);
+        for (int32_t d = 0; d < m->ndim && n < cap; d++)
+            if (AF_REST(d) && m->strides[d] % M == 0)
+                n += (size_t)snprintf(out + n, cap - n, " + %s * %" PRId64, S->c[d], m->strides[d] / M);
+        if (n < cap) n += (size_t)snprintf(out + n, cap - n, ") / %" PRId64, X / M);
+    }
+    if (K == 1 && q_max >= N && n < cap) snprintf(out + n, cap - n, ") %% %" PRId64, N);
+#undef AF_WHOLE
+#undef AF_REST
 }
 
 /* The frames' integer type: `int` where every tensor a member touches spans fewer than 2^30
@@ -388,29 +506,47 @@ static void emit_explicit_window(af_strbuf *sb, const af_graph *g, const af_fusi
     const af_node *n = af_graph_node(g, grp->nodes[member]);
     af_window w;
     af_fuse_window(g, grp->nodes[member], &w);
+    if (outside_throughout(P, &w)) {
+        emit_outside(sb, g, n, &w, indent);
+        return;
+    }
     int vw = (int)n->first_output;
     af_arg fill = {.kind = AF_ARG_FLOAT, .u.f = w.value};
     af_dtype fill_as = af_graph_value(g, n->first_output)->meta.dtype; /* rounded as stored */
     char inner[72], off[4096]; /* 16 dims of 31-character coordinates and 20-digit strides fit twice over */
     snprintf(inner, sizeof inner, "%s  ", indent);
     af_strbuf_printf(sb, "%sfloat v%d;\n%sif ((1", indent, vw, indent);
+    int compared = 0;
     for (int32_t d = 0; d < P->ndim; d++)
-        if ((w.guard_mask >> d) & 1u)
-            af_strbuf_printf(sb, " && %s >= %" PRId64 " && %s < %" PRId64, P->c[d], w.left[d], P->c[d], w.left[d] + w.size[d]);
+        if ((w.guard_mask >> d) & 1u) compared += emit_bound(sb, P, d, P->c[d], w.left[d], w.left[d] + w.size[d]);
+    if (compared && w.source >= 0 && P->part) P->part->guarded_loads++;
     af_strbuf_printf(sb, ")) { /* %s */\n", n->op);
     if (w.source < 0) { /* box_fill: the value inside */
         af_strbuf_printf(sb, "%sv%d = ", inner, vw);
         emit_scalar(sb, &fill, fill_as);
         af_strbuf_printf(sb, ";\n");
     } else {
-        af_frame S = {.ndim = P->ndim}, F;
+        af_frame S = {.ndim = P->ndim, .part = P->part}, F = {.part = P->part};
         for (int32_t d = 0; d < S.ndim; d++) {
+            uint32_t bit = 1u << d;
             if (w.size[d] == 1) {
                 snprintf(S.c[d], sizeof S.c[d], "0");
+                S.known |= P->part ? bit : 0u; /* lo = hi - 1 = 0 */
+                S.hi[d] = 1;
                 continue;
             }
             snprintf(S.c[d], sizeof S.c[d], "s%d_%d", vw, (int)d);
             af_strbuf_printf(sb, "%sconst %s s%d_%d = %s - (%" PRId64 ");\n", inner, it, vw, (int)d, P->c[d], w.left[d]);
+            /* in a part: P's range, shifted (and inside the guard, inside the source) */
+            int guarded = (int)((w.guard_mask >> d) & 1u);
+            if (!P->part || !((P->known & bit) || guarded)) continue;
+            S.known |= bit;
+            S.lo[d] = (P->known & bit) ? P->lo[d] - w.left[d] : 0;
+            S.hi[d] = (P->known & bit) ? P->hi[d] - w.left[d] : w.size[d];
+            if (guarded && S.lo[d] < 0) S.lo[d] = 0;
+            if (guarded && S.hi[d] > w.size[d]) S.hi[d] = w.size[d];
+            S.tracked |= P->tracked & bit;
+            S.shift[d] = P->shift[d] + w.left[d];
         }
         const af_value *src = af_graph_value(g, w.source);
         int32_t value = w.source, sm = frame_member(g, grp, grp->nodes[member], w.source);
@@ -476,29 +612,30 @@ static void emit_frame(af_strbuf *sb, const af_graph *g, const af_fusion_group *
 
 static void emit_members_impl(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
                               const char *indent, const char *acc_at, const int32_t *phases, int32_t phase, int modes,
-                              const uint8_t *cached);
+                              const uint8_t *cached, af_cg_part *part);
 
 /* Emits the members' element computation (pointwise values as floats; reductions combined into
  * their accumulators acc<value>). */
 void af_cg_emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent,
                          const char *acc_at, const int32_t *phases, int32_t phase, int modes) {
-    emit_members_impl(sb, g, grp, NULL, indent, acc_at, phases, phase, modes, NULL);
+    emit_members_impl(sb, g, grp, NULL, indent, acc_at, phases, phase, modes, NULL, NULL);
 }
 
 void af_cg_emit_members_cached(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent,
                                const char *acc_at, const int32_t *phases, int32_t phase, int modes, const uint8_t *cached) {
-    emit_members_impl(sb, g, grp, NULL, indent, acc_at, phases, phase, modes, cached);
+    emit_members_impl(sb, g, grp, NULL, indent, acc_at, phases, phase, modes, cached, NULL);
 }
 
 /* ops: the kernel's operands, needed by window members (only af_cg_emit_body's pointwise kernels
- * have them: fuse.c keeps windows out of reduction groups). */
+ * have them: fuse.c keeps windows out of reduction groups). part: the loop part emitted, or NULL. */
 static void emit_members_impl(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
                               const char *indent, const char *acc_at, const int32_t *phases, int32_t phase, int modes,
-                              const uint8_t *cached) {
-    af_frame root = {.ndim = 0};
+                              const uint8_t *cached, af_cg_part *part) {
+    af_frame root = {.ndim = 0, .part = part};
     const char *it = "int64_t";
-    if (ops && af_cg_explicit(g, grp)) { /* the kernel's frame: its coordinate operands */
-        it = frame_index_type(g, grp);
+    int explicit = ops && af_cg_explicit(g, grp);
+    if (ops && (explicit || part)) { /* the kernel's frame: its coordinate operands (o<c> in plain windows) */
+        it = explicit ? frame_index_type(g, grp) : it;
         const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
         uint32_t coords = coord_dims(g, grp);
         root.ndim = iter->ndim;
@@ -506,6 +643,11 @@ static void emit_members_impl(af_strbuf *sb, const af_graph *g, const af_fusion_
             int32_t c = grp->n_inputs + grp->n_outputs + popcount32(coords & ((1u << d) - 1u));
             if ((coords >> d) & 1u) snprintf(root.c[d], sizeof root.c[d], "((%s)o%d)", it, (int)c);
             else snprintf(root.c[d], sizeof root.c[d], "0");
+            if (!part) continue;
+            root.known |= 1u << d; /* every coordinate in [0, size), the part's dim in [lo, hi) */
+            root.lo[d] = d == part->dim ? part->lo : 0;
+            root.hi[d] = d == part->dim ? part->hi : iter->sizes[d];
+            root.tracked |= d == part->dim ? 1u << d : 0u;
         }
     }
     for (int32_t m = 0; m < grp->n_nodes; m++) {
@@ -514,8 +656,8 @@ static void emit_members_impl(af_strbuf *sb, const af_graph *g, const af_fusion_
         af_window win;
         if (shifted(grp, m)) continue; /* computed inside its window's guard */
         if (af_fuse_window(g, grp->nodes[m], &win)) {
-            if (ops && root.ndim) emit_explicit_window(sb, g, grp, ops, m, &root, it, indent);
-            else if (ops) emit_window(sb, g, grp, ops, m, &win, indent);
+            if (explicit) emit_explicit_window(sb, g, grp, ops, m, &root, it, indent);
+            else if (ops) emit_window(sb, g, grp, ops, m, &win, part ? &root : NULL, indent);
             else af_strbuf_printf(sb, "%s#error \"aotfuse: a window member outside a pointwise kernel\"\n", indent);
             continue;
         }
@@ -698,13 +840,22 @@ void af_cg_emit_store_at(af_strbuf *sb, const af_graph *g, const af_fusion_group
 
 /* One element, at offsets o<k>: load the inputs, compute the members, store the elementwise
  * outputs (reductions are stored after their loop). */
-void af_cg_emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
-                      const char *acc_at, int modes) {
+static void emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
+                      const char *acc_at, int modes, af_cg_part *part) {
     af_cg_emit_loads(sb, grp, ops);
-    emit_members_impl(sb, g, grp, ops, "      ", acc_at, NULL, 0, modes, NULL);
+    emit_members_impl(sb, g, grp, ops, "      ", acc_at, NULL, 0, modes, NULL, part);
     for (int32_t k = grp->n_inputs; k < grp->n_inputs + grp->n_outputs; k++) {
         if (!af_cg_is_reduction_value(g, ops[k].value)) af_cg_emit_store_at(sb, g, grp, "      ", k, ops[k].dtype, "o", ops[k].value);
     }
+}
+
+void af_cg_emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
+                     const char *acc_at, int modes) {
+    emit_body(sb, g, grp, ops, acc_at, modes, NULL);
+}
+
+void af_cg_emit_body_part(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops, af_cg_part *part) {
+    emit_body(sb, g, grp, ops, "", 0, part);
 }
 
 /* A reduction output's strides over the iteration dims: 0 on reduced dims, the output's own

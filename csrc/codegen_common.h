@@ -122,6 +122,23 @@ void af_cg_emit_store_at(af_strbuf *sb, const af_graph *g, const af_fusion_group
 /* Loads inputs at o<k>, computes the members (af_cg_emit_members with `modes`), stores elementwise outputs at o<k>. */
 void af_cg_emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops, const char *acc_at,
                      int modes);
+
+/* A part of a pointwise kernel's inner loop, which runs over iteration dim `dim` (its coordinate is
+ * the loop index): coordinates lo <= i < hi. Its body (af_cg_emit_body_part) writes each window
+ * guard's bound on a coordinate whose range over the part it decides as a constant (nothing where
+ * it holds throughout, ` && 0` where it never does), so the parts between the guards' bounds have
+ * no branch and vectorize. A bound it leaves as a comparison on `dim` adds its edges to cuts,
+ * where the caller splits the loop further. */
+#define AF_CG_MAX_CUTS 8
+typedef struct {
+    int32_t dim;
+    int64_t lo, hi;
+    int64_t cuts[AF_CG_MAX_CUTS]; /* out: coordinates of dim in (lo, hi) where a guard changes */
+    int32_t n_cuts;
+    int overflow;                 /* out: more cuts than fit */
+    int32_t guarded_loads;        /* out: window sources left behind a comparison */
+} af_cg_part;
+void af_cg_emit_body_part(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops, af_cg_part *part);
 /* Splits the flat index `var` over dims hi..lo (innermost first) and adds each coordinate times
  * each operand's stride to the offsets <prefix><k>. */
 void af_cg_emit_unflatten(af_strbuf *sb, const char *indent, const char *itype, const char *var, const char *prefix, int32_t lo,

@@ -1960,3 +1960,124 @@ def test_a_16_bit_windows_fill_is_the_value_its_dtype_holds(dtype):
     f = lambda x: torch.nn.functional.pad(x, (1, 2), value=0.1).float() * 3.0
     got = lower(make_fx(f)(x))([x])[0]
     assert torch.equal(got, f(x)), (got[:, 0], f(x)[:, 0])
+
+
+def _kernel_text(src: str, index: int) -> str:
+    """Kernel `index`'s text in a program's C source: from its group comment to the next one."""
+    start = src.index(f"/* group {index}: ")
+    nxt = src.find("/* group ", start + 1)
+    return src[start:nxt if nxt >= 0 else len(src)]
+
+
+def _inner_loops(text: str) -> list[tuple[int, int]]:
+    return [(int(a), int(b)) for a, b in re.findall(r"for \(af_idx i = (\d+); i < (\d+); i\+\+\)", text)]
+
+
+def _padded_rows(x, y):
+    return (aten.add.Tensor(aten.constant_pad_nd.default(aten.mul.Tensor(aten.add.Tensor(x, 0.5), y), [3, 5], -1.0), 1.0),)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_padded_rows_inside_is_a_loop_without_branches(dtype):
+    """A pad along the rows splits the kernel's inner loop where its guard changes: the left pad,
+    the inside (the guard holds throughout: no comparison, and no AF_GUARDED_LOADS, so it
+    vectorizes), the right pad (the fill alone, the source not even computed). Eager's values."""
+    gen = torch.Generator().manual_seed(31)
+    x, y = torch.randn(4, 37, generator=gen).to(dtype), torch.randn(37, generator=gen).to(dtype)
+    lowered = lower(make_fx(_padded_rows)(x, y))
+    assert lowered.program.num_kernels == 1, str(lowered.program)
+    text = _kernel_text(lowered.program.source, 0)
+    assert _inner_loops(text) == [(0, 3), (3, 40), (40, 45)], text
+    assert "AF_GUARDED_LOADS" not in text and " >= " not in text, text
+    assert text.count("outside its source") == 2, text
+    (got,), (ref,) = lowered([x, y]), _padded_rows(x, y)
+    assert_close(got, ref, f"padded rows ({dtype})", atol=0, rtol=0)
+
+
+def _nested_pads(x):
+    inner = aten.mul.Tensor(aten.constant_pad_nd.default(aten.mul.Tensor(x, 2.0), [2, 1], 0.5), 3.0)  # [5, 9]
+    return (aten.sub.Tensor(aten.constant_pad_nd.default(inner, [1, 4], -2.0), 1.0),)                  # [5, 14]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_nested_pads_split_the_row_at_every_guards_edge(dtype):
+    """A pad of a pad computed in one kernel (nested windows): the inner pad's guard, in its
+    source's frame, cuts the row at its edges moved by the outer pad: [0, 1) fill, [1, 3) the inner
+    fill, [3, 9) x, [9, 10) the inner fill, [10, 14) fill. Eager's values to the bit."""
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(32)).to(dtype)
+    lowered = lower(make_fx(_nested_pads)(x))
+    assert lowered.program.num_kernels == 1, str(lowered.program)
+    text = _kernel_text(lowered.program.source, 0)
+    assert _inner_loops(text) == [(0, 1), (1, 3), (3, 9), (9, 10), (10, 14)], text
+    assert "AF_GUARDED_LOADS" not in text, text
+    (got,), (ref,) = lowered([x]), _nested_pads(x)
+    assert_close(got, ref, f"nested pads ({dtype})", atol=0, rtol=0)
+
+
+def _many_slices(base, *parts):
+    out = aten.mul.Tensor(base, 0.5)
+    for j, p in enumerate(parts):  # six slices of the row: more edges than a kernel splits at
+        out = aten.slice_scatter.default(out, aten.mul.Tensor(p, 2.0), 1, 4 * j + 1, 4 * j + 3)
+    return (aten.add.Tensor(out, 1.0),)
+
+
+def test_more_guard_edges_than_a_split_takes_keep_one_guarded_loop():
+    """Six slice assignments into a row have twelve edges, more than AF_CG_MAX_CUTS: the kernel
+    keeps one inner loop with its comparisons (and AF_GUARDED_LOADS), and eager's values."""
+    gen = torch.Generator().manual_seed(33)
+    base = torch.randn(3, 26, generator=gen)
+    parts = [torch.randn(3, 2, generator=gen) for _ in range(6)]
+    lowered = lower(make_fx(_many_slices)(base, *parts))
+    src = lowered.program.source
+    kernels = [_kernel_text(src, i) for i in range(lowered.program.num_kernels)]
+    windows = [t for t in kernels if "slice_scatter" in t]
+    assert len(windows) == 1 and _inner_loops(windows[0]) == [(0, 26)], kernels
+    assert "AF_GUARDED_LOADS" in windows[0] and windows[0].count(" >= ") == 6, windows[0]
+    (got,), (ref,) = lowered([base, *parts]), _many_slices(base, *parts)
+    assert_close(got, ref, "six slice assignments", atol=0, rtol=0)
+
+
+def _pad_of_a_regrouped_view(a, b):
+    x = aten.mul.Tensor(a, b)                                          # [2, 4, 16, 5]
+    v = aten.view.default(x, [8, 4, 4, 5])                               # x's dims 0-2 regrouped
+    return (aten.add.Tensor(aten.constant_pad_nd.default(v, [0, 3], 0.0), 1.0),)  # [8, 4, 4, 8]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_view_regrouping_dims_reads_its_rows_without_division_by_a_row(dtype):
+    """A pad of a view that regroups the dims before the last (Longformer's [8, 8, 32, 65] view of
+    its [2, 4, 256, 65] scores): the source's coordinates are quotients and remainders of the view's
+    own, never of an offset along the row (x's first coordinate is s0 / 4, not (s0 * 80 + s1 * 20 +
+    s2 * 5 + s3) / 320), so a row is contiguous and its inside vectorizes. Eager's values."""
+    gen = torch.Generator().manual_seed(34)
+    a, b = torch.randn(2, 4, 16, 5, generator=gen).to(dtype), torch.randn(5, generator=gen).to(dtype)
+    lowered = lower(make_fx(_pad_of_a_regrouped_view, tracing_mode="fake")(a, b))
+    assert lowered.program.num_kernels == 1, str(lowered.program)
+    text = _kernel_text(lowered.program.source, 0)
+    assert re.search(r"s\d+_0 \* 1\) / 4;", text) and "/ 320" not in text, text
+    assert _inner_loops(text) == [(0, 5), (5, 8)] and "AF_GUARDED_LOADS" not in text, text
+    (got,), (ref,) = lowered([a, b]), _pad_of_a_regrouped_view(a, b)
+    assert_close(got, ref, f"pad of a regrouped view ({dtype})", atol=0, rtol=0)
+
+
+def _pad_of_rows_cut_in_chunks(a, b):
+    x = aten.mul.Tensor(a, b)                                                    # [2, 32]
+    v = aten.view.default(x, [8, 8])                                              # rows of 8: 4 per row of x
+    return (aten.add.Tensor(aten.constant_pad_nd.default(v, [0, 3], 0.0), 1.0),)  # [8, 11]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_view_cutting_rows_in_chunks_reads_each_chunk_contiguously(dtype):
+    """A pad of a view cutting x's rows into chunks (Longformer's [.., 96, 64] chunks of its 256
+    positions): x's column for chunk element (s0, s1) is (s0 % 4) * 8 + s1, a row's step 1, not
+    (s0 * 8 + s1) % 32; its row s0 / 4. Eager's values."""
+    gen = torch.Generator().manual_seed(35)
+    a, b = torch.randn(2, 32, generator=gen).to(dtype), torch.randn(32, generator=gen).to(dtype)
+    lowered = lower(make_fx(_pad_of_rows_cut_in_chunks, tracing_mode="fake")(a, b))
+    assert lowered.program.num_kernels == 1, str(lowered.program)
+    text = _kernel_text(lowered.program.source, 0)
+    assert re.search(r"s\d+_0 \* 1\) % 4\) \* 8 \+ s\d+_1 \* 1;", text) and "% 32" not in text, text
+    assert re.search(r"s\d+_0 \* 1\) / 4;", text), text
+    assert _inner_loops(text) == [(0, 8), (8, 11)] and "AF_GUARDED_LOADS" not in text, text
+    (got,), (ref,) = lowered([a, b]), _pad_of_rows_cut_in_chunks(a, b)
+    assert_close(got, ref, f"pad of rows cut in chunks ({dtype})", atol=0, rtol=0)
