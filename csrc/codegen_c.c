@@ -30,6 +30,16 @@ static const char *const prelude =
     "#else\n"
     "#define AF_GUARDED_LOADS\n"
     "#endif\n"
+    /* The same miscompile needs no masked load: with the pad's row split in parts (its inside
+     * without comparisons), its top and bottom guard chosen after the loads (g ? offset : 0), GCC 12
+     * vectorized the loop over rows (the parts, 2 + 4 + 2 elements, unrolled) and read rows 2 and 3
+     * as zeros again. A window kernel's loop over rows holds this barrier: only its inner loops
+     * vectorize (a statement the vectorizer cannot take; it costs no instruction). */
+    "#if defined(__GNUC__)\n"
+    "#define AF_ROW_END __asm__ volatile(\"\")\n"
+    "#else\n"
+    "#define AF_ROW_END ((void)0)\n"
+    "#endif\n"
     /* a kernel body several kernels share is compiled once, not inlined into their wrappers */
     "#if defined(__GNUC__)\n"
     "#define AF_BODY __attribute__((noinline))\n"
@@ -399,15 +409,17 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
     return AF_OK;
 }
 
-/* The iteration dim a window kernel's inner loop runs over where a coordinate operand follows it
- * (its offset is then the loop index i), or -1. */
+/* For a window kernel's inner loop: the iteration dim it runs over where a coordinate operand
+ * follows it (its offset is then the loop index i); -1 where none does (no guard moves along
+ * it); -2 for a kernel without windows or a coordinate moving otherwise. */
 static int32_t split_dim(const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp) {
-    if (!af_cg_has_window(g, grp)) return -1;
+    if (!af_cg_has_window(g, grp)) return -2;
     const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
     for (int32_t k = grp->n_inputs + grp->n_outputs; k < sp->nops; k++) {
-        if (sp->strides[k][sp->nd - 1] != 1) continue;
-        for (int32_t d = 0; d < iter->ndim; d++)
+        if (sp->strides[k][sp->nd - 1] == 0) continue;
+        for (int32_t d = 0; d < iter->ndim && sp->strides[k][sp->nd - 1] == 1; d++)
             if (sp->ops[k].strides[d] == 1 && iter->sizes[d] == sp->sizes[sp->nd - 1]) return d;
+        return -2;
     }
     return -1;
 }
@@ -417,8 +429,9 @@ static int32_t split_dim(const af_graph *g, const af_fusion_group *grp, const af
  * (af_cg_part): a padded row's inside then has no branch and vectorizes (Longformer's banded
  * softmax kernel, [8, 8, 32, 98] in bf16, 0.98 -> 0.22 ms). Parts are emitted until no part
  * leaves a new cut; at most AF_CG_MAX_CUTS cuts. Into loop: the loops, inside the outer loop's
- * body; returns how many window sources stay behind a comparison (none: no AF_GUARDED_LOADS),
- * or -1 where it did not split (loop left empty). */
+ * body (one part where no guard moves along the row: its guards, the same along it, choose
+ * after their loads); returns how many window sources stay behind a comparison (none: no
+ * AF_GUARDED_LOADS), or -1 where there were too many cuts (loop left empty). */
 static int32_t emit_parts(af_strbuf *loop, const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp, int32_t dim) {
     int64_t at[AF_CG_MAX_CUTS + 2] = {0, sp->sizes[sp->nd - 1]};
     int32_t n_at = 2;
@@ -450,7 +463,7 @@ static int32_t emit_parts(af_strbuf *loop, const af_graph *g, const af_fusion_gr
                 grew = 1;
             }
         }
-        if (overflow || (!grew && n_at == 2)) { /* too many parts, or one: the plain loop */
+        if (overflow) { /* too many parts: the plain loop */
             free(text.buf);
             return -1;
         }
@@ -476,9 +489,9 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
 
     af_strbuf_printf(sb, "\n/* group %d: %d nodes, %d inputs, %d outputs, %" PRId64 " elements */\n", (int)index,
                      (int)grp->n_nodes, (int)grp->n_inputs, (int)grp->n_outputs, numel);
-    int32_t dim = numel > 0 && nd > 1 ? split_dim(g, grp, &sp) : -1;
+    int32_t dim = numel > 0 && nd > 1 ? split_dim(g, grp, &sp) : -2;
     af_strbuf loop = {0};
-    int32_t guarded_loads = dim >= 0 ? emit_parts(&loop, g, grp, &sp, dim) : -1;
+    int32_t guarded_loads = dim >= -1 ? emit_parts(&loop, g, grp, &sp, dim) : -1;
     if (guarded_loads < 0) guarded_loads = af_cg_has_guarded_load(g, grp);
     af_strbuf_printf(sb, "%svoid af_kernel_%d(char *const *p) {\n", guarded_loads ? "AF_GUARDED_LOADS " : "", (int)index);
     af_strbuf_printf(sb, "  typedef %s af_idx; /* index math: 32-bit where every offset fits */\n", af_cg_narrow_index(&sp) ? "int32_t" : "int64_t");
@@ -504,7 +517,7 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
         af_strbuf_printf(sb, "    af_idx r = c;\n");
         af_cg_emit_unflatten(sb, "    ", "af_idx", "r", "b", 0, nd - 2, sizes, strides, nops);
         if (loop.len || loop.failed) { /* split where the windows' guards change */
-            af_strbuf_printf(sb, "%s  }\n}\n", loop.failed ? "" : loop.buf);
+            af_strbuf_printf(sb, "%s    AF_ROW_END;\n  }\n}\n", loop.failed ? "" : loop.buf);
             if (loop.failed) sb->failed = 1;
             free(loop.buf);
             af_cg_space_free(&sp);

@@ -209,9 +209,11 @@ static void emit_pointwise(af_strbuf *sb, const af_graph *g, const af_node *n, c
 typedef struct {
     int32_t ndim;
     char c[AF_MAX_DIMS][32];
-    uint32_t known, tracked;
+    uint32_t known, tracked, varies; /* varies: the coordinate moves with the loop index */
     int64_t lo[AF_MAX_DIMS], hi[AF_MAX_DIMS], shift[AF_MAX_DIMS];
     af_cg_part *part;
+    int straight;  /* guards the loop does not move may choose after their loads (every input has an element) */
+    char guard[16]; /* inside a window chosen after its loads: its guard's variable (loads clamp their offsets to it) */
 } af_frame;
 
 static void add_cut(af_cg_part *part, int64_t at) {
@@ -224,7 +226,9 @@ static void add_cut(af_cg_part *part, int64_t at) {
 
 /* A guard's bound on dim d of frame f, whose coordinate is `coord`: ` && coord >= lo && coord <
  * hi`; nothing where f's range of the coordinate lies inside [lo, hi), ` && 0` where it lies outside.
- * A comparison left on a tracked dim gives the part its cuts. Returns whether it wrote one. */
+ * A comparison left on a tracked dim gives the part its cuts. Returns 0 where it wrote none,
+ * AF_BOUND_FIXED for a comparison the loop index does not move, AF_BOUND_MOVES for one it may. */
+enum { AF_BOUND_FIXED = 1, AF_BOUND_MOVES = 3 };
 static int emit_bound(af_strbuf *sb, const af_frame *f, int32_t d, const char *coord, int64_t lo, int64_t hi) {
     if (f && ((f->known >> d) & 1u)) {
         if (lo <= f->lo[d] && f->hi[d] <= hi) return 0;
@@ -238,7 +242,21 @@ static int emit_bound(af_strbuf *sb, const af_frame *f, int32_t d, const char *c
         }
     }
     af_strbuf_printf(sb, " && %s >= %" PRId64 " && %s < %" PRId64, coord, lo, coord, hi);
-    return 1;
+    return f && f->part && !((f->varies >> d) & 1u) ? AF_BOUND_FIXED : AF_BOUND_MOVES;
+}
+
+/* A load of ptr at off; inside a window chosen after its loads (guard), at offset 0 where the
+ * guard fails (every input has an element there): no load behind a branch. */
+static void emit_clamped_load(af_strbuf *sb, af_dtype dtype, const char *ptr, const char *off, const char *guard) {
+    if (!guard || !guard[0]) {
+        af_cg_emit_load(sb, dtype, ptr, off);
+        return;
+    }
+    af_strbuf o = {0};
+    af_strbuf_printf(&o, "%s ? (%s) : 0", guard, off);
+    if (o.failed) sb->failed = 1;
+    else af_cg_emit_load(sb, dtype, ptr, o.buf);
+    free(o.buf);
 }
 
 /* Whether frame f's ranges put the window's element outside its source throughout (some guarded
@@ -284,7 +302,7 @@ static int64_t window_shift(const af_window *w, const af_tensor_meta *iter, cons
 }
 
 /* `(1 && o<c> >= lo && o<c> < hi ...)`: every coordinate the window guards inside its source (the
- * bounds root, the kernel's frame, decides left out). Returns how many comparisons it wrote. */
+ * bounds root, the kernel's frame, decides left out). Returns emit_bound's results or-ed. */
 static int emit_guard_cond(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_window *w,
                            const af_tensor_meta *iter, const af_frame *root) {
     uint32_t all = coord_dims(g, grp);
@@ -294,7 +312,7 @@ static int emit_guard_cond(af_strbuf *sb, const af_graph *g, const af_fusion_gro
         if (!((w->guard_mask >> d) & 1u)) continue;
         char coord[16];
         snprintf(coord, sizeof coord, "o%d", (int)(grp->n_inputs + grp->n_outputs + popcount32(all & ((1u << d) - 1u))));
-        left += emit_bound(sb, root, d, coord, w->left[d], w->left[d] + w->size[d]);
+        left |= emit_bound(sb, root, d, coord, w->left[d], w->left[d] + w->size[d]);
     }
     af_strbuf_printf(sb, ")");
     return left;
@@ -312,52 +330,70 @@ static void emit_window(af_strbuf *sb, const af_graph *g, const af_fusion_group 
         emit_outside(sb, g, n, w, indent);
         return;
     }
+    int vw = (int)n->first_output;
     int32_t k = 0;
     while (w->source >= 0 && k < grp->n_inputs && grp->inputs[k] != w->source) k++;
     const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
     af_arg fill = {.kind = AF_ARG_FLOAT, .u.f = w->value};
     /* the fill as the window's dtype holds it (a bf16 pad with 0.1 is 0.10009765625, as in eager) */
     af_dtype fill_as = af_graph_value(g, n->first_output)->meta.dtype;
-    char ptr[16], off[48];
+    char ptr[16], off[48], guard[16] = "";
+    af_strbuf cond = {0};
+    int how = emit_guard_cond(&cond, g, grp, w, iter, root);
+    if (cond.failed) {
+        sb->failed = 1;
+        free(cond.buf);
+        return;
+    }
+    /* a guard the loop index does not move: the loads at offset 0 where it fails, the value chosen after */
+    int straight = w->source >= 0 && how == AF_BOUND_FIXED && root && root->straight;
+    if (straight) {
+        snprintf(guard, sizeof guard, "g%d", vw);
+        af_strbuf_printf(sb, "%sconst int %s = %s; /* %s: chosen after its loads */\n", indent, guard, cond.buf, n->op);
+    } else if (w->source >= 0 && how && root && root->part) {
+        root->part->guarded_loads++;
+    }
     if (w->source < 0) { /* box_fill: the value inside, base outside */
-        af_strbuf_printf(sb, "%sfloat v%d = ", indent, (int)n->first_output);
-        emit_guard_cond(sb, g, grp, w, iter, root);
-        af_strbuf_printf(sb, " ? ");
+        af_strbuf_printf(sb, "%sfloat v%d = %s ? ", indent, vw, cond.buf);
         emit_scalar(sb, &fill, fill_as);
         af_strbuf_printf(sb, " : v%d; /* %s */\n", (int)w->base, n->op);
     } else if (k < grp->n_inputs) {
         snprintf(ptr, sizeof ptr, "q%d", (int)k);
         snprintf(off, sizeof off, "o%d - (%" PRId64 ")", (int)k, window_shift(w, iter, &ops[k]));
-        af_strbuf_printf(sb, "%sfloat v%d = ", indent, (int)n->first_output);
-        if (emit_guard_cond(sb, g, grp, w, iter, root) && root && root->part) root->part->guarded_loads++;
-        af_strbuf_printf(sb, " ? ");
-        af_cg_emit_load(sb, ops[k].dtype, ptr, off);
-        af_strbuf_printf(sb, " : ");
+        af_strbuf_printf(sb, "%sfloat v%d = ", indent, vw);
+        if (straight) {
+            emit_clamped_load(sb, ops[k].dtype, ptr, off, guard);
+            af_strbuf_printf(sb, ";\n%sv%d = %s ? v%d : ", indent, vw, guard, vw);
+        } else {
+            af_strbuf_printf(sb, "%s ? ", cond.buf);
+            af_cg_emit_load(sb, ops[k].dtype, ptr, off);
+            af_strbuf_printf(sb, " : ");
+        }
         if (w->base >= 0) af_strbuf_printf(sb, "v%d", (int)w->base);
         else emit_scalar(sb, &fill, fill_as);
         af_strbuf_printf(sb, "; /* %s */\n", n->op);
     } else { /* the source computed here */
         char inner[64];
         snprintf(inner, sizeof inner, "%s  ", indent);
-        af_strbuf_printf(sb, "%sfloat v%d;\n%sif ", indent, (int)n->first_output, indent);
-        if (emit_guard_cond(sb, g, grp, w, iter, root) && root && root->part) root->part->guarded_loads++;
-        af_strbuf_printf(sb, " { /* %s, its source computed at its index */\n", n->op);
+        af_strbuf_printf(sb, "%sfloat v%d;\n%s%s%s { /* %s, its source computed at its index */\n", indent, vw, indent,
+                         straight ? "" : "if ", straight ? "" : cond.buf, n->op);
         for (int32_t q = 0; q < grp->n_inputs; q++) {
             if (!shifted_reads(g, grp, grp->nodes[member], q)) continue;
             snprintf(ptr, sizeof ptr, "q%d", (int)q);
             snprintf(off, sizeof off, "o%d - (%" PRId64 ")", (int)q, window_shift(w, iter, &ops[q]));
             af_strbuf_printf(sb, "%sconst float v%d = ", inner, (int)grp->inputs[q]);
-            af_cg_emit_load(sb, ops[q].dtype, ptr, off);
+            emit_clamped_load(sb, ops[q].dtype, ptr, off, guard);
             af_strbuf_printf(sb, ";\n");
         }
         for (int32_t m = 0; m < grp->n_nodes; m++)
             if (shifted(grp, m) && grp->window_of[m] == grp->nodes[member]) emit_pointwise(sb, g, af_graph_node(g, grp->nodes[m]), inner, -1);
-        af_strbuf_printf(sb, "%sv%d = v%d;\n%s} else {\n%sv%d = ", inner, (int)n->first_output, (int)w->source, indent, inner,
-                         (int)n->first_output);
+        if (straight) af_strbuf_printf(sb, "%sv%d = %s ? v%d : ", inner, vw, guard, (int)w->source);
+        else af_strbuf_printf(sb, "%sv%d = v%d;\n%s} else {\n%sv%d = ", inner, vw, (int)w->source, indent, inner, vw);
         if (w->base >= 0) af_strbuf_printf(sb, "v%d", (int)w->base);
         else emit_scalar(sb, &fill, fill_as);
         af_strbuf_printf(sb, ";\n%s}\n", indent);
     }
+    free(cond.buf);
 }
 
 /* Explicit frames (af_cg_explicit). A frame is where one window's source is computed: its
@@ -404,8 +440,9 @@ static int64_t gcd64(int64_t a, int64_t b) {
  * (Longformer's [8, 8, 32, 65] view of its [2, 4, 256, 65] scores read s0 / 4, invariant along a
  * row, where it read (s0 * 16640 + s1 * 2080 + s2 * 65 + s3) / 66560; its chunks' (s0 * 64 + s2) %
  * 256 is (s0 % 4) * 64 + s2.) Into out: a C expression of type it. */
-static void emit_unravel(char *out, size_t cap, const af_frame *S, const int64_t *size, const af_tensor_meta *m, int64_t c0,
-                         int64_t X, int64_t N, const char *it) {
+static uint32_t emit_unravel(char *out, size_t cap, const af_frame *S, const int64_t *size, const af_tensor_meta *m, int64_t c0,
+                             int64_t X, int64_t N, const char *it) {
+    uint32_t used = 0; /* the dims of S whose coordinates the expression reads */
     int64_t XN = X * N, rem_max, q_max = 0, M = 1, K = 1;
     c0 %= XN;
     rem_max = c0;
@@ -448,22 +485,29 @@ static void emit_unravel(char *out, size_t cap, const af_frame *S, const int64_t
                 n += (size_t)snprintf(out + n, cap - n, " + %s * %" PRId64, S->c[d], m->strides[d] / X / K);
         if (high_max >= NK && n < cap) n += (size_t)snprintf(out + n, cap - n, ") %% %" PRId64, NK);
         if (n < cap) n += (size_t)snprintf(out + n, cap - n, ") * %" PRId64, K);
+        for (int32_t d = 0; d < m->ndim; d++)
+            if (AF_WHOLE(d) && (m->strides[d] / X) % K == 0 && (m->strides[d] / X / K) % NK) used |= 1u << d;
     } else {
         n = (size_t)snprintf(out, cap, "%s(%s)0", q_max >= N ? "(" : "", it);
     }
     for (int32_t d = 0; d < m->ndim && n < cap; d++) /* the strides that step x's coordinate by whole units */
-        if (AF_WHOLE(d) && (K == 1 || (m->strides[d] / X) % K))
+        if (AF_WHOLE(d) && (K == 1 || (m->strides[d] / X) % K)) {
             n += (size_t)snprintf(out + n, cap - n, " + %s * %" PRId64, S->c[d], m->strides[d] / X);
+            used |= 1u << d;
+        }
     if (rest_q && n < cap) { /* the rest, divided */
         n += (size_t)snprintf(out + n, cap - n, " + ((%s)%" PRId64, it, c0 / M);
         for (int32_t d = 0; d < m->ndim && n < cap; d++)
-            if (AF_REST(d) && m->strides[d] % M == 0)
+            if (AF_REST(d) && m->strides[d] % M == 0) {
                 n += (size_t)snprintf(out + n, cap - n, " + %s * %" PRId64, S->c[d], m->strides[d] / M);
+                used |= 1u << d;
+            }
         if (n < cap) n += (size_t)snprintf(out + n, cap - n, ") / %" PRId64, X / M);
     }
     if (K == 1 && q_max >= N && n < cap) snprintf(out + n, cap - n, ") %% %" PRId64, N);
 #undef AF_WHOLE
 #undef AF_REST
+    return used;
 }
 
 /* The frames' integer type: `int` where every tensor a member touches spans fewer than 2^30
@@ -515,24 +559,48 @@ static void emit_explicit_window(af_strbuf *sb, const af_graph *g, const af_fusi
     af_dtype fill_as = af_graph_value(g, n->first_output)->meta.dtype; /* rounded as stored */
     char inner[72], off[4096]; /* 16 dims of 31-character coordinates and 20-digit strides fit twice over */
     snprintf(inner, sizeof inner, "%s  ", indent);
-    af_strbuf_printf(sb, "%sfloat v%d;\n%sif ((1", indent, vw, indent);
-    int compared = 0;
+    /* the guard (and, inside a window chosen after its loads, that window's guard) */
+    af_strbuf cond = {0};
+    int how = 0;
+    af_strbuf_printf(&cond, "%s%s(1", P->guard, P->guard[0] ? " && " : "");
     for (int32_t d = 0; d < P->ndim; d++)
-        if ((w.guard_mask >> d) & 1u) compared += emit_bound(sb, P, d, P->c[d], w.left[d], w.left[d] + w.size[d]);
-    if (compared && w.source >= 0 && P->part) P->part->guarded_loads++;
-    af_strbuf_printf(sb, ")) { /* %s */\n", n->op);
+        if ((w.guard_mask >> d) & 1u) how |= emit_bound(&cond, P, d, P->c[d], w.left[d], w.left[d] + w.size[d]);
+    af_strbuf_printf(&cond, ")");
+    if (cond.failed) {
+        sb->failed = 1;
+        free(cond.buf);
+        return;
+    }
+    /* chosen after its loads (no load behind a branch): a guard the loop index does not move, or
+     * any guard but a moving one inside such a window */
+    int straight = w.source >= 0 && P->straight && how != AF_BOUND_MOVES && (how || P->guard[0]);
+    char guard[16];
+    snprintf(guard, sizeof guard, "%s", P->guard);
+    if (straight) {
+        snprintf(guard, sizeof guard, "g%d", vw);
+        af_strbuf_printf(sb, "%sfloat v%d;\n%s{ /* %s: chosen after its loads */\n%sconst int %s = %s;\n", indent, vw, indent, n->op,
+                         inner, guard, cond.buf);
+    } else {
+        if (how && w.source >= 0 && P->part) P->part->guarded_loads++;
+        af_strbuf_printf(sb, "%sfloat v%d;\n%sif (%s) { /* %s */\n", indent, vw, indent, cond.buf, n->op);
+    }
+    free(cond.buf);
     if (w.source < 0) { /* box_fill: the value inside */
         af_strbuf_printf(sb, "%sv%d = ", inner, vw);
         emit_scalar(sb, &fill, fill_as);
         af_strbuf_printf(sb, ";\n");
     } else {
-        af_frame S = {.ndim = P->ndim, .part = P->part}, F = {.part = P->part};
+        af_frame S = {.ndim = P->ndim, .part = P->part, .straight = P->straight, .varies = P->varies},
+                 F = {.part = P->part, .straight = P->straight};
+        snprintf(S.guard, sizeof S.guard, "%s", guard);
+        snprintf(F.guard, sizeof F.guard, "%s", guard);
         for (int32_t d = 0; d < S.ndim; d++) {
             uint32_t bit = 1u << d;
             if (w.size[d] == 1) {
                 snprintf(S.c[d], sizeof S.c[d], "0");
                 S.known |= P->part ? bit : 0u; /* lo = hi - 1 = 0 */
                 S.hi[d] = 1;
+                S.varies &= ~bit;
                 continue;
             }
             snprintf(S.c[d], sizeof S.c[d], "s%d_%d", vw, (int)d);
@@ -561,8 +629,9 @@ static void emit_explicit_window(af_strbuf *sb, const af_graph *g, const af_fusi
                     continue;
                 }
                 snprintf(F.c[d], sizeof F.c[d], "u%d_%d", vw, (int)d);
-                emit_unravel(off, sizeof off, &S, w.size, &src->meta, src->meta.storage_offset - xm->storage_offset,
-                             xm->strides[d], xm->sizes[d], it);
+                uint32_t used = emit_unravel(off, sizeof off, &S, w.size, &src->meta, src->meta.storage_offset - xm->storage_offset,
+                                             xm->strides[d], xm->sizes[d], it);
+                F.varies |= (used & S.varies) ? 1u << d : 0u; /* it reads a moving coordinate */
                 af_strbuf_printf(sb, "%sconst %s u%d_%d = %s;\n", inner, it, vw, (int)d, off);
             }
         } else {
@@ -578,11 +647,12 @@ static void emit_explicit_window(af_strbuf *sb, const af_graph *g, const af_fusi
             snprintf(ptr, sizeof ptr, "q%d", (int)k);
             frame_offset(off, sizeof off, &F, &src->meta, 0, it);
             af_strbuf_printf(sb, "%sv%d = ", inner, vw);
-            af_cg_emit_load(sb, ops[k].dtype, ptr, off);
+            emit_clamped_load(sb, ops[k].dtype, ptr, off, guard);
             af_strbuf_printf(sb, ";\n");
         }
     }
-    af_strbuf_printf(sb, "%s} else {\n%sv%d = ", indent, inner, vw);
+    if (straight) af_strbuf_printf(sb, "%sv%d = %s ? v%d : ", inner, vw, guard, vw);
+    else af_strbuf_printf(sb, "%s} else {\n%sv%d = ", indent, inner, vw);
     if (w.base >= 0) af_strbuf_printf(sb, "v%d", (int)w.base);
     else emit_scalar(sb, &fill, fill_as);
     af_strbuf_printf(sb, ";\n%s}\n", indent);
@@ -598,7 +668,7 @@ static void emit_frame(af_strbuf *sb, const af_graph *g, const af_fusion_group *
         snprintf(ptr, sizeof ptr, "q%d", (int)k);
         frame_offset(off, sizeof off, f, &af_graph_value(g, grp->inputs[k])->meta, 0, it);
         af_strbuf_printf(sb, "%sconst float v%d = ", indent, (int)grp->inputs[k]);
-        af_cg_emit_load(sb, ops[k].dtype, ptr, off);
+        emit_clamped_load(sb, ops[k].dtype, ptr, off, f->guard);
         af_strbuf_printf(sb, ";\n");
     }
     for (int32_t m = 0; m < grp->n_nodes; m++) {
@@ -648,6 +718,12 @@ static void emit_members_impl(af_strbuf *sb, const af_graph *g, const af_fusion_
             root.lo[d] = d == part->dim ? part->lo : 0;
             root.hi[d] = d == part->dim ? part->hi : iter->sizes[d];
             root.tracked |= d == part->dim ? 1u << d : 0u;
+        }
+        root.varies = part && part->dim >= 0 ? 1u << part->dim : 0u;
+        root.straight = part != NULL; /* offset 0 of every input is an element */
+        for (int32_t k = 0; k < grp->n_inputs && root.straight; k++) {
+            const af_tensor_meta *in = &af_graph_value(g, grp->inputs[k])->meta;
+            root.straight = in->type != AF_VALUE_TENSOR || af_tensor_meta_numel(in) > 0;
         }
     }
     for (int32_t m = 0; m < grp->n_nodes; m++) {

@@ -2081,3 +2081,22 @@ def test_a_view_cutting_rows_in_chunks_reads_each_chunk_contiguously(dtype):
     assert _inner_loops(text) == [(0, 8), (8, 11)] and "AF_GUARDED_LOADS" not in text, text
     (got,), (ref,) = lowered([a, b]), _pad_of_rows_cut_in_chunks(a, b)
     assert_close(got, ref, f"pad of rows cut in chunks ({dtype})", atol=0, rtol=0)
+
+
+def _pad_of_rows_before_the_row(x):
+    return (aten.add.Tensor(aten.constant_pad_nd.default(aten.mul.Tensor(x, 2.0), [0, 0, 2, 1], -1.5), 1.0),)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_guard_the_row_does_not_move_is_chosen_after_its_loads(dtype):
+    """A pad of the dim before the row: its guard is the same along a row, so the kernel loads at
+    offset 0 where it fails and chooses the value after (no load behind a branch, no
+    AF_GUARDED_LOADS: the row vectorizes), one loop over the row. Eager's values to the bit."""
+    x = torch.randn(6, 37, generator=torch.Generator().manual_seed(36)).to(dtype)
+    lowered = lower(make_fx(_pad_of_rows_before_the_row)(x))
+    assert lowered.program.num_kernels == 1, str(lowered.program)
+    text = _kernel_text(lowered.program.source, 0)
+    assert _inner_loops(text) == [(0, 37)] and "chosen after its loads" in text, text
+    assert "AF_GUARDED_LOADS" not in text and re.search(r"\[g\d+ \? \(", text), text
+    (got,), (ref,) = lowered([x]), _pad_of_rows_before_the_row(x)
+    assert_close(got, ref, f"pad before the row ({dtype})", atol=0, rtol=0)
