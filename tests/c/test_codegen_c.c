@@ -1,0 +1,122 @@
+/* CMocka tests of csrc/codegen_c.c's window kernels (the CPU backend): a pad's row is split into
+ * parts where its guard changes (emit_parts), each part's guard written as a constant, so the
+ * kernel drops AF_GUARDED_LOADS and ends each row with AF_ROW_END; a guard on a dim before the
+ * row is chosen after its loads (offset 0 where it fails); an empty input keeps the branch. The
+ * values are checked against eager by tests/test_fusion.py; here the shape of the source, under
+ * ASan+UBSan and valgrind like the other C tests. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "aotfuse/codegen.h"
+#include "aotfuse/fuse.h"
+
+static af_tensor_meta meta(const int64_t *sizes, const int64_t *strides) {
+    af_tensor_meta m = {0};
+    m.type = AF_VALUE_TENSOR;
+    m.dtype = AF_DTYPE_FLOAT32;
+    m.device.type = AF_DEVICE_CPU;
+    m.device.index = -1;
+    m.ndim = 2;
+    m.sizes = sizes;
+    m.strides = strides;
+    return m;
+}
+
+/* x[rows, cols] * 0.5, padded by pads (last dim first: left, right[, top, bottom]) with -1 */
+static char *pad_source(int64_t rows, int64_t cols, const int64_t *pads, int n_pads) {
+    int64_t in_sizes[2] = {rows, cols}, in_strides[2] = {cols, 1};
+    int64_t out_sizes[2] = {rows + (n_pads > 2 ? pads[2] + pads[3] : 0), cols + pads[0] + pads[1]};
+    int64_t out_strides[2] = {out_sizes[1], 1};
+    af_tensor_meta mi = meta(in_sizes, in_strides), mo = meta(out_sizes, out_strides);
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    int32_t x, h, p;
+    assert_int_equal(af_graph_add_input(g, "x", &mi, &x), AF_OK);
+    af_arg mul[2] = {{.kind = AF_ARG_VALUE, .u.value = x}, {.kind = AF_ARG_FLOAT, .u.f = 0.5}};
+    assert_int_equal(af_graph_add_node(g, "aten::mul.Tensor", mul, 2, &mi, 1, &h), AF_OK);
+    af_arg items[4];
+    for (int i = 0; i < n_pads; i++) items[i] = (af_arg){.kind = AF_ARG_INT, .u.i = pads[i]};
+    af_arg pad[3] = {{.kind = AF_ARG_VALUE, .u.value = h},
+                     {.kind = AF_ARG_LIST, .u.list = {.n = n_pads, .items = items}},
+                     {.kind = AF_ARG_FLOAT, .u.f = -1.0}};
+    assert_int_equal(af_graph_add_node(g, "aten::constant_pad_nd.default", pad, 3, &mo, 1, &p), AF_OK);
+    assert_int_equal(af_graph_set_outputs(g, &p, 1), AF_OK);
+    assert_int_equal(af_graph_verify(g), AF_OK);
+    af_fusion_plan *plan;
+    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+    assert_int_equal(plan->n_groups, 1); /* the mul computed inside the pad's guard */
+    char *src = NULL;
+    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
+    af_fuse_plan_free(plan);
+    af_graph_free(g);
+    return src;
+}
+
+static int count_of(const char *text, const char *needle) {
+    int n = 0;
+    for (const char *at = strstr(text, needle); at; at = strstr(at + 1, needle)) n++;
+    return n;
+}
+
+static void test_a_padded_row_is_split_where_its_guard_changes(void **state) {
+    (void)state;
+    int64_t pads[2] = {3, 5};
+    char *src = pad_source(4, 37, pads, 2);
+    assert_non_null(strstr(src, "for (af_idx i = 0; i < 3; i++)"));
+    assert_non_null(strstr(src, "for (af_idx i = 3; i < 40; i++)"));
+    assert_non_null(strstr(src, "for (af_idx i = 40; i < 45; i++)"));
+    assert_int_equal(count_of(src, "outside its source"), 2); /* the pads: the fill alone */
+    assert_null(strstr(src, "AF_GUARDED_LOADS void"));
+    assert_null(strstr(src, "AF_GUARDED_LOADS AF_BODY"));
+    assert_int_equal(count_of(src, "AF_ROW_END;"), 1);
+    free(src);
+}
+
+static void test_a_guard_the_row_does_not_move_is_chosen_after_its_loads(void **state) {
+    (void)state;
+    int64_t pads[4] = {0, 0, 2, 1}; /* rows only */
+    char *src = pad_source(6, 37, pads, 4);
+    assert_non_null(strstr(src, "for (af_idx i = 0; i < 37; i++)"));
+    assert_non_null(strstr(src, "chosen after its loads"));
+    assert_non_null(strstr(src, "g2 ? ("));
+    assert_null(strstr(src, "AF_GUARDED_LOADS void"));
+    assert_null(strstr(src, "AF_GUARDED_LOADS AF_BODY"));
+    free(src);
+}
+
+static void test_both_dims_padded_split_the_row_and_choose_the_rows(void **state) {
+    (void)state;
+    int64_t pads[4] = {2, 2, 2, 1}; /* the shape GCC 12 miscompiled without AF_ROW_END */
+    char *src = pad_source(6, 4, pads, 4);
+    assert_non_null(strstr(src, "for (af_idx i = 0; i < 2; i++)"));
+    assert_non_null(strstr(src, "for (af_idx i = 2; i < 6; i++)"));
+    assert_non_null(strstr(src, "for (af_idx i = 6; i < 8; i++)"));
+    assert_int_equal(count_of(src, "chosen after its loads"), 1);
+    assert_int_equal(count_of(src, "AF_ROW_END;"), 1);
+    free(src);
+}
+
+static void test_an_empty_input_keeps_its_guarded_loads_as_branches(void **state) {
+    (void)state;
+    int64_t pads[4] = {0, 0, 2, 1}; /* a pad of a [0, 37] value: offset 0 is no element */
+    char *src = pad_source(0, 37, pads, 4);
+    assert_null(strstr(src, "chosen after its loads"));
+    assert_non_null(strstr(src, "AF_GUARDED_LOADS"));
+    free(src);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_a_padded_row_is_split_where_its_guard_changes),
+        cmocka_unit_test(test_a_guard_the_row_does_not_move_is_chosen_after_its_loads),
+        cmocka_unit_test(test_both_dims_padded_split_the_row_and_choose_the_rows),
+        cmocka_unit_test(test_an_empty_input_keeps_its_guarded_loads_as_branches),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
