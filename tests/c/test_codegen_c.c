@@ -13,6 +13,8 @@
 
 #include <cmocka.h>
 
+#include "test_util.h"
+
 #include "aotfuse/codegen.h"
 #include "aotfuse/fuse.h"
 
@@ -56,12 +58,6 @@ static char *pad_source(int64_t rows, int64_t cols, const int64_t *pads, int n_p
     af_fuse_plan_free(plan);
     af_graph_free(g);
     return src;
-}
-
-static int count_of(const char *text, const char *needle) {
-    int n = 0;
-    for (const char *at = strstr(text, needle); at; at = strstr(at + 1, needle)) n++;
-    return n;
 }
 
 static void test_a_padded_row_is_split_where_its_guard_changes(void **state) {

@@ -13,6 +13,8 @@
 
 #include <cmocka.h>
 
+#include "test_util.h"
+
 #include "aotfuse/codegen.h"
 #include "aotfuse/fuse.h"
 #include "aotfuse/jit_cuda.h"
@@ -85,12 +87,6 @@ static char *generate(af_graph *g, af_cuda_launch *launch, int32_t *n_groups) {
     assert_int_equal(af_codegen_cuda(g, plan, 132, &src, launch), AF_OK);
     af_fuse_plan_free(plan);
     return src;
-}
-
-static int count_of(const char *text, const char *needle) {
-    int n = 0;
-    for (const char *at = strstr(text, needle); at; at = strstr(at + 1, needle)) n++;
-    return n;
 }
 
 /* x * rng_uniform(seed, stream), exp'd, then an mm: one CUDA group a layer */
