@@ -2100,3 +2100,24 @@ def test_a_guard_the_row_does_not_move_is_chosen_after_its_loads(dtype):
     assert "AF_GUARDED_LOADS" not in text and re.search(r"\[g\d+ \? \(", text), text
     (got,), (ref,) = lowered([x]), _pad_of_rows_before_the_row(x)
     assert_close(got, ref, f"pad before the row ({dtype})", atol=0, rtol=0)
+
+
+def test_layers_whose_guards_are_chosen_after_their_loads_share_a_body(tmp_path, monkeypatch):
+    """A model's layers, each padding the dim before its row (a guard chosen after its loads, its
+    variable g<id> named by a node id), still share one kernel body: g<id> is a local the sharing
+    renames (it was not at first, and Longformer at host size went from 60 to 170 bodies)."""
+    monkeypatch.setenv("AOTFUSE_CACHE_DIR", str(tmp_path))
+    g = torch.Generator().manual_seed(37)
+    ws = [torch.randn(12, 12, generator=g) for _ in range(3)]
+
+    def fn(x, *ws):
+        for w in ws:  # [6, 12] -> pad rows -> [9, 12] -> crop back to 6 rows -> matmul
+            x = F.pad(torch.tanh(x * 0.5), (0, 0, 2, 1), value=-1.0)[1:7] @ w
+        return x
+
+    x = torch.randn(6, 12, generator=g)
+    lowered = lower(make_fx(fn)(x, *ws))
+    src = lowered.program.source
+    assert lowered.program.num_kernels == 3 and src.count("chosen after its loads") == 1, src
+    assert src.count("AF_BODY void af_body_") == 1 and src.count("the body of group 0") == 2, src
+    assert_close(lowered([x, *ws])[0], fn(x, *ws), "padded layers", atol=1e-5, rtol=1e-5)
