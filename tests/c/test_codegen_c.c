@@ -18,24 +18,12 @@
 #include "aotfuse/codegen.h"
 #include "aotfuse/fuse.h"
 
-static af_tensor_meta meta(const int64_t *sizes, const int64_t *strides) {
-    af_tensor_meta m = {0};
-    m.type = AF_VALUE_TENSOR;
-    m.dtype = AF_DTYPE_FLOAT32;
-    m.device.type = AF_DEVICE_CPU;
-    m.device.index = -1;
-    m.ndim = 2;
-    m.sizes = sizes;
-    m.strides = strides;
-    return m;
-}
-
 /* x[rows, cols] * 0.5, padded by pads (last dim first: left, right[, top, bottom]) with -1 */
 static char *pad_source(int64_t rows, int64_t cols, const int64_t *pads, int n_pads) {
     int64_t in_sizes[2] = {rows, cols}, in_strides[2] = {cols, 1};
     int64_t out_sizes[2] = {rows + (n_pads > 2 ? pads[2] + pads[3] : 0), cols + pads[0] + pads[1]};
     int64_t out_strides[2] = {out_sizes[1], 1};
-    af_tensor_meta mi = meta(in_sizes, in_strides), mo = meta(out_sizes, out_strides);
+    af_tensor_meta mi = f32_cpu_meta(2, in_sizes, in_strides), mo = f32_cpu_meta(2, out_sizes, out_strides);
     af_graph *g;
     assert_int_equal(af_graph_new(&g), AF_OK);
     int32_t x, h, p;

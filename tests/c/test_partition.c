@@ -11,6 +11,8 @@
 
 #include <cmocka.h>
 
+#include "test_util.h"
+
 #include "aotfuse/partition.h"
 
 static uint64_t rng = 0x243F6A8885A308D3ull;
@@ -21,17 +23,7 @@ static uint32_t rnd(uint32_t n) {
     return (uint32_t)((rng * 2685821657736338717ull) >> 33) % n;
 }
 
-static af_tensor_meta vec(int64_t *size, int64_t *stride) {
-    af_tensor_meta m = {0};
-    m.type = AF_VALUE_TENSOR;
-    m.dtype = AF_DTYPE_FLOAT32;
-    m.device.type = AF_DEVICE_CPU;
-    m.device.index = -1;
-    m.ndim = 1;
-    m.sizes = size;
-    m.strides = stride;
-    return m;
-}
+static af_tensor_meta vec(int64_t *size, int64_t *stride) { return f32_cpu_meta(1, size, stride); }
 
 static int32_t add(af_graph *g, const char *op, int32_t a, int32_t b, int64_t n) {
     int64_t size = n, stride = 1;
