@@ -14,10 +14,11 @@ To compare two builds, run it once with each on PYTHONPATH.
 With --lengths L1,L2,...: what each new sequence length costs (batches padded to their longest
 example bring one per length). One fresh process per run, empty cache, steps at the model's own
 length then at each of L1, L2, ...; per length its first step and the C compiler's seconds in it,
-with kernel templates on (the default: a new shape calls the bodies earlier shapes compiled) and off
-(AOTFUSE_KERNEL_TEMPLATES=0), runs alternating, --repeats each:
+with the defaults and with --off (AOTFUSE_KERNEL_TEMPLATES=0 unless given: kernel templates off;
+AOTFUSE_DYNAMIC=0: no shape families), runs alternating, --repeats each:
 
     python benchmarks/compile_time.py --models BertForMaskedLM --size reduced --lengths 120,112,104,96
+    python benchmarks/compile_time.py --models BertForMaskedLM --size reduced --lengths 120,112,104,96 --off AOTFUSE_DYNAMIC=0
 """
 from __future__ import annotations
 
@@ -144,12 +145,13 @@ def new_lengths(args) -> None:
     import aotfuse
     import torch
 
-    settings = (("templates", {}), ("off", {"AOTFUSE_KERNEL_TEMPLATES": "0"}))
+    var, _, value = args.off.partition("=")
+    settings = (("default", {}), ("off", {var: value}))
     lines = [f"# A new sequence length's first step, {args.size} size ({datetime.date.today()})", "",
              f"machine: {platform.machine()} {platform.processor()} | {os.cpu_count()} CPUs | AOTFUSE_JIT_JOBS={os.environ.get('AOTFUSE_JIT_JOBS', 'unset')} | torch {torch.__version__} | "
              f"1 thread | aotfuse from {os.path.dirname(aotfuse.__file__)} | `python benchmarks/compile_time.py "
-             f"--models {args.models} --size {args.size} --lengths {args.lengths} --repeats {args.repeats}`", "",
-             "| model | length | first step, templates (s) | C compiler, templates (s) | first step, off (s) | C compiler, off (s) |",
+             f"--models {args.models} --size {args.size} --lengths {args.lengths} --repeats {args.repeats} --off {args.off}`", "",
+             "| model | length | first step, default (s) | C compiler, default (s) | first step, off (s) | C compiler, off (s) |",
              "|---|---|---|---|---|---|"]
     for model in args.models.split(","):
         runs: dict[str, list[dict]] = {name: [] for name, _ in settings}
@@ -171,12 +173,12 @@ def new_lengths(args) -> None:
 
         for key in ["first"] + args.lengths.split(","):
             label = "model's own (cold)" if key == "first" else key
-            lines.append(f"| {model} | {label} | {cell('templates', key, 0)} | {cell('templates', key, 1)} | "
+            lines.append(f"| {model} | {label} | {cell('default', key, 0)} | {cell('default', key, 1)} | "
                          f"{cell('off', key, 0)} | {cell('off', key, 1)} |")
             print(lines[-1], flush=True)
     lines += ["", "Each run a fresh process and an empty kernel cache; a length's first step includes tracing, "
-              "partitioning, lowering and the kernels it compiles (C compiler: the seconds of the C compiler calls "
-              "made in that step, timed through AOTFUSE_CC). off: AOTFUSE_KERNEL_TEMPLATES=0. Ranges over the runs."]
+              f"partitioning, lowering and the kernels it compiles (C compiler: the seconds of the C compiler calls "
+              "made in that step, timed through AOTFUSE_CC). off: {args.off}. Ranges over the runs."]
     _write(lines, args.out)
 
 
@@ -190,6 +192,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="also write the table here (markdown)")
     ap.add_argument("--lengths", default=None, help="L1,L2,...: each new sequence length's first step (see above)")
     ap.add_argument("--repeats", type=int, default=2, help="with --lengths: runs per setting")
+    ap.add_argument("--off", default="AOTFUSE_KERNEL_TEMPLATES=0",
+                    help="with --lengths: VAR=VALUE of the runs compared with the default ones (AOTFUSE_DYNAMIC=0: "
+                         "without shape families)")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

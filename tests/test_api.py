@@ -210,7 +210,7 @@ def test_repeated_calls_take_the_last_signature_only_when_it_is_theirs():
 
 
 def test_cache_bound_warns_once_and_stays_correct():
-    cf = aotfuse.aot_function(lambda x: x.cos() + 1, max_cache_size=2)
+    cf = aotfuse.aot_function(lambda x: x.cos() + 1, max_cache_size=2, dynamic=False)  # no shape family
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for n in range(1, 6):
@@ -234,7 +234,7 @@ def test_cache_bound_warning_names_the_keyword_inputs_whose_shapes_vary():
             return self.lin(self.emb(input_ids)) * scale
 
     model = Model()
-    compiled = aotfuse.memory_efficient_fusion(model, max_cache_size=2)
+    compiled = aotfuse.memory_efficient_fusion(model, max_cache_size=2, dynamic=False)  # no shape family
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for n in (5, 7, 9, 11):

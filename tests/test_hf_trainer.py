@@ -213,9 +213,11 @@ def test_dynamic_padding_trains_like_plain_training(tmp_path, way):
         shapes.clear()
         trainer.train()
         losses[compiled] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        if compiled and way == "fusion aot":  # one signature per length, none left to eager
+        if compiled and way == "fusion aot":  # none left to eager
             fused = trainer.fused_model(trainer.model_wrapped)._aotfuse_compiled
-            assert fused.compile_count == len(shapes), (fused.compile_count, shapes)
+            # the first length traced on its own, the second made a shape family, the rest joined it
+            members = sum(e.member for e in fused._cache.values())
+            assert fused.compile_count == 2 and members == len(shapes) - 2, (fused.compile_count, members, shapes)
             # later lengths call the C kernel bodies earlier lengths compiled (kernel templates)
             later = [low.program for r in fused.records[1:] for low in r.programs.values()]
             assert sum(p.bodies_reused for p in later) > 0, [(p.bodies_reused, p.bodies_lifted) for p in later]

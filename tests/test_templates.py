@@ -62,7 +62,7 @@ def test_new_shapes_call_the_bodies_earlier_shapes_compiled(monkeypatch):
     monkeypatch.setenv("AOTFUSE_FUSE_ATTENTION", "0")  # keep the softmax over keys in a kernel
     torch.manual_seed(0)
     model = Block()
-    compiled = aotfuse.memory_efficient_fusion(copy.deepcopy(model))
+    compiled = aotfuse.memory_efficient_fusion(copy.deepcopy(model), dynamic=False)
     shapes = [(2, 8, 24), (2, 12, 24), (2, 16, 24), (2, 20, 24), (3, 7, 24), (2, 12, 24)]
     _train_shapes(compiled, model, shapes, double=copy.deepcopy(model).double())
     records = compiled._aotfuse_compiled.records
@@ -93,7 +93,7 @@ def test_templates_off_compile_every_body_here(monkeypatch):
     monkeypatch.setenv("AOTFUSE_KERNEL_TEMPLATES", "0")
     torch.manual_seed(1)
     model = Block()
-    compiled = aotfuse.memory_efficient_fusion(copy.deepcopy(model))
+    compiled = aotfuse.memory_efficient_fusion(copy.deepcopy(model), dynamic=False)
     before = _C.kernel_templates()
     _train_shapes(compiled, model, [(2, 8, 24), (2, 12, 24), (2, 16, 24)])
     for record in compiled._aotfuse_compiled.records:
@@ -113,7 +113,7 @@ def test_hidden_sizes_and_dtypes_vary_too(dtype):
     engaged = 0
     for hidden in (16, 24, 40):
         model = Block(hidden).to(dtype)
-        compiled = aotfuse.memory_efficient_fusion(copy.deepcopy(model))
+        compiled = aotfuse.memory_efficient_fusion(copy.deepcopy(model), dynamic=False)
         g = torch.Generator().manual_seed(hidden)
         for seq in (6, 10, 14):
             x = torch.randn(2, seq, hidden, generator=g).to(dtype)
@@ -160,11 +160,11 @@ def test_deterministic_algorithms_compile_each_shape_as_itself(monkeypatch):
 
     with monkeypatch.context() as m:  # compiled as itself, whatever earlier tests left registered
         m.setenv("AOTFUSE_KERNEL_TEMPLATES", "0")
-        fresh = run(aotfuse.memory_efficient_fusion(copy.deepcopy(model)), x12)
+        fresh = run(aotfuse.memory_efficient_fusion(copy.deepcopy(model), dynamic=False), x12)
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        seasoned = aotfuse.memory_efficient_fusion(copy.deepcopy(model))
+        seasoned = aotfuse.memory_efficient_fusion(copy.deepcopy(model), dynamic=False)
         run(seasoned, x8)
         after = run(seasoned, x12)
         for record in seasoned._aotfuse_compiled.records:
@@ -181,16 +181,16 @@ def test_another_compiler_finds_no_template(monkeypatch, tmp_path):
     pointing elsewhere the program compiles (here: fails to) instead of calling a loaded body."""
     torch.manual_seed(5)
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16))
-    first = aotfuse.memory_efficient_fusion(copy.deepcopy(model))
+    first = aotfuse.memory_efficient_fusion(copy.deepcopy(model), dynamic=False)
     x = torch.randn(4, 8)
     first(x).sum().backward()  # its bodies are registered (and kept alive by `first`)
-    again = aotfuse.memory_efficient_fusion(copy.deepcopy(model))
+    again = aotfuse.memory_efficient_fusion(copy.deepcopy(model), dynamic=False)
     again(x).sum().backward()
     fw = again._aotfuse_compiled.records[-1].programs["forward"].program
     assert fw.bodies_reused > 0 and fw.compiled_source is None  # same compiler: all found
     monkeypatch.setenv("AOTFUSE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("AOTFUSE_CC", str(tmp_path / "no-such-cc"))
-    third = aotfuse.memory_efficient_fusion(copy.deepcopy(model))
+    third = aotfuse.memory_efficient_fusion(copy.deepcopy(model), dynamic=False)
     with pytest.raises(Exception, match="C compiler"):
         third(x)
     del first, again

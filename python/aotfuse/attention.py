@@ -250,9 +250,11 @@ def fused_graph(fn: Callable, tensors: list, mode: str) -> fx.GraphModule | None
         return None
     # grad-mode switches (a rotary embedding's @torch.no_grad()) replay as they are when AOTAutograd
     # traces the graph; anything else but ATen ops (higher-order ops, autocast) leaves fn as it is
+    # (a shape family's trace, shapes.py: size arithmetic on symbolic sizes replays too)
     other = {str(n.target) for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")
              and not isinstance(n.target, torch._ops.OpOverload)
-             and n.target not in (operator.getitem, torch._C._set_grad_enabled)}
+             and n.target not in (operator.getitem, torch._C._set_grad_enabled)
+             and not isinstance(n.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))}
     if other:
         config.emit("cache", f"attention: the pre-dispatch graph has {', '.join(sorted(other))}; traced as it is")
         return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import math
 import warnings
 import weakref
 from typing import Any, Callable
@@ -17,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch._functorch.aot_autograd import aot_function as _torch_aot_function
 
-from . import config
+from . import config, shapes
 from ._pytree import tree_flatten, tree_unflatten
 from .decompositions import default_decompositions
 from .lower import BackendUnavailable, Lowered, UnsupportedError, lower
@@ -84,7 +85,9 @@ def _recording_partition(record: _Record, partition_fn: Callable, lower_backward
         # torch compiles the backward lazily, at the first backward call; lowering it here too
         # makes an unsupported backward fail (or fall back) at the first forward call instead,
         # and lets explain() report it. The backward compiler lowers its own (final) copy again.
-        _compile_with_core(record, "backward", bw, None)
+        # (a shape family's, shapes.py: at the sizes it was traced at)
+        _compile_with_core(record, "backward", shapes.concrete(bw, shapes.symbolic_values(bw))
+                           if shapes.is_symbolic(bw) else bw, None)
     num_fwd_outputs = kwargs.get("num_fwd_outputs", 0)
     record.num_fwd_outputs = num_fwd_outputs
     stats = fw.meta.get("aotfuse_partition")
@@ -94,8 +97,9 @@ def _recording_partition(record: _Record, partition_fn: Callable, lower_backward
     for node in list(outs)[num_fwd_outputs:]:
         val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
         if isinstance(val, torch.Tensor):
-            nbytes = val.numel() * val.element_size()
-            record.saved.append((node.name, tuple(val.shape), str(val.dtype).replace("torch.", ""), nbytes))
+            shape = tuple(map(shapes.hint, val.shape))  # a family's: at the sizes it was traced at
+            nbytes = math.prod(shape) * val.element_size()
+            record.saved.append((node.name, shape, str(val.dtype).replace("torch.", ""), nbytes))
             record.saved_bytes += nbytes
     return fw, bw
 
@@ -146,6 +150,31 @@ def _arg_name(path: tuple) -> str:
     if path[0].idx == 0:
         return f"argument {path[1].idx}{rest}"
     return f"{path[1].key}{rest}"
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Whether x has the strides of a contiguous tensor of its sizes (size-1 dimensions included)."""
+    expected = 1
+    for n, st in zip(reversed(x.shape), reversed(x.stride())):
+        if st != expected:
+            return False
+        expected *= max(n, 1)
+    return True
+
+
+def _family_key(leaves: list, spec: tuple, extra: tuple) -> tuple:
+    """_signature without the sizes of dense tensors (their rank stays): the signatures a shape
+    family (shapes.py) may serve."""
+    seen: dict = {}
+    keys = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            first = seen.setdefault(id(x), len(seen))
+            keys.append((x.dtype, x.device, x.dim(), x.requires_grad, x.layout, first) if _dense(x) else
+                        (x.dtype, x.device, x.shape, x.stride(), x.requires_grad, x.layout, first))
+        else:
+            keys.append(_leaf_key(x, seen))
+    return (spec, tuple(keys)) + _global_state() + extra
 
 
 def _signature(leaves: list, spec: tuple, extra: tuple) -> tuple:
@@ -218,7 +247,8 @@ def _hashable(x: Any) -> bool:
 
 
 class _Entry:
-    __slots__ = ("compiled", "tensor_idx", "record", "fallback", "fallback_target", "traced_fn", "module")
+    __slots__ = ("compiled", "tensor_idx", "record", "fallback", "fallback_target", "traced_fn", "module", "family",
+                 "member")
 
     def __init__(self, compiled, tensor_idx, record, traced_fn=None, module=None):
         self.compiled = compiled
@@ -228,6 +258,8 @@ class _Entry:
         self.module = module
         self.fallback: Callable | None = None  # set when this signature could not be captured
         self.fallback_target: Callable | None = None  # fallback without the skipped leading arguments
+        self.family: shapes.Family | None = None  # the shape family this signature traces (or joined)
+        self.member = False  # joined a family: runs its programs, traced nothing itself
 
 
 def _has_active_dropout(module: nn.Module | None) -> bool:
@@ -235,15 +267,24 @@ def _has_active_dropout(module: nn.Module | None) -> bool:
                                       for m in module.modules())
 
 
-def _fuse_attention_first(entry: _Entry, tensors: list, mode: str | None = None) -> None:
-    """Eager attention as SDPA (attention.py): traces the function at the pre-dispatch level and, where
-    attention chains matched, has AOTAutograd trace that graph instead. On CPU tensors ATen's fast SDPA
-    takes no dropout: a module with active dropout layers is not traced for it (unless forced)."""
+def _attention_mode(module: nn.Module | None, tensors: list, mode: str | None = None) -> str | None:
+    """Whether eager attention becomes SDPA (attention.py) for these inputs: the mode, or None. On CPU
+    tensors ATen's fast SDPA takes no dropout: a module with active dropout layers is not traced for
+    it (unless forced)."""
     mode = mode or config.fuse_attention()
     if mode == "0":
-        return
+        return None
     on_cuda = any(t.is_cuda for t in tensors)
-    if not on_cuda and mode == "auto" and _has_active_dropout(entry.module):
+    if not on_cuda and mode == "auto" and _has_active_dropout(module):
+        return None
+    return mode
+
+
+def _fuse_attention_first(entry: _Entry, tensors: list, mode: str | None = None) -> None:
+    """Eager attention as SDPA (attention.py): traces the function at the pre-dispatch level and, where
+    attention chains matched, has AOTAutograd trace that graph instead."""
+    mode = _attention_mode(entry.module, tensors, mode)
+    if mode is None:
         return
     from .attention import fused_graph
 
@@ -343,7 +384,7 @@ class CompiledFunction:
 
     def __init__(self, fn: Callable, fw_compiler, bw_compiler, partition_fn, decompositions,
                  num_params_buffers: int, keep_inference_input_mutations: bool, inference_compiler,
-                 fallback: str, max_cache_size: int | None, name: str | None = None):
+                 fallback: str, max_cache_size: int | None, name: str | None = None, dynamic: bool | None = None):
         if fallback not in _FALLBACKS:
             raise ValueError(f"fallback must be one of {_FALLBACKS}, got {fallback!r}")
         self.fn = fn
@@ -367,6 +408,10 @@ class CompiledFunction:
         self.max_cache_size = max_cache_size
         self.name = name or getattr(fn, "__qualname__", None) or type(fn).__name__
         self._cache: dict[tuple, _Entry] = {}
+        # shape families (shapes.py): by _family_key; and the sizes of the first signature of each key
+        self.dynamic = dynamic
+        self._families: dict[tuple, shapes.Family] = {}
+        self._first_shapes: dict[tuple, list[tuple]] = {}
         self._warned_full = False
         self._dynamo_fn: Callable | None = None
         self._last: _LastCall | None = None
@@ -392,12 +437,12 @@ class CompiledFunction:
             if entry is not None:
                 self._last = _LastCall.make(entry, leaves, spec, extra)
         if entry is None:
-            entry = self._compile(key, leaves, spec, tree)
+            entry = self._compile(key, leaves, spec, tree, extra)
             if entry is None:  # cache full: this signature runs eagerly
                 args, kwargs = tree
                 return self.fn(*args, **kwargs)
             self.last_entry = entry
-            return self._first_run(entry, leaves, tree)
+            return self._first_run(entry, leaves, tree, extra)
         self.last_entry = entry
         if entry.fallback is not None:
             args, kwargs = tree
@@ -436,9 +481,53 @@ class CompiledFunction:
                 f"fixed lengths (a data collator's pad_to_multiple_of, say) keeps them compiled, or raise the "
                 f"limit.")
 
-    def _compile(self, key: tuple, leaves: list, spec: tuple, tree: Any) -> _Entry | None:
+    def _dynamic_mode(self) -> str:
+        """"auto", "1" or "0": shape families (shapes.py) for this function. Only with aotfuse's own
+        compilers (custom ones would get symbolic graphs)."""
+        if self.fw_compiler is not None or self.bw_compiler is not None or self.inference_compiler is not None \
+                or getattr(self.partition_fn, "__module__", None) != "aotfuse.partition":
+            return "0"
+        return config.dynamic() if self.dynamic is None else "1" if self.dynamic else "0"
+
+    def _family_dims(self, fkey: tuple, family: shapes.Family | None, tensors: list) -> dict | None:
+        """The dimensions a new family for this call would make symbolic (tensor position -> dims),
+        or None: this call's signature is traced on its own."""
+        mode = self._dynamic_mode()
+        if mode == "0" or (family is not None and family.failed):
+            return None
+        if mode == "1" and family is None:  # every size of the inputs that are not parameters or buffers
+            dims = {i: frozenset(range(t.dim())) for i, t in enumerate(tensors)
+                    if i >= self.num_params_buffers and t.dim()}
+            return dims or None
+        first = self._first_shapes.setdefault(fkey, [tuple(t.shape) for t in tensors])
+        dims = {}
+        for i, (t, shape) in enumerate(zip(tensors, first)):
+            d = frozenset(k for k, (a, b) in enumerate(zip(t.shape, shape)) if a != b)
+            if family is not None:
+                d |= family.dims.get(i, frozenset())
+            if d:
+                dims[i] = d
+        if not dims or (family is not None and dims == family.dims):
+            return None  # the first shape, or the family's guards refused this one
+        return dims
+
+    def _compile(self, key: tuple, leaves: list, spec: tuple, tree: Any, extra: tuple = ()) -> _Entry | None:
+        tensor_idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        module = self.fallback_fn if isinstance(self.fallback_fn, nn.Module) else None  # its Python state is kept
+        dims, fkey = None, None
+        if self._dynamic_mode() != "0":
+            tensors = [leaves[i] for i in tensor_idx]
+            fkey = _family_key(leaves, spec, extra)
+            family = self._families.get(fkey)
+            if family is not None and family.admits(tensors):  # a shape of a family: no trace
+                entry = _Entry(family.compiled, tensor_idx, family.record, None, module)
+                entry.family, entry.member = family, True
+                self._cache[key] = entry
+                config.emit("cache", f"{self.name}: a new shape of a traced family")
+                return entry
+            dims = self._family_dims(fkey, family, tensors)
         limit = self.max_cache_size or config.cache_size()
-        if len(self._cache) >= limit:
+        if sum(1 for e in self._cache.values() if not e.member) >= limit:
             if not self._warned_full:
                 warnings.warn(f"aotfuse: {self.name} has been compiled for {limit} input signatures (the "
                               f"limit, AOTFUSE_CACHE_SIZE or max_cache_size); new signatures run eagerly."
@@ -446,10 +535,8 @@ class CompiledFunction:
                 self._warned_full = True
             return None
         record = _Record()
-        tensor_idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         template = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         fn = self.fn
-        module = self.fallback_fn if isinstance(self.fallback_fn, nn.Module) else None  # its Python state is kept
 
         def flat_fn(*tensors):  # AOTAutograd calls it once per tracing pass
             vals = list(template)
@@ -489,20 +576,74 @@ class CompiledFunction:
                 functools.partial(ours, "inference") if self.fw_compiler is None else None),
         )
         entry = _Entry(compiled, tensor_idx, record, traced_fn if self.fw_compiler is None else None, module)
+        if dims:
+            family = entry.family = shapes.Family(dims, [tuple(leaves[i].shape) for i in tensor_idx])
+            family.record = record
+            self._families[fkey] = family
+            entry.traced_fn = None  # the family's trace fuses attention itself
+            entry.compiled = functools.partial(self._trace_family, entry, compiled, traced_fn, flat_fn)
         self._cache[key] = entry
         self.compile_count += 1
-        config.emit("cache", f"{self.name}: compiling signature #{len(self._cache)}")
+        config.emit("cache", f"{self.name}: compiling signature #{len(self._cache)}"
+                    + (f", a shape family with sizes symbolic in {dims}" if dims else ""))
         return entry
 
-    def _first_run(self, entry: _Entry, leaves: list, tree: Any) -> Any:
+    def _trace_family(self, entry: _Entry, static: Callable, traced_fn: list, flat_fn: Callable, *tensors) -> Any:
+        """The first call of a family (entry.compiled until it returns): traces flat_fn with the
+        family's sizes symbolic and runs it. Where that fails (or pins every symbolic size), this
+        signature is traced on its own (`static`, as without families) and no shape joins."""
+        family, record = entry.family, entry.record
+        def per_shape(stage: str) -> Callable:
+            def compile_stage(gm: torch.fx.GraphModule, _inputs: Any) -> shapes.PerShape:
+                ps = family.stages[stage] = shapes.PerShape(gm, lambda g: _compile_with_core(record, stage, g, None))
+                return ps
+            return compile_stage
+
+        try:
+            compiled = shapes.trace(
+                family, flat_fn, tensors, fw=per_shape("forward"), bw=per_shape("backward"),
+                inference=per_shape("inference"),
+                partition=functools.partial(_recording_partition, record, self.partition_fn, True,
+                                            self.num_params_buffers),
+                decompositions=self.decompositions, keep_inference_input_mutations=self.keep_inference_input_mutations,
+                fuse_attention=_attention_mode(entry.module, list(tensors), self.fuse_attention))
+            sealed = family.seal()
+            outs = compiled(*tensors)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - traced on its own below, which raises what a user must see
+            family.failed = True
+            config.emit("cache", f"{self.name}: no symbolic trace ({type(e).__name__}: {e}); this signature is "
+                                 f"traced on its own")
+            record.programs.clear()
+            record.graphs.clear()
+            entry.compiled, entry.traced_fn = static, traced_fn
+            _fuse_attention_first(entry, list(tensors), self.fuse_attention)
+            return static(*tensors)
+        entry.compiled = compiled
+        if sealed:
+            family.compiled = compiled
+        else:
+            config.emit("cache", f"{self.name}: the symbolic trace pinned every symbolic size; other shapes are "
+                                 f"traced on their own")
+        return outs
+
+    def _first_run(self, entry: _Entry, leaves: list, tree: Any, extra: tuple = ()) -> Any:
         """The first call of a signature traces, partitions, lowers (forward and backward) and runs."""
+        tensors = [leaves[i] for i in entry.tensor_idx]
         try:
             with _tracing_flag(), config.lazy_graph_modules():
-                tensors = [leaves[i] for i in entry.tensor_idx]
                 if entry.traced_fn is not None:
                     _fuse_attention_first(entry, tensors, self.fuse_attention)
                 outs = entry.compiled(*tensors)
         except Exception as e:
+            if entry.member and not isinstance(e, torch.OutOfMemoryError):
+                # the family's graphs made no program for these sizes: traced on their own instead
+                config.emit("cache", f"{self.name}: a family's program failed for a shape ({type(e).__name__}: {e}); "
+                                     f"traced on its own")
+                entry.family.refused.add(tuple(tuple(t.shape) for t in tensors))
+                self._forget(entry)
+                return self._call(tree, extra)
             if "inference" in entry.record.programs or "forward" in entry.record.programs or isinstance(
                     e, torch.OutOfMemoryError):
                 raise  # captured and lowered: this is a failure of the run itself
@@ -550,19 +691,21 @@ class CompiledFunction:
 
     def cache_clear(self) -> None:
         self._cache.clear()
+        self._families.clear()
+        self._first_shapes.clear()
         self._last = None
         self.module_fallback = None
         self._warned_full = False
 
     @property
     def records(self) -> list[_Record]:
-        return [e.record for e in self._cache.values() if e.fallback is None]
+        return list({id(e.record): e.record for e in self._cache.values() if e.fallback is None}.values())
 
 
 def aot_function(fn: Callable, fw_compiler: Callable | None = None, bw_compiler: Callable | None = None,
                  partition_fn: Callable | None = None, decompositions: dict | None = None,
                  num_params_buffers: int = 0, keep_inference_input_mutations: bool = False,
-                 inference_compiler: Callable | None = None, *, dynamic: bool = False,
+                 inference_compiler: Callable | None = None, *, dynamic: bool | None = None,
                  enable_log: bool = True, fallback: str = "error",
                  max_cache_size: int | None = None) -> CompiledFunction:
     """Compiles `fn` (tensors, or pytrees of them, in and out) into C programs for its forward and
@@ -573,14 +716,18 @@ def aot_function(fn: Callable, fw_compiler: Callable | None = None, bw_compiler:
     flow) does: "error" (raise CaptureError), "eager" (run eagerly, one warning) or "dynamo" (run
     under torch.compile with aotfuse's backend, which splits the graph there, one warning).
 
+    dynamic: shape families (shapes.py). None (default): AOTFUSE_DYNAMIC, `auto` unless set: a
+    signature's second shape is traced with the sizes that differ symbolic, once for the shapes that
+    follow (each still gets a C program of its own, from that trace); True: from the first call,
+    every size of the inputs after the num_params_buffers first; False: each shape traced on its own.
+
     Example:
         >>> f = aot_function(lambda x, y: (x * y).sin().sum())
         >>> f(torch.randn(3, requires_grad=True), torch.randn(3)).backward()
     """
-    if dynamic:
-        warnings.warn("aotfuse: dynamic=True is not supported; each input shape compiles once", stacklevel=2)
     return CompiledFunction(fn, fw_compiler, bw_compiler, partition_fn, decompositions, num_params_buffers,
-                            keep_inference_input_mutations, inference_compiler, fallback, max_cache_size)
+                            keep_inference_input_mutations, inference_compiler, fallback, max_cache_size,
+                            dynamic=dynamic)
 
 
 # Bumped whenever a module some AOTModule reads (_watched_modules) registers (or reassigns) a

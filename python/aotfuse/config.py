@@ -25,6 +25,11 @@ AOTFUSE_LM_GRAD_CHUNKS=0  make a language-model head's float32 logits gradient w
 AOTFUSE_DROP_CLONES=0  keep clones of a value in its own layout (default: dropped before partitioning)
 AOTFUSE_FUSE_ATTENTION=auto  eager attention as torch's SDPA (attention.py): auto on CUDA tensors, and
                        on CPU tensors where it has no dropout; 1 also with dropout on CPU; 0 never
+AOTFUSE_DYNAMIC=auto   shape families (shapes.py): auto (default) traces a signature's second shape with
+                       the sizes that differ symbolic, once for all its shapes; 1 from the first call
+                       (every size of the non-parameter inputs); 0 never (each shape traced on its own)
+AOTFUSE_SHAPE_PROGRAMS=N  programs a family's forward or backward keeps (default 64, least recently
+                       used dropped)
 AOTFUSE_MERGE_KERNELS=0  independent kernels of one loop stay separate (default: merged into one,
                        fuse.c's merge_independent_groups)
 
@@ -56,6 +61,19 @@ def cache_size() -> int:
         return max(1, int(os.environ.get("AOTFUSE_CACHE_SIZE", "8")))
     except ValueError:
         return 8
+
+
+def dynamic() -> str:
+    """AOTFUSE_DYNAMIC: "auto" (default), "1" or "0" (shapes.py)."""
+    v = os.environ.get("AOTFUSE_DYNAMIC", "auto").strip().lower()
+    return "0" if v in ("", "0", "off", "false") else "1" if v in ("1", "on", "true") else "auto"
+
+
+def shape_programs() -> int:
+    try:
+        return max(1, int(os.environ.get("AOTFUSE_SHAPE_PROGRAMS", "64")))
+    except ValueError:
+        return 64
 
 
 def check_inputs() -> bool:

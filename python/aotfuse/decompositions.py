@@ -137,7 +137,9 @@ def _nll_loss_forward(self, target, weight, reduction, ignore_index):
     in_range = aten.mul.Tensor(aten.ge.Scalar(targets, 0), aten.lt.Scalar(targets, self.shape[-1]))
     fine = aten.maximum.default(torch.ops.prims.convert_element_type(in_range, f32),
                                 torch.ops.prims.convert_element_type(aten.eq.Scalar(targets, ignore_index), f32))
-    aten._assert_async.msg(aten.eq.Scalar(aten.sum.default(fine), float(targets.numel())),
+    # all fine: the sum of (fine - 1) is 0 (not sum(fine) == numel, which would make a traced
+    # graph with a symbolic row count specialize on it)
+    aten._assert_async.msg(aten.eq.Scalar(aten.sum.default(aten.sub.Tensor(fine, 1.0)), 0.0),
                            "nll_loss: a target is out of bounds (neither in [0, classes) nor ignore_index)")
     if reduction == 0:  # none
         return losses, zero

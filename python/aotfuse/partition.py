@@ -17,9 +17,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import _C, config
+from . import _C, config, shapes
 from .lower import build_graph
 from .rng import share_seeds
+from .shapes import same
 
 __all__ = ["min_cut_rematerialization_partition", "default_partition", "PartitionStats"]
 
@@ -62,7 +63,7 @@ def _role(node: fx.Node, params: set) -> int:
 
 
 def _extract(joint_module: fx.GraphModule, saved: list[fx.Node], num_fwd_outputs: int,
-             static_lifetime_input_nodes: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+             static_lifetime_input_nodes: Any, saved_sym: list[fx.Node] | None = None) -> tuple[fx.GraphModule, fx.GraphModule]:
     try:
         from torch._functorch.partitioners import _extract_fwd_bwd_modules
     except ImportError as e:  # torch moved its extractor
@@ -72,7 +73,24 @@ def _extract(joint_module: fx.GraphModule, saved: list[fx.Node], num_fwd_outputs
     if static_lifetime_input_nodes is not None and \
             "static_lifetime_input_nodes" in inspect.signature(_extract_fwd_bwd_modules).parameters:
         kwargs["static_lifetime_input_nodes"] = static_lifetime_input_nodes
-    return _extract_fwd_bwd_modules(joint_module, saved, saved_sym_nodes=[], **kwargs)
+    return _extract_fwd_bwd_modules(joint_module, saved, saved_sym_nodes=list(saved_sym or ()), **kwargs)
+
+
+def _is_sym(node: Any) -> bool:
+    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _forward_sizes(joint_module: fx.GraphModule) -> list[fx.Node]:
+    """A symbolic joint graph's size nodes the forward can compute (from no output gradient): the
+    forward returns them for the backward (torch's extractor drops those the backward never reads)."""
+    late: set = set()  # nodes reached from tangents and backward seeds
+    for node in joint_module.graph.nodes:
+        if node.op == "placeholder":
+            if _role(node, set()) in (ROLE_TANGENT, ROLE_BWD_SEED):
+                late.add(node)
+        elif any(a in late for a in node.all_input_nodes):
+            late.add(node)
+    return [n for n in joint_module.graph.nodes if n.op != "placeholder" and _is_sym(n) and n not in late and n.users]
 
 
 def _val(node: Any) -> torch.Tensor | None:
@@ -158,8 +176,8 @@ def _drop_identity_clones(graph: fx.Graph) -> int:
             continue
         src = node.args[0]
         a, b = _val(node), _val(src)
-        if a is None or b is None or src.op == "placeholder" or a.shape != b.shape or a.stride() != b.stride() \
-                or a.dtype != b.dtype or a.device != b.device:
+        if a is None or b is None or src.op == "placeholder" or not same(a.shape, b.shape) \
+                or not same(a.stride(), b.stride()) or a.dtype != b.dtype or a.device != b.device:
             continue
         node.replace_all_uses_with(src)
         graph.erase_node(node)
@@ -195,10 +213,26 @@ def _reorder(bw_module: fx.GraphModule, order: list[str]) -> None:
     for node in [n for n in bw_module.graph.nodes if n.op == "get_attr"]:
         cursor.append(node)
         cursor = node
+    placed: set = set()
+    in_order = set(order)
+
+    def place_sizes(node: fx.Node) -> None:
+        # nodes in no order of the C core's: a symbolic graph's size nodes and the whole slices its
+        # concrete copy dropped (shapes.concrete) go before their first reader
+        nonlocal cursor
+        for a in node.all_input_nodes:
+            if a.op == "call_function" and a not in placed and a.name not in in_order:
+                place_sizes(a)
+                placed.add(a)
+                cursor.append(a)
+                cursor = a
+
     for name in order:
         node = by_name.get(name)
         if node is None or node.op != "call_function":
             continue
+        place_sizes(node)
+        placed.add(node)
         cursor.append(node)
         cursor = node
         for user in list(node.users):
@@ -237,26 +271,32 @@ def _partition(joint_module: fx.GraphModule, num_fwd_outputs: int, min_cut: bool
         _drop_identity_clones(joint_module.graph)
     _merge_duplicate_getitems(joint_module.graph)
     share_seeds(joint_module)  # one seed draw for all dropouts, before the seeds are saved
-    build = build_graph(joint_module, exact=True)
-    params = _params(joint_module, static_inputs)
+    # a symbolic graph (a shape family's, shapes.py) is decided at the sizes it was traced at, on a
+    # concrete copy whose nodes have the same names, and cut out around the same nodes
+    symbolic = shapes.is_symbolic(joint_module)
+    work = shapes.concrete(joint_module, shapes.symbolic_values(joint_module)) if symbolic else joint_module
+    build = build_graph(work, exact=True)
+    params = _params(work, static_inputs)
     roles = bytes(_role(n, params) for n in build.input_nodes)
     # graph outputs skip None entries: count the forward's among the real ones
     nfwd = sum(1 for t in build.out_template[:num_fwd_outputs] if t is None)
     res = _C.partition(build.graph, roles, nfwd, min_cut=min_cut, **options)
-    saved_nodes = []
+    by_name = {n.name: n for n in joint_module.graph.nodes} if symbolic else None
+    saved_nodes, saved_vals = [], []
     for vid in res["saved"]:
         node = build.value_nodes[vid]
         if node is None:
             raise RuntimeError(f"aotfuse partition: saved value {vid} has no FX node")
         if node.op != "get_attr":  # constants are copied into both graphs, never saved
-            saved_nodes.append(node)
-    fw, bw = _extract(joint_module, saved_nodes, num_fwd_outputs, static_lifetime_input_nodes)
+            saved_nodes.append(by_name[node.name] if symbolic else node)
+            saved_vals.append(node.meta.get("val"))
+    fw, bw = _extract(joint_module, saved_nodes, num_fwd_outputs, static_lifetime_input_nodes,
+                      _forward_sizes(joint_module) if symbolic else None)
     _reorder(bw, [build.ir_nodes[i].name for i in res["backward"]])
     fw_names = {build.ir_nodes[i].name for i in res["forward"]}
     bw_names = {n.name for n in bw.graph.nodes if n.op == "call_function"}
     saved_info = []
-    for node in saved_nodes:
-        val = node.meta.get("val")
+    for node, val in zip(saved_nodes, saved_vals):
         shape = tuple(val.shape) if hasattr(val, "shape") else ()
         dtype = str(getattr(val, "dtype", "")).replace("torch.", "")
         nbytes = val.numel() * val.element_size() if hasattr(val, "numel") else 0

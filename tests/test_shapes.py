@@ -1,0 +1,249 @@
+"""Shape families (aotfuse/shapes.py): one symbolic trace serves the shapes that follow it, each with
+a C program of its own made from that trace's graphs. Values are checked against eager (and the
+float64 reference, through compare_models); the tests also check that a shape joined its family
+(traced nothing) or, where it must not, was traced on its own."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import aotfuse
+from aotfuse import shapes
+from aotfuse.testing import compare_models
+from helpers import assert_close
+
+transformers = pytest.importorskip("transformers")
+
+
+def _bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    return BertForMaskedLM(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                      intermediate_size=64, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0))
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+
+
+def _members(cf) -> int:
+    return sum(e.member for e in cf._cache.values())
+
+
+def _warmed(lengths, holder):
+    """compile_fn for compare_models: memory_efficient_fusion, trained for one step at each of
+    `lengths` first (the first is traced on its own, the second makes the family), grads cleared."""
+    def compile_fn(model):
+        compiled = aotfuse.memory_efficient_fusion(model)
+        for n in lengths:
+            ids = torch.randint(0, 100, (2, n))
+            compiled(input_ids=ids, labels=ids.clone()).loss.backward()
+        for p in model.parameters():
+            p.grad = None
+        holder.append(compiled._aotfuse_compiled)
+        return compiled
+    return compile_fn
+
+
+@pytest.mark.parametrize("make", [_bert, _gpt2], ids=["bert", "gpt2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_hf_models_train_like_eager_at_a_shape_of_their_family(make, dtype):
+    """Lengths 16 then 12 make the family; compare_models' three steps at length 10 run programs made
+    from the family's graphs (no trace), like eager and the float64 reference."""
+    holder = []
+    ids = torch.randint(0, 100, (2, 10))
+    report = compare_models(make, lambda: dict(input_ids=ids, labels=ids.clone()), dtype=dtype,
+                            compile_fn=_warmed((16, 12), holder))
+    report.assert_ok()
+    cf = holder[0]
+    assert cf.compile_count == 2 and _members(cf) == 1, (cf.compile_count, _members(cf))
+    (family,) = cf._families.values()
+    assert not family.failed and set(family.dims.values()) == {frozenset({1})}
+
+
+def test_new_lengths_join_without_tracing_and_keep_their_own_programs():
+    """Dynamic padding: many lengths, one trace after the first; each length's values are eager's,
+    also when a length comes back after others (its programs are kept)."""
+    torch.manual_seed(0)
+    model = _bert()
+    compiled = aotfuse.memory_efficient_fusion(model)
+    lengths = (16, 12, 9, 7, 13, 12, 5, 16, 9)
+    for n in lengths:
+        ids = torch.randint(0, 100, (2, n))
+        out = compiled(input_ids=ids, labels=ids.clone())
+        ref = model(input_ids=ids, labels=ids.clone())
+        assert_close(out.logits, ref.logits, f"length {n}: logits")
+        assert_close(out.loss, ref.loss, f"length {n}: loss")
+    cf = compiled._aotfuse_compiled
+    assert cf.compile_count == 2, cf.compile_count  # 16 on its own, then the family at 12
+    assert _members(cf) == len(set(lengths)) - 2
+    (family,) = cf._families.values()
+    assert len(family.stages["forward"].programs) == len(set(lengths)) - 1  # all but the first length
+
+
+def test_members_do_not_count_toward_the_signature_bound():
+    """max_cache_size bounds traces: the lengths of a family compile past it, and nothing falls back
+    to eager (no warning)."""
+    cf = aotfuse.aot_function(lambda x: (x.sin() * 2).sum(-1), max_cache_size=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in range(2, 12):
+            x = torch.randn(3, n, requires_grad=True)
+            out = cf(x)
+            assert_close(out, (x.sin() * 2).sum(-1), f"size {n}")
+            out.sum().backward()
+            assert_close(x.grad, 2 * x.cos(), f"size {n}: grad")
+    assert not [w for w in caught if "aotfuse" in str(w.message)]
+    assert cf.compile_count == 2 and _members(cf) == 8
+
+
+def test_dynamic_true_traces_symbolically_at_the_first_call():
+    f = lambda x, y: (x.exp() * y).sum(0)  # noqa: E731
+    cf = aotfuse.aot_function(f, dynamic=True)
+    for n in (5, 9, 3):
+        x, y = torch.randn(n, 4, requires_grad=True), torch.randn(n, 4)
+        out = cf(x, y)
+        assert_close(out, f(x, y), f"rows {n}")
+        out.sum().backward()
+        assert_close(x.grad, x.exp() * y, f"rows {n}: grad")
+    assert cf.compile_count == 1 and _members(cf) == 2
+    (family,) = cf._families.values()
+    assert family.dims == {0: frozenset({0, 1}), 1: frozenset({0, 1})}
+
+
+def test_dynamic_false_and_aotfuse_dynamic_0_trace_every_shape(monkeypatch):
+    f = lambda x: x.tanh() + 1  # noqa: E731
+    cf = aotfuse.aot_function(f, dynamic=False)
+    for n in (3, 4, 5):
+        x = torch.randn(n)
+        assert_close(cf(x), f(x), f"size {n}")
+    monkeypatch.setenv("AOTFUSE_DYNAMIC", "0")
+    cf0 = aotfuse.aot_function(f)
+    for n in (3, 4, 5):
+        x = torch.randn(n)
+        assert_close(cf0(x), f(x), f"size {n}")
+    assert cf.compile_count == 3 and cf0.compile_count == 3
+    assert not cf._families and not cf0._families
+
+
+def test_a_shape_failing_the_family_guards_is_traced_on_its_own():
+    """A Python branch on a size: the family's trace guards it (rows > 4), so a call with fewer rows
+    takes the other branch in a trace of its own."""
+    def f(x):
+        return x.sin() if x.shape[0] > 4 else x.cos()
+
+    cf = aotfuse.aot_function(f)
+    for n in (8, 6, 7, 3, 5):
+        x = torch.randn(n, 2)
+        assert_close(cf(x), f(x), f"rows {n}")
+    (family,) = cf._families.values()
+    assert not family.failed and family.guards == "5 <= L['t0'].size()[0]", family.guards
+    assert cf.compile_count == 3 and _members(cf) == 2  # 8; the family at 6 (7 and 5 join); 3 on its own
+
+
+def test_a_trace_that_pins_its_sizes_makes_no_family():
+    """A size read as a Python int (here to size a new tensor) pins the symbol to the traced value:
+    the family is marked failed and each shape is traced on its own, with the right values."""
+    def f(x):
+        n = int(x.shape[1])
+        return x * torch.arange(n, dtype=x.dtype)
+
+    cf = aotfuse.aot_function(f)
+    for n in (4, 6, 8):
+        x = torch.randn(2, n)
+        assert_close(cf(x), f(x), f"columns {n}")
+    (family,) = cf._families.values()
+    assert family.failed
+    assert cf.compile_count == 3 and _members(cf) == 0
+
+
+def test_a_family_keeps_at_most_shape_programs_programs(monkeypatch):
+    monkeypatch.setenv("AOTFUSE_SHAPE_PROGRAMS", "2")
+    cf = aotfuse.aot_function(lambda x: x.sigmoid() * 3)
+    for n in (3, 4, 5, 6, 3, 4):
+        x = torch.randn(n, requires_grad=True)
+        out = cf(x)
+        assert_close(out, x.sigmoid() * 3, f"size {n}")
+        out.sum().backward()
+        s = x.sigmoid()
+        assert_close(x.grad, 3 * s * (1 - s), f"size {n}: grad")
+    (family,) = cf._families.values()
+    assert set(family.stages) == {"forward", "backward"}
+    assert all(len(p.programs) == 2 for p in family.stages.values())
+
+
+def test_concrete_sets_sizes_keeps_names_and_drops_size_nodes():
+    """shapes.concrete on a symbolic graph: the same node names, sizes as numbers in view arguments
+    and metadata, no size nodes or symbolic inputs left."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x):
+        return (x.view(x.shape[0] * x.shape[1]) * 2).view(x.shape[0], x.shape[1]).sum(0)
+
+    gm = make_fx(f, tracing_mode="symbolic")(torch.randn(3, 5))
+    assert shapes.is_symbolic(gm)
+    hints = shapes.symbolic_values(gm)
+    assert sorted(hints.values()) == [3, 5]
+    (a, b) = sorted(hints, key=lambda s: hints[s])
+    cg = shapes.concrete(gm, {a: 4, b: 6})
+    assert not shapes.is_symbolic(cg)
+    names = {n.name for n in gm.graph.nodes}
+    assert {n.name for n in cg.graph.nodes} <= names
+    for n in cg.graph.nodes:
+        val = n.meta.get("val")
+        assert not isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)), n.name
+        if isinstance(val, torch.Tensor):
+            assert all(isinstance(s, int) for s in (*val.shape, *val.stride())), n.name
+    views = [n for n in cg.graph.nodes if n.op == "call_function" and "view" in str(n.target)]
+    assert [list(v.args[1]) for v in views] == [[24], [4, 6]]
+    x = torch.randn(4, 6)
+    assert_close(cg(x), f(x), "the concrete graph")
+
+
+def test_per_shape_runs_each_shapes_program_and_drops_size_inputs():
+    """PerShape binds symbols from its inputs, makes one program per size set, and leaves symbolic
+    (number) inputs out of the program's inputs."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, n):
+        return (x * 2).view(n, -1).sum(1)
+
+    gm = make_fx(f, tracing_mode="symbolic")(torch.randn(4, 6), 8)
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    assert isinstance(placeholders[1].meta["val"], torch.SymInt)
+    made = []
+
+    def lower(g: fx.GraphModule):
+        made.append(g)
+        return lambda args: [g(*args)]
+
+    ps = shapes.PerShape(gm, lower)
+    assert ps.numbers == frozenset({1})
+    for shape, n in (((4, 6), 8), ((2, 5), 5), ((4, 6), 8)):
+        x = torch.randn(*shape)
+        (out,) = ps([x, n])
+        assert_close(out, f(x, n), f"shape {shape}")
+    assert len(made) == 2 and len(ps.programs) == 2
+    assert all(len(list(g.graph.find_nodes(op="placeholder"))) == 1 for g in made)
+
+
+def test_explain_and_records_on_a_family():
+    """explain() on a function with a family reports its programs; records lists each record once."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+    compiled = aotfuse.memory_efficient_fusion(model)
+    for n in (3, 5, 7):
+        x = torch.randn(n, 4)
+        out = compiled(x)
+        assert_close(out, model(x), f"batch {n}")
+        out.sum().backward()
+    cf = compiled._aotfuse_compiled
+    assert _members(cf) == 1 and len(cf.records) == 2
+    assert {"forward", "backward"} <= set(cf.records[-1].programs)
