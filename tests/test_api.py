@@ -427,12 +427,15 @@ def test_torch_compile_backend():
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("families", [True, False], ids=["traced-once", "traced-per-shape"])
 @pytest.mark.parametrize("dynamic", [None, True], ids=["automatic-dynamic", "dynamic"])
-def test_torch_compile_backend_compiles_each_shape_of_a_dynamic_graph(dynamic, monkeypatch):
+def test_torch_compile_backend_compiles_each_shape_of_a_dynamic_graph(dynamic, families, monkeypatch):
     """Dynamo hands over graphs with symbolic shapes (after a recompile for a new shape, or with
     dynamic=True); the C core compiles shapes, so each concrete signature gets programs of its own
-    (this raised BackendCompilerFailed before), matching eager in values and gradients; past
-    AOTFUSE_CACHE_SIZE shapes the graph runs uncompiled, with one warning."""
+    (this raised BackendCompilerFailed before), matching eager in values and gradients. By default
+    the symbolic graph is traced once and each shape's programs are made from its graphs
+    (shapes.PerShape), every shape compiled; with AOTFUSE_DYNAMIC=0 each shape is traced with its
+    real inputs, and past AOTFUSE_CACHE_SIZE shapes the graph runs uncompiled, with one warning."""
     import functools
     import warnings
 
@@ -440,6 +443,7 @@ def test_torch_compile_backend_compiles_each_shape_of_a_dynamic_graph(dynamic, m
 
     torch._dynamo.reset()
     monkeypatch.setenv("AOTFUSE_CACHE_SIZE", "3")
+    monkeypatch.setenv("AOTFUSE_DYNAMIC", "auto" if families else "0")
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4))
     twin = copy.deepcopy(model)
     seen: list = []
@@ -447,13 +451,16 @@ def test_torch_compile_backend_compiles_each_shape_of_a_dynamic_graph(dynamic, m
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert_batches_train_like_eager(compiled, twin, model, (3, 5, 7, 5, 9, 11), 8)
-    # a forward and a backward program per shape compiled: 3, 5, 7 and 9 with dynamic=None (3 is
-    # Dynamo's static graph, the others its symbolic one's, whose bound of 3 leaves 11 uncompiled);
-    # 3, 5 and 7 with dynamic=True (9 and 11 uncompiled)
-    shapes = 4 if dynamic is None else 3
-    assert [stage for stage, _low in seen] == ["forward", "backward"] * shapes, seen
     uncompiled = [w for w in caught if "run uncompiled" in str(w.message)]
-    assert len(uncompiled) == 1, [str(w.message) for w in caught]
+    if families and dynamic is None:  # a forward and a backward program for each of the five shapes
+        assert [stage for stage, _low in seen] == ["forward", "backward"] * 5, seen
+        assert not uncompiled, [str(w.message) for w in uncompiled]
+    else:  # (dynamic=True also passes the layer norm's eps as a tensor read with .item(): per shape)
+        # 3, 5, 7 and 9 with dynamic=None (3 is Dynamo's static graph, the others its symbolic
+        # one's, whose bound of 3 leaves 11 uncompiled); 3, 5 and 7 with dynamic=True
+        shapes = 4 if dynamic is None else 3
+        assert [stage for stage, _low in seen] == ["forward", "backward"] * shapes, seen
+        assert len(uncompiled) == 1, [str(w.message) for w in caught]
     torch._dynamo.reset()
 
 

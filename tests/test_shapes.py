@@ -247,3 +247,96 @@ def test_explain_and_records_on_a_family():
     cf = compiled._aotfuse_compiled
     assert _members(cf) == 1 and len(cf.records) == 2
     assert {"forward", "backward"} <= set(cf.records[-1].programs)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_family_on_cuda_trains_like_eager(dtype):
+    """On the GPU: Bert's lengths 16 and 12 make the family, length 10's CUDA programs come from its
+    graphs (eager attention as SDPA inside the family's trace), like eager and float64."""
+    holder = []
+    ids = torch.randint(0, 100, (2, 10), device="cuda")
+
+    def compile_fn(model):
+        compiled = aotfuse.memory_efficient_fusion(model)
+        for n in (16, 12):
+            x = torch.randint(0, 100, (2, n), device="cuda")
+            compiled(input_ids=x, labels=x.clone()).loss.backward()
+        for p in model.parameters():
+            p.grad = None
+        holder.append(compiled._aotfuse_compiled)
+        return compiled
+
+    report = compare_models(lambda: _bert().cuda(), lambda: dict(input_ids=ids, labels=ids.clone()), dtype=dtype,
+                            compile_fn=compile_fn)
+    report.assert_ok()
+    assert holder[0].compile_count == 2 and _members(holder[0]) == 1
+
+
+def test_inference_calls_and_batch_norm_statistics_in_a_family():
+    """Evaluation under no_grad (the inference program, its own family) and training with a batch
+    norm (AOTAutograd's input mutation: the running statistics) at batch sizes of a family."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    twin = __import__("copy").deepcopy(model)
+    compiled = aotfuse.memory_efficient_fusion(twin)
+    for n in (4, 6, 9, 5):
+        x = torch.randn(n, 6)
+        out, ref = compiled(x), model(x)
+        assert_close(out, ref, f"batch {n}: training output")
+        out.square().sum().backward()
+        ref.square().sum().backward()
+        for (name, p), q in zip(twin.named_parameters(), model.parameters()):
+            assert_close(p.grad, q.grad, f"batch {n}: grad of {name}")
+            p.grad = q.grad = None
+        assert_close(twin[1].running_mean, model[1].running_mean, f"batch {n}: running mean")
+        assert_close(twin[1].running_var, model[1].running_var, f"batch {n}: running var")
+    compiled.eval()
+    model.eval()
+    with torch.no_grad():
+        for n in (3, 7, 11):
+            x = torch.randn(n, 6)
+            assert_close(compiled(x), model(x), f"batch {n}: evaluation")
+    cf = compiled._aotfuse_compiled
+    assert len(cf._families) == 2 and _members(cf) == 2 + 1, (len(cf._families), _members(cf))
+    inference = [f for f in cf._families.values() if "inference" in f.stages]
+    assert len(inference) == 1 and len(inference[0].stages["inference"].programs) == 2
+
+
+def test_sizes_equal_at_the_traced_shape_stay_separate_symbols():
+    """A batch and a length that happen to be equal when the family is traced are two symbols (no
+    duck sizing): a later shape where they differ joins the family."""
+    f = lambda x: (x.cumsum(1) * 2).sum()  # noqa: E731
+    cf = aotfuse.aot_function(f, dynamic=True)
+    for shape in ((5, 5), (3, 7), (6, 2)):
+        x = torch.randn(*shape, requires_grad=True)
+        out = cf(x)
+        assert_close(out, f(x), f"shape {shape}")
+    assert cf.compile_count == 1 and _members(cf) == 2
+
+
+def test_the_backward_lowered_at_partition_time_is_the_one_that_runs(monkeypatch):
+    """The partitioner lowers the backward at the first forward (so an unsupported one fails there);
+    the backward compiler takes that program instead of lowering the same graph again: one lowering
+    each for the forward and the backward of a traced signature (also the family's, at its traced
+    sizes), and of a shape that joins a family."""
+    import aotfuse.compile as compile_mod
+
+    calls = []
+    real = compile_mod.lower
+
+    def counted(gm, *args, **kwargs):
+        calls.append(kwargs.get("lazy", False))
+        return real(gm, *args, **kwargs)
+
+    monkeypatch.setattr(compile_mod, "lower", counted)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    compiled = aotfuse.memory_efficient_fusion(model)
+    for n in (3, 5, 7):
+        calls.clear()
+        x = torch.randn(n, 4)
+        out = compiled(x)
+        assert_close(out, model(x), f"batch {n}")
+        out.sum().backward()
+        assert sorted(calls) == [False, True], (n, calls)  # one forward, one (lazy) backward lowering
+    assert _members(compiled._aotfuse_compiled) == 1

@@ -1,8 +1,10 @@
 """The public compile API: aot_function, aot_module, memory_efficient_fusion.
 
 Signature-compatible with functorch.compile's functions of the same names. Each distinct input
-signature (see `_signature`) gets its own capture by torch's AOTAutograd and its own C programs;
-a call with a known signature goes straight to them.
+signature (see `_signature`) gets its own C programs; a call with a known signature goes straight
+to them. A signature is captured by torch's AOTAutograd on its own, or, where it differs from an
+earlier one only in sizes, joins a shape family (shapes.py): one capture with those sizes symbolic,
+whose graphs are made concrete for each shape.
 """
 from __future__ import annotations
 
@@ -48,9 +50,38 @@ class _Record:
         self.saved: list[tuple[str, tuple, str, int]] = []
         self.recomputed: list[str] = []
         self.partition_failed = False
+        # the backward lowered at partition time: (its graph's _graph_key, the symbol values it was made
+        # concrete at or None, the Lowered), for the backward compiler to take instead of lowering again
+        self.early_backward: tuple | None = None
+
+
+def _graph_key(gm: torch.fx.GraphModule) -> tuple:
+    """A graph's nodes and their metadata as one comparable value (the backward compiler's graph is the
+    partitioner's, or a copy of it)."""
+    def meta(v: Any) -> str:
+        return f"{v.dtype}{list(v.shape)}{list(v.stride())}" if isinstance(v, torch.Tensor) else type(v).__name__
+
+    return tuple((n.format_node(), meta(n.meta.get("val"))) for n in gm.graph.nodes)
+
+
+def _early_backward(record: _Record, gm: torch.fx.GraphModule, symbolic: bool) -> tuple | None:
+    """(symbol values or None, Lowered) of the backward lowered at partition time, when gm is that
+    graph (taken once)."""
+    early, record.early_backward = record.early_backward, None
+    if early is None or (early[1] is not None) != symbolic or _graph_key(gm) != early[0]:
+        return None
+    return early[1], early[2]
 
 
 def _compile_with_core(record: _Record, stage: str, gm: torch.fx.GraphModule, example_inputs: Any) -> Lowered:
+    if stage == "backward" and record.early_backward is not None:
+        early = _early_backward(record, gm, False)
+        if early is not None:  # the partitioner's graph, lowered there (and rewritten in place by lower)
+            lowered = early[1]
+            lowered.keep_graph_for_missing(gm)
+            record.programs[stage] = lowered
+            record.graphs[stage] = gm
+            return lowered
     # a backward's kernels compile at its first run: called without the gradients of outputs nobody
     # differentiates (the logits beside a loss), it runs a variant program instead (Lowered._without)
     lowered = lower(gm, example_inputs, saved_from=record.num_fwd_outputs if stage == "forward" else None,
@@ -84,10 +115,12 @@ def _recording_partition(record: _Record, partition_fn: Callable, lower_backward
     if lower_backward:
         # torch compiles the backward lazily, at the first backward call; lowering it here too
         # makes an unsupported backward fail (or fall back) at the first forward call instead,
-        # and lets explain() report it. The backward compiler lowers its own (final) copy again.
+        # and lets explain() report it. The backward compiler takes this program where its graph
+        # is this one (lower's rewrites changed it in place), else lowers its own.
         # (a shape family's, shapes.py: at the sizes it was traced at)
-        _compile_with_core(record, "backward", shapes.concrete(bw, shapes.symbolic_values(bw))
-                           if shapes.is_symbolic(bw) else bw, None)
+        vals = shapes.symbolic_values(bw) if shapes.is_symbolic(bw) else None
+        low = _compile_with_core(record, "backward", bw if vals is None else shapes.concrete(bw, vals), None)
+        record.early_backward = (_graph_key(bw), vals, low)
     num_fwd_outputs = kwargs.get("num_fwd_outputs", 0)
     record.num_fwd_outputs = num_fwd_outputs
     stats = fw.meta.get("aotfuse_partition")
@@ -596,6 +629,9 @@ class CompiledFunction:
         def per_shape(stage: str) -> Callable:
             def compile_stage(gm: torch.fx.GraphModule, _inputs: Any) -> shapes.PerShape:
                 ps = family.stages[stage] = shapes.PerShape(gm, lambda g: _compile_with_core(record, stage, g, None))
+                early = _early_backward(record, gm, True) if stage == "backward" else None
+                if early is not None:  # the program the partitioner lowered, at the traced sizes
+                    ps.seed(early[0], early[1])
                 return ps
             return compile_stage
 

@@ -11,6 +11,7 @@ import torch
 from torch._functorch.aot_autograd import aot_module_simplified
 from .compile import _no_zero_gradients
 from .decompositions import default_decompositions
+from . import shapes
 from .lower import Lowered, UnsupportedError, lower
 from .partition import min_cut_rematerialization_partition
 
@@ -69,7 +70,7 @@ def _with_scalars(gm: torch.fx.GraphModule, values: dict[int, Any]) -> torch.fx.
     return config.graph_module(gm, graph)
 
 
-def _per_shape(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], collect: list | None, **kwargs: Any):
+def _per_shape(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], collect: list | None):
     """A graph with symbolic shapes runs as programs compiled for each concrete signature its calls
     bring (the C core compiles shapes, not formulas for them): the first call of a signature traces
     gm again with its real inputs, so every size is a number (and every float Dynamo left as an
@@ -100,7 +101,7 @@ def _per_shape(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], collect:
                                   "padding batches to a few fixed lengths (a data collator's pad_to_multiple_of, "
                                   "say) keeps them compiled, or raise the limit.", stacklevel=2)
                 return gm(*args)
-            fn = programs[key] = aotfuse_backend(_with_scalars(gm, values) if values else gm, list(args), collect, **kwargs)
+            fn = programs[key] = aotfuse_backend(_with_scalars(gm, values) if values else gm, list(args), collect)
         return fn(*args)  # aot_module_simplified's convention: unboxed
 
     return run
@@ -154,7 +155,9 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
                     **kwargs: Any):
     """The Dynamo backend. Example: torch.compile(model, backend="aotfuse").
     Each graph is partitioned by the C core's min-cut (as memory_efficient_fusion does); a graph with
-    symbolic shapes is compiled for each concrete shape it meets (_per_shape). Eager attention becomes
+    symbolic shapes is traced once as it is, and each concrete shape it meets gets programs made from
+    its graphs (shapes.PerShape); where that trace fails, with `.item()` inputs (Dynamo's unspecialized
+    floats) or AOTFUSE_DYNAMIC=0, each shape is traced with its real inputs (_per_shape). Eager attention becomes
     scaled_dot_product_attention first where it applies (_attention_as_sdpa). `collect` (through
     functools.partial) receives every lowered program as (stage, Lowered), for profiling.
     AOTFUSE_DISABLE=1 (read when Dynamo compiles a graph) runs the graph as torch's own FX code."""
@@ -162,8 +165,9 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
 
     if config.disabled():
         return gm.forward
-    if _symbolic(example_inputs):
-        return _per_shape(gm, example_inputs, collect, **kwargs)
+    symbolic = _symbolic(example_inputs)
+    if symbolic and (config.dynamic() == "0" or _scalar_inputs(gm)):
+        return _per_shape(gm, example_inputs, collect)
     state: dict[str, int] = {}
 
     def _keep(stage: str, low: Any) -> Any:
@@ -179,29 +183,44 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
             kw["aotfuse_static_inputs"] = static
         return min_cut_rematerialization_partition(joint, joint_inputs, **kw)
 
-    def forward(fw: torch.fx.GraphModule, inputs: Sequence[Any]):
+    def forward(fw: torch.fx.GraphModule, inputs: Sequence[Any] = ()):
         low = _compile_or_fallback(fw, inputs, state.get("num_fwd_outputs"))
         if isinstance(low, Lowered) and "num_fwd_outputs" in state:  # saved activations may be plain views
             low.program.set_plain_outputs(low.program_outputs_before(state["num_fwd_outputs"]))
         return _keep("forward", low)
 
-    def backward(bw: torch.fx.GraphModule, inputs: Sequence[Any]):
+    def backward(bw: torch.fx.GraphModule, inputs: Sequence[Any] = ()):
         low = _compile_or_fallback(bw, inputs, lazy=True)  # kernels compiled at its first run, if any
         if isinstance(low, Lowered):  # gradients may be plain views; missing ones run a variant
             low.program.set_plain_outputs(0)
             low.keep_graph_for_missing(bw)
         return _keep("backward", low)
 
-    with config.lazy_graph_modules():  # the graphs made while tracing write their code only if read
-        compiled = aot_module_simplified(
-            traced,
-            example_inputs,
-            fw_compiler=forward,
-            bw_compiler=backward,
-            inference_compiler=lambda g, i: _keep("inference", _compile_or_fallback(g, i)),
-            partition_fn=partition,
-            decompositions=default_decompositions(),
-        )
+    def inference(g: torch.fx.GraphModule, inputs: Sequence[Any] = ()):
+        return _keep("inference", _compile_or_fallback(g, inputs))
+
+    def per_shape(make):
+        # a graph with symbolic shapes, traced once: each concrete shape's program made from its
+        # graphs (shapes.PerShape), as memory_efficient_fusion's shape families do
+        return (lambda g, _inputs: shapes.PerShape(g, make)) if symbolic else make
+
+    try:
+        with config.lazy_graph_modules():  # the graphs made while tracing write their code only if read
+            compiled = aot_module_simplified(
+                traced,
+                example_inputs,
+                fw_compiler=per_shape(forward),
+                bw_compiler=per_shape(backward),
+                inference_compiler=per_shape(inference),
+                partition_fn=partition,
+                decompositions=default_decompositions(),
+            )
+    except Exception as e:  # noqa: BLE001
+        if not symbolic:
+            raise
+        # the symbolic capture failed: each concrete shape traced with its real inputs, as before
+        config.emit("cache", f"a Dynamo graph with symbolic shapes is traced per shape ({type(e).__name__}: {e})")
+        return _per_shape(gm, example_inputs, collect)
 
     @functools.wraps(compiled)  # same calling convention (boxed or not) and attributes
     def run(*args: Any) -> Any:

@@ -244,6 +244,10 @@ class PerShape:
         self.binders = binders
         self.symbols = sorted(free, key=str)
 
+    def seed(self, vals: dict, program: Any) -> None:
+        """Keeps `program` as the one for the symbol values `vals` (made elsewhere from this graph)."""
+        self.programs[tuple(int(vals[s]) for s in self.symbols)] = program
+
     def values(self, args: Sequence[Any]) -> dict:
         vals: dict = {}
         for i, d, s in self.binders:
@@ -311,7 +315,9 @@ class Family:
         from torch._subclasses.fake_tensor import FakeTensorMode
         from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-        self.shape_env = ShapeEnv()
+        # no duck sizing: two sizes equal at the traced shape (a batch of 8 and a length of 8) stay
+        # two symbols, unless the graph itself ties them (then a guard does)
+        self.shape_env = ShapeEnv(duck_shape=False)
         mode = FakeTensorMode(shape_env=self.shape_env)
         fakes = []
         for i, t in enumerate(tensors):
