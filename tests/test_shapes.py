@@ -340,3 +340,19 @@ def test_the_backward_lowered_at_partition_time_is_the_one_that_runs(monkeypatch
         out.sum().backward()
         assert sorted(calls) == [False, True], (n, calls)  # one forward, one (lazy) backward lowering
     assert _members(compiled._aotfuse_compiled) == 1
+
+
+def test_a_function_that_falls_back_makes_no_family():
+    """A data-dependent branch cannot be captured whole (fallback="eager" runs it eagerly): a new
+    shape of it tries no symbolic trace (which would fail the same way), and runs eagerly too."""
+    def f(x):
+        return x.sin() if x.sum() > 0 else x.cos()
+
+    cf = aotfuse.aot_function(f, fallback="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (3, 4, 5):
+            x = torch.randn(n)
+            assert_close(cf(x), f(x), f"size {n}")
+    assert not cf._families
+    assert sum("could not capture" in str(w.message) for w in caught) == 3

@@ -445,6 +445,7 @@ class CompiledFunction:
         self.dynamic = dynamic
         self._families: dict[tuple, shapes.Family] = {}
         self._first_shapes: dict[tuple, list[tuple]] = {}
+        self._uncaptured: set[tuple] = set()  # family keys of signatures that fell back: no family tried
         self._warned_full = False
         self._dynamo_fn: Callable | None = None
         self._last: _LastCall | None = None
@@ -526,8 +527,8 @@ class CompiledFunction:
         """The dimensions a new family for this call would make symbolic (tensor position -> dims),
         or None: this call's signature is traced on its own."""
         mode = self._dynamic_mode()
-        if mode == "0" or (family is not None and family.failed):
-            return None
+        if mode == "0" or (family is not None and family.failed) or fkey in self._uncaptured:
+            return None  # (a shape whose function could not be captured whole: neither can a family)
         if mode == "1" and family is None:  # every size of the inputs that are not parameters or buffers
             dims = {i: frozenset(range(t.dim())) for i, t in enumerate(tensors)
                     if i >= self.num_params_buffers and t.dim()}
@@ -685,6 +686,7 @@ class CompiledFunction:
                 raise  # captured and lowered: this is a failure of the run itself
             reason = f"{type(e).__name__}: {e}".strip()
             if self.fallback in ("eager", "dynamo"):
+                self._uncaptured.add(_family_key(leaves, tree_flatten(tree)[1], extra))
                 how = "eagerly" if self.fallback == "eager" else "through torch.compile(backend='aotfuse')"
                 warnings.warn(f"aotfuse: could not capture {self.name} as one graph, running it {how}. Cause: "
                               f"{reason.splitlines()[0] if reason else type(e).__name__}", stacklevel=4)
@@ -729,6 +731,7 @@ class CompiledFunction:
         self._cache.clear()
         self._families.clear()
         self._first_shapes.clear()
+        self._uncaptured.clear()
         self._last = None
         self.module_fallback = None
         self._warned_full = False
