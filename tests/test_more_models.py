@@ -1,5 +1,6 @@
 """Models beyond the seed's four, at tiny configs with random weights (nothing is downloaded),
-trained 2 SGD steps through memory_efficient_fusion against eager and float64
+trained 2 SGD steps through memory_efficient_fusion against eager and float64 (also at a shape of a
+shape family, after two other shapes)
 (aotfuse.testing.compare_models): decoder-only models with rotary embeddings, RMS norm, SiLU
 gates and grouped-query attention (Llama, Qwen2), an encoder-decoder with relative position
 buckets (T5), a vision transformer (ViT), Bert with transformers' default attention (SDPA), and
@@ -63,3 +64,56 @@ def test_model_trains_like_eager(name, dtype):
     report = compare_models(make, inputs, dtype=dtype, steps=2, name=name)
     report.assert_ok()
     assert report.checked > 50, report
+
+
+def _shaped(name: str, n: int) -> dict:
+    """Inputs of the model's kind at another size: sequence length n (T5: its labels too), or a
+    batch of n images (ViT); every tensor its own (as compare_models passes them)."""
+    g = torch.Generator().manual_seed(n)
+    if name == "vit":
+        return dict(pixel_values=torch.randn(n, 3, 16, 16, generator=g), labels=torch.randint(0, 3, (n,), generator=g))
+    ids = torch.randint(3, V, (B, n), generator=g)
+    if name == "t5":
+        return dict(input_ids=ids, labels=torch.randint(3, V, (B, n - 2), generator=g))
+    mask = torch.ones(B, n, dtype=torch.long)
+    mask[1, -4:] = 0
+    return dict(input_ids=ids, labels=ids.clone(), attention_mask=mask)
+
+
+@pytest.mark.parametrize("name,dtype", [(n, torch.float32) for n in MODELS] + [("llama", torch.bfloat16)],
+                         ids=[f"{n}-fp32" for n in MODELS] + ["llama-bf16"])
+def test_model_trains_like_eager_at_a_shape_of_its_family(name, dtype):
+    """Shape families (aotfuse/shapes.py): trained at two other sizes first (the second makes the
+    family), the model's own inputs then run programs made from the family's graphs, no trace."""
+    build, inputs = MODELS[name]
+    sizes = (3, 5) if name == "vit" else (12, 20)
+    holder = []
+
+    def make():
+        torch.manual_seed(0)
+        return build().train()
+
+    def compile_fn(model):
+        import aotfuse
+
+        compiled = aotfuse.memory_efficient_fusion(model)
+        for n in sizes:
+            kwargs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in _shaped(name, n).items()}
+            out = compiled(**kwargs)
+            out.loss.backward()
+        for p in model.parameters():
+            p.grad = None
+        holder.append(compiled._aotfuse_compiled)
+        return compiled
+
+    report = compare_models(make, inputs, dtype=dtype, steps=2, name=name, compile_fn=compile_fn)
+    report.assert_ok()
+    cf = holder[0]
+    members = sum(e.member for e in cf._cache.values())
+    (family,) = cf._families.values()
+    if name == "deberta-v2":
+        # its relative positions pin the length to the traced one (a guard Eq(length, 20)): the family
+        # is marked failed and the model's own inputs were traced on their own
+        assert family.failed and cf.compile_count == 3 and members == 0, (cf.compile_count, members)
+    else:
+        assert not family.failed and cf.compile_count == 2 and members == 1, (cf.compile_count, members)

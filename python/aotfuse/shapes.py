@@ -76,9 +76,17 @@ def _hints(env: Any) -> dict:
     return env.var_to_val if hints is None else hints
 
 
+def _has_sym(val: Any) -> bool:
+    if isinstance(val, _SYM):
+        return True
+    return isinstance(val, torch.Tensor) and any(isinstance(s, torch.SymInt)
+                                                 for s in (*val.shape, *val.stride(), val.storage_offset()))
+
+
 def is_symbolic(gm: fx.GraphModule) -> bool:
-    """Whether a graph's inputs have symbolic sizes (or are symbolic numbers)."""
-    return any(_free(n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder"))
+    """Whether a graph's inputs have symbolic sizes or are symbolic numbers (also where the trace
+    pinned the symbols to numbers: their values are still SymInts)."""
+    return any(_has_sym(n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder"))
 
 
 def symbolic_values(gm: fx.GraphModule) -> dict:
