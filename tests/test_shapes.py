@@ -14,7 +14,7 @@ import torch.nn as nn
 import aotfuse
 from aotfuse import shapes
 from aotfuse.testing import compare_models
-from helpers import assert_close
+from helpers import assert_batches_train_like_eager, assert_close
 
 transformers = pytest.importorskip("transformers")
 
@@ -280,17 +280,9 @@ def test_inference_calls_and_batch_norm_statistics_in_a_family():
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
     twin = __import__("copy").deepcopy(model)
     compiled = aotfuse.memory_efficient_fusion(twin)
-    for n in (4, 6, 9, 5):
-        x = torch.randn(n, 6)
-        out, ref = compiled(x), model(x)
-        assert_close(out, ref, f"batch {n}: training output")
-        out.square().sum().backward()
-        ref.square().sum().backward()
-        for (name, p), q in zip(twin.named_parameters(), model.parameters()):
-            assert_close(p.grad, q.grad, f"batch {n}: grad of {name}")
-            p.grad = q.grad = None
-        assert_close(twin[1].running_mean, model[1].running_mean, f"batch {n}: running mean")
-        assert_close(twin[1].running_var, model[1].running_var, f"batch {n}: running var")
+    assert_batches_train_like_eager(compiled, twin, model, (4, 6, 9, 5), 6)
+    assert_close(twin[1].running_mean, model[1].running_mean, "running mean")
+    assert_close(twin[1].running_var, model[1].running_var, "running var")
     compiled.eval()
     model.eval()
     with torch.no_grad():
