@@ -348,3 +348,40 @@ def test_a_function_that_falls_back_makes_no_family():
             assert_close(cf(x), f(x), f"size {n}")
     assert not cf._families
     assert sum("could not capture" in str(w.message) for w in caught) == 3
+
+
+def test_torch_compile_traces_a_symbolic_graph_with_size_inputs_once(monkeypatch):
+    """Under torch.compile, Dynamo's graph for a second length takes the length as an input (`s0`)
+    that the backward reads (a view's size): the forward returns it for the backward, and the graph
+    is traced once (no per-shape tracing) for every later length, like eager. (The partition failed
+    with "Node embedding_dense_backward was invalid, but is output" before.)"""
+    import aotfuse.dynamo as dynamo_mod
+
+    per_shape = []
+    real = dynamo_mod._per_shape
+    monkeypatch.setattr(dynamo_mod, "_per_shape", lambda *a, **k: per_shape.append(1) or real(*a, **k))
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.lin = nn.Embedding(100, 32), nn.Linear(32, 100)
+
+        def forward(self, ids):
+            return nn.functional.cross_entropy(self.lin(self.emb(ids)).flatten(0, 1), ids.flatten())
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = M()
+    twin = __import__("copy").deepcopy(model)
+    compiled = torch.compile(twin, backend="aotfuse")
+    for n in (12, 20, 16, 9):
+        ids = torch.randint(0, 100, (2, n))
+        loss, ref = compiled(ids), model(ids)
+        assert_close(loss, ref, f"length {n}: loss")
+        loss.backward()
+        ref.backward()
+        for (name, p), q in zip(twin.named_parameters(), model.parameters()):
+            assert_close(p.grad, q.grad, f"length {n}: grad of {name}")
+            p.grad = q.grad = None
+    assert not per_shape
+    torch._dynamo.reset()

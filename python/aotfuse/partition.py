@@ -81,8 +81,9 @@ def _is_sym(node: Any) -> bool:
 
 
 def _forward_sizes(joint_module: fx.GraphModule) -> list[fx.Node]:
-    """A symbolic joint graph's size nodes the forward can compute (from no output gradient): the
-    forward returns them for the backward (torch's extractor drops those the backward never reads)."""
+    """A symbolic joint graph's size nodes the forward can compute (from no output gradient), its size
+    inputs included: the forward returns them for the backward (torch's extractor drops those the
+    backward never reads)."""
     late: set = set()  # nodes reached from tangents and backward seeds
     for node in joint_module.graph.nodes:
         if node.op == "placeholder":
@@ -90,7 +91,8 @@ def _forward_sizes(joint_module: fx.GraphModule) -> list[fx.Node]:
                 late.add(node)
         elif any(a in late for a in node.all_input_nodes):
             late.add(node)
-    return [n for n in joint_module.graph.nodes if n.op != "placeholder" and _is_sym(n) and n not in late and n.users]
+    # (sizes a Dynamo graph takes as inputs, `s0`, are among them: placeholders of the forward)
+    return [n for n in joint_module.graph.nodes if _is_sym(n) and n not in late and n.users]
 
 
 def _val(node: Any) -> torch.Tensor | None:
