@@ -385,3 +385,27 @@ def test_torch_compile_traces_a_symbolic_graph_with_size_inputs_once(monkeypatch
             p.grad = q.grad = None
     assert not per_shape
     torch._dynamo.reset()
+
+
+def test_batch_and_length_both_symbolic_train_like_eager():
+    """dynamic=True makes Bert's batch and length symbolic: its backward's saved values have sizes
+    like [batch * length, hidden] only, so each symbol is an input of the trace too (as Dynamo's
+    graphs have them) and reaches the backward; before, the backward failed at its first call ("no
+    input of the graph gives the value of ...")."""
+    torch.manual_seed(0)
+    model = _bert()
+    twin = __import__("copy").deepcopy(model)
+    compiled = aotfuse.memory_efficient_fusion(twin, dynamic=True)
+    for b, n in ((2, 16), (3, 12), (4, 20), (2, 9)):
+        ids = torch.randint(0, 100, (b, n))
+        out, ref = compiled(input_ids=ids, labels=ids.clone()), model(input_ids=ids, labels=ids.clone())
+        assert_close(out.loss, ref.loss, f"{b}x{n}: loss")
+        out.loss.backward()
+        ref.loss.backward()
+        for (name, p), q in zip(twin.named_parameters(), model.parameters()):
+            assert_close(p.grad, q.grad, f"{b}x{n}: grad of {name}")
+            p.grad = q.grad = None
+    cf = compiled._aotfuse_compiled
+    (family,) = cf._families.values()
+    assert not family.failed and cf.compile_count == 1 and _members(cf) == 3
+    assert set(family.dims.values()) == {frozenset({0, 1})}

@@ -119,6 +119,8 @@ def _recording_partition(record: _Record, partition_fn: Callable, lower_backward
         # is this one (lower's rewrites changed it in place), else lowers its own.
         # (a shape family's, shapes.py: at the sizes it was traced at)
         vals = shapes.symbolic_values(bw) if shapes.is_symbolic(bw) else None
+        if vals is not None:
+            shapes.binders(bw)  # raises (here, in the family's trace, not at the first backward) where it cannot run
         low = _compile_with_core(record, "backward", bw if vals is None else shapes.concrete(bw, vals), None)
         record.early_backward = (_graph_key(bw), vals, low)
     num_fwd_outputs = kwargs.get("num_fwd_outputs", 0)

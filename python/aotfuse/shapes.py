@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from . import config
 
-__all__ = ["Family", "PerShape", "concrete", "is_symbolic", "symbolic_values"]
+__all__ = ["Family", "PerShape", "binders", "concrete", "is_symbolic", "symbolic_values"]
 
 _SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
 # nodes that only check symbolic facts: dropped once the facts are numbers (and hold)
@@ -220,6 +220,26 @@ def _drop_whole_slices(graph: fx.Graph) -> None:
         graph.erase_node(node)
 
 
+def binders(gm: fx.GraphModule) -> tuple[list[tuple[int, int | None, Any]], set]:
+    """Where a symbolic graph's inputs give each symbol's value: (input, dim or None for a number
+    input, symbol) per place, and the symbols its inputs use. Raises where some symbol has no place
+    (only products of it appear): no program could be made from such a graph."""
+    found: list[tuple[int, int | None, Any]] = []
+    free: set = set()
+    for i, n in enumerate(gm.graph.find_nodes(op="placeholder")):
+        v = n.meta.get("val")
+        free |= _free(v)
+        if isinstance(v, torch.SymInt) and isinstance(v.node.expr, sympy.Symbol):
+            found.append((i, None, v.node.expr))
+        elif isinstance(v, torch.Tensor):
+            found += [(i, d, s.node.expr) for d, s in enumerate(v.shape)
+                      if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol)]
+    unbound = free - {s for _, _, s in found}
+    if unbound:
+        raise RuntimeError(f"aotfuse: no input of the graph gives the value of {sorted(map(str, unbound))}")
+    return found, free
+
+
 class PerShape:
     """What a family's forward or backward compiler returns: called with concrete inputs, runs the
     program made for their sizes (made at the first call with them: concrete(), then `lower`),
@@ -236,20 +256,7 @@ class PerShape:
         self.programs: collections.OrderedDict = collections.OrderedDict()
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
         self.numbers = frozenset(i for i, n in enumerate(placeholders) if isinstance(n.meta.get("val"), _SYM))
-        binders: list[tuple[int, int | None, Any]] = []  # (input, dim or None for a number, symbol)
-        free: set = set()
-        for i, n in enumerate(placeholders):
-            v = n.meta.get("val")
-            free |= _free(v)
-            if isinstance(v, torch.SymInt) and isinstance(v.node.expr, sympy.Symbol):
-                binders.append((i, None, v.node.expr))
-            elif isinstance(v, torch.Tensor):
-                binders += [(i, d, s.node.expr) for d, s in enumerate(v.shape)
-                            if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol)]
-        unbound = free - {s for _, _, s in binders}
-        if unbound:
-            raise RuntimeError(f"aotfuse: no input of the graph gives the value of {sorted(map(str, unbound))}")
-        self.binders = binders
+        self.binders, free = binders(gm)
         self.symbols = sorted(free, key=str)
 
     def seed(self, vals: dict, program: Any) -> None:
@@ -382,12 +389,27 @@ def trace(family: Family, fn: Callable, tensors: Sequence[torch.Tensor], *, fw: 
             gm = fused_graph(fn, fakes, fuse_attention)
         if gm is not None:
             target = gm
+    # each symbol is also an input of its own (a size, as Dynamo's graphs take them): torch's extractor
+    # then hands the backward every symbol its saved values need, even where those only have products
+    # of them ([batch * length, hidden]), so PerShape can bind them
+    slots, seen = [], set()
+    for i, f in enumerate(fakes):
+        for d, size in enumerate(f.shape):
+            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol) and size.node.expr not in seen:
+                seen.add(size.node.expr)
+                slots.append((i, d))
+    n = len(fakes)
+    module = flat_module(lambda *args: target(*args[:n]))
     with tracing(TracingContext(mode)):
-        compiled = aot_module_simplified(flat_module(target), fakes, fw_compiler=fw, bw_compiler=bw,
-                                         partition_fn=partition, decompositions=decompositions,
+        compiled = aot_module_simplified(module, fakes + [fakes[i].shape[d] for i, d in slots], fw_compiler=fw,
+                                         bw_compiler=bw, partition_fn=partition, decompositions=decompositions,
                                          keep_inference_input_mutations=keep_inference_input_mutations,
                                          inference_compiler=inference)
-    return compiled
+
+    def run(*ts: torch.Tensor) -> Any:
+        return compiled(*ts, *[ts[i].shape[d] for i, d in slots])
+
+    return run
 
 
 def hint(x: Any) -> int:
