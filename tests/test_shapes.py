@@ -408,3 +408,24 @@ def test_batch_and_length_both_symbolic_train_like_eager():
     (family,) = cf._families.values()
     assert not family.failed and cf.compile_count == 1 and _members(cf) == 3
     assert set(family.dims.values()) == {frozenset({0, 1})}
+
+
+def test_explain_reports_a_members_own_programs_and_saved_values():
+    """explain() on a shape that joins a family reports that shape's programs and what it saves (the
+    family's record holds the traced shape's), the same as a trace of its own would, and says how the
+    family served it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+    family = aotfuse.memory_efficient_fusion(__import__("copy").deepcopy(model))
+    for n in (3, 5):
+        family(torch.randn(n, 4)).sum().backward()
+    x = torch.randn(7, 4)
+    member = aotfuse.explain(family, x)
+    alone = aotfuse.explain(aotfuse.memory_efficient_fusion(__import__("copy").deepcopy(model), dynamic=False), x)
+    assert _members(family._aotfuse_compiled) == 1
+    assert "joined one symbolic trace" in member.shape_family and "=7" in member.shape_family, member.shape_family
+    assert alone.shape_family == ""
+    assert [(s, d, b) for _n, s, d, b in member.saved] == [(s, d, b) for _n, s, d, b in alone.saved]
+    assert member.saved_bytes == alone.saved_bytes and member.saved_bytes > 0
+    assert (member.forward_nodes, member.backward_nodes, member.fused_kernels) == \
+        (alone.forward_nodes, alone.backward_nodes, alone.fused_kernels)

@@ -23,6 +23,7 @@ class Explanation:
     recomputed: list[str]       # forward nodes the backward recomputes (min-cut partition)
     forward_program: str
     backward_program: str
+    shape_family: str = ""      # how a shape family served this signature (shapes.py), or ""
 
     def __str__(self) -> str:
         lines = [
@@ -38,6 +39,8 @@ class Explanation:
             lines.append(f"    {name}: {dtype}{list(shape)} {nbytes} B")
         lines.append(f"  recomputed in backward: {len(self.recomputed)} nodes"
                      + (f" ({', '.join(self.recomputed)})" if self.recomputed else ""))
+        if self.shape_family:
+            lines.append(f"  shape family: {self.shape_family}")
         lines.append("  extern ops:")
         for op, n in sorted(self.extern_ops.items(), key=lambda kv: (-kv[1], kv[0])):
             lines.append(f"    {n:5d}  {op}")
@@ -65,6 +68,22 @@ def explain(fn_or_module: Callable | nn.Module, *args: Any, **kwargs: Any) -> Ex
     record = (fresh or records)[-1]
     fw = record.programs.get("forward") or record.programs.get("inference")
     bw = record.programs.get("backward")
+    family, how = getattr(cf.last_entry, "family", None), ""
+    saved, saved_bytes = list(record.saved), record.saved_bytes
+    if family is not None and family.stages and not family.failed:
+        # a family's record holds the programs of the shape it made last: take this call's own
+        stage = family.stages.get("forward") or family.stages.get("inference")
+        vals = stage.last_vals if stage is not None else {}
+        fw = stage.program_at(vals) if stage is not None else fw
+        bw = family.stages["backward"].program_at(vals) if "backward" in family.stages and bw is not None else bw
+        if "forward" in family.stages:  # what this shape saves (the record has the traced shape's)
+            from .shapes import saved_at
+
+            saved = saved_at(family.stages["forward"].gm, record.num_fwd_outputs, vals)
+            saved_bytes = sum(b for *_, b in saved)
+        sizes = ", ".join(f"{s}={v}" for s, v in sorted(vals.items(), key=lambda kv: str(kv[0])))
+        how = (f"{'joined' if cf.last_entry.member else 'traced'} one symbolic trace ({sizes}; "
+               f"symbolic dims by input: {dict(sorted((i, sorted(d)) for i, d in family.dims.items()))})")
     counts: dict[str, int] = {}
     views: dict[str, int] = {}
     for prog in (fw, bw):
@@ -78,9 +97,10 @@ def explain(fn_or_module: Callable | nn.Module, *args: Any, **kwargs: Any) -> Ex
         extern_ops=counts,
         views=views,
         fused_kernels=sum(p.program.num_kernels for p in (fw, bw) if p),
-        saved_bytes=record.saved_bytes if bw else 0,
-        saved=list(record.saved) if bw else [],
+        saved_bytes=saved_bytes if bw else 0,
+        saved=saved if bw else [],
         recomputed=list(record.recomputed) if bw else [],
         forward_program=str(fw) if fw else "",
         backward_program=str(bw) if bw else "",
+        shape_family=how,
     )

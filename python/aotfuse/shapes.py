@@ -24,6 +24,7 @@ the signature is compiled as before, on its own.
 from __future__ import annotations
 
 import collections
+import math
 from typing import Any, Callable, Sequence
 
 import sympy
@@ -32,7 +33,7 @@ import torch.fx as fx
 
 from . import config
 
-__all__ = ["Family", "PerShape", "binders", "concrete", "is_symbolic", "symbolic_values"]
+__all__ = ["Family", "PerShape", "binders", "concrete", "is_symbolic", "saved_at", "symbolic_values"]
 
 _SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
 # nodes that only check symbolic facts: dropped once the facts are numbers (and hold)
@@ -118,6 +119,21 @@ class _Sizes:
         if v is None:
             v = self.done[e] = _value(x, self.vals)
         return v
+
+
+def saved_at(fw: fx.GraphModule, num_fwd_outputs: int, vals: dict) -> list[tuple[str, tuple, str, int]]:
+    """(name, shape, dtype, bytes) of each tensor a family's symbolic forward saves for its backward,
+    at these symbol values."""
+    size = _Sizes(vals)
+    (outs,) = next(n for n in reversed(fw.graph.nodes) if n.op == "output").args
+    saved = []
+    for node in list(outs)[num_fwd_outputs:]:
+        val = node.meta.get("val") if isinstance(node, fx.Node) else None
+        if isinstance(val, torch.Tensor):
+            shape = tuple(size(d) for d in val.shape)
+            saved.append((node.name, shape, str(val.dtype).replace("torch.", ""),
+                          math.prod(shape) * val.element_size()))
+    return saved
 
 
 def _fake(val: torch.Tensor, size: _Sizes, mode: Any) -> torch.Tensor:
@@ -254,6 +270,7 @@ class PerShape:
         self.lower = lower
         self.limit = limit or config.shape_programs()
         self.programs: collections.OrderedDict = collections.OrderedDict()
+        self.last_vals: dict = {}  # the symbol values of the last call
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
         self.numbers = frozenset(i for i, n in enumerate(placeholders) if isinstance(n.meta.get("val"), _SYM))
         self.binders, free = binders(gm)
@@ -271,7 +288,11 @@ class PerShape:
         return vals
 
     def program(self, args: Sequence[Any]) -> Any:
-        vals = self.values(args)
+        return self.program_at(self.values(args))
+
+    def program_at(self, vals: dict) -> Any:
+        """The program for these symbol values (made now if it is not kept)."""
+        self.last_vals = vals
         key = tuple(vals.get(s) for s in self.symbols)
         prog = self.programs.get(key)
         if prog is None:
