@@ -29,9 +29,14 @@ def assert_batches_train_like_eager(compiled, twin: torch.nn.Module, model: torc
         assert_close(out, ref, f"batch {batch}: output")
         out.square().sum().backward()
         ref.square().sum().backward()
-        for (name, p), q in zip(twin.named_parameters(), model.parameters()):
-            assert_close(p.grad, q.grad, f"batch {batch}: grad of {name}")
-            p.grad, q.grad = None, None
+        assert_grads_match(twin, model, f"batch {batch}")
+
+
+def assert_grads_match(twin: torch.nn.Module, model: torch.nn.Module, what: str) -> None:
+    """Every gradient of `twin` (by parameter name) against `model`'s, then both cleared."""
+    for (name, p), q in zip(twin.named_parameters(), model.parameters()):
+        assert_close(p.grad, q.grad, f"{what}: grad of {name}")
+        p.grad, q.grad = None, None
 
 
 def tensors_of(tree):

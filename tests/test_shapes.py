@@ -14,7 +14,7 @@ import torch.nn as nn
 import aotfuse
 from aotfuse import shapes
 from aotfuse.testing import compare_models
-from helpers import assert_batches_train_like_eager, assert_close
+from helpers import assert_batches_train_like_eager, assert_close, assert_grads_match
 
 transformers = pytest.importorskip("transformers")
 
@@ -379,9 +379,7 @@ def test_torch_compile_traces_a_symbolic_graph_with_size_inputs_once(monkeypatch
         assert_close(loss, ref, f"length {n}: loss")
         loss.backward()
         ref.backward()
-        for (name, p), q in zip(twin.named_parameters(), model.parameters()):
-            assert_close(p.grad, q.grad, f"length {n}: grad of {name}")
-            p.grad = q.grad = None
+        assert_grads_match(twin, model, f"length {n}")
     assert not per_shape
     torch._dynamo.reset()
 
@@ -401,9 +399,7 @@ def test_batch_and_length_both_symbolic_train_like_eager():
         assert_close(out.loss, ref.loss, f"{b}x{n}: loss")
         out.loss.backward()
         ref.loss.backward()
-        for (name, p), q in zip(twin.named_parameters(), model.parameters()):
-            assert_close(p.grad, q.grad, f"{b}x{n}: grad of {name}")
-            p.grad = q.grad = None
+        assert_grads_match(twin, model, f"{b}x{n}")
     cf = compiled._aotfuse_compiled
     (family,) = cf._families.values()
     assert not family.failed and cf.compile_count == 1 and _members(cf) == 3

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import aotfuse
 from aotfuse import _C
-from helpers import assert_batches_train_like_eager, assert_close
+from helpers import assert_batches_train_like_eager, assert_close, assert_grads_match
 
 
 class Block(nn.Module):
@@ -53,9 +53,7 @@ def _train_shapes(compiled, model, shapes, double=None):
             assert abs(loss.item() - double(x.double())[0].item()) < 1e-4 * max(1.0, abs(loss.item())), shape
         (loss + rows.sum()).backward()
         (ref_loss + ref_rows.sum()).backward()
-        for (name, p), q in zip(compiled.named_parameters(), model.parameters()):
-            assert_close(p.grad, q.grad, f"shape {shape}: grad of {name}")
-            p.grad = q.grad = None
+        assert_grads_match(compiled, model, f"shape {shape}")
 
 
 def test_new_shapes_call_the_bodies_earlier_shapes_compiled(monkeypatch):

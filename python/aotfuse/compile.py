@@ -187,29 +187,23 @@ def _arg_name(path: tuple) -> str:
     return f"{path[1].key}{rest}"
 
 
-def _dense(x: torch.Tensor) -> bool:
-    """Whether x has the strides of a contiguous tensor of its sizes (size-1 dimensions included)."""
+def _dense(shape: tuple, stride: tuple) -> bool:
+    """Whether `stride` is a contiguous tensor's of sizes `shape` (size-1 dimensions included)."""
     expected = 1
-    for n, st in zip(reversed(x.shape), reversed(x.stride())):
+    for n, st in zip(reversed(shape), reversed(stride)):
         if st != expected:
             return False
         expected *= max(n, 1)
     return True
 
 
-def _family_key(leaves: list, spec: tuple, extra: tuple) -> tuple:
-    """_signature without the sizes of dense tensors (their rank stays): the signatures a shape
-    family (shapes.py) may serve."""
-    seen: dict = {}
-    keys = []
-    for x in leaves:
-        if isinstance(x, torch.Tensor):
-            first = seen.setdefault(id(x), len(seen))
-            keys.append((x.dtype, x.device, x.dim(), x.requires_grad, x.layout, first) if _dense(x) else
-                        (x.dtype, x.device, x.shape, x.stride(), x.requires_grad, x.layout, first))
-        else:
-            keys.append(_leaf_key(x, seen))
-    return (spec, tuple(keys)) + _global_state() + extra
+def _family_key(key: tuple) -> tuple:
+    """A _signature key without the sizes of its dense tensors (their rank stays): the signatures a
+    shape family (shapes.py) may serve."""
+    spec, leaves, *rest = key
+    fam = tuple((k[0], k[1], len(k[2]), k[4], k[5], k[6]) if len(k) == 7 and isinstance(k[0], torch.dtype)
+                and _dense(k[2], k[3]) else k for k in leaves)
+    return (spec, fam, *rest)
 
 
 def _signature(leaves: list, spec: tuple, extra: tuple) -> tuple:
@@ -473,12 +467,12 @@ class CompiledFunction:
             if entry is not None:
                 self._last = _LastCall.make(entry, leaves, spec, extra)
         if entry is None:
-            entry = self._compile(key, leaves, spec, tree, extra)
+            entry = self._compile(key, leaves, spec, tree)
             if entry is None:  # cache full: this signature runs eagerly
                 args, kwargs = tree
                 return self.fn(*args, **kwargs)
             self.last_entry = entry
-            return self._first_run(entry, leaves, tree, extra)
+            return self._first_run(entry, leaves, tree, extra, key)
         self.last_entry = entry
         if entry.fallback is not None:
             args, kwargs = tree
@@ -547,13 +541,13 @@ class CompiledFunction:
             return None  # the first shape, or the family's guards refused this one
         return dims
 
-    def _compile(self, key: tuple, leaves: list, spec: tuple, tree: Any, extra: tuple = ()) -> _Entry | None:
+    def _compile(self, key: tuple, leaves: list, spec: tuple, tree: Any) -> _Entry | None:
         tensor_idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         module = self.fallback_fn if isinstance(self.fallback_fn, nn.Module) else None  # its Python state is kept
         dims, fkey = None, None
         if self._dynamic_mode() != "0":
             tensors = [leaves[i] for i in tensor_idx]
-            fkey = _family_key(leaves, spec, extra)
+            fkey = _family_key(key)
             family = self._families.get(fkey)
             if family is not None and family.admits(tensors):  # a shape of a family: no trace
                 entry = _Entry(family.compiled, tensor_idx, family.record, None, module)
@@ -667,7 +661,7 @@ class CompiledFunction:
                                  f"traced on their own")
         return outs
 
-    def _first_run(self, entry: _Entry, leaves: list, tree: Any, extra: tuple = ()) -> Any:
+    def _first_run(self, entry: _Entry, leaves: list, tree: Any, extra: tuple = (), key: tuple = ()) -> Any:
         """The first call of a signature traces, partitions, lowers (forward and backward) and runs."""
         tensors = [leaves[i] for i in entry.tensor_idx]
         try:
@@ -688,7 +682,8 @@ class CompiledFunction:
                 raise  # captured and lowered: this is a failure of the run itself
             reason = f"{type(e).__name__}: {e}".strip()
             if self.fallback in ("eager", "dynamo"):
-                self._uncaptured.add(_family_key(leaves, tree_flatten(tree)[1], extra))
+                if key:
+                    self._uncaptured.add(_family_key(key))
                 how = "eagerly" if self.fallback == "eager" else "through torch.compile(backend='aotfuse')"
                 warnings.warn(f"aotfuse: could not capture {self.name} as one graph, running it {how}. Cause: "
                               f"{reason.splitlines()[0] if reason else type(e).__name__}", stacklevel=4)

@@ -42,10 +42,6 @@ _ASSERTS = tuple(getattr(torch.ops.aten, n).default for n in ("_assert_scalar", 
                  if hasattr(torch.ops.aten, n))
 
 
-def _expr(x: Any) -> Any:
-    return x.node.expr if isinstance(x, _SYM) else x
-
-
 def _value(x: Any, vals: dict) -> Any:
     """x (an int or a SymInt) as a number, its symbols set to vals."""
     if not isinstance(x, _SYM):
@@ -273,8 +269,12 @@ class PerShape:
         self.last_vals: dict = {}  # the symbol values of the last call
         placeholders = list(gm.graph.find_nodes(op="placeholder"))
         self.numbers = frozenset(i for i, n in enumerate(placeholders) if isinstance(n.meta.get("val"), _SYM))
-        self.binders, free = binders(gm)
+        found, free = binders(gm)
         self.symbols = sorted(free, key=str)
+        # the call path reads one place per symbol: a number input where there is one (never None),
+        # else every tensor dim giving it (a missing output gradient is None: the next one then)
+        numbers = {s: (i, d, s) for i, d, s in found if d is None}
+        self.binders = [b for b in found if b[2] not in numbers] + [numbers[s] for s in sorted(numbers, key=str)]
 
     def seed(self, vals: dict, program: Any) -> None:
         """Keeps `program` as the one for the symbol values `vals` (made elsewhere from this graph)."""
