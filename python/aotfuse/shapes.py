@@ -56,15 +56,17 @@ def _value(x: Any, vals: dict) -> Any:
     return int(e)
 
 
-def _free(val: Any) -> set:
-    out: set = set()
+def _numbers(val: Any) -> tuple:
+    """The sizes a value's metadata holds: a number's itself, a tensor's sizes, strides and offset."""
     if isinstance(val, _SYM):
-        out |= val.node.expr.free_symbols
-    elif isinstance(val, torch.Tensor):
-        for s in (*val.shape, *val.stride(), val.storage_offset()):
-            if isinstance(s, torch.SymInt):
-                out |= s.node.expr.free_symbols
-    return out
+        return (val,)
+    if isinstance(val, torch.Tensor):
+        return (*val.shape, *val.stride(), val.storage_offset())
+    return ()
+
+
+def _free(val: Any) -> set:
+    return {s for x in _numbers(val) if isinstance(x, _SYM) for s in x.node.expr.free_symbols}
 
 
 def _hints(env: Any) -> dict:
@@ -74,10 +76,7 @@ def _hints(env: Any) -> dict:
 
 
 def _has_sym(val: Any) -> bool:
-    if isinstance(val, _SYM):
-        return True
-    return isinstance(val, torch.Tensor) and any(isinstance(s, torch.SymInt)
-                                                 for s in (*val.shape, *val.stride(), val.storage_offset()))
+    return any(isinstance(x, _SYM) for x in _numbers(val))
 
 
 def is_symbolic(gm: fx.GraphModule) -> bool:
@@ -90,9 +89,7 @@ def symbolic_values(gm: fx.GraphModule) -> dict:
     """The sizes a symbolic graph was traced at: each symbol of its inputs to its hint."""
     vals: dict = {}
     for n in gm.graph.find_nodes(op="placeholder"):
-        v = n.meta.get("val")
-        for x in ((v,) if isinstance(v, _SYM) else (*v.shape, *v.stride(), v.storage_offset())
-                  if isinstance(v, torch.Tensor) else ()):
+        for x in _numbers(n.meta.get("val")):
             if isinstance(x, torch.SymInt):
                 hints = _hints(x.node.shape_env)
                 for s in x.node.expr.free_symbols:
