@@ -40,6 +40,19 @@ static const char *const prelude =
     "#else\n"
     "#define AF_ROW_END ((void)0)\n"
     "#endif\n"
+    /* A loop writing an output into an input's tensor (in place, the same element of each at
+     * every step) has pointers that are not restrict; GCC then vectorizes it only where it can
+     * check every overlap at run time, and a per-row value loaded in the row's loop (a norm's
+     * mean) stopped it (\"no vectype\"): Bert's GELU and layer norm recomputed for its LM head, bf16,
+     * 1.7 ms scalar for 131072 elements. The pragma says what is true there: no iteration reads
+     * what another writes. */
+    "#if defined(__clang__)\n"
+    "#define AF_IVDEP _Pragma(\"clang loop vectorize(assume_safety)\")\n"
+    "#elif defined(__GNUC__)\n"
+    "#define AF_IVDEP _Pragma(\"GCC ivdep\")\n"
+    "#else\n"
+    "#define AF_IVDEP\n"
+    "#endif\n"
     /* a kernel body several kernels share is compiled once, not inlined into their wrappers */
     "#if defined(__GNUC__)\n"
     "#define AF_BODY __attribute__((noinline))\n"
@@ -480,6 +493,22 @@ static int32_t emit_parts(af_strbuf *loop, const af_graph *g, const af_fusion_gr
     return -1;
 }
 
+/* Whether a pointwise kernel's loop gets AF_IVDEP: some output may be written into an input's
+ * tensor (af_cg_in_place_input: their pointers are not restrict) and each such pair is read and
+ * written at the same offsets throughout the loop space, so no iteration reads what another
+ * writes. */
+static int in_place_same_index(const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp) {
+    int any = 0;
+    for (int32_t k = 0; k < grp->n_outputs; k++) {
+        int32_t j = af_cg_in_place_input(g, grp, k);
+        if (j < 0) continue;
+        for (int32_t d = 0; d < sp->nd; d++)
+            if (sp->strides[j][d] != sp->strides[grp->n_inputs + k][d]) return 0;
+        any = 1;
+    }
+    return any;
+}
+
 static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, int32_t index) {
     if (grp->n_reductions > 0) return emit_reduction_kernel(sb, g, grp, index);
     af_cg_space sp;
@@ -506,13 +535,14 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
         return AF_OK;
     }
     int parallel = numel >= 32768;
+    const char *ivdep = in_place_same_index(g, grp, &sp) ? "    AF_IVDEP\n" : "";
     if (nd == 1) {
         /* one flat loop: split into chunks for threads, the chunk body vectorizes */
         af_strbuf_printf(sb, "  %s\n  for (af_idx c = 0; c < %" PRId64 "; c++) {\n",
                          parallel ? "#pragma omp parallel for schedule(static) num_threads(af_num_threads)" : "", (numel + 4095) / 4096);
         af_strbuf_printf(sb, "    af_idx lo = c * 4096, hi = lo + 4096 < %" PRId64 " ? lo + 4096 : %" PRId64 ";\n",
                          numel, numel);
-        af_strbuf_printf(sb, "    for (af_idx i = lo; i < hi; i++) {\n");
+        af_strbuf_printf(sb, "%s    for (af_idx i = lo; i < hi; i++) {\n", ivdep);
         for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      af_idx o%d = i * %" PRId64 ";\n", (int)k, strides[k][0]);
     } else {
         af_strbuf_printf(sb, "  %s\n  for (af_idx c = 0; c < %" PRId64 "; c++) {\n",
@@ -527,7 +557,7 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
             af_cg_space_free(&sp);
             return AF_OK;
         }
-        af_strbuf_printf(sb, "    for (af_idx i = 0; i < %" PRId64 "; i++) {\n", inner);
+        af_strbuf_printf(sb, "%s    for (af_idx i = 0; i < %" PRId64 "; i++) {\n", ivdep, inner);
         for (int32_t k = 0; k < nops; k++)
             af_strbuf_printf(sb, "      af_idx o%d = b%d + i * %" PRId64 ";\n", (int)k, (int)k, strides[k][nd - 1]);
     }

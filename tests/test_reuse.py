@@ -243,6 +243,34 @@ def test_a_kernel_writes_into_a_dying_input_that_nobody_else_holds():
     assert prog.reuses_taken == 3 and prog.reuses_refused == 0
 
 
+def _normalize(x, m, r):
+    return (aten.mul.Tensor(aten.sub.Tensor(x, m), r),)
+
+
+def test_an_in_place_kernels_loop_says_no_iteration_reads_what_another_writes():
+    """A norm's output written into its input's tensor, with per-row values (the mean, the inverse
+    deviation) read in the row's loop: the pair's pointers are not restrict, so the loop carries
+    AF_IVDEP (GCC left such a loop scalar: Bert's GELU and layer norm recomputed for its LM head in
+    bf16 took 1.7 ms for 131072 elements, 0.26 ms with it). Written in place, eager's values; a
+    kernel with no input of its output's layout has no pragma."""
+    torch.manual_seed(0)
+    x, m, r = torch.randn(64, 128), torch.randn(64, 1), torch.rand(64, 1) + 0.5
+    prog = _program(_normalize, x, m, r)
+    want = _normalize(x, m, r)[0]
+    assert "*restrict q0" not in prog.source and "AF_IVDEP\n    for (af_idx i" in prog.source, prog.source
+    row = x[:1].clone()
+    broadcast = _program(_normalize, row, m, r)  # [1, 128] against [64, 1]: nothing to write into
+    assert "AF_IVDEP\n    for" not in broadcast.source and "*restrict q0" in broadcast.source, broadcast.source
+    assert torch.equal(broadcast.run([row, m, r])[0], _normalize(row, m, r)[0])
+    mine = x.clone()
+    ptr = mine.data_ptr()
+    args = [mine, m, r]
+    del mine
+    out = prog.run(args)[0]
+    assert out.data_ptr() == ptr, "not written in place"
+    assert torch.equal(out, want)
+
+
 _HELD = ["the tensor", "a view of it", "its storage through another tensor", "its storage object", "numpy memory"]
 
 
