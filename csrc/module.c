@@ -798,7 +798,7 @@ static PyObject *partition(PyObject *m, PyObject *args, PyObject *kwds) {
     af_partition_options o = af_partition_default_options();
     long long max_dist = o.max_dist_from_bw;
     int ratio = o.reduction_ratio, ban_bw = o.ban_materialized_bw, ban_random = o.ban_chained_random;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!y*i|pLipp", kwlist, &GraphType, &graph, &roles, &nfwd, &min_cut,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!y*i|pLiip", kwlist, &GraphType, &graph, &roles, &nfwd, &min_cut,
                                      &max_dist, &ratio, &ban_bw, &ban_random))
         return NULL;
     PyObject *result = NULL;

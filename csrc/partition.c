@@ -210,7 +210,8 @@ static int materialized_backward(const joint_ctx *c, int32_t v, int32_t *stack, 
  * two distinct random nodes a recompute of it could draw again (draws[2v], draws[2v+1]; -1 for
  * none): those of its recomputable producer's arguments, none past a value that is never
  * recomputed (an extern's, or a banned node's: saved wherever something after it is recomputed).
- * Such values are banned when ban_chained_random is set; node n's draws are set here, in node
+ * Such values are banned when ban_chained_random is set, and a value the backward materializes
+ * anyway that draws any under AF_BAN_MATERIALIZED_RANDOM; node n's draws are set here, in node
  * order, before its ban is decided (which then clears them). */
 static void node_draws(const joint_ctx *c, int32_t n, int32_t *draws) {
     const af_node *node = af_graph_node(c->g, n);
@@ -236,8 +237,14 @@ static int should_ban(const joint_ctx *c, const af_partition_options *o, int32_t
     af_op_kind kind = node_kind(c, p);
     if (kind == AF_KIND_VIEW) return 0;
     if (!kind_fusible(kind)) return 1; /* compute-heavy, random, extern: never recomputed */
-    if (draws && draws[2 * v + 1] >= 0) return 1; /* draws: NULL unless ban_chained_random */
-    if (o->ban_materialized_bw && materialized_backward(c, v, stack, mark)) return 1;
+    if (o->ban_chained_random && draws[2 * v + 1] >= 0) return 1;
+    /* A value the backward writes out anyway costs its bytes to save and one more write to recompute:
+     * cheap pointwise work (a GELU's output, a norm's from its saved statistics) is recomputed, work
+     * drawing random numbers again (a Threefry hash an element) saved, unless the option says always
+     * or never. */
+    int ban_bw = o->ban_materialized_bw == AF_BAN_MATERIALIZED_ALL ||
+                 (o->ban_materialized_bw == AF_BAN_MATERIALIZED_RANDOM && draws[2 * v] >= 0);
+    if (ban_bw && materialized_backward(c, v, stack, mark)) return 1;
     if (o->max_dist_from_bw > 0 && c->dist[v] > o->max_dist_from_bw && c->dist[v] < DIST_INF) return 1;
     if (o->reduction_ratio > 0) {
         int64_t in_bytes = 0;
@@ -248,17 +255,131 @@ static int should_ban(const joint_ctx *c, const af_partition_options *o, int32_t
     return 0;
 }
 
-static int64_t save_weight(const joint_ctx *c, int32_t v) {
+/* mat_bw: whether the backward writes v out anyway (materialized_backward); then saving v costs no
+ * recompute, and of two cuts of about the same bytes the one saving it wins (15/16 of its weight, and
+ * never the doubling of a value no kernel would store: is_materialized does not follow views, and a
+ * linear layer reads its input through one): a layer's input x and y = tanh(x), which the next
+ * weight gradient reads, weigh about the same; saving x made the backward run tanh again into a
+ * tensor of its own. */
+static int64_t save_weight(const joint_ctx *c, int32_t v, int mat_bw) {
     const af_value *val = af_graph_value(c->g, v);
     if (val->meta.type != AF_VALUE_TENSOR) return AF_FLOW_INF;
     if (c->input_role[v] == AF_ROLE_CONSTANT || c->input_role[v] == AF_ROLE_PARAM) return 0; /* held anyway */
     int64_t d = c->dist[v] < 1 ? 1 : c->dist[v] > 100 ? 100 : c->dist[v];
     double w = (double)af_tensor_meta_nbytes(&val->meta) * pow(1.1, (double)d);
-    if (!is_materialized(c, v)) w *= 2;
+    if (mat_bw) w *= 15.0 / 16.0;
+    else if (!is_materialized(c, v)) w *= 2;
     return w >= (double)(AF_FLOW_INF / 2) ? AF_FLOW_INF / 2 : (int64_t)w;
 }
 
 /* ---- turning a stop set into programs ---- */
+
+/* Whether node n reads a value made by a node marked in `mark`. */
+static int reads_marked(const joint_ctx *c, int32_t n, const uint8_t *mark) {
+    for (int32_t k = c->arg_start[n]; k < c->arg_start[n + 1]; k++) {
+        int32_t prod = af_graph_value(c->g, c->args_flat[k])->producer;
+        if (prod >= 0 && mark[prod]) return 1;
+    }
+    return 0;
+}
+
+/* Matmuls sink past the pointwise work after them that shares their operands' kernel. Autograd's
+ * order puts a linear layer's weight gradient, mm(g^T, y), right after its input gradient, and the
+ * work of the layer below after both; y recomputed here (a GELU's output) is made just before that
+ * matmul. The fusion planner closes a kernel where an extern reads it, so the GELU's recompute and
+ * its gradient, which reads the same erf, became two kernels with the erf stored between them. Here
+ * the matmul moves down to just after the last node, before the next extern, that reads the
+ * pointwise work making its operands (`cluster`: their producers through views and pointwise nodes
+ * of the operand's size, and the nodes of that size reading them, in turn), so it runs after one
+ * kernel doing both. A value of another size (a per-row statistic, a scalar) relates nothing, so
+ * unrelated work keeps its place. The nodes in that stretch reading the matmul (its views, the sum of
+ * a shared weight's gradients: Albert's layers) move with it, after the others, and so do the views
+ * it reads its operands through, right before it and read by nothing else. Only matmul-like nodes
+ * (AF_KIND_COMPUTE: pure) move. */
+/* Whether node v is a view that only nodes marked in `mark` read in the backward (the views a
+ * matmul reads its operands through move with it: a view of a value runs after the kernel making
+ * the value, and the planner closes the kernel at it). */
+static int view_read_only_by(const joint_ctx *c, const af_partition *p, int32_t v, const uint8_t *mark) {
+    if (node_kind(c, v) != AF_KIND_VIEW) return 0;
+    const af_node *node = af_graph_node(c->g, v);
+    for (int32_t o = 0; o < node->n_outputs; o++) {
+        int32_t val = node->first_output + o;
+        if (c->is_output[val]) return 0;
+        for (int32_t k = c->user_start[val]; k < c->user_start[val + 1]; k++)
+            if (p->in_backward[c->users[k]] && !mark[c->users[k]]) return 0;
+    }
+    return 1;
+}
+
+#define SINK_CONE_MAX 64
+static int sink_matmuls(const joint_ctx *c, af_partition *p) {
+    int32_t n = p->n_backward_order, *order = p->backward_order;
+    uint8_t *after = calloc((size_t)c->nn + 1, 1);   /* the moving matmul and its readers */
+    uint8_t *cluster = calloc((size_t)c->nn + 1, 1); /* the work its operands' kernel does */
+    int32_t *moved = malloc(((size_t)n + 1) * sizeof(int32_t));
+    int32_t *marked = malloc(((size_t)c->nn + SINK_CONE_MAX + 1) * sizeof(int32_t));
+    if (!after || !cluster || !moved || !marked) {
+        free(after);
+        free(cluster);
+        free(moved);
+        free(marked);
+        return af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
+    }
+    const af_graph *g = c->g;
+    for (int32_t j = n - 1; j >= 0; j--) {
+        int32_t e = order[j], n_marked = 0;
+        if (node_kind(c, e) != AF_KIND_COMPUTE) continue;
+        /* the operands' producers: through views and pointwise nodes of the operand's size */
+        for (int32_t a = c->arg_start[e]; a < c->arg_start[e + 1]; a++) {
+            int64_t size = af_tensor_meta_numel(&af_graph_value(g, c->args_flat[a])->meta);
+            int32_t top = 0, *stack = moved; /* scratch until the move below */
+            stack[top++] = c->args_flat[a];
+            while (top > 0 && n_marked < SINK_CONE_MAX) {
+                int32_t prod = af_graph_value(g, stack[--top])->producer;
+                if (prod < 0 || !p->in_backward[prod] || cluster[prod]) continue;
+                af_op_kind kind = node_kind(c, prod);
+                const af_value *out = af_graph_value(g, af_graph_node(g, prod)->first_output);
+                if (!(kind == AF_KIND_VIEW || kind == AF_KIND_POINTWISE) || af_tensor_meta_numel(&out->meta) != size) continue;
+                cluster[prod] = 1;
+                marked[n_marked++] = prod;
+                for (int32_t k = c->arg_start[prod]; k < c->arg_start[prod + 1] && top < n; k++) stack[top++] = c->args_flat[k];
+            }
+        }
+        after[e] = 1;
+        int32_t b = j, last = j, end = j + 1;
+        for (; end < n; end++) {
+            int32_t m = order[end], i = end;
+            if (!kind_fusible(node_kind(c, m))) break;
+            if (reads_marked(c, m, after)) after[m] = 1;
+            int64_t size = af_tensor_meta_numel(&af_graph_value(g, af_graph_node(g, m)->first_output)->meta);
+            for (int32_t k = c->arg_start[m]; k < c->arg_start[m + 1]; k++) {
+                const af_value *v = af_graph_value(g, c->args_flat[k]);
+                if (v->producer < 0 || !cluster[v->producer]) continue;
+                last = i; /* reads the operands' work: runs before the matmul */
+                if (!cluster[m] && af_tensor_meta_numel(&v->meta) == size) {
+                    cluster[m] = 1;
+                    marked[n_marked++] = m;
+                }
+            }
+        }
+        if (last > j) {
+            while (b > 0 && view_read_only_by(c, p, order[b - 1], after)) after[order[--b]] = 1;
+            int32_t t = 0;
+            for (int32_t i = b; i <= last; i++)
+                if (!after[order[i]]) moved[t++] = order[i];
+            for (int32_t i = b; i <= last; i++)
+                if (after[order[i]]) moved[t++] = order[i];
+            memcpy(order + b, moved, (size_t)t * sizeof(int32_t));
+        }
+        for (int32_t i = b; i < end; i++) after[order[i]] = 0; /* the same nodes, [b, last] reordered */
+        for (int32_t i = 0; i < n_marked; i++) cluster[marked[i]] = 0;
+    }
+    free(after);
+    free(cluster);
+    free(moved);
+    free(marked);
+    return AF_OK;
+}
 
 static int finish(const joint_ctx *c, const uint8_t *stop, af_partition *p) {
     const af_graph *g = c->g;
@@ -353,6 +474,7 @@ static int finish(const joint_ctx *c, const uint8_t *stop, af_partition *p) {
             }
         }
     }
+    if ((st = sink_matmuls(c, p))) goto done;
     for (int32_t n = 0; n < c->nn; n++)
         if (p->in_forward[n] && p->in_backward[n]) p->n_recomputed++;
 done:
@@ -365,7 +487,8 @@ done:
 }
 
 af_partition_options af_partition_default_options(void) {
-    af_partition_options o = {.max_dist_from_bw = 1000, .reduction_ratio = 4, .ban_materialized_bw = 1, .ban_chained_random = 1};
+    af_partition_options o = {.max_dist_from_bw = 1000, .reduction_ratio = 4,
+                              .ban_materialized_bw = AF_BAN_MATERIALIZED_RANDOM, .ban_chained_random = 1};
     return o;
 }
 
@@ -417,10 +540,13 @@ done:
 
 int af_partition_min_cut(const af_graph *g, const uint8_t *roles, int32_t num_fwd_outputs,
                          const af_partition_options *opts, af_partition **out) {
+    af_partition_options o = opts ? *opts : af_partition_default_options();
+    if (o.ban_materialized_bw < AF_BAN_MATERIALIZED_NONE || o.ban_materialized_bw > AF_BAN_MATERIALIZED_RANDOM)
+        return af_error_set(AF_ERR_INVALID, "partition: ban_materialized_bw must be 0 (none), 1 (all) or 2 (random), not %d",
+                            (int)o.ban_materialized_bw);
     af_partition *p = NULL;
     int st = start(g, roles, &p);
     if (st) return st;
-    af_partition_options o = opts ? *opts : af_partition_default_options();
     joint_ctx c;
     af_flow *f = NULL;
     uint8_t *side = NULL, *stop = NULL, *mark = NULL, *node_ban = NULL;
@@ -438,19 +564,19 @@ int af_partition_min_cut(const af_graph *g, const uint8_t *roles, int32_t num_fw
     /* Bans are per node: a node runs whole, so if one output must not be recomputed (or the
      * node is compute-heavy, random, extern), none of its outputs is recomputed either. */
     node_ban = calloc((size_t)c.nn + 1, 1);
-    draws = o.ban_chained_random ? malloc(((size_t)2 * nv + 2) * sizeof(int32_t)) : NULL;
-    if (!node_ban || (o.ban_chained_random && !draws)) {
+    draws = malloc(((size_t)2 * nv + 2) * sizeof(int32_t));
+    if (!node_ban || !draws) {
         st = af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
         goto done;
     }
-    for (int32_t v = 0; draws && v < 2 * nv; v++) draws[v] = -1;
+    for (int32_t v = 0; v < 2 * nv; v++) draws[v] = -1;
     for (int32_t n = 0; n < c.nn; n++) {
         const af_node *node = af_graph_node(g, n);
-        if (draws) node_draws(&c, n, draws);
+        node_draws(&c, n, draws);
         if (!node_fw_required(&c, n)) continue;
         for (int32_t k = 0; k < node->n_outputs && !node_ban[n]; k++)
             node_ban[n] = (uint8_t)should_ban(&c, &o, node->first_output + k, scratch, mark, draws);
-        for (int32_t k = 0; draws && node_ban[n] && k < node->n_outputs; k++) /* never drawn again through it */
+        for (int32_t k = 0; node_ban[n] && k < node->n_outputs; k++) /* never drawn again through it */
             draws[2 * (node->first_output + k)] = draws[2 * (node->first_output + k) + 1] = -1;
     }
     if ((st = af_flow_new(2 * nv + 2, &f))) goto done;
@@ -469,7 +595,9 @@ int af_partition_min_cut(const af_graph *g, const uint8_t *roles, int32_t num_fw
             EDGE(source, vin, AF_FLOW_INF);
         else if (role < 0 && node_ban[af_graph_value(g, v)->producer])
             EDGE(source, vin, AF_FLOW_INF);
-        EDGE(vin, vout, save_weight(&c, v));
+        int32_t prod = af_graph_value(g, v)->producer;
+        int mat_bw = prod >= 0 && node_fw_required(&c, prod) && materialized_backward(&c, v, scratch, mark);
+        EDGE(vin, vout, save_weight(&c, v, mat_bw));
         for (int32_t k = c.user_start[v]; k < c.user_start[v + 1]; k++) {
             const af_node *u = af_graph_node(g, c.users[k]);
             for (int32_t out_i = 0; out_i < u->n_outputs; out_i++) EDGE(vout, 2 * (u->first_output + out_i), AF_FLOW_INF);

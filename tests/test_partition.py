@@ -196,6 +196,32 @@ def test_min_cut_recomputes_pointwise_work():
     assert mc.recomputed and not df.recomputed
 
 
+def test_a_gelus_output_is_recomputed_in_its_gradients_kernel(monkeypatch):
+    """The GELU's output is written out in the backward anyway (the second linear's weight gradient
+    reads it); functorch's rule saves it (AOTFUSE_RECOMPUTE_MATERIALIZED=0). By default it is
+    recomputed from the first linear's output, which its gradient reads anyway: the forward saves
+    its bytes less. The weight gradient's matmul sinks below the GELU's gradient, so one backward
+    kernel computes the GELU, its output and its gradient (one erf); eager's values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(8, 32, 64)
+    reports = {}
+    for mode in ("auto", "0"):
+        monkeypatch.setenv("AOTFUSE_RECOMPUTE_MATERIALIZED", mode)
+        compiled = check_module(copy.deepcopy(model), x, steps=2)
+        reports[mode] = aotfuse.explain(compiled, x)
+        if mode == "auto":
+            source = compiled._aotfuse_compiled.records[-1].programs["backward"].program.source
+            units = [u for u in source.split("//@af-unit") if "af_erf(v" in u]
+            assert len(units) == 1 and "af_exp(v" in units[0], source
+    gelu_out = 8 * 32 * 256 * 4
+    assert reports["auto"].saved_bytes == reports["0"].saved_bytes - gelu_out, (reports["auto"].saved, reports["0"].saved)
+    monkeypatch.setenv("AOTFUSE_RECOMPUTE_MATERIALIZED", "sometimes")
+    for fallback in ("eager", "error"):  # a setting it cannot take is an error, not a reason to fall back
+        with pytest.raises(aotfuse.config.ConfigError, match="AOTFUSE_RECOMPUTE_MATERIALIZED must be auto, 0 or 1"):
+            aotfuse.memory_efficient_fusion(copy.deepcopy(model), fallback=fallback)(x)
+
+
 def test_default_partition_never_reruns_a_forward_node():
     # native_layer_norm kept whole: its mean and rstd outputs, read only by the backward, are saved
     model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 8))
@@ -452,5 +478,8 @@ def test_attention_without_dropout_saves_the_probabilities_once(monkeypatch):
     big = [s for s in report.saved if s[3] >= probs]
     assert len(big) == 1, report.saved
     monkeypatch.setenv("AOTFUSE_DROP_CLONES", "0")
+    kept = aotfuse.explain(aotfuse.memory_efficient_fusion(Attention()), x, m)
+    assert report.saved_bytes <= kept.saved_bytes  # the kept copy, read by a bmm, is recomputed instead
+    monkeypatch.setenv("AOTFUSE_RECOMPUTE_MATERIALIZED", "0")  # functorch's rule: then it was saved too
     before = aotfuse.explain(aotfuse.memory_efficient_fusion(Attention()), x, m)
     assert report.saved_bytes < before.saved_bytes

@@ -34,10 +34,19 @@ typedef enum {
     AF_ROLE_COUNT
 } af_input_role;
 
+enum {
+    AF_BAN_MATERIALIZED_NONE = 0,
+    AF_BAN_MATERIALIZED_ALL = 1,    /* functorch's rule: such a value is saved */
+    AF_BAN_MATERIALIZED_RANDOM = 2, /* saved where its recompute would draw random numbers again */
+};
+
 typedef struct {
     int64_t max_dist_from_bw;     /* ban recomputing values further than this from the backward (default 1000) */
     int32_t reduction_ratio;      /* ban recomputing ops whose output is this many times smaller than their inputs (4) */
-    int32_t ban_materialized_bw;  /* ban recomputing values the backward materializes anyway (1) */
+    int32_t ban_materialized_bw;  /* values the backward materializes anyway (a matmul's operand): recomputed
+                                     never (AF_BAN_MATERIALIZED_ALL), only where recomputing draws no
+                                     random numbers (AF_BAN_MATERIALIZED_RANDOM, the default) or where
+                                     the cut prefers (AF_BAN_MATERIALIZED_NONE) */
     int32_t ban_chained_random;   /* ban recomputing values that need two or more random nodes
                                      (aotfuse::rng_uniform) recomputed with them (1) */
 } af_partition_options;

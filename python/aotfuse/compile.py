@@ -669,6 +669,9 @@ class CompiledFunction:
                 if entry.traced_fn is not None:
                     _fuse_attention_first(entry, tensors, self.fuse_attention)
                 outs = entry.compiled(*tensors)
+        except config.ConfigError:
+            self._forget(entry)
+            raise
         except Exception as e:
             if entry.member and not isinstance(e, torch.OutOfMemoryError):
                 # the family's graphs made no program for these sizes: traced on their own instead

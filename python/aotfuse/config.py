@@ -32,6 +32,10 @@ AOTFUSE_SHAPE_PROGRAMS=N  programs a family's forward or backward keeps (default
                        used dropped)
 AOTFUSE_MERGE_KERNELS=0  independent kernels of one loop stay separate (default: merged into one,
                        fuse.c's merge_independent_groups)
+AOTFUSE_RECOMPUTE_MATERIALIZED=auto  values the backward writes out anyway (a matmul's operand: a
+                       GELU's output, a norm's) recomputed by the min cut where they draw no random
+                       numbers (auto, default); 0 never (functorch's rule: saved); 1 wherever the
+                       cut prefers
 
 The README's Configuration table lists every switch, these and the lowering's own
 (AOTFUSE_DECOMPOSE_LOSS, AOTFUSE_DECOMPOSE_NORMS, AOTFUSE_SINK_COPIES, AOTFUSE_SINK_READS,
@@ -45,6 +49,11 @@ import os
 from typing import Any
 
 log = logging.getLogger("aotfuse")
+
+
+class ConfigError(ValueError):
+    """An AOTFUSE_* variable with a value it cannot take: raised as it is, never a capture failure
+    that a fallback would hide."""
 
 
 def disabled() -> bool:
@@ -67,6 +76,19 @@ def dynamic() -> str:
     """AOTFUSE_DYNAMIC: "auto" (default), "1" or "0" (shapes.py)."""
     v = os.environ.get("AOTFUSE_DYNAMIC", "auto").strip().lower()
     return "0" if v in ("", "0", "off", "false") else "1" if v in ("1", "on", "true") else "auto"
+
+
+def ban_materialized() -> int:
+    """AOTFUSE_RECOMPUTE_MATERIALIZED as the C partitioner's ban_materialized_bw: auto -> 2 (ban where
+    recomputing draws random numbers), 0 -> 1 (ban all), 1 -> 0 (ban none)."""
+    v = os.environ.get("AOTFUSE_RECOMPUTE_MATERIALIZED", "auto").strip().lower()
+    if v in ("", "auto"):
+        return 2
+    if v in ("0", "off", "false", "never"):
+        return 1
+    if v in ("1", "on", "true", "always"):
+        return 0
+    raise ConfigError(f"AOTFUSE_RECOMPUTE_MATERIALIZED must be auto, 0 or 1, not {v!r}")
 
 
 def shape_programs() -> int:
@@ -96,7 +118,7 @@ def huge_pages() -> int:
     except ValueError:
         mib = float("nan")
     if not 0 <= mib <= 2**40:  # NaN fails too
-        raise ValueError(f"AOTFUSE_HUGE_PAGES must be a size in MiB from 0 (off) to 2^40, not {raw!r}")
+        raise ConfigError(f"AOTFUSE_HUGE_PAGES must be a size in MiB from 0 (off) to 2^40, not {raw!r}")
     return int(mib * 2**20)
 
 

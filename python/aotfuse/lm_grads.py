@@ -181,13 +181,23 @@ def _chunk(graph: fx.Graph, g: fx.Node, readers: tuple[list, list, list], region
         return False
 
     def early(x: fx.Node) -> fx.Node:
-        """x, or where it is made after G's first reader, a copy there of the views making it
-        (the weight's `t` is traced just before its matmul); anything else cannot move"""
+        """x, or where it is made after G's first reader: a copy there of the views making it (the
+        weight's `t` is traced just before its matmul), or x itself moved there where it is elementwise
+        work (the hidden states recomputed in the backward, placed before their first reader, the
+        weight's matmul); anything else cannot move"""
         if order[x] < order[first_reader]:
             return x
-        if x.op != "call_function" or x.target not in _MOVABLE:
+        if x.op == "call_function" and x.target in _MOVABLE:
+            return call(x.target, tuple(early(a) if isinstance(a, fx.Node) else a for a in x.args), dict(x.kwargs))
+        if x.op != "call_function" or not _elementwise(x):
             raise ValueError("an operand made after G's first reader")
-        return call(x.target, tuple(early(a) if isinstance(a, fx.Node) else a for a in x.args), dict(x.kwargs))
+        for a in x.all_input_nodes:  # its operands first
+            e = early(a)
+            if e is not a:  # a copied view
+                x.replace_input_with(a, e)
+        first_reader.prepend(x)
+        order[x] = order[first_reader] - 0.5
+        return x
 
     try:
         with graph.inserting_before(first_reader):
@@ -258,6 +268,17 @@ def _chunk(graph: fx.Graph, g: fx.Node, readers: tuple[list, list, list], region
         if not n.users:
             graph.erase_node(n)
     return True
+
+
+def _elementwise(n: fx.Node) -> bool:
+    """Whether n is elementwise work or a view that can run anywhere after its operands: no random
+    numbers, no mutation."""
+    t = n.target
+    if t in _VIEWS or t in _SAME or t in _MOVABLE or t in (aten.expand.default, aten.unsqueeze.default,
+                                                          aten.squeeze.dim, aten._to_copy.default):
+        return True
+    return (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags and not t._schema.is_mutable
+            and torch.Tag.nondeterministic_seeded not in t.tags)
 
 
 def _keepdim(s: fx.Node) -> bool:

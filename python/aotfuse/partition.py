@@ -282,6 +282,8 @@ def _partition(joint_module: fx.GraphModule, num_fwd_outputs: int, min_cut: bool
     roles = bytes(_role(n, params) for n in build.input_nodes)
     # graph outputs skip None entries: count the forward's among the real ones
     nfwd = sum(1 for t in build.out_template[:num_fwd_outputs] if t is None)
+    if min_cut:
+        options.setdefault("ban_materialized_bw", config.ban_materialized())
     res = _C.partition(build.graph, roles, nfwd, min_cut=min_cut, **options)
     by_name = {n.name: n for n in joint_module.graph.nodes} if symbolic else None
     saved_nodes, saved_vals = [], []
@@ -321,6 +323,9 @@ def min_cut_rematerialization_partition(joint_module: fx.GraphModule, _joint_inp
         >>> f = aot_function(fn, nop, partition_fn=aotfuse.min_cut_rematerialization_partition)
     Options (keyword): max_dist_from_bw, reduction_ratio, ban_materialized_bw, ban_chained_random. Parameters and
     buffers (static_lifetime_input_indices, or aotfuse_static_inputs) cost nothing to save.
+    ban_materialized_bw: a value the backward writes out anyway (a matmul's operand) is recomputed
+    0: wherever the cut prefers, 1 (True): never (functorch's rule), 2: unless recomputing it draws
+    random numbers again (default, from AOTFUSE_RECOMPUTE_MATERIALIZED).
     """
     options = {k: kwargs.pop(k) for k in ("max_dist_from_bw", "reduction_ratio", "ban_materialized_bw", "ban_chained_random")
                if k in kwargs}

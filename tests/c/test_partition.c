@@ -308,6 +308,99 @@ static void test_values_after_a_saved_chain_are_still_recomputed(void **state) {
     }
 }
 
+/* A value the backward writes out anyway (y = exp(h) * m, read by the weight gradient's mm): saved
+ * under AF_BAN_MATERIALIZED_ALL (functorch's rule), recomputed from h under the default
+ * AF_BAN_MATERIALIZED_RANDOM where m is a plain input, saved there where m is random numbers (its
+ * recompute would draw them again), recomputed under AF_BAN_MATERIALIZED_NONE either way. */
+static void test_materialized_values_are_recomputed_unless_they_draw(void **state) {
+    (void)state;
+    assert_int_equal(af_partition_default_options().ban_materialized_bw, AF_BAN_MATERIALIZED_RANDOM);
+    for (int random = 0; random < 2; random++)
+        for (int mode = AF_BAN_MATERIALIZED_NONE; mode <= AF_BAN_MATERIALIZED_RANDOM; mode++) {
+            af_graph *g = NULL;
+            assert_int_equal(af_graph_new(&g), AF_OK);
+            int32_t seed = input(g, "seed", 1), x = input(g, "x", 64), w = input(g, "w", 64), t = input(g, "t", 64);
+            int32_t m = random ? add(g, "aotfuse::rng_uniform.default", seed, -1, 64) : w;
+            int32_t h = add(g, "aten::mm.default", x, w, 64);
+            int32_t y = add(g, "aten::mul.Tensor", add(g, "aten::exp.default", h, -1, 64), m, 64);
+            int32_t out = add(g, "aten::mm.default", y, w, 64);
+            int32_t gw = add(g, "aten::mm.default", t, y, 64);                            /* materializes y */
+            int32_t gh = add(g, "aten::mul.Tensor", add(g, "aten::mul.Tensor", t, h, 64), m, 64); /* reads h */
+            int32_t outs[3] = {out, gw, gh};
+            assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
+            uint8_t roles[4] = {AF_ROLE_FWD_SEED, AF_ROLE_PRIMAL, AF_ROLE_PARAM, AF_ROLE_TANGENT};
+            af_partition_options o = af_partition_default_options();
+            o.ban_materialized_bw = mode;
+            af_partition *p = NULL;
+            assert_int_equal(af_partition_min_cut(g, roles, 1, &o, &p), AF_OK);
+            check_partition(g, roles, 1, p);
+            int saved_y = 0, saved_h = 0;
+            for (int32_t i = 0; i < p->n_saved; i++) {
+                saved_y |= p->saved[i] == y;
+                saved_h |= p->saved[i] == h;
+            }
+            int want_saved = mode == AF_BAN_MATERIALIZED_ALL || (mode == AF_BAN_MATERIALIZED_RANDOM && random);
+            assert_int_equal(saved_y, want_saved);
+            assert_true(saved_h); /* gh reads it: saved either way */
+            assert_int_equal(p->in_backward[af_graph_value(g, y)->producer], !want_saved);
+            af_partition_free(p);
+            af_graph_free(g);
+        }
+    af_partition_options o = af_partition_default_options();
+    o.ban_materialized_bw = 3;
+    af_graph *g = NULL;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    int32_t x = input(g, "x", 4), y = add(g, "aten::exp.default", x, -1, 4);
+    assert_int_equal(af_graph_set_outputs(g, &y, 1), AF_OK);
+    uint8_t roles[1] = {AF_ROLE_PRIMAL};
+    af_partition *p = NULL;
+    assert_int_equal(af_partition_min_cut(g, roles, 1, &o, &p), AF_ERR_INVALID);
+    assert_null(p);
+    af_graph_free(g);
+}
+
+static int32_t position(const af_partition *p, const af_graph *g, int32_t value) {
+    int32_t node = af_graph_value(g, value)->producer;
+    for (int32_t i = 0; i < p->n_backward_order; i++)
+        if (p->backward_order[i] == node) return i;
+    fail_msg("value %d: its node is not in the backward order", (int)value);
+    return -1;
+}
+
+/* In graph order the weight gradient mm(t, view(e)) comes before the pointwise work below it; in
+ * the backward order it runs after that work (g1), with the view it reads through right before it,
+ * and before the next matmul (m2), which it may not pass. A pointwise node reading it (g3, a shared
+ * weight's gradients summed) moves with it, right after it. */
+static void test_matmuls_sink_past_pointwise_work(void **state) {
+    (void)state;
+    for (int reader = 0; reader < 2; reader++) {
+        af_graph *g = NULL;
+        assert_int_equal(af_graph_new(&g), AF_OK);
+        int32_t x = input(g, "x", 64), w = input(g, "w", 64), t = input(g, "t", 64);
+        int32_t h = add(g, "aten::mm.default", x, w, 64);
+        int32_t e = add(g, "aten::exp.default", h, -1, 64);
+        int32_t out = add(g, "aten::mm.default", e, w, 64);
+        int32_t tv = add(g, "aten::view.default", e, -1, 64);
+        int32_t gw = add(g, "aten::mm.default", t, tv, 64);
+        int32_t g1 = add(g, "aten::mul.Tensor", t, e, 64);
+        int32_t g3 = reader ? add(g, "aten::add.Tensor", gw, g1, 64) : gw;
+        int32_t m2 = add(g, "aten::mm.default", g1, w, 64);
+        int32_t g2 = add(g, "aten::mul.Tensor", m2, h, 64);
+        int32_t outs[3] = {out, g3, g2};
+        assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
+        uint8_t roles[3] = {AF_ROLE_PRIMAL, AF_ROLE_PARAM, AF_ROLE_TANGENT};
+        af_partition *p = NULL;
+        assert_int_equal(af_partition_min_cut(g, roles, 1, NULL, &p), AF_OK);
+        check_partition(g, roles, 1, p);
+        int32_t at_gw = position(p, g, gw);
+        assert_int_equal(position(p, g, tv), at_gw - 1);
+        assert_true(position(p, g, g1) < at_gw && at_gw < position(p, g, m2));
+        if (reader) assert_int_equal(position(p, g, g3), at_gw + 1);
+        af_partition_free(p);
+        af_graph_free(g);
+    }
+}
+
 static void test_bad_arguments(void **state) {
     (void)state;
     af_graph *g = NULL;
@@ -340,6 +433,8 @@ int main(void) {
         cmocka_unit_test(test_chained_random_values_are_saved),
         cmocka_unit_test(test_values_after_a_saved_chain_are_still_recomputed),
         cmocka_unit_test(test_multi_output_compute_node_is_not_rerun),
+        cmocka_unit_test(test_materialized_values_are_recomputed_unless_they_draw),
+        cmocka_unit_test(test_matmuls_sink_past_pointwise_work),
         cmocka_unit_test(test_bad_arguments),
     };
     return cmocka_run_group_tests_name("partition", tests, NULL, NULL);
