@@ -317,7 +317,7 @@ static int sink_matmuls(const joint_ctx *c, af_partition *p) {
     uint8_t *after = calloc((size_t)c->nn + 1, 1);   /* the moving matmul and its readers */
     uint8_t *cluster = calloc((size_t)c->nn + 1, 1); /* the work its operands' kernel does */
     int32_t *moved = malloc(((size_t)n + 1) * sizeof(int32_t));
-    int32_t *marked = malloc(((size_t)c->nn + SINK_CONE_MAX + 1) * sizeof(int32_t));
+    int32_t *marked = malloc(((size_t)c->nn + 1) * sizeof(int32_t)); /* a node is marked once */
     if (!after || !cluster || !moved || !marked) {
         free(after);
         free(cluster);
@@ -332,9 +332,9 @@ static int sink_matmuls(const joint_ctx *c, af_partition *p) {
         /* the operands' producers: through views and pointwise nodes of the operand's size */
         for (int32_t a = c->arg_start[e]; a < c->arg_start[e + 1]; a++) {
             int64_t size = af_tensor_meta_numel(&af_graph_value(g, c->args_flat[a])->meta);
-            int32_t top = 0, *stack = moved; /* scratch until the move below */
+            int32_t top = 0, *stack = moved, first = n_marked; /* scratch until the move below */
             stack[top++] = c->args_flat[a];
-            while (top > 0 && n_marked < SINK_CONE_MAX) {
+            while (top > 0 && n_marked - first < SINK_CONE_MAX) { /* each operand its own budget */
                 int32_t prod = af_graph_value(g, stack[--top])->producer;
                 if (prod < 0 || !p->in_backward[prod] || cluster[prod]) continue;
                 af_op_kind kind = node_kind(c, prod);
