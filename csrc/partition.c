@@ -290,8 +290,10 @@ static int reads_marked(const joint_ctx *c, int32_t n, const uint8_t *mark) {
  * its gradient, which reads the same erf, became two kernels with the erf stored between them. Here
  * the matmul moves down to just after the last node, before the next extern, that reads the
  * pointwise work making its operands (`cluster`: their producers through views and pointwise nodes
- * of the operand's size, and the nodes of that size reading them, in turn), so it runs after one
- * kernel doing both. A value of another size (a per-row statistic, a scalar) relates nothing, so
+ * of the operand's size, and the nodes of that size reading them, in turn) or the saved values of
+ * that size this work reads (`leaf`: GPT2's layer norm output, recomputed from its saved normalized
+ * input for the weight gradient, and the norm's gradient, reading the same input), so it runs after
+ * one kernel doing both. A value of another size (a per-row statistic, a scalar) relates nothing, so
  * unrelated work keeps its place. The nodes in that stretch reading the matmul (its views, the sum of
  * a shared weight's gradients: Albert's layers) move with it, after the others, and so do the views
  * it reads its operands through, right before it and read by nothing else. Only matmul-like nodes
@@ -318,16 +320,20 @@ static int sink_matmuls(const joint_ctx *c, af_partition *p) {
     uint8_t *cluster = calloc((size_t)c->nn + 1, 1); /* the work its operands' kernel does */
     int32_t *moved = malloc(((size_t)n + 1) * sizeof(int32_t));
     int32_t *marked = malloc(((size_t)c->nn + 1) * sizeof(int32_t)); /* a node is marked once */
-    if (!after || !cluster || !moved || !marked) {
+    uint8_t *leaf = calloc((size_t)c->nv + 1, 1); /* values its operands' work reads: saved, inputs */
+    int32_t *leaves = malloc(((size_t)c->nv + 1) * sizeof(int32_t));
+    if (!after || !cluster || !moved || !marked || !leaf || !leaves) {
         free(after);
         free(cluster);
         free(moved);
         free(marked);
+        free(leaf);
+        free(leaves);
         return af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
     }
     const af_graph *g = c->g;
     for (int32_t j = n - 1; j >= 0; j--) {
-        int32_t e = order[j], n_marked = 0;
+        int32_t e = order[j], n_marked = 0, n_leaves = 0;
         if (node_kind(c, e) != AF_KIND_COMPUTE) continue;
         /* the operands' producers: through views and pointwise nodes of the operand's size */
         for (int32_t a = c->arg_start[e]; a < c->arg_start[e + 1]; a++) {
@@ -335,8 +341,15 @@ static int sink_matmuls(const joint_ctx *c, af_partition *p) {
             int32_t top = 0, *stack = moved, first = n_marked; /* scratch until the move below */
             stack[top++] = c->args_flat[a];
             while (top > 0 && n_marked - first < SINK_CONE_MAX) { /* each operand its own budget */
-                int32_t prod = af_graph_value(g, stack[--top])->producer;
-                if (prod < 0 || !p->in_backward[prod] || cluster[prod]) continue;
+                int32_t v = stack[--top], prod = af_graph_value(g, v)->producer;
+                if (prod < 0 || !p->in_backward[prod]) { /* a saved value or an input: its readers share it */
+                    if (!leaf[v] && af_tensor_meta_numel(&af_graph_value(g, v)->meta) == size) {
+                        leaf[v] = 1;
+                        leaves[n_leaves++] = v;
+                    }
+                    continue;
+                }
+                if (cluster[prod]) continue;
                 af_op_kind kind = node_kind(c, prod);
                 const af_value *out = af_graph_value(g, af_graph_node(g, prod)->first_output);
                 if (!(kind == AF_KIND_VIEW || kind == AF_KIND_POINTWISE) || af_tensor_meta_numel(&out->meta) != size) continue;
@@ -354,7 +367,7 @@ static int sink_matmuls(const joint_ctx *c, af_partition *p) {
             int64_t size = af_tensor_meta_numel(&af_graph_value(g, af_graph_node(g, m)->first_output)->meta);
             for (int32_t k = c->arg_start[m]; k < c->arg_start[m + 1]; k++) {
                 const af_value *v = af_graph_value(g, c->args_flat[k]);
-                if (v->producer < 0 || !cluster[v->producer]) continue;
+                if (!leaf[c->args_flat[k]] && (v->producer < 0 || !cluster[v->producer])) continue;
                 last = i; /* reads the operands' work: runs before the matmul */
                 if (!cluster[m] && af_tensor_meta_numel(&v->meta) == size) {
                     cluster[m] = 1;
@@ -373,11 +386,14 @@ static int sink_matmuls(const joint_ctx *c, af_partition *p) {
         }
         for (int32_t i = b; i < end; i++) after[order[i]] = 0; /* the same nodes, [b, last] reordered */
         for (int32_t i = 0; i < n_marked; i++) cluster[marked[i]] = 0;
+        for (int32_t i = 0; i < n_leaves; i++) leaf[leaves[i]] = 0;
     }
     free(after);
     free(cluster);
     free(moved);
     free(marked);
+    free(leaf);
+    free(leaves);
     return AF_OK;
 }
 

@@ -401,6 +401,37 @@ static void test_matmuls_sink_past_pointwise_work(void **state) {
     }
 }
 
+/* The weight gradient mm(t, y), y = h * h recomputed from the saved h, also sinks below work that
+ * reads h itself (g2 = g1 * h, a norm's gradient reading its saved input beside the norm's
+ * recomputed output): one kernel may do both. */
+static void test_matmuls_sink_past_work_sharing_a_saved_value(void **state) {
+    (void)state;
+    af_graph *g = NULL;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    int32_t x = input(g, "x", 64), w = input(g, "w", 64), t = input(g, "t", 64);
+    int32_t h = add(g, "aten::mm.default", x, w, 64);
+    int32_t y = add(g, "aten::mul.Tensor", h, h, 64);
+    int32_t out = add(g, "aten::mm.default", y, w, 64);
+    int32_t g1 = add(g, "aten::mm.default", t, w, 64);
+    int32_t gw = add(g, "aten::mm.default", t, y, 64);
+    int32_t g2 = add(g, "aten::mul.Tensor", g1, h, 64);
+    int32_t outs[3] = {out, gw, g2};
+    assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
+    uint8_t roles[3] = {AF_ROLE_PRIMAL, AF_ROLE_PARAM, AF_ROLE_TANGENT};
+    af_partition *p = NULL;
+    assert_int_equal(af_partition_min_cut(g, roles, 1, NULL, &p), AF_OK);
+    check_partition(g, roles, 1, p);
+    int saved_h = 0, saved_y = 0;
+    for (int32_t i = 0; i < p->n_saved; i++) {
+        saved_h |= p->saved[i] == h;
+        saved_y |= p->saved[i] == y;
+    }
+    assert_true(saved_h && !saved_y); /* y recomputed from h */
+    assert_true(position(p, g, y) < position(p, g, g2) && position(p, g, g2) < position(p, g, gw));
+    af_partition_free(p);
+    af_graph_free(g);
+}
+
 static void test_bad_arguments(void **state) {
     (void)state;
     af_graph *g = NULL;
@@ -435,6 +466,7 @@ int main(void) {
         cmocka_unit_test(test_multi_output_compute_node_is_not_rerun),
         cmocka_unit_test(test_materialized_values_are_recomputed_unless_they_draw),
         cmocka_unit_test(test_matmuls_sink_past_pointwise_work),
+        cmocka_unit_test(test_matmuls_sink_past_work_sharing_a_saved_value),
         cmocka_unit_test(test_bad_arguments),
     };
     return cmocka_run_group_tests_name("partition", tests, NULL, NULL);
