@@ -322,16 +322,12 @@ static int sink_matmuls(const joint_ctx *c, af_partition *p) {
     int32_t *marked = malloc(((size_t)c->nn + 1) * sizeof(int32_t)); /* a node is marked once */
     uint8_t *leaf = calloc((size_t)c->nv + 1, 1); /* values its operands' work reads: saved, inputs */
     int32_t *leaves = malloc(((size_t)c->nv + 1) * sizeof(int32_t));
-    if (!after || !cluster || !moved || !marked || !leaf || !leaves) {
-        free(after);
-        free(cluster);
-        free(moved);
-        free(marked);
-        free(leaf);
-        free(leaves);
-        return af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
-    }
+    int st = AF_OK;
     const af_graph *g = c->g;
+    if (!after || !cluster || !moved || !marked || !leaf || !leaves) {
+        st = af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
+        n = 0; /* nothing to move: straight to the frees */
+    }
     for (int32_t j = n - 1; j >= 0; j--) {
         int32_t e = order[j], n_marked = 0, n_leaves = 0;
         if (node_kind(c, e) != AF_KIND_COMPUTE) continue;
@@ -394,7 +390,7 @@ static int sink_matmuls(const joint_ctx *c, af_partition *p) {
     free(marked);
     free(leaf);
     free(leaves);
-    return AF_OK;
+    return st;
 }
 
 static int finish(const joint_ctx *c, const uint8_t *stop, af_partition *p) {
