@@ -783,17 +783,6 @@ static void emit_members_impl(af_strbuf *sb, const af_graph *g, const af_fusion_
     }
 }
 
-/* Transcendental expressions and random numbers (af_rand: 20 rounds of Threefry): worth a store and
- * a load rather than a second evaluation. */
-static int expensive(const af_op_info *info) {
-    static const char *const calls[] = {"af_exp", "af_erf", "af_tanh", "logf", "log1pf", "af_pow", "expm1f", "exp2f", "log2f",
-                                        "log10f", "sinf", "cosf", "tanf", "atanf", "erfcf", "af_rand"};
-    if (!info->c_expr) return 0;
-    for (size_t k = 0; k < sizeof calls / sizeof calls[0]; k++)
-        if (strstr(info->c_expr, calls[k])) return 1;
-    return 0;
-}
-
 static int reads_value(const af_node *n, int32_t v) {
     for (int32_t a = 0; a < n->n_args; a++)
         if (n->args[a].kind == AF_ARG_VALUE && n->args[a].u.value == v) return 1;
@@ -817,7 +806,7 @@ uint8_t *af_cg_phase_cache(const af_graph *g, const af_fusion_group *grp, const 
             /* a reader in a later phase, or one of this phase that a later phase evaluates again */
             later[m] = phases[k] > phases[m] || (later[k] && !cached[k]);
         }
-        if (later[m] && expensive(af_op_get(n->op_id)) && bytes + inner * 4 <= max_bytes) {
+        if (later[m] && af_op_expensive(af_op_get(n->op_id)) && bytes + inner * 4 <= max_bytes) {
             cached[m] = 1;
             bytes += inner * 4;
         }

@@ -598,10 +598,19 @@ static int cone_has_value(const af_graph *g, const int32_t *cone, int32_t n, int
 
 static int cone_computes(const af_cone *c, int32_t v) { return cone_has_value(c->g, c->cone, c->n_cone, v); }
 
+/* The elements a tensor's loads touch: a broadcast dim (stride 0) adds none (a norm's weight
+ * viewed over the rows, sink.c's broadcast reads, is a vector's worth of loads). */
+static int64_t loaded_elements(const af_tensor_meta *m) {
+    int64_t n = 1;
+    for (int32_t d = 0; d < m->ndim; d++)
+        if (m->strides[d] != 0) n *= m->sizes[d];
+    return af_tensor_meta_numel(m) == 0 ? 0 : n;
+}
+
 static int cone_leaf(af_cone *c, int32_t u, int member) {
     if (contains(c->leaves, c->n_leaves, u)) return 1;
     if (c->n_leaves >= AF_CLONE_LEAVES) return 0;
-    if (af_tensor_meta_numel(&af_graph_value(c->g, u)->meta) >= c->numel && ++c->full > AF_CLONE_FULL_LEAVES) return 0;
+    if (loaded_elements(&af_graph_value(c->g, u)->meta) >= c->numel && ++c->full > AF_CLONE_FULL_LEAVES) return 0;
     c->leaves[c->n_leaves++] = u;
     c->n_reads += member;
     return 1;

@@ -448,14 +448,15 @@ typedef struct {
 
 static PyObject *Program_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"graph", "fuse", "min_group", "devices", "reuse", "sink", "sink_reads", "window_sources", "merge",
-                             "lazy_jit", "templates", "huge_pages", NULL};
+                             "lazy_jit", "templates", "huge_pages", "sink_broadcasts", NULL};
     GraphObject *graph;
     af_program_options opts = {.fuse = 0, .min_group = 2};
     const char *devices = "all";
-    int reuse = 1, sink = 1, sink_reads = 1, window_sources = 1, merge = 1, templates = 1;
+    int reuse = 1, sink = 1, sink_reads = 1, window_sources = 1, merge = 1, templates = 1, sink_broadcasts = 1;
     long long huge_pages = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|pispppppppL", kwlist, &GraphType, &graph, &opts.fuse, &opts.min_group, &devices,
-                                     &reuse, &sink, &sink_reads, &window_sources, &merge, &opts.lazy_jit, &templates, &huge_pages) ||
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|pispppppppLp", kwlist, &GraphType, &graph, &opts.fuse, &opts.min_group,
+                                     &devices, &reuse, &sink, &sink_reads, &window_sources, &merge, &opts.lazy_jit, &templates,
+                                     &huge_pages, &sink_broadcasts) ||
         !graph_alive(graph))
         return NULL;
     if (huge_pages < 0) return PyErr_Format(PyExc_ValueError, "huge_pages must be >= 0 (bytes; 0: off), not %lld", huge_pages);
@@ -463,6 +464,7 @@ static PyObject *Program_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     opts.no_reuse = !reuse;
     opts.no_sink = !sink;
     opts.no_sink_reads = !sink_reads;
+    opts.no_sink_broadcasts = !sink_broadcasts;
     opts.no_shifted = !window_sources;
     opts.no_merge = !merge;
     opts.no_templates = !templates;
@@ -917,24 +919,27 @@ static PyObject *cuda_codegen(PyObject *m, PyObject *args, PyObject *kwds) {
     return st ? raise_status(st) : result;
 }
 
-/* sink_copies(graph, devices="all", reads=True) -> (Graph or None, [origin per value]): the graph
- * a program runs once copies of views (and, with reads, kernel members' reads of them) are computed
- * from their sources (fuse.h, af_sink_copies), None when nothing qualifies; per value of the new graph, the value of `graph` it stands for (-1: a recomputed
+/* sink_copies(graph, devices="all", reads=True, broadcasts=True) -> (Graph or None, [origin per
+ * value]): the graph a program runs once copies of views (and, with reads, kernel members' reads of
+ * them; with broadcasts, their reads of smaller pointwise values) are computed from their sources
+ * (fuse.h, af_sink_copies), None when nothing qualifies; per value of the new graph, the value of `graph` it stands for (-1: a recomputed
  * intermediate). The given graph is not consumed. */
 static PyObject *sink_copies(PyObject *m, PyObject *args, PyObject *kwds) {
     (void)m;
-    static char *kwlist[] = {"graph", "devices", "reads", NULL};
+    static char *kwlist[] = {"graph", "devices", "reads", "broadcasts", NULL};
     GraphObject *graph;
     const char *devices = "all";
-    int reads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|sp", kwlist, &GraphType, &graph, &devices, &reads) || !graph_alive(graph))
+    int reads = 1, broadcasts = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!|spp", kwlist, &GraphType, &graph, &devices, &reads, &broadcasts) ||
+        !graph_alive(graph))
         return NULL;
     uint32_t mask = strcmp(devices, "cpu") == 0 ? 1u << AF_DEVICE_CPU : strcmp(devices, "cuda") == 0 ? 1u << AF_DEVICE_CUDA : 0;
     if (!mask && strcmp(devices, "all") != 0) return PyErr_Format(PyExc_ValueError, "devices must be 'all', 'cpu' or 'cuda'");
     af_graph *sunk = NULL;
     int32_t *origin = NULL;
     int st = af_graph_verify(graph->g);
-    if (!st) st = af_sink_copies(graph->g, mask, reads, &sunk, NULL, &origin);
+    int which = (reads ? AF_SINK_VIEW_READS : 0) | (broadcasts ? AF_SINK_BROADCAST_READS : 0);
+    if (!st) st = af_sink_copies(graph->g, mask, which, &sunk, NULL, &origin);
     if (st) return raise_status(st);
     if (!sunk) return Py_BuildValue("(OO)", Py_None, Py_None);
     GraphObject *out = (GraphObject *)GraphType.tp_alloc(&GraphType, 0);
@@ -1021,7 +1026,7 @@ static PyMethodDef module_methods[] = {
     {"fast_bindings", fast_bindings, METH_NOARGS, "[(ATen overload, the torch.<name> binding extern calls use for it, whether out= calls use it too)]"},
     {"op_kind", op_kind, METH_O, "op_kind('aten::add.Tensor') -> 'pointwise'"},
     {"sink_copies", (PyCFunction)(void (*)(void))sink_copies, METH_VARARGS | METH_KEYWORDS,
-     "sink_copies(graph, devices='all', reads=True) -> (Graph or None, [origin per value]): copies (and reads) of views computed from their sources"},
+     "sink_copies(graph, devices='all', reads=True, broadcasts=True) -> (Graph or None, [origin per value]): copies (and reads) of views, and reads of broadcast values, computed from their sources"},
     {"cuda_codegen", (PyCFunction)(void (*)(void))cuda_codegen, METH_VARARGS | METH_KEYWORDS,
      "cuda_codegen(graph, sm_count=132, min_group=2, window_sources=True, merge=True) -> (CUDA source, [launch per group])"},
     {"nvrtc_compile", (PyCFunction)(void (*)(void))nvrtc_compile, METH_VARARGS | METH_KEYWORDS,

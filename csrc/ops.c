@@ -32,3 +32,12 @@ const char *af_op_kind_name(af_op_kind kind) {
         "extern", "pointwise", "reduction", "view", "random", "compute"};
     return (kind >= 0 && kind < AF_KIND_COUNT) ? names[kind] : "invalid";
 }
+
+int af_op_expensive(const af_op_info *info) {
+    static const char *const calls[] = {"af_exp", "af_erf", "af_tanh", "logf", "log1pf", "af_pow", "expm1f", "exp2f", "log2f",
+                                        "log10f", "sinf", "cosf", "tanf", "atanf", "erfcf", "af_rand"};
+    if (!info || !info->c_expr) return 0;
+    for (size_t k = 0; k < sizeof calls / sizeof calls[0]; k++)
+        if (strstr(info->c_expr, calls[k])) return 1;
+    return 0;
+}

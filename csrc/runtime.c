@@ -684,7 +684,8 @@ int af_program_new(af_graph *g, const af_program_options *opts, af_program **out
     int32_t n_sunk = 0;
     uint32_t kernel_devices = o.device_types ? o.device_types : AF_FUSE_ALL_DEVICES;
     if (cuda_device_of(g) < 0) kernel_devices &= ~(1u << AF_DEVICE_CUDA); /* as build_kernels */
-    if (o.fuse && !o.no_sink && (st = af_sink_copies(g, kernel_devices, !o.no_sink_reads, &sunk, &n_sunk, NULL))) return st;
+    int sink_reads = (o.no_sink_reads ? 0 : AF_SINK_VIEW_READS) | (o.no_sink_broadcasts ? 0 : AF_SINK_BROADCAST_READS);
+    if (o.fuse && !o.no_sink && (st = af_sink_copies(g, kernel_devices, sink_reads, &sunk, &n_sunk, NULL))) return st;
     if (sunk) g = sunk;
     af_program *p = calloc(1, sizeof *p);
     if (!p) {

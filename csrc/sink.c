@@ -418,6 +418,41 @@ static int plan_read(const af_graph *g, int32_t c, int32_t in, int source, uint3
     return !(source && plan->split) && collect_cone(g, devices, plan);
 }
 
+/* Whether kernel member c's operand x, a pointwise value of fewer elements broadcast to c's shape
+ * (a norm's weight upcast to float, a saved statistic's), can be x's nodes over broadcast views
+ * of x's sources, computed in c's kernel for c alone (a broadcast read). The planner groups a
+ * loop's members by their shape, so such a value is otherwise a kernel of its own, and stored.
+ * Its nodes are then evaluated per element of c's loop: they must be cheap (no transcendental
+ * expression, af_op_expensive), and their sources stored anyway: a graph input, or what no kernel
+ * computes (an extern's result), never a kernel's value, which c's kernel may itself compute (a
+ * row's statistic is a row member of its readers' kernel already). */
+static int plan_broadcast_read(const af_graph *g, int32_t c, int32_t x, uint32_t devices, sink_plan *plan) {
+    const af_tensor_meta *out = &af_graph_value(g, af_graph_node(g, c)->first_output)->meta;
+    const af_tensor_meta *xm = &af_graph_value(g, x)->meta;
+    int32_t p = af_graph_value(g, x)->producer;
+    if (p < 0 || !sinkable(g, p, devices) || xm->ndim == 0 || !broadcasts_to(xm, out) ||
+        af_tensor_meta_numel(xm) >= af_tensor_meta_numel(out))
+        return 0;
+    memset(plan, 0, sizeof *plan);
+    plan->clone = c;
+    plan->operand = x;
+    plan->bypass = -1;
+    plan->x = x;
+    plan->ndim = out->ndim;
+    for (int32_t d = 0; d < out->ndim; d++) {
+        int32_t dx = d - (out->ndim - xm->ndim);
+        plan->pieces[d] = dx >= 0 && xm->sizes[dx] != 1 ? (sink_piece){out->sizes[d], dx, 1} : (sink_piece){out->sizes[d], -1, 0};
+    }
+    if (!collect_cone(g, devices, plan)) return 0;
+    for (int32_t k = 0; k < plan->n_cone; k++)
+        if (af_op_expensive(af_op_get(af_graph_node(g, plan->cone[k])->op_id))) return 0;
+    for (int32_t l = 0; l < plan->n_leaves; l++) {
+        int32_t q = af_graph_value(g, af_graph_view_root(g, plan->leaves[l]))->producer;
+        if (q >= 0 && (af_fuse_node_ok(g, q) || af_fuse_reduction_ok(g, q, NULL))) return 0;
+    }
+    return 1;
+}
+
 /* Per value: 1 when a kernel member that is no copy reads it as it is (it would share that
  * member's kernel, which a view between them splits). */
 static uint8_t *fused_readers(const af_graph *g) {
@@ -612,11 +647,21 @@ static int add_origin(sink_origins *o, int32_t new_value, int32_t old_value) {
     return AF_OK;
 }
 
-/* as_strided(v, sizes, strides, offset) over v's storage, standing for v (origins): *view. */
+/* as_strided(v, sizes, strides, offset) over v's storage, standing for v (origins): *view; the
+ * one made earlier where there is one (a saved statistic broadcast for two readers). */
 static int add_source_view(af_graph *out, const af_graph *g, int32_t v, const int32_t *map, int32_t nd, const int64_t *sizes,
                            const int64_t *strides, int64_t offset, sink_origins *origins, int32_t *view) {
     af_tensor_meta vm = af_graph_value(g, v)->meta;
     vm.ndim = nd, vm.sizes = sizes, vm.strides = strides, vm.storage_offset = offset;
+    for (int32_t k = 0; k < origins->n; k++) {
+        int32_t w = origins->pairs[2 * k];
+        const af_value *made = af_graph_value(out, w);
+        if (origins->pairs[2 * k + 1] != v || made->producer < 0 || af_graph_node(out, made->producer)->op_id != AF_OP_AS_STRIDED ||
+            !af_tensor_meta_same_layout(&made->meta, &vm, 1))
+            continue;
+        *view = w;
+        return AF_OK;
+    }
     af_arg items[2][AF_MAX_DIMS];
     af_arg args[4] = {{.kind = AF_ARG_VALUE, .u.value = map[v]}, int_list(items[0], sizes, nd), int_list(items[1], strides, nd),
                       {.kind = AF_ARG_INT, .u.i = offset}};
@@ -838,12 +883,15 @@ static int sink_pass(const af_graph *g, uint32_t devices, int reads, af_graph **
             continue;
         }
         if (!reads || !reads_views_pointwise(g, i, devices, &skip)) continue;
-        if (plan_bypass(g, i, skip, is_output, &tmp)) {
+        if ((reads & AF_SINK_VIEW_READS) && plan_bypass(g, i, skip, is_output, &tmp)) {
             st = push_plan(&plans, &n_plans, &cap, &tmp);
             count[i]++;
         }
         for (int32_t a = 0; !st && a < n->n_args && count[i] < SINK_MAX_READS; a++) {
-            if (!value_arg(&n->args[a]) || !plan_read(g, i, n->args[a].u.value, a == skip, devices, &tmp)) continue;
+            if (!value_arg(&n->args[a])) continue;
+            if (!((reads & AF_SINK_VIEW_READS) && plan_read(g, i, n->args[a].u.value, a == skip, devices, &tmp)) &&
+                !((reads & AF_SINK_BROADCAST_READS) && a != skip && plan_broadcast_read(g, i, n->args[a].u.value, devices, &tmp)))
+                continue;
             int dup = 0; /* one plan per view read, however often; a split read is its reader's only one */
             for (int32_t k = first[i]; k < n_plans; k++) dup |= plans[k].operand == tmp.operand;
             if (dup || (tmp.split && (count[i] > 0 || !split_reader_ok(g, i, &tmp, is_output, fused)))) continue;

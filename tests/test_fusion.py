@@ -871,12 +871,43 @@ def test_layer_norm_backward_decomposition_is_one_kernel_for_the_input_gradient(
         # the weight and bias gradients (column sums of go * x_hat and go, x_hat in the row kernel)
         # are one column kernel that recomputes x_hat and the product: no ATen sum, and the row
         # kernel stores the input gradient only
-        # (bf16: the upcasts of mean and rstd are one small kernel, merged as independent groups of one
-        # loop, so are the two downcasts; the weight's upcast is read before the downcasts' inputs exist)
+        # (bf16: the upcasts of mean, rstd and the weight are computed by their readers over
+        # broadcast views, csrc/sink.c's broadcast reads, not kernels of their own; the two
+        # downcasts of the sums are one small kernel)
         assert externs == {}, externs
         assert "(2 column reductions)" in lowered.program.source
         assert "(2 reductions, 2 phases), 5 inputs, 1 outputs" in lowered.program.source
-        assert lowered.program.num_kernels == (2 if dtype == torch.float32 else 5)
+        assert lowered.program.num_kernels == (2 if dtype == torch.float32 else 3)
+
+
+def _bf16_norms_mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(48, 96), torch.nn.LayerNorm(96), torch.nn.GELU(), torch.nn.Linear(96, 48),
+                               torch.nn.LayerNorm(48))
+
+
+def test_a_bf16_norms_upcasts_are_computed_in_their_readers_kernels(monkeypatch):
+    """A bf16 layer norm's backward reads float upcasts of its weight ([hidden]) and of its saved
+    mean and rstd ([rows, 1]): each a kernel of its own, storing a float copy, unless each reader
+    computes it over a broadcast view of the bf16 tensor (csrc/sink.c's broadcast reads, on by
+    default; AOTFUSE_SINK_BROADCASTS=0 keeps the kernels). Eager's and float64's values either way;
+    with them the backward has no kernel over the rows alone and no one-node kernel, 4 fewer."""
+    from aotfuse.testing import compare_models
+
+    x = torch.randn(4, 16, 48, generator=torch.Generator().manual_seed(1))
+    kernels = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("AOTFUSE_SINK_BROADCASTS", mode)
+        compare_models(_bf16_norms_mlp, lambda: x, dtype=torch.bfloat16, steps=2, name=f"broadcasts={mode}").assert_ok()
+        compiled = aotfuse.memory_efficient_fusion(_bf16_norms_mlp().to(torch.bfloat16))
+        compiled(x.to(torch.bfloat16)).float().sum().backward()
+        backward = compiled._aotfuse_compiled.records[-1].programs["backward"].program
+        groups = re.findall(r"/\* group \d+: (\d+) nodes.*, (\d+ elements|\d+ x \d+|\d+ columns x \d+ rows) \*/", backward.source)
+        kernels[mode] = backward.num_kernels
+        if mode == "1":
+            assert ("1", "96 elements") not in groups and ("1", "48 elements") not in groups, groups
+            assert not any(extent == "64 elements" for _n, extent in groups), groups
+    assert kernels["1"] == kernels["0"] - 4, kernels
 
 
 def _column_sum_of_row_kernel_value(x, w):

@@ -125,7 +125,14 @@ int af_views_as_declared(const af_graph *g, int32_t v, int32_t root);
  * than storing and loading x did; a reader of a view crossing x's dims is computed over the finer
  * shape itself (its other operands viewed so) and viewed back, where that splits no kernel; and a
  * window member whose source is clone(u) reads u. The recomputed value stands for the view (a
- * reader over the finer shape, and its view back, for the reader's value). */
+ * reader over the finer shape, and its view back, for the reader's value).
+ * reads is a mask: AF_SINK_VIEW_READS the reads above; AF_SINK_BROADCAST_READS a kernel member's
+ * read of a pointwise value of fewer elements that broadcasts to its shape (a norm's weight
+ * upcast to float), computed of cheap nodes from sources no kernel computes: the nodes are
+ * recomputed over broadcast views of the sources for that reader, where the value is then
+ * stored for no one (the value would otherwise be a kernel of its own). */
+#define AF_SINK_VIEW_READS 1
+#define AF_SINK_BROADCAST_READS 2
 int af_sink_copies(const af_graph *g, uint32_t device_types, int reads, af_graph **out, int32_t *n_sunk, int32_t **origin);
 
 #endif

@@ -40,6 +40,11 @@ af_op_id af_op_lookup(const char *qualified_name);
 /* The table entry of an op id; AF_OP_UNKNOWN (and out-of-range ids) give the extern entry. */
 const af_op_info *af_op_get(af_op_id id);
 
+/* Whether an op's C expression is transcendental, or draws random numbers (af_rand: 20 rounds of
+ * Threefry): worth a store and a load rather than a second evaluation (codegen's cached phases),
+ * and not worth evaluating again per element of a broadcast (sink.c). */
+int af_op_expensive(const af_op_info *info);
+
 /* "pointwise", "reduction", ... */
 const char *af_op_kind_name(af_op_kind kind);
 

@@ -34,6 +34,9 @@ typedef struct {
     int no_shifted;         /* with fuse: every window's source a kernel input (af_fuse_options) */
     int no_sink_reads;      /* with fuse and the copies rewritten: keep kernel members' reads of
                                such views as they are (default: rewritten too, af_sink_copies) */
+    int no_sink_broadcasts; /* with fuse and the copies rewritten: keep kernel members' reads of
+                               smaller pointwise values broadcast to their shape as they are
+                               (default: recomputed by the reader, AF_SINK_BROADCAST_READS) */
     int no_merge;           /* with fuse: independent groups of one loop stay separate kernels
                                (default: merged, af_fuse_options) */
     int lazy_jit;           /* with fuse: generate the kernels now, compile and load them at the

@@ -142,6 +142,10 @@ def sink_reads() -> bool:
     return os.environ.get("AOTFUSE_SINK_READS", "1") not in ("", "0")
 
 
+def sink_broadcasts() -> bool:
+    return os.environ.get("AOTFUSE_SINK_BROADCASTS", "1") not in ("", "0")
+
+
 def window_sources() -> bool:
     return os.environ.get("AOTFUSE_WINDOW_SOURCES", "1") not in ("", "0")
 

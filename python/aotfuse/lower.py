@@ -919,6 +919,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
     try:
         program = _C.Program(b.graph, fuse=fuse, devices=config.kernel_devices(), reuse=config.reuse_buffers(),
                              sink=config.sink_copies(), sink_reads=config.sink_reads(),
+                             sink_broadcasts=config.sink_broadcasts(),
                              window_sources=config.window_sources(), merge=config.merge_kernels(), lazy_jit=lazy,
                              huge_pages=config.huge_pages(),
                              templates=config.kernel_templates() and not torch.are_deterministic_algorithms_enabled())

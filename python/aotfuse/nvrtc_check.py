@@ -69,8 +69,8 @@ def cuda_sources(gms: list[tuple[str, torch.fx.GraphModule]], sm_count: int = 13
     out = []
     for name, gm in gms:
         b = build_graph(gm, device="cuda:0")
-        sunk, _origin = (_C.sink_copies(b.graph, devices="cuda", reads=config.sink_reads()) if config.sink_copies()
-                         else (None, None))
+        sunk, _origin = (_C.sink_copies(b.graph, devices="cuda", reads=config.sink_reads(),
+                                        broadcasts=config.sink_broadcasts()) if config.sink_copies() else (None, None))
         source, launches = _C.cuda_codegen(sunk or b.graph, sm_count=sm_count, window_sources=config.window_sources(),
                                            merge=config.merge_kernels())
         out.append((name, source, launches))

@@ -455,6 +455,84 @@ static void test_a_box_fill_reader_is_cut_onto_the_finer_shape(void **state) {
     }
 }
 
+/* A broadcast read: x = neg(w) over [8], read by y = mul(a, x) and z = add(y, x) over [4, 3, 8].
+ * Each reader recomputes x over its own shape from one as_strided view of w (stride 0 on the
+ * broadcast dims, made once for both), x is gone, and the rewritten graph is one kernel. Left as
+ * it is: with view reads only; where x is an exp (evaluated per element of the loop, it costs);
+ * where an extern reads x too (it is stored anyway); and where x's source is a kernel's value (a
+ * row's sum: its readers' kernel computes it). */
+static void test_a_smaller_value_read_by_broadcast_is_recomputed_by_its_readers(void **state) {
+    (void)state;
+    static const int64_t s3[3] = {4, 3, 8}, t3[3] = {24, 8, 1}, s1[1] = {8}, t1[1] = {1}, bw[3] = {0, 0, 1};
+    static const int64_t s31[3] = {4, 3, 1}, t31[3] = {3, 1, 1}, s88[2] = {8, 8}, t88[2] = {8, 1};
+    enum { PLAIN, VIEW_READS_ONLY, EXPENSIVE, EXTERN_READER, KERNEL_SOURCE, CASES };
+    for (int c = 0; c < CASES; c++) {
+        af_graph *g;
+        assert_int_equal(af_graph_new(&g), AF_OK);
+        int32_t a, w;
+        af_tensor_meta ma = meta(3, s3, t3, 0), mw = meta(1, s1, t1, 0);
+        assert_int_equal(af_graph_add_input(g, "a", &ma, &a), AF_OK);
+        assert_int_equal(af_graph_add_input(g, "w", &mw, &w), AF_OK);
+        int32_t x;
+        if (c == KERNEL_SOURCE) { /* x = neg(sum(a, [2], keepdim)) over [4, 3, 1] */
+            af_arg items[1], dims = ints(items, (const int64_t[]){2}, 1);
+            int32_t r = add_node(g, "aten::sum.dim_IntList", (af_arg[]){val(a), dims, {.kind = AF_ARG_BOOL, .u.i = 1}}, 3,
+                                 meta(3, s31, t31, 0));
+            x = add_node(g, "aten::neg.default", (af_arg[]){val(r)}, 1, meta(3, s31, t31, 0));
+        } else {
+            x = add_node(g, c == EXPENSIVE ? "aten::exp.default" : "aten::neg.default", (af_arg[]){val(w)}, 1, meta(1, s1, t1, 0));
+        }
+        int32_t y = add_node(g, "aten::mul.Tensor", (af_arg[]){val(a), val(x)}, 2, meta(3, s3, t3, 0));
+        int32_t z = add_node(g, "aten::add.Tensor", (af_arg[]){val(y), val(x)}, 2, meta(3, s3, t3, 0));
+        int32_t outs[2] = {z, -1}, n_outs = 1;
+        if (c == EXTERN_READER) {
+            af_arg items[2];
+            int32_t v = add_node(g, "aten::view.default", (af_arg[]){val(x), ints(items, (const int64_t[]){8, 1}, 2)}, 2,
+                                 meta(2, (const int64_t[]){8, 1}, (const int64_t[]){1, 1}, 0));
+            outs[n_outs++] = add_node(g, "aten::mm.default", (af_arg[]){val(v), val(v)}, 2, meta(2, s88, t88, 0));
+        }
+        assert_int_equal(af_graph_set_outputs(g, outs, n_outs), AF_OK);
+        af_graph *out = NULL;
+        int32_t n = -1, *origin = NULL;
+        int mask = c == VIEW_READS_ONLY ? AF_SINK_VIEW_READS : AF_SINK_VIEW_READS | AF_SINK_BROADCAST_READS;
+        assert_int_equal(af_sink_copies(g, 0, mask, &out, &n, &origin), AF_OK);
+        if (c != PLAIN) {
+            assert_null(out);
+            assert_int_equal(n, 0);
+            af_graph_free(g);
+            continue;
+        }
+        assert_non_null(out);
+        assert_int_equal(n, 2);
+        /* as_strided(w), neg, mul, neg, add */
+        assert_int_equal(af_graph_num_nodes(out), 5);
+        const af_node *vw = node_at(out, 0, "aten::as_strided.default"), *n1 = node_at(out, 1, "aten::neg.default");
+        const af_node *mul = node_at(out, 2, "aten::mul.Tensor"), *n2 = node_at(out, 3, "aten::neg.default");
+        const af_node *add = node_at(out, 4, "aten::add.Tensor");
+        assert_int_equal(vw->args[0].u.value, af_graph_input(out, 1));
+        assert_meta(&af_graph_value(out, vw->first_output)->meta, 3, s3, bw, 0);
+        assert_int_equal(n1->args[0].u.value, vw->first_output);
+        assert_int_equal(n2->args[0].u.value, vw->first_output); /* the one view, for both readers */
+        assert_meta(&af_graph_value(out, n1->first_output)->meta, 3, s3, t3, 0);
+        assert_meta(&af_graph_value(out, n2->first_output)->meta, 3, s3, t3, 0);
+        assert_int_equal(mul->args[1].u.value, n1->first_output);
+        assert_int_equal(add->args[0].u.value, mul->first_output);
+        assert_int_equal(add->args[1].u.value, n2->first_output);
+        assert_int_equal(origin[vw->first_output], w);
+        assert_int_equal(origin[n1->first_output], x); /* each recomputed value stands for x */
+        assert_int_equal(origin[n2->first_output], x);
+        free(origin);
+        af_fusion_plan *plan; /* one kernel reading a and the view of w */
+        assert_int_equal(af_fuse_plan_new(out, NULL, &plan), AF_OK);
+        assert_int_equal(plan->n_groups, 1);
+        assert_int_equal(plan->groups[0].n_inputs, 2);
+        assert_int_equal(plan->groups[0].n_outputs, 1);
+        af_fuse_plan_free(plan);
+        af_graph_free(out);
+        af_graph_free(g);
+    }
+}
+
 static void test_bad_arguments(void **state) {
     (void)state;
     af_graph *out;
@@ -478,6 +556,7 @@ int main(void) {
         cmocka_unit_test(test_a_source_read_as_it_is_takes_no_view),
         cmocka_unit_test(test_a_split_read_computes_its_reader_over_the_finer_shape),
         cmocka_unit_test(test_a_box_fill_reader_is_cut_onto_the_finer_shape),
+        cmocka_unit_test(test_a_smaller_value_read_by_broadcast_is_recomputed_by_its_readers),
         cmocka_unit_test(test_bad_arguments),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
