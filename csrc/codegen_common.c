@@ -169,6 +169,50 @@ static void emit_row_reciprocal(af_strbuf *sb, const af_graph *g, const af_fusio
         }
 }
 
+/* Whether scalar x is a value of 16-bit float type d (bf16: 8 significant bits and float's range;
+ * f16: 11 significant bits, normal from 2^-14 to 65504, subnormal down to 2^-24). */
+static int scalar_exact_16(double x, af_dtype d) {
+    if (isnan(x) || isinf(x) || x == 0.0) return 1;
+    if ((double)(float)x != x) return 0;
+    int e;
+    double m = frexp(fabs(x), &e); /* |x| = m * 2^e, m in [0.5, 1) */
+    if (d == AF_DTYPE_BFLOAT16) return e >= -125 && e <= 128 && ldexp(m, 8) == floor(ldexp(m, 8));
+    if (fabs(x) > 65504.0) return 0;
+    int bits = e >= -13 ? 11 : 11 - (-13 - e); /* below 2^-14 the significand loses bits */
+    return bits > 0 && ldexp(m, bits) == floor(ldexp(m, bits));
+}
+
+/* Whether argument a of a member, as the kernel holds it (a float), is a value of 16-bit type d:
+ * a tensor of type d (loaded from d's storage, or a member's value rounded to d, or exact: below)
+ * or bool, or a scalar d can hold. A window member's value is not assumed to be (its fill). */
+static int arg_exact_16(const af_graph *g, const af_arg *a, af_dtype d) {
+    if (a->kind == AF_ARG_BOOL) return 1;
+    if (a->kind == AF_ARG_FLOAT || a->kind == AF_ARG_INT) return scalar_exact_16(a->kind == AF_ARG_FLOAT ? a->u.f : (double)a->u.i, d);
+    if (a->kind != AF_ARG_VALUE) return 0;
+    const af_value *v = af_graph_value(g, a->u.value);
+    if (v->meta.dtype == AF_DTYPE_BOOL) return 1;
+    return v->meta.dtype == d && (v->producer < 0 || !af_fuse_window(g, v->producer, NULL));
+}
+
+/* Whether node n's value (16-bit type d) needs no rounding: its op gives one of its operands, or
+ * an integer of one, or a sign, and those operands are values of d (arg_exact_16): a selection
+ * between bf16 values (cross entropy's `where(target == i, logit, -inf)`), a max, a copy. */
+static int exact_16(const af_graph *g, const af_node *n, af_dtype d) {
+    int first = 0, last = -1; /* the arguments the value is taken from */
+    switch (n->op_id) {
+    case AF_OP_SIGN: return 1;
+    case AF_OP_WHERE: first = 1, last = 2; break;
+    case AF_OP_MAXIMUM: case AF_OP_MINIMUM: case AF_OP_CLAMP_MIN: case AF_OP_CLAMP_MAX: last = 1; break;
+    case AF_OP_ABS: case AF_OP_NEG: case AF_OP_RELU: case AF_OP_FLOOR: case AF_OP_CEIL: case AF_OP_TRUNC: case AF_OP_ROUND:
+    case AF_OP_CONVERT_ELEMENT_TYPE: case AF_OP_TO_COPY: case AF_OP_CLONE: case AF_OP_THRESHOLD_BACKWARD: last = 0; break;
+    default: return 0;
+    }
+    if (last >= n->n_args) return 0;
+    for (int a = first; a <= last; a++)
+        if (!arg_exact_16(g, &n->args[a], d)) return 0;
+    return 1;
+}
+
 /* `float v<out> = <the op's C expression>;`, rounded as if stored for 16-bit and bool outputs;
  * recip >= 0: a division by the row value recip, as a product with its reciprocal (row_divisor). */
 static void emit_pointwise(af_strbuf *sb, const af_graph *g, const af_node *n, const char *indent, int32_t recip) {
@@ -193,7 +237,11 @@ static void emit_pointwise(af_strbuf *sb, const af_graph *g, const af_node *n, c
         }
     }
     af_strbuf_printf(sb, "; /* %s%s */\n", n->op, recip >= 0 ? ", by the reciprocal" : "");
-    /* a 16-bit or bool value rounds as if stored, so the group matches op-by-op results */
+    /* a 16-bit or bool value rounds as if stored, so the group matches op-by-op results (where
+     * it is not one already) */
+    if ((out->meta.dtype == AF_DTYPE_BFLOAT16 || out->meta.dtype == AF_DTYPE_FLOAT16) && recip < 0 &&
+        exact_16(g, n, out->meta.dtype))
+        return;
     if (out->meta.dtype == AF_DTYPE_BFLOAT16)
         af_strbuf_printf(sb, "%sv%d = af_bf16_round(v%d);\n", indent, (int)n->first_output, (int)n->first_output);
     else if (out->meta.dtype == AF_DTYPE_FLOAT16)

@@ -4,10 +4,12 @@
  * row is chosen after its loads (offset 0 where it fails); an empty input keeps the branch. The
  * values are checked against eager by tests/test_fusion.py; here the shape of the source, under
  * ASan+UBSan and valgrind like the other C tests. */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -95,12 +97,60 @@ static void test_an_empty_input_keeps_its_guarded_loads_as_branches(void **state
     free(src);
 }
 
+/* where(c, x, s) for each scalar s over a 16-bit x: the value needs no rounding where s is a value
+ * of x's type (then it is x's element or s), and is rounded where it is not. */
+static void check_where_rounding(af_dtype dtype, const double *scalars, const int *exact, int n) {
+    static const int64_t sizes[2] = {4, 40}, strides[2] = {40, 1};
+    af_tensor_meta mx = f32_cpu_meta(2, sizes, strides), mc = mx;
+    mx.dtype = dtype;
+    mc.dtype = AF_DTYPE_BOOL;
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    int32_t c, x, outs[8];
+    assert_int_equal(af_graph_add_input(g, "c", &mc, &c), AF_OK);
+    assert_int_equal(af_graph_add_input(g, "x", &mx, &x), AF_OK);
+    for (int k = 0; k < n; k++) {
+        af_arg args[3] = {{.kind = AF_ARG_VALUE, .u.value = c}, {.kind = AF_ARG_VALUE, .u.value = x},
+                          {.kind = AF_ARG_FLOAT, .u.f = scalars[k]}};
+        assert_int_equal(af_graph_add_node(g, "aten::where.self", args, 3, &mx, 1, &outs[k]), AF_OK);
+    }
+    assert_int_equal(af_graph_set_outputs(g, outs, n), AF_OK);
+    assert_int_equal(af_graph_verify(g), AF_OK);
+    af_fusion_plan *plan;
+    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+    char *src = NULL;
+    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
+    for (int k = 0; k < n; k++) {
+        char line[64];
+        snprintf(line, sizeof line, "v%d = af_%s_round(v%d);", (int)outs[k], dtype == AF_DTYPE_BFLOAT16 ? "bf16" : "f16",
+                 (int)outs[k]);
+        if (exact[k]) assert_null(strstr(src, line));
+        else assert_non_null(strstr(src, line));
+    }
+    free(src);
+    af_fuse_plan_free(plan);
+    af_graph_free(g);
+}
+
+static void test_a_16_bit_selection_of_16_bit_values_is_not_rounded_again(void **state) {
+    (void)state;
+    /* bf16: -inf, 0.5 and 3 * 2^100 are values; 0.1, 1 + 2^-8 (9 significant bits) are not */
+    const double bf[5] = {-INFINITY, 0.5, 3.0 * 0x1p100, 0.1, 1.0 + 0x1p-8};
+    const int bf_exact[5] = {1, 1, 1, 0, 0};
+    check_where_rounding(AF_DTYPE_BFLOAT16, bf, bf_exact, 5);
+    /* f16: 65504 and 2^-24 (its least subnormal) and 1 + 2^-10 are values; 65536, 2^-25, 3 * 2^-24 + 2^-25 are not */
+    const double h[6] = {65504.0, 0x1p-24, 1.0 + 0x1p-10, 65536.0, 0x1p-25, 3.0 * 0x1p-24 + 0x1p-25};
+    const int h_exact[6] = {1, 1, 1, 0, 0, 0};
+    check_where_rounding(AF_DTYPE_FLOAT16, h, h_exact, 6);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_a_padded_row_is_split_where_its_guard_changes),
         cmocka_unit_test(test_a_guard_the_row_does_not_move_is_chosen_after_its_loads),
         cmocka_unit_test(test_both_dims_padded_split_the_row_and_choose_the_rows),
         cmocka_unit_test(test_an_empty_input_keeps_its_guarded_loads_as_branches),
+        cmocka_unit_test(test_a_16_bit_selection_of_16_bit_values_is_not_rounded_again),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
