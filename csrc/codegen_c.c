@@ -262,10 +262,26 @@ static void row_float_sums(const af_graph *g, const af_fusion_group *grp, const 
     }
 }
 
+/* Whether a kernel's loop gets AF_IVDEP (a phased kernel's passes too, where no `omp simd` says so): some output may be written into an input's
+ * tensor (af_cg_in_place_input: their pointers are not restrict) and each such pair is read and
+ * written at the same offsets throughout the loop space, so no iteration reads what another
+ * writes. */
+static int in_place_same_index(const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp) {
+    int any = 0;
+    for (int32_t k = 0; k < grp->n_outputs; k++) {
+        int32_t j = af_cg_in_place_input(g, grp, k);
+        if (j < 0) continue;
+        for (int32_t d = 0; d < sp->nd; d++)
+            if (sp->strides[j][d] != sp->strides[grp->n_inputs + k][d]) return 0;
+        any = 1;
+    }
+    return any;
+}
+
 /* Opens a row loop over `inner` elements in chunks of AF_ROW_CHUNK (one chunk where the row is no
  * longer): declares the chunk's float sums and the simd pragma (with `clauses`, max/min ones
  * included), then `for (i = ...)`. af_cg close_row_chunks closes it, flushing the float sums. */
-static void open_row_chunks(af_strbuf *sb, int64_t inner, const char *decl, const char *clauses, const char *comment) {
+static void open_row_chunks(af_strbuf *sb, int64_t inner, const char *decl, const char *clauses, const char *comment, int ivdep) {
     if (inner > AF_ROW_CHUNK) {
         af_strbuf_printf(sb, "    for (af_idx i0 = 0; i0 < %" PRId64 "; i0 += %d) {\n", inner, AF_ROW_CHUNK);
         af_strbuf_printf(sb, "    const af_idx i1 = i0 + %d < %" PRId64 " ? i0 + %d : %" PRId64 ";\n", AF_ROW_CHUNK, inner,
@@ -275,6 +291,7 @@ static void open_row_chunks(af_strbuf *sb, int64_t inner, const char *decl, cons
     }
     if (*decl) af_strbuf_printf(sb, "   %s\n", decl);
     if (clauses && *clauses) af_strbuf_printf(sb, "    #pragma omp simd%s\n", clauses);
+    else if (ivdep) af_strbuf_printf(sb, "    AF_IVDEP\n");
     af_strbuf_printf(sb, "    for (af_idx i = i0; i < i1; i++) {%s\n", comment);
 }
 
@@ -339,7 +356,7 @@ static int emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_
         char comment[32];
         snprintf(comment, sizeof comment, " /* phase %d */", (int)ph);
         if (clauses.failed || decl.failed || flush.failed) sb->failed = 1; /* out of memory: the whole source fails */
-        open_row_chunks(sb, sp->inner, decl.buf ? decl.buf : "", clauses.buf, comment);
+        open_row_chunks(sb, sp->inner, decl.buf ? decl.buf : "", clauses.buf, comment, in_place_same_index(g, grp, sp));
         af_strbuf_printf(sb, "      af_idx s = i;\n");
         for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      af_idx o%d = b%d;\n", (int)k, (int)k);
         af_cg_emit_unflatten(sb, "      ", "af_idx", "s", "o", n_kept, nd - 1, sp->sizes, sp->strides, nops);
@@ -410,7 +427,7 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
     af_strbuf decl = {0}, flush = {0}, clauses = {0};
     if (only_sums) row_float_sums(g, grp, NULL, -1, &decl, &flush, &clauses);
     if (clauses.failed || decl.failed || flush.failed) sb->failed = 1; /* out of memory: the whole source fails */
-    open_row_chunks(sb, inner, decl.buf ? decl.buf : "", clauses.buf, "");
+    open_row_chunks(sb, inner, decl.buf ? decl.buf : "", clauses.buf, "", in_place_same_index(g, grp, &sp));
     af_strbuf_printf(sb, "      af_idx s = i;\n");
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      af_idx o%d = b%d;\n", (int)k, (int)k);
     af_cg_emit_unflatten(sb, "      ", "af_idx", "s", "o", n_kept, nd - 1, sizes, strides, nops);
@@ -491,22 +508,6 @@ static int32_t emit_parts(af_strbuf *loop, const af_graph *g, const af_fusion_gr
         free(text.buf);
     }
     return -1;
-}
-
-/* Whether a pointwise kernel's loop gets AF_IVDEP: some output may be written into an input's
- * tensor (af_cg_in_place_input: their pointers are not restrict) and each such pair is read and
- * written at the same offsets throughout the loop space, so no iteration reads what another
- * writes. */
-static int in_place_same_index(const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp) {
-    int any = 0;
-    for (int32_t k = 0; k < grp->n_outputs; k++) {
-        int32_t j = af_cg_in_place_input(g, grp, k);
-        if (j < 0) continue;
-        for (int32_t d = 0; d < sp->nd; d++)
-            if (sp->strides[j][d] != sp->strides[grp->n_inputs + k][d]) return 0;
-        any = 1;
-    }
-    return any;
 }
 
 static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, int32_t index) {

@@ -271,6 +271,34 @@ def test_an_in_place_kernels_loop_says_no_iteration_reads_what_another_writes():
     assert torch.equal(out, want)
 
 
+def _softmax_parts(x):
+    m = aten.amax.default(x, [1], True)
+    e = aten.exp.default(aten.sub.Tensor(x, m))
+    return (aten.mul.Tensor(e, aten.reciprocal.default(aten.sum.dim_IntList(e, [1], True))),)
+
+
+def test_a_phased_kernels_in_place_pass_says_no_iteration_reads_what_another_writes():
+    """A row kernel of three passes (max; exp and sum; scale) writing its output into its input's
+    tensor: the storing pass has no `omp simd` (no reduction), and GCC vectorized it only behind a
+    run-time overlap check, which the in-place pair fails (Bert's bf16 cross entropy backward 4.08
+    -> 3.89 ms with the pragma); so that pass carries AF_IVDEP too. Written in place, the values
+    of the kernel writing a fresh tensor, and softmax's."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 128)
+    prog = _program(_softmax_parts, x)
+    assert "AF_IVDEP\n    for (af_idx i = i0; i < i1; i++) { /* phase 2 */" in prog.source, prog.source
+    assert prog.source.count("AF_IVDEP\n    for") == 1, prog.source  # phases 0 and 1 have omp simd
+    want = _program(_softmax_parts, x, reuse=False).run([x])[0]
+    mine = x.clone()
+    ptr = mine.data_ptr()
+    args = [mine]
+    del mine
+    out = prog.run(args)[0]
+    assert out.data_ptr() == ptr, "not written in place"
+    assert torch.equal(out, want)
+    assert_close(out, torch.softmax(x, 1), "in-place softmax")
+
+
 _HELD = ["the tensor", "a view of it", "its storage through another tensor", "its storage object", "numpy memory"]
 
 
