@@ -195,12 +195,21 @@ static int arg_exact_16(const af_graph *g, const af_arg *a, af_dtype d) {
 }
 
 /* Whether node n's value (16-bit type d) needs no rounding: its op gives one of its operands, or
- * an integer of one, or a sign, and those operands are values of d (arg_exact_16): a selection
- * between bf16 values (cross entropy's `where(target == i, logit, -inf)`), a max, a copy. */
+ * an integer of one, or a sign, or a product by a bool, and those operands are values of d
+ * (arg_exact_16): a selection between bf16 values (cross entropy's `where(target == i, logit,
+ * -inf)`), a max, a copy, a one-hot mask's product. */
 static int exact_16(const af_graph *g, const af_node *n, af_dtype d) {
     int first = 0, last = -1; /* the arguments the value is taken from */
     switch (n->op_id) {
     case AF_OP_SIGN: return 1;
+    case AF_OP_MUL: /* by a bool: the value or a zero (a one-hot mask's product) */
+        for (int a = 0; a < 2 && n->n_args >= 2; a++) {
+            const af_arg *m = &n->args[a];
+            int is_bool = m->kind == AF_ARG_BOOL ||
+                          (m->kind == AF_ARG_VALUE && af_graph_value(g, m->u.value)->meta.dtype == AF_DTYPE_BOOL);
+            if (is_bool && arg_exact_16(g, &n->args[1 - a], d)) return 1;
+        }
+        return 0;
     case AF_OP_WHERE: first = 1, last = 2; break;
     case AF_OP_MAXIMUM: case AF_OP_MINIMUM: case AF_OP_CLAMP_MIN: case AF_OP_CLAMP_MAX: last = 1; break;
     case AF_OP_ABS: case AF_OP_NEG: case AF_OP_RELU: case AF_OP_FLOOR: case AF_OP_CEIL: case AF_OP_TRUNC: case AF_OP_ROUND:

@@ -891,7 +891,7 @@ def test_16_bit_values_a_selection_gives_exactly_are_not_rounded_again(dtype):
         picked = torch.where(c, x, float("-inf"))
         top = torch.maximum(x, y).clone()
         odd = torch.where(c, x, 0.1)
-        return picked.amax(-1), top * 3, odd + 1, c.to(dtype) * x
+        return picked.amax(-1), top * 3, odd + 1, c.to(dtype) * x, c * y
 
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randn(8, 40, generator=g).to(dtype) for _ in range(2))
@@ -910,7 +910,10 @@ def test_16_bit_values_a_selection_gives_exactly_are_not_rounded_again(dtype):
     assert len(by_op["aten::where.self"]) == 2, source
     for op in ("aten::where.self", "aten::maximum.default", "aten::clone.default"):
         assert not rounded & set(by_op[op]), (op, source)
-    assert set(by_op["aten::mul.Tensor"]) <= rounded, source
+    # products: by 3 and by the bool's 16-bit upcast rounded; by the bool itself (c * y) not
+    muls = by_op["aten::mul.Tensor"]
+    assert len(muls) == 3 and len(set(muls) & rounded) == 2, source
+    assert re.search(rf"float ({'|'.join(sorted(set(muls) - rounded))}) = \(v\d+ \* v\d+\); /\* aten::mul", source), source
 
 
 def _bf16_norms_mlp():
