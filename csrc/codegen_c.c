@@ -93,21 +93,18 @@ static const char *const prelude =
     "}\n"
     /* The bits of a value af_bf16_round made: its upper half, no rounding left to do. */
     "AF_INLINE uint16_t af_bf16_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return (uint16_t)(u >> 16); }\n"
+    /* fp16 loads and stores without branches, so that loops over fp16 tensors vectorize (GCC left
+     * them scalar, and a subnormal's float arithmetic stalls): the same bits as the branchy
+     * conversions for every half and every float (checked over all 2^16 and 2^32). A load: the
+     * exponent rebiased (subnormals: the integer times 2^-24); a store: af_f16_round's float, whose
+     * bits then shift into place (subnormals: the float times 2^24, an integer). */
     "AF_INLINE float af_f16_load(uint16_t h) {\n"
-    "  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;\n"
-    "  if (e == 0) { float f = (float)m * 5.9604644775390625e-8f; return sign ? -f : f; }\n"
-    "  u = e == 31 ? (sign | 0x7f800000u | (m << 13)) : (sign | ((e + 112u) << 23) | (m << 13));\n"
-    "  float f; memcpy(&f, &u, 4); return f;\n"
-    "}\n"
-    "AF_INLINE uint16_t af_f16_store(float f) {\n"
-    "  uint32_t x; memcpy(&x, &f, 4);\n"
-    "  uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;\n"
-    "  if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));\n"
-    "  if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);\n"
-    "  if (ax < 0x38800000u) { float a; memcpy(&a, &ax, 4); return (uint16_t)(sign | (uint32_t)nearbyintf(a * 16777216.0f)); }\n"
-    "  uint32_t h = (((ax >> 23) - 112u) << 10) | ((ax >> 13) & 0x3ffu), r = ax & 0x1fffu;\n"
-    "  if (r > 0x1000u || (r == 0x1000u && (h & 1u))) h++;\n"
-    "  return (uint16_t)(sign | h);\n"
+    "  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, em = h & 0x7fffu;\n"
+    "  uint32_t u = em >= 0x7c00u ? (0x7f800000u | ((em & 0x3ffu) << 13)) : ((em << 13) + 0x38000000u);\n"
+    "  float f, sub = (float)(int32_t)em * 5.9604644775390625e-8f;\n"
+    "  memcpy(&f, &u, 4);\n"
+    "  f = em < 0x400u ? sub : f;\n"
+    "  memcpy(&u, &f, 4); u |= sign; memcpy(&f, &u, 4); return f;\n"
     "}\n"
     /* af_f16_load(af_f16_store(f)) without branches, in float: 13 mantissa bits rounded off (to
      * nearest even), subnormal halves to a multiple of 2^-24, past 65504 infinity, NaN quiet. */
@@ -119,6 +116,15 @@ static const char *const prelude =
     "  n = ax < 0x38800000u ? t : n;\n"
     "  n = ax > 0x7f800000u ? 0x7fc00000u : n;\n"
     "  n |= u & 0x80000000u; memcpy(&f, &n, 4); return f;\n"
+    "}\n"
+    "AF_INLINE uint16_t af_f16_store(float f) {\n"
+    "  float r = af_f16_round(f);\n"
+    "  uint32_t u; memcpy(&u, &r, 4);\n"
+    "  uint32_t sign = (u >> 16) & 0x8000u, ax = u & 0x7fffffffu;\n"
+    "  float a; memcpy(&a, &ax, 4);\n"
+    "  uint32_t h = ax < 0x38800000u ? (uint32_t)(int32_t)(a * 16777216.0f) : (ax >> 13) - 0x1c000u;\n"
+    "  h = ax >= 0x7f800000u ? (ax > 0x7f800000u ? 0x7e00u : 0x7c00u) : h;\n"
+    "  return (uint16_t)(sign | h);\n"
     "}\n"
     /* exp, erf and tanh as branch-free polynomials, so that loops calling them vectorize (libm's
      * are scalar calls). exp: Cephes' reduction and degree-6 polynomial, within 1.5 ulp of the exact

@@ -2019,6 +2019,27 @@ def test_16_bit_rounding_in_kernels_matches_eager_bit_for_bit(dtype):
                                   f"first at x = {x[keep][bad[0]].item()!r}")
 
 
+def test_every_half_loads_and_stores_as_eager_converts_it_without_branches():
+    """fp16 loads and stores in C kernels are branch-free, so that loops over fp16 tensors vectorize
+    (a GPT2 fp16 GELU backward kernel: 35 -> 4.7 ms; its training step went from 140% to 92% of
+    eager's): every one of the 2^16 halves (subnormals, infinities, NaNs) loads as eager converts it,
+    and stores back to its own bits."""
+    h = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    f = lambda h: (h.float() * 1.0, (h.float() * 1.0).to(torch.float16))
+    low = lower(make_fx(f)(h))
+    src = low.program.source
+    for fn in ("af_f16_load", "af_f16_store"):
+        body = src[src.index(f"AF_INLINE {'float' if fn == 'af_f16_load' else 'uint16_t'} {fn}("):]
+        body = body[:body.index("\n}\n")]
+        assert "if (" not in body, body
+    loaded, stored = low([h])
+    ref_loaded, ref_stored = f(h)
+    nan = ref_loaded.isnan()
+    assert torch.equal(loaded.isnan(), nan) and torch.equal(stored.isnan(), nan)
+    assert torch.equal(loaded[~nan].view(torch.int32), ref_loaded[~nan].view(torch.int32))
+    assert torch.equal(stored[~nan].view(torch.int16), h[~nan].view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_16_bit_windows_fill_is_the_value_its_dtype_holds(dtype):
     """A pad of a bf16/f16 tensor with 0.1 holds 0.1 as the dtype rounds it (0.10009765625 in bf16),
