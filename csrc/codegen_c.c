@@ -107,11 +107,13 @@ static const char *const prelude =
     "  memcpy(&u, &f, 4); u |= sign; memcpy(&f, &u, 4); return f;\n"
     "}\n"
     /* af_f16_load(af_f16_store(f)) without branches, in float: 13 mantissa bits rounded off (to
-     * nearest even), subnormal halves to a multiple of 2^-24, past 65504 infinity, NaN quiet. */
+     * nearest even), subnormal halves to a multiple of 2^-24 (below 2^-14, a + 0.5 rounds a there:
+     * the float spacing at 0.5 is 2^-24; the subtraction is exact), past 65504 infinity, NaN quiet.
+     * The same bits as the branchy conversions for every float. */
     "AF_INLINE float af_f16_round(float f) {\n"
     "  uint32_t u; memcpy(&u, &f, 4);\n"
     "  uint32_t ax = u & 0x7fffffffu, n = (ax + 0xfffu + ((ax >> 13) & 1u)) & ~0x1fffu, t;\n"
-    "  float a; memcpy(&a, &ax, 4); a = nearbyintf(a * 16777216.0f) * 5.9604644775390625e-8f; memcpy(&t, &a, 4);\n"
+    "  float a; memcpy(&a, &ax, 4); a = (a + 0.5f) - 0.5f; memcpy(&t, &a, 4);\n"
     "  n = n > 0x477fe000u ? 0x7f800000u : n;\n"
     "  n = ax < 0x38800000u ? t : n;\n"
     "  n = ax > 0x7f800000u ? 0x7fc00000u : n;\n"
