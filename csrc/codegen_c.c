@@ -270,8 +270,9 @@ static void row_float_sums(const af_graph *g, const af_fusion_group *grp, const 
     }
 }
 
-/* Whether a kernel's loop gets AF_IVDEP (a phased kernel's passes too, where no `omp simd` says so): some output may be written into an input's
- * tensor (af_cg_in_place_input: their pointers are not restrict) and each such pair is read and
+/* Whether a kernel's loop gets AF_IVDEP (a phased kernel's passes too, where no `omp simd` says
+ * so): some output may be written into an input's tensor (af_cg_in_place_input: their pointers
+ * are not restrict) and each such pair is read and
  * written at the same offsets throughout the loop space, so no iteration reads what another
  * writes. */
 static int in_place_same_index(const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp) {

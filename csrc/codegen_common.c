@@ -182,15 +182,19 @@ static int scalar_exact_16(double x, af_dtype d) {
     return bits > 0 && ldexp(m, bits) == floor(ldexp(m, bits));
 }
 
+/* Whether argument a is a bool (a scalar, or a tensor of bools: 0 or 1 as the kernel holds it). */
+static int arg_bool(const af_graph *g, const af_arg *a) {
+    return a->kind == AF_ARG_BOOL || (a->kind == AF_ARG_VALUE && af_graph_value(g, a->u.value)->meta.dtype == AF_DTYPE_BOOL);
+}
+
 /* Whether argument a of a member, as the kernel holds it (a float), is a value of 16-bit type d:
  * a tensor of type d (loaded from d's storage, or a member's value rounded to d, or exact: below)
  * or bool, or a scalar d can hold. A window member's value is not assumed to be (its fill). */
 static int arg_exact_16(const af_graph *g, const af_arg *a, af_dtype d) {
-    if (a->kind == AF_ARG_BOOL) return 1;
+    if (arg_bool(g, a)) return 1;
     if (a->kind == AF_ARG_FLOAT || a->kind == AF_ARG_INT) return scalar_exact_16(a->kind == AF_ARG_FLOAT ? a->u.f : (double)a->u.i, d);
     if (a->kind != AF_ARG_VALUE) return 0;
     const af_value *v = af_graph_value(g, a->u.value);
-    if (v->meta.dtype == AF_DTYPE_BOOL) return 1;
     return v->meta.dtype == d && (v->producer < 0 || !af_fuse_window(g, v->producer, NULL));
 }
 
@@ -203,12 +207,8 @@ static int exact_16(const af_graph *g, const af_node *n, af_dtype d) {
     switch (n->op_id) {
     case AF_OP_SIGN: return 1;
     case AF_OP_MUL: /* by a bool: the value or a zero (a one-hot mask's product) */
-        for (int a = 0; a < 2 && n->n_args >= 2; a++) {
-            const af_arg *m = &n->args[a];
-            int is_bool = m->kind == AF_ARG_BOOL ||
-                          (m->kind == AF_ARG_VALUE && af_graph_value(g, m->u.value)->meta.dtype == AF_DTYPE_BOOL);
-            if (is_bool && arg_exact_16(g, &n->args[1 - a], d)) return 1;
-        }
+        for (int a = 0; a < 2 && n->n_args >= 2; a++)
+            if (arg_bool(g, &n->args[a]) && arg_exact_16(g, &n->args[1 - a], d)) return 1;
         return 0;
     case AF_OP_WHERE: first = 1, last = 2; break;
     case AF_OP_MAXIMUM: case AF_OP_MINIMUM: case AF_OP_CLAMP_MIN: case AF_OP_CLAMP_MAX: last = 1; break;
