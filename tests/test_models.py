@@ -143,6 +143,37 @@ def test_batchnorm_in_bfloat16_updates_running_stats_in_kernels():
     assert programs and all(p.kernel_fallbacks == 0 for p in programs), [p.kernel_fallbacks for p in programs]
 
 
+def test_a_bf16_batch_norms_running_stats_saved_for_the_backward_arrive_as_they_run():
+    """A CPU batch norm in bfloat16 returns its new running statistics in bfloat16 (torch's meta
+    function says float32), and `native_batch_norm_backward` takes them as arguments. In this net the
+    min-cut saves the third norm's new running mean itself for the backward: its placeholder there
+    must say bfloat16 too (lower.set_real_dtypes on the joint graph), or the backward program refuses
+    the tensor the forward made ("input getitem_10: dtype code 15, the program was compiled for
+    float32"; Hugging Face's ResNet in bf16 failed so)."""
+    from aotfuse.testing import compare_models
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 2, 1),
+                             nn.BatchNorm2d(2), nn.ReLU(), nn.Conv2d(2, 2, 3, padding=1), nn.BatchNorm2d(2), nn.ReLU())
+
+    holder = []
+
+    def compile_fn(model):
+        compiled = aotfuse.memory_efficient_fusion(model)
+        holder.append(compiled)
+        return compiled
+
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    report = compare_models(make, lambda: (x.clone(),), dtype=torch.bfloat16, steps=3, name="conv-bn",
+                            compile_fn=compile_fn)
+    report.assert_ok()
+    assert report.kernel_fallbacks == 0, report
+    (rec,) = holder[0]._aotfuse_compiled.records
+    saved = {n.name: n.meta["val"].dtype for n in rec.graphs["backward"].graph.nodes if n.op == "placeholder"}
+    assert saved.get("getitem_10") == torch.bfloat16, saved
+
+
 def test_dropout_p0():
     check_module(DropoutZero(), torch.randn(5, 12), steps=3)
 

@@ -653,6 +653,44 @@ def _real_dtypes(gm: fx.GraphModule) -> dict:
     return {n: f for n, f in fixes.items() if f}
 
 
+def _retyped(val: Any, dtype: torch.dtype) -> Any:
+    """A traced value like val (a fake tensor: same sizes, strides and device) in another dtype."""
+    if not isinstance(val, torch.Tensor) or val.dtype == dtype:
+        return val
+    mode = getattr(val, "fake_mode", None)
+    if mode is None:
+        return torch.empty_strided(val.shape, val.stride(), dtype=dtype, device="meta")
+    with mode:
+        return torch.empty_strided(val.shape, val.stride(), dtype=dtype, device=val.device)
+
+
+def set_real_dtypes(gm: fx.GraphModule) -> int:
+    """Writes the run-time dtype of the values _real_dtypes finds into gm's traced metadata, in
+    place: the node's own value and the getitem nodes reading it. Run on a joint graph before it is
+    cut, so that the forward and backward graphs cut from it agree with what runs: a saved value's
+    backward placeholder copies its node's metadata (a bf16 batch norm's new running mean, saved
+    for the backward's `native_batch_norm_backward`, is bf16 at run time, float32 in the trace; the
+    backward program refused it). Returns how many values changed."""
+    changed = 0
+    for node, fixes in _real_dtypes(gm).items():
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            node.meta["val"] = _retyped(val, fixes[0])
+            changed += 1
+            continue
+        if not isinstance(val, (list, tuple)):
+            continue
+        vals = list(val)
+        for k, dtype in fixes.items():
+            vals[k] = _retyped(vals[k], dtype)
+            changed += 1
+        node.meta["val"] = type(val)(vals)
+        for user in node.users:
+            if user.op == "call_function" and user.target is operator.getitem and user.args[1] in fixes:
+                user.meta["val"] = vals[user.args[1]]
+    return changed
+
+
 def _with_dtype(meta: tuple, dtype: torch.dtype | None) -> tuple:
     return meta if dtype is None or meta[0] != "tensor" else (meta[0], _DTYPE_NAMES[dtype]) + meta[2:]
 

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from . import _C, config, shapes
-from .lower import build_graph
+from .lower import build_graph, set_real_dtypes
 from .rng import share_seeds
 from .shapes import same
 
@@ -273,6 +273,7 @@ def _partition(joint_module: fx.GraphModule, num_fwd_outputs: int, min_cut: bool
         _drop_identity_clones(joint_module.graph)
     _merge_duplicate_getitems(joint_module.graph)
     share_seeds(joint_module)  # one seed draw for all dropouts, before the seeds are saved
+    set_real_dtypes(joint_module)  # the forward's outputs and the backward's inputs as they run
     # a symbolic graph (a shape family's, shapes.py) is decided at the sizes it was traced at, on a
     # concrete copy whose nodes have the same names, and cut out around the same nodes
     symbolic = shapes.is_symbolic(joint_module)
