@@ -151,6 +151,65 @@ def test_fusion_choices_are_enforced(tmp_path):
         TrainingArguments(output_dir=str(tmp_path), fusion="bogus", report_to="none")
     with pytest.raises(ValueError, match="alternatives"):
         TrainingArguments(output_dir=str(tmp_path), fusion="aot", torch_compile=True, report_to="none")
+    assert _parse(tmp_path).fusion_fallback == "dynamo"
+    assert _parse(tmp_path, "--fusion_fallback", "error").fusion_fallback == "error"
+    with pytest.raises(SystemExit):
+        _parse(tmp_path, "--fusion_fallback", "bogus")
+    with pytest.raises(ValueError, match="fusion_fallback"):
+        TrainingArguments(output_dir=str(tmp_path), fusion_fallback="bogus", report_to="none")
+
+
+class _LayerDrop(torch.nn.Module):
+    """A masked-LM-shaped toy with LayerDrop as BART, OPT and Whisper have it in training: each layer
+    is skipped when `torch.rand([]) < layerdrop`, a branch on a tensor's value (no single graph)."""
+
+    def __init__(self, layerdrop: float = 0.0) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+        self.head = torch.nn.Linear(16, VOCAB)
+        self.layerdrop = layerdrop
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict:
+        h = self.emb(input_ids)
+        for layer in self.layers:
+            if self.training and torch.rand([]) < self.layerdrop:
+                continue
+            h = h + torch.tanh(layer(h))
+        logits = self.head(h)
+        return {"loss": torch.nn.functional.cross_entropy(logits.view(-1, VOCAB), labels.view(-1)), "logits": logits}
+
+
+def test_a_model_with_layerdrop_trains_through_dynamo_by_default(tmp_path):
+    """--fusion aot on a model that cannot be captured as one graph (LayerDrop) trains through
+    torch.compile(backend="aotfuse") with one warning (--fusion_fallback dynamo, the default), and
+    matches plain training; --fusion_fallback error raises CaptureError, naming the cause."""
+    import aotfuse
+
+    losses = {}
+    for fusion in ("none", "aot"):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        trainer = Trainer(model=_LayerDrop(), args=_parse(tmp_path / fusion, "--fusion", fusion, "--max_steps", "3",
+                                                          "--save_strategy", "no"),
+                          train_dataset=_Random(12, 1))
+        if fusion == "aot":
+            with pytest.warns(UserWarning, match=r"could not capture .*through torch.compile"):
+                trainer.train()
+        else:
+            trainer.train()
+        losses[fusion] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    compiled = trainer.fused_model(trainer.model_wrapped)._aotfuse_compiled
+    assert compiled._dynamo_fn is not None  # the steps ran through the Dynamo fallback
+    assert len(losses["aot"]) == len(losses["none"]) == 3
+    torch.testing.assert_close(torch.tensor(losses["aot"]), torch.tensor(losses["none"]), atol=ATOL, rtol=RTOL)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    trainer = Trainer(model=_LayerDrop(), args=_parse(tmp_path / "error", "--fusion", "aot", "--fusion_fallback", "error",
+                                                      "--max_steps", "1", "--save_strategy", "no"),
+                      train_dataset=_Random(4, 1))
+    with pytest.raises(aotfuse.CaptureError, match="_local_scalar_dense"):
+        trainer.train()
 
 
 def test_run_mlm_example(tmp_path, monkeypatch):

@@ -28,11 +28,13 @@ import transformers
 __all__ = ["TrainingArguments", "Trainer", "FUSION_CHOICES"]
 
 FUSION_CHOICES = ("none", "aot")
+FALLBACK_CHOICES = ("dynamo", "eager", "error")
 
 
 @dataclasses.dataclass
 class TrainingArguments(transformers.TrainingArguments):
-    """transformers.TrainingArguments plus `fusion` ("none" or "aot")."""
+    """transformers.TrainingArguments plus `fusion` ("none" or "aot") and `fusion_fallback`
+    ("dynamo", "eager" or "error")."""
 
     fusion: str = dataclasses.field(
         default="none",
@@ -40,11 +42,24 @@ class TrainingArguments(transformers.TrainingArguments):
                           "aotfuse.memory_efficient_fusion, 'none' trains it as it is.",
                   "choices": list(FUSION_CHOICES)},
     )
+    # A model aotfuse cannot capture as one graph (LayerDrop's `torch.rand([]) < p`: BART, OPT,
+    # Whisper, Wav2Vec2 in training) still trains: by default through Dynamo, which splits the graph
+    # there and gives aotfuse the pieces (memory_efficient_fusion's own default is "error").
+    fusion_fallback: str = dataclasses.field(
+        default="dynamo",
+        metadata={"help": "With --fusion aot, for a model that cannot be captured as one graph: 'dynamo' "
+                          "compiles its pieces under torch.compile(backend='aotfuse'), 'eager' trains it "
+                          "uncompiled, 'error' raises aotfuse.CaptureError (each of the first two warns once).",
+                  "choices": list(FALLBACK_CHOICES)},
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.fusion not in FUSION_CHOICES:
             raise ValueError(f"fusion must be one of {', '.join(FUSION_CHOICES)}, got {self.fusion!r}")
+        if self.fusion_fallback not in FALLBACK_CHOICES:
+            raise ValueError(f"fusion_fallback must be one of {', '.join(FALLBACK_CHOICES)}, "
+                             f"got {self.fusion_fallback!r}")
         if self.fusion == "aot" and self.torch_compile:
             raise ValueError("--fusion aot and --torch_compile are alternatives; pick one "
                              "(for aotfuse under torch.compile, pass torch.compile(model, backend='aotfuse') as the "
@@ -54,8 +69,9 @@ class TrainingArguments(transformers.TrainingArguments):
 class Trainer(transformers.Trainer):
     """transformers.Trainer that trains through aotfuse when `args.fusion == "aot"`.
 
-    `fusion_kwargs` (a class or instance attribute) is passed to memory_efficient_fusion, e.g.
-    `{"fallback": "eager"}` to train a model that cannot be captured eagerly instead of failing.
+    `fusion_kwargs` (a class or instance attribute) is passed to memory_efficient_fusion, after
+    `fallback=args.fusion_fallback` ("dynamo" unless --fusion_fallback says otherwise), which it may
+    override.
     """
 
     fusion_kwargs: dict[str, Any] = {}
@@ -85,7 +101,8 @@ class Trainer(transformers.Trainer):
         if self.accelerator.unwrap_model(model) is not model:
             raise ValueError(f"--fusion aot cannot compile a {type(model).__name__}-wrapped model; "
                              "it supports single-process, single-device training for now")
-        fused = memory_efficient_fusion(model, **self.fusion_kwargs)
+        kwargs = {"fallback": getattr(self.args, "fusion_fallback", "dynamo"), **self.fusion_kwargs}
+        fused = memory_efficient_fusion(model, **kwargs)
         # Trainer.compute_loss picks label smoothing's label shift (causal LMs) by the class name of the
         # module it is given: let the compiled view answer with the model's own name.
         fused._get_name = model._get_name
