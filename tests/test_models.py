@@ -174,6 +174,27 @@ def test_a_bf16_batch_norms_running_stats_saved_for_the_backward_arrive_as_they_
     assert saved.get("getitem_10") == torch.bfloat16, saved
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_batch_norm_after_a_frozen_convolution_needs_no_input_gradient(dtype):
+    """Fine-tuning with the stem frozen: the first batch norm's input gradient is not needed, so its
+    `native_batch_norm_backward` runs with output_mask [False, True, True] and ATen's kernel returns
+    None there, where torch's meta function gives a tensor. The C core is told so (an "other" value,
+    lower._real_dtypes); before, the runtime stopped: "output 0 is a NoneType, the graph expects a
+    tensor" (Hugging Face's ResNet with its embedder frozen)."""
+    from aotfuse.testing import compare_models
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1), nn.BatchNorm2d(2))
+        model[0].requires_grad_(False)
+        return model
+
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    report = compare_models(make, lambda: (x.clone(),), dtype=dtype, steps=2, name="frozen-conv-bn")
+    report.assert_ok()
+    assert report.kernel_fallbacks == 0 and report.checked > 10, report
+
+
 def test_dropout_p0():
     check_module(DropoutZero(), torch.randn(5, 12), steps=3)
 

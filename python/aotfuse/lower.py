@@ -616,11 +616,18 @@ def _mixed_norm(x: Any, params: Sequence[Any]) -> bool:
         any(isinstance(w, torch.Tensor) and w.dtype != x.dtype for w in params)
 
 
-def _real_dtypes(gm: fx.GraphModule) -> dict:
-    """{node: {output index (a placeholder: 0): dtype}} where a value's dtype at run time is not its
-    traced one: the float32 statistics of mixed-type CPU norms (_MIXED_NORM_FORWARDS), in the
+# A fix of _real_dtypes: the output is None at run time.
+_NONE = "none"
+
+
+def _real_dtypes(gm: fx.GraphModule, cpu: bool = True) -> dict:
+    """{node: {output index (a placeholder: 0): dtype, or _NONE}} where a value at run time is not
+    what was traced. On any device: `native_batch_norm_backward`'s outputs that its output_mask turns
+    off are None (ATen's kernels), where the meta function gives a tensor (a frozen convolution's
+    batch norm needs no input gradient). On the CPU (cpu=False: a graph lowered for another device
+    than it was traced on): the float32 statistics of mixed-type norms (_MIXED_NORM_FORWARDS), in the
     forward that computes them and, as placeholders, in the backward that reads them; and the new
-    running statistics of a CPU batch norm in float16/bfloat16 (`_native_batch_norm_legit_functional`'s
+    running statistics of a batch norm in float16/bfloat16 (`_native_batch_norm_legit_functional`'s
     outputs 3 and 4), which ATen keeps in the running statistics' dtype where the meta function says
     float32."""
     def val(a: Any) -> Any:
@@ -630,11 +637,20 @@ def _real_dtypes(gm: fx.GraphModule) -> dict:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
+        if node.target is _aten.native_batch_norm_backward.default:
+            mask = node.args[9] if len(node.args) > 9 else node.kwargs.get("output_mask")
+            if isinstance(mask, (list, tuple)) and isinstance(node.meta.get("val"), (list, tuple)):
+                off = {k: _NONE for k, m in enumerate(mask) if not m and node.meta["val"][k] is not None}
+                if off:
+                    fixes.setdefault(node, {}).update(off)
+        if not cpu:
+            continue
         if node.target in _MIXED_NORM_FORWARDS:
             params, stats = _MIXED_NORM_FORWARDS[node.target]
             outs, x = node.meta.get("val"), val(node.args[0])
             if _mixed_norm(x, [val(node.args[i]) for i in params if i < len(node.args)]) and isinstance(outs, (list, tuple)):
-                fixes[node] = {k: torch.float32 for k in stats if k < len(outs) and outs[k].dtype != torch.float32}
+                fixes.setdefault(node, {}).update(
+                    {k: torch.float32 for k in stats if k < len(outs) and outs[k].dtype != torch.float32})
             if node.target is _aten._native_batch_norm_legit_functional.default and isinstance(x, torch.Tensor) and \
                     x.device.type == "cpu" and isinstance(outs, (list, tuple)) and len(outs) == 5:
                 for k in (3, 4):  # new running mean and variance: the dtype of the running ones (args 3, 4)
@@ -653,8 +669,11 @@ def _real_dtypes(gm: fx.GraphModule) -> dict:
     return {n: f for n, f in fixes.items() if f}
 
 
-def _retyped(val: Any, dtype: torch.dtype) -> Any:
-    """A traced value like val (a fake tensor: same sizes, strides and device) in another dtype."""
+def _retyped(val: Any, dtype: Any) -> Any:
+    """A traced value like val (a fake tensor: same sizes, strides and device) in another dtype, or
+    None for _NONE."""
+    if dtype == _NONE:
+        return None
     if not isinstance(val, torch.Tensor) or val.dtype == dtype:
         return val
     mode = getattr(val, "fake_mode", None)
@@ -691,7 +710,9 @@ def set_real_dtypes(gm: fx.GraphModule) -> int:
     return changed
 
 
-def _with_dtype(meta: tuple, dtype: torch.dtype | None) -> tuple:
+def _with_dtype(meta: tuple, dtype: Any) -> tuple:
+    if dtype == _NONE:
+        return ("other",)
     return meta if dtype is None or meta[0] != "tensor" else (meta[0], _DTYPE_NAMES[dtype]) + meta[2:]
 
 
@@ -717,7 +738,7 @@ def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = Fal
     early = {} if exact else _reductions_through_reshapes(gm, dev[0] if dev else None)
     reduced_early: dict[fx.Node, int] = {}  # reduction -> the value of its early form
     replace, unread = ({}, set()) if exact else _replacements(gm)
-    real = _real_dtypes(gm) if dev is None or dev[0] == "cpu" else {}
+    real = _real_dtypes(gm, cpu=dev is None or dev[0] == "cpu")
     for node in gm.graph.nodes:
         where = f"node {node.name} ({node.target})"
         if node.op == "placeholder":
