@@ -3,7 +3,7 @@ trained 2 SGD steps through memory_efficient_fusion against eager and float64 (a
 shape family, after two other shapes)
 (aotfuse.testing.compare_models): decoder-only models with rotary embeddings, RMS norm, SiLU
 gates and grouped-query attention (Llama, Qwen2), an encoder-decoder with relative position
-buckets (T5), a vision transformer (ViT), Bert with transformers' default attention (SDPA), and
+buckets (T5), a vision transformer (ViT), a convolutional network with batch norms (ResNet), Bert with transformers' default attention (SDPA), and
 DeBERTa-v2 (disentangled attention; its scale is a tensor built in the forward, a constant in
 both graphs)."""
 from __future__ import annotations
@@ -43,6 +43,10 @@ MODELS = {
         num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
         lambda: dict(pixel_values=torch.randn(B, 3, 16, 16, generator=torch.Generator().manual_seed(2)),
                      labels=torch.tensor([0, 2]))),
+    "resnet": (lambda: transformers.ResNetForImageClassification(transformers.ResNetConfig(
+        num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3)),
+        lambda: dict(pixel_values=torch.randn(B, 3, 32, 32, generator=torch.Generator().manual_seed(2)),
+                     labels=torch.tensor([0, 2]))),
     "bert-sdpa": (lambda: transformers.BertForMaskedLM(transformers.BertConfig(
         vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)), _masked),
@@ -70,8 +74,9 @@ def _shaped(name: str, n: int) -> dict:
     """Inputs of the model's kind at another size: sequence length n (T5: its labels too), or a
     batch of n images (ViT); every tensor its own (as compare_models passes them)."""
     g = torch.Generator().manual_seed(n)
-    if name == "vit":
-        return dict(pixel_values=torch.randn(n, 3, 16, 16, generator=g), labels=torch.randint(0, 3, (n,), generator=g))
+    if name in ("vit", "resnet"):
+        side = 16 if name == "vit" else 32
+        return dict(pixel_values=torch.randn(n, 3, side, side, generator=g), labels=torch.randint(0, 3, (n,), generator=g))
     ids = torch.randint(3, V, (B, n), generator=g)
     if name == "t5":
         return dict(input_ids=ids, labels=torch.randint(3, V, (B, n - 2), generator=g))
@@ -86,7 +91,7 @@ def test_model_trains_like_eager_at_a_shape_of_its_family(name, dtype):
     """Shape families (aotfuse/shapes.py): trained at two other sizes first (the second makes the
     family), the model's own inputs then run programs made from the family's graphs, no trace."""
     build, inputs = MODELS[name]
-    sizes = (3, 5) if name == "vit" else (12, 20)
+    sizes = (3, 5) if name in ("vit", "resnet") else (12, 20)
     holder = []
 
     def make():
@@ -97,12 +102,16 @@ def test_model_trains_like_eager_at_a_shape_of_its_family(name, dtype):
         import aotfuse
 
         compiled = aotfuse.memory_efficient_fusion(model)
+        buffers = {key: b.clone() for key, b in model.named_buffers()}  # batch norms' running statistics
         for n in sizes:
             kwargs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in _shaped(name, n).items()}
             out = compiled(**kwargs)
             out.loss.backward()
         for p in model.parameters():
             p.grad = None
+        with torch.no_grad():  # as they were: the steps at other sizes are not part of the comparison
+            for key, b in model.named_buffers():
+                b.copy_(buffers[key])
         holder.append(compiled._aotfuse_compiled)
         return compiled
 
