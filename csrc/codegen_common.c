@@ -1206,7 +1206,11 @@ int af_cg_space_new(const af_graph *g, const af_fusion_group *grp, af_cg_space *
         nd = 1;
     }
     sp->nd = nd;
-    sp->column = reducing && sp->n_kept == 1 && nd > 1 && !((grp->reduce_mask >> (iter->ndim - 1)) & 1u);
+    /* a column reduction when the innermost dim that is not 1 is kept ([32, 9, 1] reduced over its
+     * 9 is rows, as fuse.c's epilogue_ok has it) */
+    int32_t innermost = iter->ndim - 1;
+    while (innermost > 0 && iter->sizes[innermost] == 1) innermost--;
+    sp->column = reducing && sp->n_kept == 1 && nd > 1 && innermost >= 0 && !((grp->reduce_mask >> innermost) & 1u);
     return AF_OK;
 }
 

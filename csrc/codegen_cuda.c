@@ -511,19 +511,20 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
         af_strbuf_printf(sb, "\n/* group %d: 0 elements */\n", (int)index);
     } else if (grp->n_reductions == 0) {
         emit_pointwise(sb, g, grp, &sp, index, launch);
-    } else if (!sp.column) {
+    } else {
         int32_t last_phase = 0, *phases = af_cg_phases(g, grp, &last_phase);
         if (!phases) {
             af_cg_space_free(&sp);
             return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
         }
+        /* phases first, as the C backend: a group whose members read its own reductions runs a
+         * pass per phase over each row, whatever its layout (column kernels have no phases) */
         int64_t split = row_split(sp.outer, sp.inner, sm_count);
         if (af_cg_is_phased(phases, grp->n_nodes, last_phase)) emit_phased(sb, g, grp, &sp, phases, last_phase, index, launch);
+        else if (sp.column) emit_columns(sb, g, grp, &sp, index, sm_count, launch);
         else if (split > 1) emit_split_rows(sb, g, grp, &sp, index, split, launch);
         else emit_rows(sb, g, grp, &sp, index, launch);
         free(phases);
-    } else {
-        emit_columns(sb, g, grp, &sp, index, sm_count, launch);
     }
     af_cg_space_free(&sp);
     return AF_OK;

@@ -123,6 +123,23 @@ def test_reduction_epilogues_run_in_one_phased_cuda_kernel(case, dtype, width):
     assert f"{phases} phases)" in source and "/* phase 1 */" in source, source[-2000:]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_softmax_before_a_trailing_size_one_dim_is_one_phased_cuda_kernel(dtype):
+    """ConvBERT's dynamic convolution takes a softmax over dim 1 of [rows, 9, 1]. The fusion planner
+    reads the group as rows (the innermost dim that is not 1 is the reduced one) and gives it the
+    division as a later phase; the CUDA code generator took the trailing 1 for a kept innermost
+    dim and emitted a column reduction, which has no phases: the division read a sum it never
+    declared, and NVRTC refused the whole program (the C backend, which checks phases first, was
+    right). Now phases come first there too, and such a group is rows in both."""
+    from aotfuse.decompositions import default_decompositions
+
+    x = torch.randn(32, 9, 1, generator=torch.Generator().manual_seed(4)).to(dtype)
+    gm = make_fx(lambda x: torch.softmax(x * 2.0, 1), decomposition_table=default_decompositions(norms=True))(x)
+    ran = cuda_emu.check(gm, (x,), f"softmax over dim 1 of [32, 9, 1] {dtype}")
+    assert [l["kind"] for l in ran] == ["rows"], ran
+    assert "phases)" in cuda_emu.source_of(gm)
+
+
 def test_phased_cuda_kernel_propagates_nan_like_aten():
     _f, x, gm = nan_phases_case()
     ran = cuda_emu.check(gm, (x,), "nan in phases")
