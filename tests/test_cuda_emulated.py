@@ -313,3 +313,34 @@ def test_overlapping_scatters_as_sums_of_windows_match_eager(seed):
     assert rewritten == (seed % 5 != 4), what
     ran = cuda_emu.check(gm, (g,), what)
     assert (len(ran) == 1 or (margin and ran)) if rewritten else not ran, (what, ran)  # else ATen's index_add
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["convbert", "resnet", "llama"])
+def test_more_families_programs_cuda_kernels_match_eager(family, dtype):
+    """Beyond the seed's four: every CUDA group of a training step's programs matches eager's values
+    for ConvBERT (a softmax over [rows, 9, 1], which made NVRTC refuse the program before), ResNet
+    (batch norms, pooling) and Llama (rotary embeddings, RMS norm, grouped-query attention)."""
+    transformers = pytest.importorskip("transformers")
+    import aotfuse
+    from test_more_models import MODELS
+
+    V = 100
+    ids = torch.randint(3, V, (2, 16), generator=torch.Generator().manual_seed(1))
+    if family == "convbert":
+        config = transformers.ConvBertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                             intermediate_size=64, max_position_embeddings=64, embedding_size=32,
+                                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        build, inputs = (lambda: transformers.ConvBertForMaskedLM(config)), (lambda: dict(input_ids=ids, labels=ids))
+    else:
+        build, inputs = MODELS[family]
+    torch.manual_seed(0)
+    model = build().train().to(dtype)
+    kwargs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs().items()}
+    with cuda_emu.recording_programs() as programs:
+        aotfuse.memory_efficient_fusion(model)(**kwargs).loss.backward()
+    assert len(programs) >= 2, "a forward and a backward at least"
+    kinds = []
+    for gm, args in programs:
+        kinds += [l["kind"] for l in cuda_emu.check(gm, args, f"{family} {dtype} {gm.__class__.__name__}")]
+    assert len(kinds) >= 8 and "pointwise" in kinds and "rows" in kinds, kinds
