@@ -683,31 +683,25 @@ def _retyped(val: Any, dtype: Any) -> Any:
         return torch.empty_strided(val.shape, val.stride(), dtype=dtype, device=val.device)
 
 
-def set_real_dtypes(gm: fx.GraphModule) -> int:
+def set_real_dtypes(gm: fx.GraphModule) -> None:
     """Writes the run-time dtype of the values _real_dtypes finds into gm's traced metadata, in
     place: the node's own value and the getitem nodes reading it. Run on a joint graph before it is
     cut, so that the forward and backward graphs cut from it agree with what runs: a saved value's
     backward placeholder copies its node's metadata (a bf16 batch norm's new running mean, saved
     for the backward's `native_batch_norm_backward`, is bf16 at run time, float32 in the trace; the
-    backward program refused it). Returns how many values changed."""
-    changed = 0
+    backward program refused it)."""
     for node, fixes in _real_dtypes(gm).items():
         val = node.meta.get("val")
         if node.op == "placeholder":
             node.meta["val"] = _retyped(val, fixes[0])
-            changed += 1
             continue
         if not isinstance(val, (list, tuple)):
             continue
-        vals = list(val)
-        for k, dtype in fixes.items():
-            vals[k] = _retyped(vals[k], dtype)
-            changed += 1
+        vals = [_retyped(v, fixes[k]) if k in fixes else v for k, v in enumerate(val)]
         node.meta["val"] = type(val)(vals)
         for user in node.users:
             if user.op == "call_function" and user.target is operator.getitem and user.args[1] in fixes:
                 user.meta["val"] = vals[user.args[1]]
-    return changed
 
 
 def _with_dtype(meta: tuple, dtype: Any) -> tuple:
