@@ -6,7 +6,8 @@
 - epilogues (softmax, norms, their backwards, decomposed) as phased row kernels, warp and block rows;
 - window members (pads, slice and row assignments and their gradients) and fills, bit-for-bit;
 - seeded random pointwise/broadcast/reduction graphs, forward and backward;
-- the HF seed models in fp32/fp16/bf16 through aotfuse.testing (eager and a float64 reference);
+- the HF seed models in fp32/fp16/bf16 through aotfuse.testing (eager and a float64 reference), and
+  ConvBERT, ResNet and Llama in bf16;
 - kernels run on torch's current stream, their outputs come from torch's allocator, and a machine
   without NVRTC gets a clear error, or eager with one warning under fallback="eager";
 - the dropout generator gives the same bits on the GPU as on the CPU, forward and backward, also in
@@ -176,6 +177,21 @@ def test_seed_models_on_cuda_match_eager_and_float64(name, dtype):
     fallback = "dynamo" if name == "longformer" else "error"
     report = compare_models(make, inputs, dtype=dtype, steps=2,
                             compile_fn=lambda m: aotfuse.memory_efficient_fusion(m, fallback=fallback))
+    assert report.ok and report.checked > 50, report
+
+
+@pytest.mark.parametrize("family", ["convbert", "resnet", "llama"])
+def test_more_families_train_like_eager_on_cuda(family):
+    """Beyond the seed's four, in bf16 on the GPU (tests/test_more_models.py's tiny configs): ConvBERT
+    (a softmax over [rows, 9, 1], a phased kernel: its CUDA did not compile before 2026-12-03), ResNet
+    (batch norms), Llama (rotary embeddings, RMS norm, grouped-query attention)."""
+    pytest.importorskip("transformers")
+    from test_more_models import MODELS
+
+    build, inputs = MODELS[family]
+    cuda = lambda tree: {k: v.cuda() for k, v in tree.items()}
+    report = compare_models(lambda: build().cuda(), lambda: cuda(inputs()), dtype=torch.bfloat16, steps=2,
+                            name=family)
     assert report.ok and report.checked > 50, report
 
 

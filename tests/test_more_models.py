@@ -3,7 +3,8 @@ trained 2 SGD steps through memory_efficient_fusion against eager and float64 (a
 shape family, after two other shapes)
 (aotfuse.testing.compare_models): decoder-only models with rotary embeddings, RMS norm, SiLU
 gates and grouped-query attention (Llama, Qwen2), an encoder-decoder with relative position
-buckets (T5), a vision transformer (ViT), a convolutional network with batch norms (ResNet), Bert with transformers' default attention (SDPA), and
+buckets (T5), a vision transformer (ViT), a convolutional network with batch norms (ResNet), ConvBERT
+(span-based dynamic convolutions: a softmax over the kernel's 9 taps, [rows, 9, 1]), Bert with transformers' default attention (SDPA), and
 DeBERTa-v2 (disentangled attention; its scale is a tensor built in the forward, a constant in
 both graphs)."""
 from __future__ import annotations
@@ -47,6 +48,10 @@ MODELS = {
         num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3)),
         lambda: dict(pixel_values=torch.randn(B, 3, 32, 32, generator=torch.Generator().manual_seed(2)),
                      labels=torch.tensor([0, 2]))),
+    "convbert": (lambda: transformers.ConvBertForMaskedLM(transformers.ConvBertConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64, embedding_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+        _masked),
     "bert-sdpa": (lambda: transformers.BertForMaskedLM(transformers.BertConfig(
         vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)), _masked),
