@@ -189,9 +189,11 @@ def test_more_families_train_like_eager_on_cuda(family):
     from test_more_models import MODELS
 
     build, inputs = MODELS[family]
-    cuda = lambda tree: {k: v.cuda() for k, v in tree.items()}
-    report = compare_models(lambda: build().cuda(), lambda: cuda(inputs()), dtype=torch.bfloat16, steps=2,
-                            name=family)
+
+    def cuda_inputs():
+        return {k: v.cuda() for k, v in inputs().items()}
+
+    report = compare_models(lambda: build().cuda(), cuda_inputs, dtype=torch.bfloat16, steps=2, name=family)
     assert report.ok and report.checked > 50, report
 
 
