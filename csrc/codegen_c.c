@@ -96,8 +96,8 @@ static const char *const prelude =
     /* fp16 loads and stores without branches, so that loops over fp16 tensors vectorize (GCC left
      * them scalar, and a subnormal's float arithmetic stalls): the same bits as the branchy
      * conversions for every half and every float (checked over all 2^16 and 2^32). A load: the
-     * exponent rebiased (subnormals: the integer times 2^-24); a store: af_f16_round's float, whose
-     * bits then shift into place (subnormals: the float times 2^24, an integer). */
+     * exponent rebiased (subnormals: the integer times 2^-24); a store: the bits of af_f16_round's
+     * sum (below). */
     "AF_INLINE float af_f16_load(uint16_t h) {\n"
     "  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, em = h & 0x7fffu;\n"
     "  uint32_t u = em >= 0x7c00u ? (0x7f800000u | ((em & 0x3ffu) << 13)) : ((em << 13) + 0x38000000u);\n"
@@ -126,14 +126,24 @@ static const char *const prelude =
     "  n = ax > 0x7f800000u ? 0x7fc00000u : n;\n"
     "  n |= u & 0x80000000u; memcpy(&f, &n, 4); return f;\n"
     "}\n"
+    /* The half's bits from af_f16_round's sum s = |f| + c: its low bits count fp16's spacing at
+     * |f|'s exponent, 1024 + the mantissa for a normal half (2048 where it rounded up into the next
+     * binade), the subnormal mantissa below 2^-14, so adding the clamped exponent's (biased - 113)
+     * << 10 gives the half; from 65520 up infinity, NaN quiet, the sign. The same bits as rounding
+     * and then converting the rounded float, for every float (checked over all 2^32); a store loop
+     * in cache, 512-bit: 9.1 -> 4.0 us per 16K floats. */
     "AF_INLINE uint16_t af_f16_store(float f) {\n"
-    "  float r = af_f16_round(f);\n"
-    "  uint32_t u; memcpy(&u, &r, 4);\n"
-    "  uint32_t sign = (u >> 16) & 0x8000u, ax = u & 0x7fffffffu;\n"
-    "  float a; memcpy(&a, &ax, 4);\n"
-    "  uint32_t h = ax < 0x38800000u ? (uint32_t)(int32_t)(a * 16777216.0f) : (ax >> 13) - 0x1c000u;\n"
-    "  h = ax >= 0x7f800000u ? (ax > 0x7f800000u ? 0x7e00u : 0x7c00u) : h;\n"
-    "  return (uint16_t)(sign | h);\n"
+    "  uint32_t u; memcpy(&u, &f, 4);\n"
+    "  uint32_t ax = u & 0x7fffffffu, e = ax & 0x7f800000u, s;\n"
+    "  e = e < 0x38800000u ? 0x38800000u : e;\n"
+    "  e = e > 0x47000000u ? 0x47000000u : e;\n"
+    "  uint32_t cb = e + 0x06800000u;\n"
+    "  float a, c; memcpy(&a, &ax, 4); memcpy(&c, &cb, 4);\n"
+    "  a = a + c; memcpy(&s, &a, 4);\n"
+    "  uint32_t h = (s - cb) + ((e >> 13) - 0x1c400u);\n"
+    "  h = ax >= 0x477ff000u ? 0x7c00u : h;\n"
+    "  h = ax > 0x7f800000u ? 0x7e00u : h;\n"
+    "  return (uint16_t)(((u >> 16) & 0x8000u) | h);\n"
     "}\n"
     /* exp, erf and tanh as branch-free polynomials, so that loops calling them vectorize (libm's
      * are scalar calls). exp: Cephes' reduction and degree-6 polynomial, within 1.5 ulp of the exact
