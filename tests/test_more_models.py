@@ -3,10 +3,10 @@ trained 2 SGD steps through memory_efficient_fusion against eager and float64 (a
 shape family, after two other shapes)
 (aotfuse.testing.compare_models): decoder-only models with rotary embeddings, RMS norm, SiLU
 gates and grouped-query attention (Llama, Qwen2), an encoder-decoder with relative position
-buckets (T5), a vision transformer (ViT), a convolutional network with batch norms (ResNet), ConvBERT
-(span-based dynamic convolutions: a softmax over the kernel's 9 taps, [rows, 9, 1]), Bert with transformers' default attention (SDPA), and
-DeBERTa-v2 (disentangled attention; its scale is a tensor built in the forward, a constant in
-both graphs)."""
+buckets (T5), a vision transformer (ViT), a convolutional network with batch norms (ResNet),
+ConvBERT (span-based dynamic convolutions: a softmax over the kernel's 9 taps, [rows, 9, 1]), Bert
+with transformers' default attention (SDPA), and DeBERTa-v2 (disentangled attention; its scale is
+a tensor built in the forward, a constant in both graphs)."""
 from __future__ import annotations
 
 import pytest
@@ -77,7 +77,7 @@ def test_model_trains_like_eager(name, dtype):
 
 def _shaped(name: str, n: int) -> dict:
     """Inputs of the model's kind at another size: sequence length n (T5: its labels too), or a
-    batch of n images (ViT); every tensor its own (as compare_models passes them)."""
+    batch of n images (ViT, ResNet); every tensor its own (as compare_models passes them)."""
     g = torch.Generator().manual_seed(n)
     if name in ("vit", "resnet"):
         side = 16 if name == "vit" else 32
