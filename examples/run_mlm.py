@@ -5,6 +5,7 @@ built from the training file, and the text file under examples/data/. Runs in se
 
     python examples/run_mlm.py --output_dir /tmp/mlm --fusion aot
     python examples/run_mlm.py --output_dir /tmp/mlm --fusion none      # the same run without aotfuse
+    torchrun --nproc_per_node 2 examples/run_mlm.py --output_dir /tmp/mlm --fusion aot   # DDP, 2 processes
 
 Any transformers TrainingArguments flag works (--max_steps, --learning_rate, --per_device_train_batch_size...).
 """
@@ -128,8 +129,12 @@ def main(argv: list[str] | None = None) -> Trainer:
     result = trainer.train()
     metrics = trainer.evaluate()
     trainer.save_model()
+    compiled = ""
+    if targs.fusion == "aot":
+        view = trainer.fused_model(trainer.model)  # under torchrun its DDP's view shares its programs
+        compiled = f", {view._aotfuse_compiled.compile_count} signatures compiled by aotfuse"
     print(f"fusion={targs.fusion}: {result.global_step} steps in {time.perf_counter() - start:.1f} s, "
-          f"train loss {result.training_loss:.4f}, eval loss {metrics['eval_loss']:.4f}; "
+          f"train loss {result.training_loss:.4f}, eval loss {metrics['eval_loss']:.4f}{compiled}; "
           f"model saved to {targs.output_dir}")
     return trainer
 

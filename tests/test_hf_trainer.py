@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import subprocess
 import sys
 
 import pytest
@@ -284,3 +286,30 @@ def test_dynamic_padding_trains_like_plain_training(tmp_path, way):
     assert len(shapes) >= 3, shapes  # several padded lengths (under torch.compile, Dynamo goes dynamic)
     assert len(losses[True]) == len(losses[False]) == 4
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                    reason="this torch has no gloo process groups")
+def test_aot_under_torchrun_trains_like_plain_ddp(tmp_path):
+    """examples/run_mlm.py in two processes (torchrun, DistributedDataParallel over gloo), with and
+    without --fusion aot: the same losses and the same saved weights, which a lost gradient all-reduce
+    would change (each rank trains on its own half of every batch)."""
+    runs = {}
+    for fusion in ("none", "aot"):
+        out = tmp_path / fusion
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+             os.path.join(ROOT, "examples", "run_mlm.py"), "--output_dir", str(out), "--fusion", fusion,
+             "--dropout", "0", "--max_steps", "4", "--logging_steps", "2", "--per_device_train_batch_size", "4"],
+            capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, f"--fusion {fusion} under torchrun failed:\n{proc.stderr[-6000:]}"
+        summary = [line for line in proc.stdout.splitlines() if line.startswith(f"fusion={fusion}:")]
+        assert len(summary) == 2, proc.stdout[-3000:]  # one line from each rank
+        runs[fusion] = (summary[0], load_file(os.path.join(out, "model.safetensors")))
+    assert "signatures compiled by aotfuse" in runs["aot"][0] and ", 0 signatures" not in runs["aot"][0]
+    loss = {f: [float(x) for x in re.findall(r"loss (\d+\.\d+)", line)] for f, (line, _) in runs.items()}
+    torch.testing.assert_close(torch.tensor(loss["aot"]), torch.tensor(loss["none"]), atol=ATOL, rtol=RTOL)
+    plain, fused = runs["none"][1], runs["aot"][1]
+    assert set(fused) == set(plain)
+    for name, w in plain.items():
+        torch.testing.assert_close(fused[name], w, atol=ATOL, rtol=RTOL, msg=lambda m: f"{name}: {m}")

@@ -9,7 +9,7 @@ import torch  # noqa: F401  (the C core's bridge needs torch loaded)
 
 from . import _C
 from ._C import Error
-from .compile import AOTModule, CaptureError, aot_function, aot_module, memory_efficient_fusion
+from .compile import AOTDataParallel, AOTModule, CaptureError, aot_function, aot_module, memory_efficient_fusion
 from .decompositions import default_decompositions
 from .explain import explain
 from .lower import UnsupportedError
@@ -25,6 +25,7 @@ __all__ = [
     "min_cut_rematerialization_partition",
     "default_partition",
     "default_decompositions",
+    "AOTDataParallel",
     "AOTModule",
     "CaptureError",
     "UnsupportedError",

@@ -12,6 +12,8 @@ import collections
 import contextlib
 import functools
 import math
+import sys
+import threading
 import warnings
 import weakref
 from typing import Any, Callable
@@ -26,7 +28,7 @@ from .decompositions import default_decompositions
 from .lower import BackendUnavailable, Lowered, UnsupportedError, lower
 from .partition import default_partition, min_cut_rematerialization_partition
 
-__all__ = ["aot_function", "aot_module", "memory_efficient_fusion", "CaptureError", "AOTModule"]
+__all__ = ["aot_function", "aot_module", "memory_efficient_fusion", "CaptureError", "AOTModule", "AOTDataParallel"]
 
 
 class CaptureError(RuntimeError):
@@ -889,12 +891,84 @@ class AOTModule(nn.Module):
                 raise
             return getattr(self.orig_module, name)  # config, generation helpers, ...
 
+    def _replicate_for_data_parallel(self) -> nn.Module:
+        # DataParallel's replicas would each get copies of the parameters, while the compiled view
+        # reads the original module's: every replica would compute with the first device's weights
+        raise RuntimeError("aotfuse: DataParallel over several devices cannot replicate a compiled module; "
+                           "use DistributedDataParallel (one process per device) around it, or compile the "
+                           "DistributedDataParallel itself")
+
+
+class AOTDataParallel(AOTModule):
+    """The compiled view of a DistributedDataParallel (or a single-device DataParallel).
+
+    The wrapper's own forward runs, with everything it does around its module: DDP's buffer broadcast,
+    its reducer's bookkeeping for the backward's gradient all-reduce, find_unused_parameters' walk of the
+    autograd graph from the outputs. Only its call of `module` goes to the compiled inner module
+    (`compiled_module`, an AOTModule): during each call the wrapper's `module` entry is that view. It shares
+    the wrapper's parameters, buffers and submodules (state_dict keys keep their `module.` prefix), and
+    every other attribute (`no_sync`, `join`, `module`) is the wrapper's.
+    """
+
+    def __init__(self, wrapper: nn.Module, inner: AOTModule):
+        super().__init__(wrapper, inner._aotfuse_compiled)
+        object.__setattr__(self, "compiled_module", inner)
+        object.__setattr__(self, "_aotfuse_lock", threading.RLock())
+
+    def train(self, mode: bool = True) -> "AOTDataParallel":
+        self.orig_module.train(mode)  # the wrapper's train() sets its module's
+        self.training = mode
+        return self
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        wrapper, inner = self.orig_module, self.compiled_module
+        with self._aotfuse_lock:
+            mod = wrapper._modules["module"]
+            if mod is not inner.orig_module:
+                raise RuntimeError(f"aotfuse: the {type(wrapper).__name__}'s module was replaced after it was "
+                                   f"compiled; compile the wrapper again")
+            wrapper._modules["module"] = inner  # a plain dict write: no registration hooks, no recompile
+            try:
+                return wrapper(*args, **kwargs)
+            finally:
+                wrapper._modules["module"] = mod
+
+
+def _data_parallel_wrapper(mod: nn.Module) -> str | None:
+    """"ddp" or "dp" for a wrapper aot_module compiles through its inner module; None for any other
+    module; raises for the sharded wrappers and sharded parameters it cannot compile."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if isinstance(mod, DistributedDataParallel):
+        return "ddp"
+    if isinstance(mod, DataParallel):
+        if len(mod.device_ids) > 1:
+            raise NotImplementedError(
+                f"aotfuse cannot compile a DataParallel over {len(mod.device_ids)} devices (each replica would need "
+                f"its own program over its own weights); use DistributedDataParallel, one process per device, "
+                f"and compile it or the module inside it")
+        return "dp"
+    sharded = None  # neither can exist before its module is imported: no import here
+    fsdp, dtensor = sys.modules.get("torch.distributed.fsdp"), sys.modules.get("torch.distributed.tensor")
+    if fsdp is not None and any(isinstance(m, fsdp.FullyShardedDataParallel) for m in mod.modules()):
+        sharded = "a FullyShardedDataParallel"
+    elif dtensor is not None and any(isinstance(t, dtensor.DTensor) for t in (*mod.parameters(), *mod.buffers())):
+        sharded = "DTensor parameters (fully_shard, tensor parallel)"
+    if sharded is not None:
+        raise NotImplementedError(
+            f"aotfuse cannot compile a module holding {sharded}: its programs take whole, local tensors; "
+            f"DistributedDataParallel is supported (DDP(memory_efficient_fusion(model)) or "
+            f"memory_efficient_fusion(DDP(model)))")
+    return None
+
 
 def aot_module(mod: nn.Module, *args: Any, **kwargs: Any) -> AOTModule:
     """Compiles an nn.Module: aot_function over the module's functional form, with its parameters
     and buffers as inputs. Takes aot_function's keyword arguments."""
     if not isinstance(mod, nn.Module):
         raise TypeError(f"aot_module takes an nn.Module, got {type(mod).__name__}")
+    if _data_parallel_wrapper(mod) is not None:  # traced, the wrapper's gradient sync would be lost
+        return AOTDataParallel(mod, aot_module(mod.module, *args, **kwargs))
 
     def functional_call(params: dict, buffers: dict, *a: Any, **k: Any) -> Any:
         return torch.func.functional_call(mod, {**params, **buffers}, a, k)

@@ -78,35 +78,47 @@ class Trainer(transformers.Trainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._fusion_cache: tuple[torch.nn.Module, torch.nn.Module] | None = None
-        if self.fusion == "aot" and (self.args.world_size > 1 or self.args.n_gpu > 1
-                                     or self.is_deepspeed_enabled or self.is_fsdp_enabled):
-            raise ValueError("--fusion aot supports single-process, single-device training for now "
-                             "(no DataParallel, DistributedDataParallel, DeepSpeed or FSDP)")
+        # (model object, its compiled view): the model's own and, under torchrun, its DDP wrapper's,
+        # which shares the model's compiled programs (evaluation calls the model, training the wrapper)
+        self._fusion_views: list[tuple[torch.nn.Module, torch.nn.Module]] = []
+        if self.fusion == "aot" and (self.args.n_gpu > 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled):
+            raise ValueError("--fusion aot trains on one device per process: one process, or several under "
+                             "torchrun / accelerate launch (DistributedDataParallel); not DataParallel over "
+                             "several GPUs in one process, DeepSpeed or FSDP")
 
     @property
     def fusion(self) -> str:
         return getattr(self.args, "fusion", "none")
 
     def fused_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The aotfuse view of `model` (compiled once per model object); `model` itself when fusion is off."""
+        """The aotfuse view of `model` (compiled once per model object); `model` itself when fusion is off.
+
+        Under torchrun `model` may be accelerate's DistributedDataParallel: its view runs DDP's forward
+        (the reducer's bookkeeping for the gradients' all-reduce) around the model's own compiled view.
+        """
         if self.fusion != "aot":
             return model
-        from .compile import AOTModule, memory_efficient_fusion
+        from .compile import AOTDataParallel, AOTModule, memory_efficient_fusion
 
         if isinstance(model, AOTModule):
             return model
-        if self._fusion_cache is not None and self._fusion_cache[0] is model:
-            return self._fusion_cache[1]
-        if self.accelerator.unwrap_model(model) is not model:
-            raise ValueError(f"--fusion aot cannot compile a {type(model).__name__}-wrapped model; "
-                             "it supports single-process, single-device training for now")
-        kwargs = {"fallback": getattr(self.args, "fusion_fallback", "dynamo"), **self.fusion_kwargs}
-        fused = memory_efficient_fusion(model, **kwargs)
+        for seen, view in self._fusion_views:
+            if seen is model:
+                return view
+        unwrapped = self.accelerator.unwrap_model(model)
+        if unwrapped is not model:
+            if not isinstance(model, torch.nn.parallel.DistributedDataParallel) or model.module is not unwrapped:
+                raise ValueError(f"--fusion aot cannot compile a {type(model).__name__}-wrapped model; it trains "
+                                 "a model on its own or inside DistributedDataParallel")
+            fused: torch.nn.Module = AOTDataParallel(model, self.fused_model(unwrapped))
+        else:
+            self._fusion_views = []  # a new model (model_init, hyperparameter search): forget the old ones
+            kwargs = {"fallback": getattr(self.args, "fusion_fallback", "dynamo"), **self.fusion_kwargs}
+            fused = memory_efficient_fusion(model, **kwargs)
         # Trainer.compute_loss picks label smoothing's label shift (causal LMs) by the class name of the
         # module it is given: let the compiled view answer with the model's own name.
-        fused._get_name = model._get_name
-        self._fusion_cache = (model, fused)
+        fused._get_name = unwrapped._get_name
+        self._fusion_views.append((model, fused))
         return fused
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,

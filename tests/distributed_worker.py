@@ -1,0 +1,227 @@
+"""Two-process DistributedDataParallel checks on the CPU (gloo), launched by tests/test_distributed.py:
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/distributed_worker.py OUT.json
+
+Every rank runs every case; rank 0 writes one JSON object, case name -> what the test asserts on:
+- "mismatches": (what, max abs difference) of each parameter's gradient, buffer, loss and output where the
+  aotfuse run differs from eager DDP on the same rank beyond the seed's fp32 tolerances;
+- "ranks_disagree": gradients that differ between the ranks after a synced backward (a lost all-reduce);
+- "err" and "eager_err": the largest gradient difference from a float64 single-process computation of the
+  same step on both ranks' batches (what DDP's averaged gradient is), aotfuse's and eager DDP's;
+- "compiled": C programs the aotfuse run compiled (0 would mean it ran eagerly);
+- "error": for the cases that must refuse, the exception's type and message.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from helpers import ATOL, RTOL  # noqa: E402
+
+import aotfuse  # noqa: E402
+from aotfuse.dynamo import aotfuse_backend  # noqa: E402
+
+FEATURES, BATCH = 12, 8
+
+
+class Mlp(nn.Module):
+    """Linear, batch norm (buffers DDP broadcasts), GELU, layer norm, Linear; with `extra`, one more Linear
+    used only when a call asks (find_unused_parameters)."""
+
+    def __init__(self, extra: bool = False) -> None:
+        super().__init__()
+        self.a = nn.Linear(FEATURES, 24)
+        self.bn = nn.BatchNorm1d(24)
+        self.ln = nn.LayerNorm(24)
+        self.b = nn.Linear(24, 4)
+        self.extra = nn.Linear(4, 4) if extra else None
+
+    def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+        y = self.b(self.ln(torch.nn.functional.gelu(self.bn(self.a(x)))))
+        return self.extra(y) if use_extra else y
+
+
+def _loss(out) -> torch.Tensor:
+    return out.loss if hasattr(out, "loss") else out.square().mean()
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, atol=ATOL, rtol=RTOL)
+
+
+class Case:
+    """One model, stepped through `wrap(model)` and through eager DDP (each with SGD), the float64 reference
+    in one process on every rank's batch."""
+
+    def __init__(self, make, batches, wrap, ddp_kwargs=None, counter=None, no_sync_every: int = 0) -> None:
+        self.make, self.batches, self.wrap = make, batches, wrap
+        self.ddp_kwargs = ddp_kwargs or {}
+        self.counter, self.no_sync_every = counter, no_sync_every
+
+    def run(self, rank: int, world: int) -> dict:
+        torch.manual_seed(0)
+        model = self.make()
+        eager_model, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
+        fused = self.wrap(model, self.ddp_kwargs)
+        eager = DDP(eager_model, **self.ddp_kwargs)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, eager_model, ref64)]
+        mismatches, disagree, err, eager_err = [], [], 0.0, 0.0
+        for step, (args, kwargs) in enumerate(self.batches(rank)):
+            sync = not self.no_sync_every or (step + 1) % self.no_sync_every == 0
+            losses = []
+            for wrapped in (fused, eager):
+                with contextlib.nullcontext() if sync else wrapped.no_sync():
+                    losses.append(_loss(wrapped(*args, **kwargs)))
+                    losses[-1].backward()
+            if not _close(losses[0].detach(), losses[1].detach()):
+                mismatches.append((f"step {step}: loss", (losses[0] - losses[1]).abs().max().item()))
+            # float64: every rank's batch in one process, the mean of the ranks' losses (DDP's average
+            # at a synced step, of the gradients accumulated since the last one)
+            everyone = [self._gathered(args, kwargs, r, world) for r in range(world)]
+            (sum(_loss(ref64(*a, **k)) for a, k in everyone) / world).backward()
+            eager_params = dict(eager_model.named_parameters())
+            for (name, p), q in zip(model.named_parameters(), ref64.parameters()):
+                e = eager_params[name]
+                if (p.grad is None) != (e.grad is None):
+                    mismatches.append((f"step {step}: grad of {name} is None on one side", 0.0))
+                    continue
+                if p.grad is None:
+                    continue
+                if not _close(p.grad, e.grad):
+                    mismatches.append((f"step {step}: grad of {name}", (p.grad - e.grad).abs().max().item()))
+                if sync:
+                    ranks = [torch.empty_like(p.grad) for _ in range(world)]
+                    dist.all_gather(ranks, p.grad.contiguous())
+                    if any(not torch.equal(r, ranks[0]) for r in ranks[1:]):
+                        disagree.append(f"step {step}: grad of {name}")
+                    if q.grad is not None:
+                        err = max(err, (p.grad.double() - q.grad).abs().max().item())
+                        eager_err = max(eager_err, (e.grad.double() - q.grad).abs().max().item())
+            eager_buffers = dict(eager_model.named_buffers())
+            for name, b in model.named_buffers():
+                if b.is_floating_point() and not _close(b, eager_buffers[name]):
+                    mismatches.append((f"step {step}: buffer {name}", (b - eager_buffers[name]).abs().max().item()))
+            if sync:
+                for opt in opts:
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+        return {"mismatches": mismatches, "ranks_disagree": disagree, "err": err, "eager_err": eager_err,
+                "compiled": self.counter(fused) if self.counter else None}
+
+    @staticmethod
+    def _gathered(args, kwargs, r: int, world: int):
+        """Rank r's batch, sent to every rank (the float64 reference sees them all)."""
+        def gather(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            parts = [torch.empty_like(t) for _ in range(world)]
+            dist.all_gather(parts, t.contiguous())
+            part = parts[r]
+            return part.double() if part.is_floating_point() else part
+        return tuple(gather(a) for a in args), {k: gather(v) for k, v in kwargs.items()}
+
+
+def _mlp_batches(rank: int, steps: int = 3, extra_at: int | None = None):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [((torch.randn(BATCH, FEATURES, generator=g),), {"use_extra": s == extra_at}) for s in range(steps)]
+
+
+def _programs(view) -> int:
+    return view._aotfuse_compiled.compile_count
+
+
+def _dynamo_wrap(collected: list):
+    def wrap(model, kw):
+        torch._dynamo.reset()
+        return torch.compile(DDP(model, **kw), backend=functools.partial(aotfuse_backend, collect=collected),
+                             dynamic=False)
+    return wrap
+
+
+def _bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    return BertForMaskedLM(config)
+
+
+def _bert_batches(rank: int):
+    g = torch.Generator().manual_seed(200 + rank)
+    out = []
+    for _ in range(2):
+        ids = torch.randint(5, 64, (4, 16), generator=g)
+        labels = torch.where(torch.rand(4, 16, generator=g) < 0.3, ids, torch.full_like(ids, -100))
+        labels[:, 0] = ids[:, 0]
+        out.append(((), {"input_ids": ids, "labels": labels}))
+    return out
+
+
+def _refusals() -> dict:
+    """What aotfuse must refuse with a clear error: FSDP2's sharded (DTensor) parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = Mlp()
+    fully_shard(model, mesh=mesh)
+    try:
+        aotfuse.memory_efficient_fusion(model)
+    except Exception as e:  # noqa: BLE001 - the test asserts on the type and message
+        return {"error": [type(e).__name__, str(e)]}
+    return {"error": None}
+
+
+def main(out_path: str) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    collected: list = []
+    cases = {
+        "ddp_of_compiled": Case(Mlp, _mlp_batches, lambda m, kw: DDP(aotfuse.memory_efficient_fusion(m), **kw),
+                                counter=lambda v: _programs(v.module)),
+        "compiled_ddp": Case(Mlp, _mlp_batches, lambda m, kw: aotfuse.memory_efficient_fusion(DDP(m, **kw)),
+                             counter=_programs),
+        "torch_compile_ddp": Case(Mlp, _mlp_batches, _dynamo_wrap(collected), counter=lambda v: len(collected)),
+        "no_sync_accumulation": Case(Mlp, functools.partial(_mlp_batches, steps=4),
+                                     lambda m, kw: aotfuse.memory_efficient_fusion(DDP(m, **kw)), counter=_programs,
+                                     no_sync_every=2),
+        "find_unused_parameters": Case(functools.partial(Mlp, extra=True), functools.partial(_mlp_batches, extra_at=1),
+                                       lambda m, kw: aotfuse.memory_efficient_fusion(DDP(m, **kw)),
+                                       ddp_kwargs={"find_unused_parameters": True}, counter=_programs),
+    }
+    try:
+        import transformers  # noqa: F401
+        cases["hf_bert_compiled_ddp"] = Case(_bert, _bert_batches,
+                                             lambda m, kw: aotfuse.memory_efficient_fusion(DDP(m, **kw)),
+                                             counter=_programs)
+    except ImportError:
+        pass
+    results = {}
+    for name, case in cases.items():
+        try:
+            results[name] = case.run(rank, world)
+        except Exception:  # noqa: BLE001 - reported to the test, which fails naming the case
+            results[name] = {"exception": traceback.format_exc()}
+        dist.barrier()
+    results["fsdp2_refused"] = _refusals()
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

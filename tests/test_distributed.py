@@ -1,0 +1,101 @@
+"""DistributedDataParallel on the CPU: two gloo processes (tests/distributed_worker.py) train each way of
+combining aotfuse with DDP beside eager DDP; gradients are all-reduced (the ranks agree), match eager DDP's
+and a float64 single-process step over both ranks' batches. Plus the wrappers aotfuse refuses."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+import aotfuse
+
+from helpers import assert_close
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CASES = ["ddp_of_compiled", "compiled_ddp", "torch_compile_ddp", "no_sync_accumulation", "find_unused_parameters",
+         "hf_bert_compiled_ddp"]
+
+requires_gloo = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                                   reason="this torch has no gloo process groups")
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp") / "results.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           os.path.join(HERE, "distributed_worker.py"), str(out)],
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0 and out.exists(), f"the DDP worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return json.loads(out.read_text())
+
+
+@requires_gloo
+@pytest.mark.parametrize("case", CASES)
+def test_ddp_trains_like_eager_ddp(worker, case):
+    """Each case: three or four SGD steps (two micro-steps a step under no_sync; a Linear used in one step
+    only under find_unused_parameters; batch norm buffers DDP broadcasts), both ranks."""
+    if case == "hf_bert_compiled_ddp" and case not in worker:
+        pytest.skip("transformers is not installed")
+    result = worker[case]
+    assert "exception" not in result, f"{case}: {result.get('exception')}"
+    assert result["compiled"] >= 1, f"{case}: nothing was compiled, the step ran eagerly"
+    assert result["ranks_disagree"] == [], f"{case}: gradients not all-reduced: {result['ranks_disagree']}"
+    assert result["mismatches"] == [], f"{case}: differs from eager DDP: {result['mismatches']}"
+    # against float64: no further from the exact averaged gradient than eager DDP is, up to rounding
+    assert result["err"] <= max(4 * result["eager_err"], 1e-6), (
+        f"{case}: gradient {result['err']:.3g} from float64, eager DDP's {result['eager_err']:.3g}")
+
+
+@requires_gloo
+def test_fully_sharded_parameters_are_refused(worker):
+    kind, message = worker["fsdp2_refused"]["error"]
+    assert kind == "NotImplementedError"
+    assert "DTensor parameters" in message and "DistributedDataParallel is supported" in message
+
+
+def test_a_single_device_data_parallel_runs_its_module_compiled():
+    """DataParallel on the CPU (no devices) calls its module: the compiled view calls the compiled one;
+    keys keep DataParallel's `module.` prefix."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.LayerNorm(8), nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    dp = nn.DataParallel(model)
+    compiled = aotfuse.memory_efficient_fusion(dp)
+    assert isinstance(compiled, aotfuse.AOTDataParallel)
+    assert set(compiled.state_dict()) == set(dp.state_dict())
+    x = torch.randn(5, 6)
+    out, expected = compiled(x), ref(x)
+    assert_close(out, expected, "DataParallel output")
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad, f"grad of {name}")
+    assert compiled.compiled_module._aotfuse_compiled.compile_count == 1
+    assert dp.module is model  # the wrapper's own module is back after the call
+    compiled.eval()
+    assert not model.training and not dp.training
+
+
+def test_data_parallel_over_several_devices_is_refused():
+    dp = nn.DataParallel(nn.Linear(4, 4))
+    dp.device_ids = [0, 1]  # what DataParallel holds on a machine with two GPUs
+    with pytest.raises(NotImplementedError, match="DataParallel over 2 devices.*DistributedDataParallel"):
+        aotfuse.memory_efficient_fusion(dp)
+    compiled = aotfuse.memory_efficient_fusion(nn.Linear(4, 4))
+    with pytest.raises(RuntimeError, match="cannot replicate a compiled module"):
+        compiled._replicate_for_data_parallel()  # what DataParallel(compiled) does over several devices
+
+
+def test_a_wrapper_whose_module_was_replaced_is_an_error():
+    dp = nn.DataParallel(nn.Linear(4, 4))
+    compiled = aotfuse.memory_efficient_fusion(dp)
+    dp.module = nn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match="module was replaced after it was compiled"):
+        compiled(torch.randn(2, 4))
