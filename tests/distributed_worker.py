@@ -8,7 +8,8 @@ Every rank runs every case; rank 0 writes one JSON object, case name -> what the
 - "ranks_disagree": gradients that differ between the ranks after a synced backward (a lost all-reduce);
 - "err" and "eager_err": the largest gradient difference from a float64 single-process computation of the
   same step on both ranks' batches (what DDP's averaged gradient is), aotfuse's and eager DDP's;
-- "compiled": C programs the aotfuse run compiled (0 would mean it ran eagerly);
+- "compiled": signatures (memory_efficient_fusion) or programs (torch.compile) aotfuse compiled (0 would
+  mean it ran eagerly; under torch.compile a forward and a backward per DDP bucket);
 - "error": for the cases that must refuse, the exception's type and message.
 """
 from __future__ import annotations
@@ -132,6 +133,23 @@ class Case:
         return tuple(gather(a) for a in args), {k: gather(v) for k, v in kwargs.items()}
 
 
+class Deep(nn.Module):
+    """Six 384-wide layers (0.6 MB of weights each): with 1 MB buckets DDP all-reduces them in several
+    buckets, and Dynamo's DDPOptimizer compiles one graph per bucket."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(FEATURES, 384)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(384, 384), nn.GELU(), nn.LayerNorm(384)) for _ in range(6))
+        self.out = nn.Linear(384, 4)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.out(h)
+
+
 def _mlp_batches(rank: int, steps: int = 3, extra_at: int | None = None):
     g = torch.Generator().manual_seed(100 + rank)
     return [((torch.randn(BATCH, FEATURES, generator=g),), {"use_extra": s == extra_at}) for s in range(steps)]
@@ -144,6 +162,7 @@ def _programs(view) -> int:
 def _dynamo_wrap(collected: list):
     def wrap(model, kw):
         torch._dynamo.reset()
+        collected.clear()
         return torch.compile(DDP(model, **kw), backend=functools.partial(aotfuse_backend, collect=collected),
                              dynamic=False)
     return wrap
@@ -195,6 +214,8 @@ def main(out_path: str) -> None:
         "compiled_ddp": Case(Mlp, _mlp_batches, lambda m, kw: aotfuse.memory_efficient_fusion(DDP(m, **kw)),
                              counter=_programs),
         "torch_compile_ddp": Case(Mlp, _mlp_batches, _dynamo_wrap(collected), counter=lambda v: len(collected)),
+        "torch_compile_ddp_buckets": Case(Deep, _mlp_batches, _dynamo_wrap(collected), ddp_kwargs={"bucket_cap_mb": 1},
+                                          counter=lambda v: len(collected)),
         "no_sync_accumulation": Case(Mlp, functools.partial(_mlp_batches, steps=4),
                                      lambda m, kw: aotfuse.memory_efficient_fusion(DDP(m, **kw)), counter=_programs,
                                      no_sync_every=2),

@@ -18,8 +18,8 @@ import aotfuse
 from helpers import assert_close
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CASES = ["ddp_of_compiled", "compiled_ddp", "torch_compile_ddp", "no_sync_accumulation", "find_unused_parameters",
-         "hf_bert_compiled_ddp"]
+CASES = ["ddp_of_compiled", "compiled_ddp", "torch_compile_ddp", "torch_compile_ddp_buckets", "no_sync_accumulation",
+         "find_unused_parameters", "hf_bert_compiled_ddp"]
 
 requires_gloo = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
                                    reason="this torch has no gloo process groups")
@@ -40,12 +40,15 @@ def worker(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES)
 def test_ddp_trains_like_eager_ddp(worker, case):
     """Each case: three or four SGD steps (two micro-steps a step under no_sync; a Linear used in one step
-    only under find_unused_parameters; batch norm buffers DDP broadcasts), both ranks."""
+    only under find_unused_parameters; batch norm buffers DDP broadcasts; under torch.compile, a model of
+    several 1 MB buckets, which Dynamo's DDPOptimizer compiles as a graph each), both ranks."""
     if case == "hf_bert_compiled_ddp" and case not in worker:
         pytest.skip("transformers is not installed")
     result = worker[case]
     assert "exception" not in result, f"{case}: {result.get('exception')}"
     assert result["compiled"] >= 1, f"{case}: nothing was compiled, the step ran eagerly"
+    if case == "torch_compile_ddp_buckets":  # Dynamo's DDPOptimizer: a graph per bucket, each fw and bw
+        assert result["compiled"] >= 4, f"{case}: {result['compiled']} programs, expected several buckets' graphs"
     assert result["ranks_disagree"] == [], f"{case}: gradients not all-reduced: {result['ranks_disagree']}"
     assert result["mismatches"] == [], f"{case}: differs from eager DDP: {result['mismatches']}"
     # against float64: no further from the exact averaged gradient than eager DDP is, up to rounding

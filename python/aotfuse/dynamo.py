@@ -8,6 +8,7 @@ import warnings
 from typing import Any, Sequence
 
 import torch
+from torch._dynamo.utils import counters
 from torch._functorch.aot_autograd import aot_module_simplified
 from .compile import _no_zero_gradients
 from .decompositions import default_decompositions
@@ -204,6 +205,10 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
         # graphs (shapes.PerShape), as memory_efficient_fusion's shape families do
         return (lambda g, _inputs: shapes.PerShape(g, make)) if symbolic else make
 
+    # Dynamo's DDPOptimizer (torch.compile of a DistributedDataParallel: one graph per gradient bucket)
+    # counts AOTAutograd's invocations by this counter, as torch's own aot_autograd backends bump it, to
+    # pair each bucket's lazily compiled backward with its forward's metadata
+    counters["aot_autograd"]["total"] += 1
     try:
         with config.lazy_graph_modules():  # the graphs made while tracing write their code only if read
             compiled = aot_module_simplified(
