@@ -54,6 +54,16 @@ def _same_on_every_rank(model: torch.nn.Module) -> bool:
     return all(torch.equal(p, parts[0]) for p in parts[1:])
 
 
+def _user_args(argv: list[str]) -> list[str]:
+    """The worker's arguments less what main() added (--worker, its --out unless the user gave one)."""
+    out = [a for a in argv if a != "--worker"]
+    if out[:1] == ["--out"] and "--out" in out[2:]:
+        out = out[2:]
+    elif out[:1] == ["--out"] and os.path.dirname(os.path.abspath(out[1])) == os.path.join(HERE, "results"):
+        out = out[2:]
+    return out
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
@@ -121,10 +131,10 @@ def worker(args: argparse.Namespace) -> None:
                 ratio = f"{med / eager:.3f}" if eager else "-"
                 lines.append(f"| {c} | {med * 1e3:.1f} | {ratio} | {f:.1f} | {loss:.5f} | {agree} |")
             lines.append("")
-            print("\n".join(lines[-len(rows) - 4:]), flush=True)
+            print("\n".join(lines[-len(rows) - 5:]), flush=True)
     if rank == 0:
         header = [f"# DDP training step, {datetime.date.today()}", "",
-                  f"`python benchmarks/ddp.py {' '.join(sys.argv[1:])}`", "",
+                  f"`python benchmarks/ddp.py {' '.join(_user_args(sys.argv[1:]))}`", "",
                   f"Machine: {_machine('cuda' if cuda else 'cpu')}, {world} processes x {args.threads} threads, "
                   f"{args.rounds} rounds of {args.warmup} warm-up + {args.steps} timed steps per contender.", ""]
         with open(args.out, "w") as f:
