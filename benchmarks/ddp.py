@@ -7,8 +7,9 @@ one process group of N processes (gloo on the CPU, nccl on GPUs), one of the see
 launches itself under torchrun. Every contender is its own copy of the model (the same weights), wrapped
 in its own DDP; each rank trains on its own batch. Contenders take turns, a few steps each, the order
 rotating every round, so the machine's drift hits all alike. Rank 0 prints and writes (markdown, under
-benchmarks/results/ unless --out) each contender's median step time, its ratio to eager DDP's, the
-allreduced loss after the last step (the copies take the same steps: it agrees to rounding) and whether
+benchmarks/results/ unless --out) each contender's median step time and peak memory over one step (torch's
+allocations beyond the step's start: the profiler's events on the CPU, max_memory_allocated on a GPU), their
+ratios to eager DDP's, the allreduced loss after the last step (the copies take the same steps: it agrees to rounding) and whether
 every rank ended with the same weights (the gradients were all-reduced).
 """
 from __future__ import annotations
@@ -43,6 +44,20 @@ def _wrap(name: str, model: torch.nn.Module, device_ids: list | None) -> torch.n
     if name == "torch.compile":
         return torch.compile(ddp, dynamic=False)
     raise ValueError(name)
+
+
+def _peak(fn, cuda: bool) -> int:
+    """Peak bytes allocated during one step beyond what was allocated when it began (rank 0's)."""
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start
+    from aotfuse.bench import _cpu_peak
+
+    return _cpu_peak(fn)
 
 
 def _same_on_every_rank(model: torch.nn.Module) -> bool:
@@ -121,15 +136,20 @@ def worker(args: argparse.Namespace) -> None:
         for c, (model, _, _) in contenders.items():
             loss = losses[c].clone()
             dist.all_reduce(loss)
-            rows.append((c, statistics.median(times[c]), first[c], loss.item() / world, _same_on_every_rank(model)))
+            peak = _peak(lambda: step(c), cuda)
+            rows.append((c, statistics.median(times[c]), first[c], peak, loss.item() / world, _same_on_every_rank(model)))
         if rank == 0:
             eager = dict((r[0], r[1]) for r in rows).get("eager")
             lines += [f"### {desc}, {args.dtype}, {world} processes", "",
-                      "| contender | step ms (median) | vs eager DDP | first step s | mean loss after | ranks agree |",
-                      "|---|---|---|---|---|---|"]
-            for c, med, f, loss, agree in rows:
+                      "| contender | step ms (median) | vs eager DDP | first step s | peak MB | vs eager DDP | "
+                      "mean loss after | ranks agree |",
+                      "|---|---|---|---|---|---|---|---|"]
+            eager_peak = dict((r[0], r[3]) for r in rows).get("eager")
+            for c, med, f, peak, loss, agree in rows:
                 ratio = f"{med / eager:.3f}" if eager else "-"
-                lines.append(f"| {c} | {med * 1e3:.1f} | {ratio} | {f:.1f} | {loss:.5f} | {agree} |")
+                peak_ratio = f"{peak / eager_peak:.3f}" if eager_peak else "-"
+                lines.append(f"| {c} | {med * 1e3:.1f} | {ratio} | {f:.1f} | {peak / 2**20:.1f} | {peak_ratio} | "
+                             f"{loss:.5f} | {agree} |")
             lines.append("")
             print("\n".join(lines[-len(rows) - 5:]), flush=True)
     if rank == 0:

@@ -292,15 +292,18 @@ def test_dynamic_padding_trains_like_plain_training(tmp_path, way):
                     reason="this torch has no gloo process groups")
 def test_aot_under_torchrun_trains_like_plain_ddp(tmp_path):
     """examples/run_mlm.py in two processes (torchrun, DistributedDataParallel over gloo), with and
-    without --fusion aot: the same losses and the same saved weights, which a lost gradient all-reduce
-    would change (each rank trains on its own half of every batch)."""
+    without --fusion aot, accumulating two micro-batches a step (accelerate's no_sync) and evaluating
+    every two steps (the bare model's view, sharing the DDP view's programs): the same losses and the
+    same saved weights, which a lost gradient all-reduce would change (each rank trains on its own half
+    of every batch)."""
     runs = {}
     for fusion in ("none", "aot"):
         out = tmp_path / fusion
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
              os.path.join(ROOT, "examples", "run_mlm.py"), "--output_dir", str(out), "--fusion", fusion,
-             "--dropout", "0", "--max_steps", "4", "--logging_steps", "2", "--per_device_train_batch_size", "4"],
+             "--dropout", "0", "--max_steps", "4", "--logging_steps", "2", "--per_device_train_batch_size", "4",
+             "--gradient_accumulation_steps", "2", "--eval_strategy", "steps", "--eval_steps", "2"],
             capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, f"--fusion {fusion} under torchrun failed:\n{proc.stderr[-6000:]}"
         summary = [line for line in proc.stdout.splitlines() if line.startswith(f"fusion={fusion}:")]
