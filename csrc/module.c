@@ -441,9 +441,14 @@ static PyTypeObject GraphType = {
 
 /* ---- Program ---- */
 
+/* One run at a time: a program's value slots, scratch arrays and first-run checks are its own (the
+ * core reports a run re-entered from its own extern calls). Kernels run without the GIL, so a second
+ * thread may call run() meanwhile: it waits here, the GIL released, for the first to finish. */
 typedef struct {
     PyObject_HEAD
     af_program *p;
+    PyThread_type_lock run_lock;
+    unsigned long runner; /* the thread ident running it, 0 when none (read and written under the GIL) */
 } ProgramObject;
 
 static PyObject *Program_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -474,6 +479,11 @@ static PyObject *Program_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     else return PyErr_Format(PyExc_ValueError, "devices must be 'all', 'cpu' or 'cuda', not '%s'", devices);
     ProgramObject *self = (ProgramObject *)type->tp_alloc(type, 0);
     if (!self) return NULL;
+    self->run_lock = PyThread_allocate_lock();
+    if (!self->run_lock) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
     int st = af_program_new(graph->g, &opts, &self->p);
     if (st) {
         Py_DECREF(self);
@@ -485,12 +495,13 @@ static PyObject *Program_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 
 static void Program_dealloc(ProgramObject *self) {
     af_program_free(self->p);
+    if (self->run_lock) PyThread_free_lock(self->run_lock);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 /* run(inputs): a list is emptied (its references handed to the program, which drops each input
  * after its last use: AOTAutograd's boxed convention); any other sequence is only read. */
-static PyObject *Program_run(ProgramObject *self, PyObject *inputs) {
+static PyObject *program_run(ProgramObject *self, PyObject *inputs) {
     const af_graph *g = af_program_graph(self->p);
     int32_t no = af_graph_num_outputs(g);
     af_obj **outs = PyMem_Calloc((size_t)no + 1, sizeof *outs);
@@ -538,6 +549,21 @@ static PyObject *Program_run(ProgramObject *self, PyObject *inputs) {
     for (int32_t i = 0; i < no; i++) PyTuple_SET_ITEM(tuple, i, (PyObject *)outs[i]);
     PyMem_Free(outs);
     return tuple;
+}
+
+static PyObject *Program_run(ProgramObject *self, PyObject *inputs) {
+    unsigned long me = PyThread_get_thread_ident();
+    if (self->runner == me) return program_run(self, inputs); /* re-entered: the core says so */
+    if (!PyThread_acquire_lock(self->run_lock, NOWAIT_LOCK)) {
+        Py_BEGIN_ALLOW_THREADS
+        PyThread_acquire_lock(self->run_lock, WAIT_LOCK);
+        Py_END_ALLOW_THREADS
+    }
+    self->runner = me;
+    PyObject *r = program_run(self, inputs);
+    self->runner = 0;
+    PyThread_release_lock(self->run_lock);
+    return r;
 }
 
 static PyObject *Program_str(ProgramObject *self) { return graph_str(af_program_graph(self->p)); }

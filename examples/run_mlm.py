@@ -141,3 +141,8 @@ def main(argv: list[str] | None = None) -> Trainer:
 
 if __name__ == "__main__":
     main()
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():  # under torchrun: every rank done, then a clean teardown
+        dist.barrier()  # (a rank leaving while another still saves aborted at exit, now and then, in gloo)
+        dist.destroy_process_group()

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 from torch._functorch.aot_autograd import aot_function as _torch_aot_function
+from torch.utils.hooks import RemovableHandle
 
 from . import config, shapes
 from ._pytree import tree_flatten, tree_unflatten
@@ -28,7 +29,8 @@ from .decompositions import default_decompositions
 from .lower import BackendUnavailable, Lowered, UnsupportedError, lower
 from .partition import default_partition, min_cut_rematerialization_partition
 
-__all__ = ["aot_function", "aot_module", "memory_efficient_fusion", "CaptureError", "AOTModule", "AOTDataParallel"]
+__all__ = ["aot_function", "aot_module", "memory_efficient_fusion", "CaptureError", "HooksError", "AOTModule",
+           "AOTDataParallel"]
 
 
 class CaptureError(RuntimeError):
@@ -76,6 +78,11 @@ def _early_backward(record: _Record, gm: torch.fx.GraphModule, symbolic: bool) -
 
 
 def _compile_with_core(record: _Record, stage: str, gm: torch.fx.GraphModule, example_inputs: Any) -> Lowered:
+    with config.compile_lock():  # torch compiles a backward lazily, at its first call, on any thread
+        return _lower_stage(record, stage, gm, example_inputs)
+
+
+def _lower_stage(record: _Record, stage: str, gm: torch.fx.GraphModule, example_inputs: Any) -> Lowered:
     if stage == "backward" and record.early_backward is not None:
         early = _early_backward(record, gm, False)
         if early is not None:  # the partitioner's graph, lowered there (and rewritten in place by lower)
@@ -279,7 +286,7 @@ def _hashable(x: Any) -> bool:
 
 class _Entry:
     __slots__ = ("compiled", "tensor_idx", "record", "fallback", "fallback_target", "traced_fn", "module", "family",
-                 "member")
+                 "member", "ready")
 
     def __init__(self, compiled, tensor_idx, record, traced_fn=None, module=None):
         self.compiled = compiled
@@ -291,6 +298,7 @@ class _Entry:
         self.fallback_target: Callable | None = None  # fallback without the skipped leading arguments
         self.family: shapes.Family | None = None  # the shape family this signature traces (or joined)
         self.member = False  # joined a family: runs its programs, traced nothing itself
+        self.ready = False  # its first run (under the compile lock) returned: other threads may run it
 
 
 def _has_active_dropout(module: nn.Module | None) -> bool:
@@ -410,6 +418,24 @@ class _ModuleStateGuard:
                     setattr(m, k, state[k])
 
 
+try:  # the torch.func transforms (vmap, grad, jacrev, ...) active on this thread, or None
+    from torch._C._functorch import peek_interpreter_stack as _peek_interpreter_stack
+except ImportError:  # pragma: no cover - torch without functorch's C++ part
+    def _peek_interpreter_stack() -> None:
+        return None
+
+_warned_transform: set = set()
+
+
+def _warn_transform(name: str) -> None:
+    """A compiled function called inside torch.func.vmap/grad/jacrev/...: its programs take plain
+    tensors, so it runs as the original function (the transform's own rules), with one warning."""
+    if name not in _warned_transform:
+        _warned_transform.add(name)
+        warnings.warn(f"aotfuse: {name} was called under a torch.func transform (vmap, grad, jacrev, ...); it runs "
+                      f"uncompiled there, as the original function", stacklevel=4)
+
+
 class CompiledFunction:
     """What aot_function returns: call it like the original function."""
 
@@ -418,6 +444,9 @@ class CompiledFunction:
                  fallback: str, max_cache_size: int | None, name: str | None = None, dynamic: bool | None = None):
         if fallback not in _FALLBACKS:
             raise ValueError(f"fallback must be one of {_FALLBACKS}, got {fallback!r}")
+        # as given (decompositions None where defaulted): what a copy or an unpickled one is made from
+        self._init_args = (fn, fw_compiler, bw_compiler, partition_fn, decompositions, num_params_buffers,
+                           keep_inference_input_mutations, inference_compiler, fallback, max_cache_size, name, dynamic)
         self.fn = fn
         # what a signature that cannot be captured runs (eagerly or under Dynamo): fn itself, or what
         # aot_module sets: the module itself, called without the fallback_skip leading arguments (its
@@ -448,17 +477,31 @@ class CompiledFunction:
         self._dynamo_fn: Callable | None = None
         self._last: _LastCall | None = None
         self.compile_count = 0
+        # bumped as a first run (a trace) starts and ends, under the compile lock: functional_call swaps
+        # the module's parameters for the trace's fake ones meanwhile, so AOTModule.forward on another
+        # thread reads them again under the lock when this was odd or moved during its read
+        self.trace_gen = 0
         self.fuse_attention: str | None = None  # "auto", "1" or "0" over AOTFUSE_FUSE_ATTENTION (benchmarks)
         functools.update_wrapper(self, fn, updated=())
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        # copy.deepcopy and pickle: the same function and options, compiled afresh (C programs are
+        # process-local); pickling needs a function pickle can name
+        return (CompiledFunction, self._init_args)
 
     # -- the call path: flatten, look up, run, rebuild --
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if config.disabled():
             return self.fn(*args, **kwargs)
-        return self._call((args, kwargs), ())
+        if _peek_interpreter_stack() is not None:
+            _warn_transform(self.name)
+            return self.fn(*args, **kwargs)
+        return self._call((args, kwargs), ())[0]
 
-    def _call(self, tree: Any, extra: tuple) -> Any:
-        self.last_entry = None
+    def _call(self, tree: Any, extra: tuple) -> tuple[Any, _Entry | None]:
+        """(the outputs, the entry that ran them: None when the cache was full). Thread-safe: a
+        signature is compiled and first run under config.compile_lock(), and a thread finding an entry
+        another is still compiling waits for it there."""
         leaves, spec = tree_flatten(tree)
         last = self._last
         if last is not None and last.matches(leaves, spec, extra):
@@ -466,23 +509,28 @@ class CompiledFunction:
         else:
             key = _signature(leaves, spec, extra)
             entry = self._cache.get(key)
-            if entry is not None:
+            if entry is not None and entry.ready:
                 self._last = _LastCall.make(entry, leaves, spec, extra)
-        if entry is None:
-            entry = self._compile(key, leaves, spec, tree)
-            if entry is None:  # cache full: this signature runs eagerly
-                args, kwargs = tree
-                return self.fn(*args, **kwargs)
-            self.last_entry = entry
-            return self._first_run(entry, leaves, tree, extra, key)
+        if entry is None or not entry.ready:
+            with config.compile_lock():
+                entry = self._cache.get(key)  # compiled meanwhile by another thread
+                if entry is None:
+                    entry = self._compile(key, leaves, spec, tree)
+                    if entry is None:  # cache full: this signature runs eagerly
+                        args, kwargs = tree
+                        self.last_entry = None
+                        return self.fn(*args, **kwargs), None
+                if not entry.ready:
+                    self.last_entry = entry
+                    return self._first_run(entry, leaves, tree, extra, key)
         self.last_entry = entry
         if entry.fallback is not None:
             args, kwargs = tree
-            return entry.fallback(*args, **kwargs)
+            return entry.fallback(*args, **kwargs), entry
         outs = entry.compiled(*[leaves[i] for i in entry.tensor_idx])
         if self.bw_compiler is None:
             _no_zero_gradients(outs)
-        return self._rebuild(entry.record, outs)
+        return self._rebuild(entry.record, outs), entry
 
     @staticmethod
     def _rebuild(record: _Record, outs: Any) -> Any:
@@ -579,8 +627,12 @@ class CompiledFunction:
             # decomposition would otherwise record mkldnn_rnn_layer, whose inference-mode workspace
             # ATen returns as None at run time (the graph expects a tensor); without it the LSTM
             # traces as matmuls and pointwise ops
+            registered = RemovableHandle.next_id
             with _ModuleStateGuard(module, tensors) as guard, _onednn_off():
                 out = fn(*args, **kwargs)
+            if module is None and RemovableHandle.next_id != registered:  # (a module's: _traced_call)
+                raise HooksError(f"{self.name} registers hooks (Tensor.register_hook, a module hook, ...) a captured "
+                                 f"graph would run once, while tracing, not at each call")
             if guard.kept:
                 raise RuntimeError(f"the forward keeps tensors in Python state ({', '.join(guard.kept)}), which a "
                                    f"compiled graph cannot replay")
@@ -663,14 +715,20 @@ class CompiledFunction:
                                  f"traced on their own")
         return outs
 
-    def _first_run(self, entry: _Entry, leaves: list, tree: Any, extra: tuple = (), key: tuple = ()) -> Any:
-        """The first call of a signature traces, partitions, lowers (forward and backward) and runs."""
+    def _first_run(self, entry: _Entry, leaves: list, tree: Any, extra: tuple = (), key: tuple = ()) -> tuple:
+        """The first call of a signature traces, partitions, lowers (forward and backward) and runs:
+        (its outputs, the entry that ran them), as _call. Under config.compile_lock(); the entry is
+        ready (other threads run it without the lock) once this returns."""
         tensors = [leaves[i] for i in entry.tensor_idx]
         try:
-            with _tracing_flag(), config.lazy_graph_modules():
-                if entry.traced_fn is not None:
-                    _fuse_attention_first(entry, tensors, self.fuse_attention)
-                outs = entry.compiled(*tensors)
+            self.trace_gen += 1  # odd while tracing: the module's tensors are swapped for traced ones
+            try:
+                with _tracing_flag(), config.lazy_graph_modules():
+                    if entry.traced_fn is not None:
+                        _fuse_attention_first(entry, tensors, self.fuse_attention)
+                    outs = entry.compiled(*tensors)
+            finally:
+                self.trace_gen += 1
         except config.ConfigError:
             self._forget(entry)
             raise
@@ -697,9 +755,13 @@ class CompiledFunction:
                 entry.fallback = (functools.partial(_without_leading, target, self.fallback_skip)
                                   if self.fallback_skip else target)
                 args, kwargs = tree
-                return entry.fallback(*args, **kwargs)
+                entry.ready = True
+                return entry.fallback(*args, **kwargs), entry
             self._forget(entry)  # the next call of this signature tries (and explains) again
-            hint = ("its kernels cannot be built on this machine; AOTFUSE_BACKEND=aten runs without them"
+            hint = ("Python hooks: register them on the compiled module instead (its own hooks run around each "
+                    "compiled call), or let fallback='eager' run them as they are (fallback='dynamo' traces them as "
+                    "torch.compile does)" if isinstance(e, HooksError) else
+                    "its kernels cannot be built on this machine; AOTFUSE_BACKEND=aten runs without them"
                     if isinstance(e, BackendUnavailable) else "an op or argument the C core cannot take"
                     if isinstance(e, UnsupportedError) else "the graph was traced, but partitioning it failed: an aotfuse "
                     "bug, please report it with this message" if entry.record.partition_failed
@@ -710,9 +772,10 @@ class CompiledFunction:
                 f"memory_efficient_fusion(model, fallback='dynamo') does that automatically for such functions; "
                 f"fallback='eager' runs them eagerly (each with one warning); AOTFUSE_DISABLE=1 turns aotfuse "
                 f"off.") from e
+        entry.ready = True
         if self.bw_compiler is None:
             _no_zero_gradients(outs)
-        return self._rebuild(entry.record, outs)
+        return self._rebuild(entry.record, outs), entry
 
     def _forget(self, entry: _Entry) -> None:
         for k, e in list(self._cache.items()):
@@ -826,14 +889,90 @@ def _read_refs(refs: list) -> dict | None:
     return out
 
 
+# Module hooks a capture runs: forward, forward pre, backward and backward pre (each module's own
+# dict and torch's global one; a with_kwargs or always_called hook is in these dicts too).
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+class HooksError(RuntimeError):
+    """A capture met Python hooks (module hooks, or hooks the forward registers on tensors): a
+    captured graph would run them once, while tracing, with traced tensors, never at run time, so
+    their side effects (recording activations, counting calls) would be lost. The signature is not
+    captured: CaptureError, or the function's fallback."""
+
+
+def _pure_hook(fn: Any) -> bool:
+    """Hooks known to act only through the values of the forward they run in, which a trace keeps:
+    torch's own (quantization observers: buffers updated in place; weight_norm's old-style hook keeps
+    its weight in module state, which fails the capture by name) and transformers' (its recording of
+    output_hidden_states and output_attentions: the hook appends to a list the same forward returns;
+    gradient checkpointing's hook making the input embeddings require grad)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    where = getattr(fn, "__module__", None) or getattr(type(fn), "__module__", None) or ""
+    if where == "torch" or where.startswith("torch.") or where == "transformers.utils.output_capturing":
+        return True
+    # transformers' gradient_checkpointing_enable() installs it on the input embeddings of every model
+    # taking input_ids: `output.requires_grad_(True)`, on the forward's own value
+    return where == "transformers.modeling_utils" and getattr(fn, "__name__", "") == "make_inputs_require_grads"
+
+
+def _global_hooks() -> list:
+    from torch.nn.modules import module as torch_module
+
+    return [("torch.nn.modules.module._global" + k, getattr(torch_module, "_global" + k)) for k in _HOOK_DICTS
+            if isinstance(getattr(torch_module, "_global" + k, None), dict)]
+
+
+def _hook_dicts(mod: nn.Module) -> list:
+    """(where, hook dict) for every non-empty hook dict a call of `mod` runs."""
+    found = [(where, d) for where, d in _global_hooks() if d]
+    for prefix, m in mod.named_modules():
+        for k in _HOOK_DICTS:
+            d = m.__dict__.get(k)
+            if d:
+                found.append((f"{prefix or type(mod).__name__}.{k.lstrip('_')}", d))
+    return found
+
+
+def _impure_hooks(mod: nn.Module) -> list[str]:
+    """Where the hooks a capture cannot keep are, with their functions' names."""
+    return [f"{where}: {getattr(fn, '__qualname__', type(fn).__name__)}" for where, d in _hook_dicts(mod)
+            for fn in d.values() if not _pure_hook(fn)]
+
+
+def _traced_call(mod: nn.Module, params: dict, buffers: dict, args: tuple, kwargs: dict) -> Any:
+    """What aot_module traces: the module with these tensors. Refuses (HooksError) hooks whose side
+    effects the graph would lose: impure module hooks, and hooks the forward registers (on tensors,
+    on autograd nodes, on modules) other than the pure ones."""
+    impure = _impure_hooks(mod)
+    if impure:
+        raise HooksError(f"{type(mod).__name__} has Python hooks a captured graph would run once, while tracing, "
+                         f"not at each call: {'; '.join(impure[:4])}{' ...' if len(impure) > 4 else ''}")
+    before = RemovableHandle.next_id
+    pure_before = sum(1 for _, d in _hook_dicts(mod) for fn in d.values() if _pure_hook(fn))
+    out = torch.func.functional_call(mod, {**params, **buffers}, args, kwargs)
+    registered = RemovableHandle.next_id - before
+    if registered:
+        pure_added = sum(1 for _, d in _hook_dicts(mod) for fn in d.values() if _pure_hook(fn)) - pure_before
+        impure = _impure_hooks(mod)
+        if impure or registered > pure_added:
+            raise HooksError(f"the forward of {type(mod).__name__} registers hooks (Tensor.register_hook, a module "
+                             f"hook, ...) a captured graph would run once, while tracing, not at each call"
+                             + (f": {'; '.join(impure[:4])}" if impure else ""))
+    return out
+
+
 class AOTModule(nn.Module):
     """A compiled view of a module: it shares the original's parameters, buffers and submodules
     (so state_dict keys, optimizers and .to() see the same tensors) and runs through aotfuse."""
 
-    def __init__(self, mod: nn.Module, compiled: CompiledFunction):
+    def __init__(self, mod: nn.Module, compiled: CompiledFunction, options: tuple = ((), {})):
         super().__init__()
         _watch_module_structure()
+        object.__setattr__(self, "_aotfuse_options", options)  # aot_module's arguments after the module
         object.__setattr__(self, "_aotfuse_refs", None)
+        object.__setattr__(self, "_aotfuse_hooks", None)
         object.__setattr__(self, "orig_module", mod)  # not a submodule: keys stay unprefixed
         self._parameters = mod._parameters
         self._buffers = mod._buffers
@@ -852,19 +991,41 @@ class AOTModule(nn.Module):
         compiled = self._aotfuse_compiled
         if config.disabled():
             return mod(*args, **kwargs)
+        if _peek_interpreter_stack() is not None:
+            _warn_transform(compiled.name)
+            return mod(*args, **kwargs)
+        extra = (mod.training, self._hooks_key())
         shortcut = compiled.module_fallback
         if shortcut is not None:  # these arguments fell back before: no tensor walk, no lookup
             leaves, spec = tree_flatten((args, kwargs))
-            if _signature(leaves, spec, (mod.training,)) == shortcut[0]:
+            if _signature(leaves, spec, extra) == shortcut[0]:
                 return shortcut[1](*args, **kwargs)
         # each tensor once: functional_call re-ties tied weights (HF embeddings and LM heads)
+        gen = compiled.trace_gen
         params, buffers = self._tensors()
-        out = compiled._call(((params, buffers) + args, kwargs), (mod.training,))
-        entry = compiled.last_entry
+        if gen & 1 or compiled.trace_gen != gen:  # another thread's trace had swapped in its fake tensors
+            with config.compile_lock():
+                params, buffers = self._tensors()
+        out, entry = compiled._call(((params, buffers) + args, kwargs), extra)
         if entry is not None and entry.fallback is not None:
             leaves, spec = tree_flatten((args, kwargs))
-            compiled.module_fallback = (_signature(leaves, spec, (mod.training,)), entry.fallback_target)
+            compiled.module_fallback = (_signature(leaves, spec, extra), entry.fallback_target)
         return out
+
+    def _hooks_key(self) -> tuple:
+        """The module hooks a call would run (where, and their ids): part of each signature, so a hook
+        registered or removed after a signature was compiled makes another (HooksError refuses the
+        impure ones). Rebuilt only when a hook handle was made anywhere (RemovableHandle.next_id), a
+        hook dict that had hooks changed size, or the module tree changed (_structure_version)."""
+        cached = self._aotfuse_hooks
+        if (cached is not None and cached[0] == RemovableHandle.next_id and cached[1] == _structure_version[0]
+                and all(len(d) == n for d, n in cached[3])):
+            return cached[2]
+        next_id, version = RemovableHandle.next_id, _structure_version[0]
+        found = _hook_dicts(self.orig_module)
+        key = tuple((where, tuple(d)) for where, d in found)
+        object.__setattr__(self, "_aotfuse_hooks", (next_id, version, key, [(d, len(d)) for _, d in found]))
+        return key
 
     def _tensors(self) -> tuple[dict, dict]:
         """dict(named_parameters()), dict(named_buffers()) of the module, without walking it while
@@ -891,6 +1052,19 @@ class AOTModule(nn.Module):
                 raise
             return getattr(self.orig_module, name)  # config, generation helpers, ...
 
+    # what the original module shares with this view; the rest of __dict__ (its own hooks, training) is its own
+    _SHARED = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "orig_module",
+                         "_aotfuse_compiled", "_aotfuse_refs", "_aotfuse_hooks", "_aotfuse_options", "compiled_module",
+                         "_aotfuse_lock"})
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        """copy.deepcopy and pickle (torch.save of the whole model): the original module, copied or
+        pickled as itself, compiled again with the same options when rebuilt (the C programs are not
+        copied: the copy compiles its own at its first call, from the kernel cache on disk)."""
+        args, kwargs = self._aotfuse_options
+        own = {k: v for k, v in self.__dict__.items() if k not in self._SHARED}
+        return (_rebuild_aot_module, (self.orig_module, args, kwargs), own)
+
     def _replicate_for_data_parallel(self) -> nn.Module:
         # DataParallel's replicas would each get copies of the parameters, while the compiled view
         # reads the original module's: every replica would compute with the first device's weights
@@ -910,8 +1084,8 @@ class AOTDataParallel(AOTModule):
     every other attribute (`no_sync`, `join`, `module`) is the wrapper's.
     """
 
-    def __init__(self, wrapper: nn.Module, inner: AOTModule):
-        super().__init__(wrapper, inner._aotfuse_compiled)
+    def __init__(self, wrapper: nn.Module, inner: AOTModule, options: tuple | None = None):
+        super().__init__(wrapper, inner._aotfuse_compiled, options or inner._aotfuse_options)
         object.__setattr__(self, "compiled_module", inner)
         object.__setattr__(self, "_aotfuse_lock", threading.RLock())
 
@@ -971,7 +1145,7 @@ def aot_module(mod: nn.Module, *args: Any, **kwargs: Any) -> AOTModule:
         return AOTDataParallel(mod, aot_module(mod.module, *args, **kwargs))
 
     def functional_call(params: dict, buffers: dict, *a: Any, **k: Any) -> Any:
-        return torch.func.functional_call(mod, {**params, **buffers}, a, k)
+        return _traced_call(mod, params, buffers, a, k)
 
     functional_call.__qualname__ = type(mod).__name__
     n = len(list(mod.named_parameters())) + len(list(mod.named_buffers()))
@@ -979,7 +1153,12 @@ def aot_module(mod: nn.Module, *args: Any, **kwargs: Any) -> AOTModule:
     # AOTModule passes the module's own tensors: a fallback calls the module itself (functional_call
     # would swap each of them in and out on every call: 2 ms of a host-size Longformer step)
     compiled.fallback_fn, compiled.fallback_skip = mod, 2
-    return AOTModule(mod, compiled)
+    return AOTModule(mod, compiled, (args, kwargs))
+
+
+def _rebuild_aot_module(mod: nn.Module, args: tuple, kwargs: dict) -> AOTModule:
+    """AOTModule.__reduce_ex__'s constructor: aot_module again, over the copied or unpickled module."""
+    return aot_module(mod, *args, **kwargs)
 
 
 def memory_efficient_fusion(fn: Callable | nn.Module, **kwargs: Any) -> Callable | AOTModule:

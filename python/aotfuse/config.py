@@ -254,3 +254,24 @@ def graph_module(root: Any, graph: Any, class_name: str = "GraphModule") -> Any:
         import torch.fx as fx
         return fx.GraphModule(root, graph, class_name)
     return _make_graph_module(root, graph, class_name)
+
+
+def compile_lock() -> Any:
+    """The process-wide lock every capture and lowering holds: tracing swaps process-wide state
+    (fake tensor modes, oneDNN's flag, a module's Python attributes), so two threads compiling at
+    once would mix their traces. It is Dynamo's own compile lock (an RLock) where torch has one, so a
+    signature falling back to torch.compile while compiling, and Dynamo calling aotfuse's backend
+    under that lock, take the locks in one order; a Python RLock otherwise."""
+    global _compile_lock
+    if _compile_lock is None:
+        try:
+            from torch._dynamo.convert_frame import compile_lock as dynamo_lock
+        except ImportError:  # pragma: no cover - torch without Dynamo
+            import threading
+
+            dynamo_lock = threading.RLock()
+        _compile_lock = dynamo_lock
+    return _compile_lock
+
+
+_compile_lock = None

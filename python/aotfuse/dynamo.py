@@ -21,8 +21,11 @@ __all__ = ["aotfuse_backend"]
 
 def _compile_or_fallback(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], saved_from: int | None = None,
                          lazy: bool = False):
+    from . import config
+
     try:
-        return lower(gm, example_inputs, saved_from, lazy=lazy)
+        with config.compile_lock():  # a backward is lowered at its first call, on any thread
+            return lower(gm, example_inputs, saved_from, lazy=lazy)
     except UnsupportedError as e:
         # Dynamo graphs can carry what the core does not take: that graph runs as torch's own FX
         # code, correctly. (Symbolic shapes never get here: _per_shape.)
@@ -94,16 +97,21 @@ def _per_shape(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], collect:
                tuple(values.values()))
         fn = programs.get(key)
         if fn is None:
-            if len(programs) >= config.cache_size():
-                if not warned:
-                    warned.append(True)
-                    warnings.warn(f"aotfuse: a Dynamo graph with symbolic shapes met more than {config.cache_size()} "
-                                  "shapes (AOTFUSE_CACHE_SIZE); new ones run uncompiled. Each shape compiles once: "
-                                  "padding batches to a few fixed lengths (a data collator's pad_to_multiple_of, "
-                                  "say) keeps them compiled, or raise the limit.", stacklevel=2)
-                return gm(*args)
-            fn = programs[key] = aotfuse_backend(_with_scalars(gm, values) if values else gm, list(args), collect)
+            with config.compile_lock():  # at run time, on any thread
+                fn = programs.get(key) or _compile_shape(key, args, values)
         return fn(*args)  # aot_module_simplified's convention: unboxed
+
+    def _compile_shape(key: tuple, args: tuple, values: dict) -> Any:
+        if len(programs) >= config.cache_size():
+            if not warned:
+                warned.append(True)
+                warnings.warn(f"aotfuse: a Dynamo graph with symbolic shapes met more than {config.cache_size()} "
+                              "shapes (AOTFUSE_CACHE_SIZE); new ones run uncompiled. Each shape compiles once: "
+                              "padding batches to a few fixed lengths (a data collator's pad_to_multiple_of, "
+                              "say) keeps them compiled, or raise the limit.", stacklevel=4)
+            return gm
+        fn = programs[key] = aotfuse_backend(_with_scalars(gm, values) if values else gm, list(args), collect)
+        return fn
 
     return run
 

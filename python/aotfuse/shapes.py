@@ -292,15 +292,18 @@ class PerShape:
         self.last_vals = vals
         key = tuple(vals.get(s) for s in self.symbols)
         prog = self.programs.get(key)
-        if prog is None:
-            config.emit("cache", f"shape family: a program for {dict(zip(map(str, self.symbols), key))}")
-            with config.lazy_graph_modules():
-                prog = self.lower(concrete(self.gm, vals))
-            self.programs[key] = prog
-            while len(self.programs) > self.limit:
-                self.programs.popitem(last=False)
-        else:
+        if prog is not None:
             self.programs.move_to_end(key)
+            return prog
+        with config.compile_lock():  # a run on any thread may make one (Dynamo's lock is not held then)
+            prog = self.programs.get(key)  # made meanwhile by another thread
+            if prog is None:
+                config.emit("cache", f"shape family: a program for {dict(zip(map(str, self.symbols), key))}")
+                with config.lazy_graph_modules():
+                    prog = self.lower(concrete(self.gm, vals))
+                self.programs[key] = prog
+                while len(self.programs) > self.limit:
+                    self.programs.popitem(last=False)
         return prog
 
     def __call__(self, args: list) -> list:

@@ -1,0 +1,290 @@
+"""What a user does with a compiled module besides calling it: Python hooks on its submodules
+(before and after it compiled), copying and saving it whole, and torch.func transforms around it.
+
+Hooks: a captured graph runs a hook once, while tracing, with traced tensors; one recording
+activations or counting calls would record fakes and count traces. So aotfuse traces only hooks known
+to act through the forward's values (torch's own, transformers' output recording) and treats any
+other like a branch it cannot capture (HooksError: CaptureError, or the fallback). The hooks are part
+of each signature: one registered or removed later makes another."""
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+
+import aotfuse
+from aotfuse import CaptureError
+from helpers import assert_close
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _net(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def _ran_compiled(compiled) -> bool:
+    entry = compiled._aotfuse_compiled.last_entry
+    return entry is not None and entry.fallback is None
+
+
+def test_a_recording_hook_is_refused_by_default_naming_it():
+    model = _net()
+    model.fc1.register_forward_hook(lambda m, i, o: None)
+    compiled = aotfuse.memory_efficient_fusion(model)
+    with pytest.raises(CaptureError, match=r"Python hooks.*fc1\.forward_hooks"):
+        compiled(torch.randn(2, 8))
+
+
+@pytest.mark.parametrize("fallback", ["eager", "dynamo"])
+def test_a_recording_hook_runs_at_every_call_under_a_fallback(fallback):
+    """Before: the hook ran once, while tracing, and recorded FakeTensors; every later call skipped it."""
+    model = _net()
+    seen = []
+    model.fc1.register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
+    compiled = aotfuse.memory_efficient_fusion(model, fallback=fallback)
+    xs = [torch.randn(2, 8) for _ in range(3)]
+    with pytest.warns(UserWarning, match="could not capture"):
+        outs = [compiled(x) for x in xs]
+    assert len(seen) == 3 and all(type(a) is torch.Tensor for a in seen)
+    for k, x in enumerate(xs):
+        assert_close(seen[k], model.fc1(x).detach(), f"recorded activation {k}")
+        assert_close(outs[k], model(x), f"output {k}")
+
+
+def test_backward_hooks_run_at_every_backward_under_the_eager_fallback():
+    model = _net()
+    grads = []
+    model.fc1.register_full_backward_hook(lambda m, gi, go: grads.append(go[0].clone()))
+    compiled = aotfuse.memory_efficient_fusion(model, fallback="eager")
+    x = torch.randn(2, 8)
+    with pytest.warns(UserWarning, match="could not capture"):
+        compiled(x).sum().backward()
+    compiled(x).sum().backward()
+    assert len(grads) == 2 and all(type(g) is torch.Tensor for g in grads)
+
+
+def test_a_hook_registered_after_compiling_is_not_ignored():
+    """Before: the compiled program kept running without it (another answer than eager's)."""
+    model = _net()
+    compiled = aotfuse.memory_efficient_fusion(model, fallback="eager")
+    x = torch.randn(2, 8)
+    assert_close(compiled(x), model(x), "before the hook")
+    assert _ran_compiled(compiled)
+    handle = model.fc2.register_forward_pre_hook(lambda m, args: (args[0] * 3,))
+    with pytest.warns(UserWarning, match="could not capture"):
+        out = compiled(x)
+    assert_close(out, model(x), "with the hook")
+    assert not _ran_compiled(compiled)
+    handle.remove()
+    assert_close(compiled(x), model(x), "after removing it")
+    assert _ran_compiled(compiled)  # the first signature's programs again
+    assert compiled._aotfuse_compiled.compile_count == 2
+
+
+def test_a_hook_the_forward_registers_on_a_tensor_is_refused_or_run_eagerly():
+    seen = []
+
+    class Tapped(Net):
+        def forward(self, x):
+            h = self.fc1(x)
+            h.register_hook(lambda g: seen.append(g.clone()))
+            return self.fc2(torch.tanh(h))
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    with pytest.raises(CaptureError, match="registers hooks"):
+        aotfuse.memory_efficient_fusion(Tapped())(x)
+    compiled = aotfuse.memory_efficient_fusion(Tapped(), fallback="eager")
+    seen.clear()
+    with pytest.warns(UserWarning, match="could not capture"):
+        compiled(x).sum().backward()
+    compiled(x).sum().backward()
+    assert len(seen) == 2 and all(type(g) is torch.Tensor for g in seen)
+
+
+def test_torchs_own_hooks_are_traced_into_the_programs():
+    """Quantization's observer hook (torch.ao): fc1's output through a MinMaxObserver, whose running
+    min and max are buffers it updates in place; captured whole, the buffers move as eager's."""
+    from torch.ao.quantization import MinMaxObserver
+    from torch.ao.quantization.quantize import _observer_forward_hook
+
+    model, twin = _net(), _net()
+    for m in (model, twin):
+        m.fc1.activation_post_process = MinMaxObserver()
+        m.fc1.register_forward_hook(_observer_forward_hook)
+    compiled = aotfuse.memory_efficient_fusion(twin)
+    for k in range(3):
+        x = torch.randn(4, 8) * (k + 1)
+        out, ref = compiled(x), model(x)
+        assert _ran_compiled(compiled)
+        assert_close(out, ref, f"output {k}")
+        out.square().sum().backward()
+        ref.square().sum().backward()
+        for name in ("min_val", "max_val"):
+            assert_close(getattr(twin.fc1.activation_post_process, name),
+                         getattr(model.fc1.activation_post_process, name), f"call {k}: the observer's {name}")
+    for (name, p), q in zip(twin.named_parameters(), model.parameters()):
+        assert_close(p.grad, q.grad, f"gradient of {name}")
+
+
+def test_hooks_on_the_compiled_module_itself_run_around_its_programs():
+    model = _net()
+    compiled = aotfuse.memory_efficient_fusion(model)
+    seen = []
+    compiled.register_forward_hook(lambda m, i, o: seen.append(o.detach().clone()))
+    x = torch.randn(2, 8)
+    for _ in range(2):
+        out = compiled(x)
+        assert _ran_compiled(compiled)
+    assert len(seen) == 2 and all(type(a) is torch.Tensor for a in seen)
+    assert_close(seen[-1], out.detach(), "the hook's output")
+
+
+def test_transformers_output_recording_is_traced_into_the_programs():
+    """transformers 5 records output_hidden_states with forward hooks it installs at the first
+    call asking for them (inside the traced forward): a pure recording, captured whole."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                  vocab_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = transformers.BertForMaskedLM(cfg)
+    compiled = aotfuse.memory_efficient_fusion(model)
+    ids = torch.randint(0, 64, (2, 8))
+    out = compiled(input_ids=ids, labels=ids, output_hidden_states=True)
+    assert _ran_compiled(compiled)
+    ref = model(input_ids=ids, labels=ids, output_hidden_states=True)
+    assert len(out.hidden_states) == len(ref.hidden_states) == 3
+    for k, (a, b) in enumerate(zip(out.hidden_states, ref.hidden_states)):
+        assert type(a) is torch.Tensor
+        assert_close(a, b, f"hidden state {k}")
+    assert_close(out.loss, ref.loss, "loss")
+    plain = compiled(input_ids=ids, labels=ids)  # hooks installed now, recording nothing
+    assert _ran_compiled(compiled) and plain.hidden_states is None
+
+
+def test_transformers_gradient_checkpointing_hook_is_traced_into_the_programs():
+    """gradient_checkpointing_enable() installs a forward hook on the input embeddings (they require
+    grad): captured whole, the step's gradients as eager's."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                  vocab_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(transformers.BertForMaskedLM(cfg))
+        models[-1].gradient_checkpointing_enable()
+        models[-1].train()
+    model, twin = models
+    assert any(m._forward_hooks for m in twin.modules())  # the hook this test is about
+    compiled = aotfuse.memory_efficient_fusion(twin)
+    ids = torch.randint(0, 64, (2, 8))
+    out, ref = compiled(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
+    assert _ran_compiled(compiled)
+    assert_close(out.loss, ref.loss, "loss")
+    out.loss.backward()
+    ref.loss.backward()
+    for (name, p), q in zip(twin.named_parameters(), model.parameters()):
+        assert_close(p.grad, q.grad, f"gradient of {name}")
+
+
+def test_deepcopy_of_a_compiled_module_is_an_independent_compiled_module():
+    """Before: TypeError (cannot pickle 'aotfuse._C.Program'), e.g. for an EMA copy of the model."""
+    model = _net()
+    compiled = aotfuse.memory_efficient_fusion(model, fallback="eager")
+    x = torch.randn(2, 8)
+    compiled(x)
+    twin = copy.deepcopy(compiled)
+    assert isinstance(twin, aotfuse.AOTModule) and twin.orig_module is not model
+    assert twin._aotfuse_compiled.fallback == "eager"  # the options travel
+    assert all(p is not q for p, q in zip(twin.parameters(), model.parameters()))
+    assert_close(twin(x), model(x), "the copy's output")
+    assert _ran_compiled(twin)
+    with torch.no_grad():
+        twin.fc2.weight.mul_(2)
+    assert_close(compiled(x), model(x), "the original after changing the copy")
+    assert_close(twin(x), twin.orig_module(x), "the changed copy")
+    assert not torch.allclose(twin(x), model(x))
+
+
+def _doubled(module, args, output):
+    return output * 2
+
+
+def test_torch_save_and_load_of_a_whole_compiled_module():
+    """The module pickled as itself, compiled again when loaded; the compiled view's own hooks travel."""
+    model = _net()
+    compiled = aotfuse.memory_efficient_fusion(model)
+    compiled.register_forward_hook(_doubled)
+    x = torch.randn(2, 8)
+    compiled(x)
+    buf = io.BytesIO()
+    torch.save(compiled, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert isinstance(loaded, aotfuse.AOTModule)
+    assert_close(loaded(x), model(x) * 2, "the loaded module's output, through its hook")
+    assert _ran_compiled(loaded)
+    assert list(loaded.state_dict()) == list(model.state_dict())
+
+
+def test_deepcopy_of_a_compiled_function():
+    def f(x, y):
+        return (x * y).sin().sum()
+
+    compiled = aotfuse.aot_function(f, fallback="eager")
+    x, y = torch.randn(3, requires_grad=True), torch.randn(3)
+    compiled(x, y)
+    twin = copy.deepcopy(compiled)
+    assert twin.fallback == "eager" and twin.compile_count == 0
+    assert_close(twin(x, y), f(x, y), "the copy's output")
+
+
+def test_vmap_and_grad_over_compiled_functions_run_them_as_the_original():
+    """Before: CaptureError ('Please convert all Tensors to FakeTensors')."""
+    model = _net()
+    compiled = aotfuse.memory_efficient_fusion(model)
+    xs = torch.randn(3, 2, 8)
+    with pytest.warns(UserWarning, match="torch.func transform"):
+        out = torch.vmap(compiled)(xs)
+    assert_close(out, torch.vmap(model)(xs), "vmap")
+
+    def f(x):
+        return (x.sin() * x).sum()
+
+    cf = aotfuse.aot_function(f)
+    x = torch.randn(5)
+    with pytest.warns(UserWarning, match="torch.func transform"):
+        g = torch.func.grad(cf)(x)
+    assert_close(g, torch.func.grad(f)(x), "grad")
+    assert_close(compiled(xs[0]), model(xs[0]), "a plain call afterwards")
+    assert _ran_compiled(compiled)
+
+
+def test_a_function_registering_a_tensor_hook_is_refused_or_run_eagerly():
+    seen = []
+
+    def f(x):
+        y = x.sin()
+        y.register_hook(lambda g: seen.append(g.clone()))
+        return (y * 2).sum()
+
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(CaptureError, match="registers hooks"):
+        aotfuse.aot_function(f)(x)
+    compiled = aotfuse.aot_function(f, fallback="eager")
+    seen.clear()
+    with pytest.warns(UserWarning, match="could not capture"):
+        compiled(x).backward()
+    assert len(seen) == 1 and type(seen[0]) is torch.Tensor
+    assert_close(seen[0], torch.full((4,), 2.0), "the hook's gradient")
