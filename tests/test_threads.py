@@ -122,3 +122,22 @@ def test_threads_under_a_fallback_agree_with_eager(fallback):
     for i, outs in enumerate(results):
         for out in outs:
             assert_close(out, f(xs[i]), f"thread {i}")
+
+
+def test_threads_through_torch_compile_with_aotfuses_backend():
+    """torch.compile(backend="aotfuse") from every thread at once: Dynamo compiles under its lock,
+    aotfuse's lazy backward compile under the same one, the programs one call at a time."""
+    torch.manual_seed(4)
+    model = Mlp()
+    compiled = torch.compile(model, backend="aotfuse")
+    params = list(model.parameters())
+    xs = [torch.randn(32, 64) for _ in range(THREADS)]
+    refs = [torch.autograd.grad(model(x).square().sum(), params) for x in xs]
+
+    def work(i):
+        return [torch.autograd.grad(compiled(xs[i]).square().sum(), params) for _ in range(3)]
+
+    for i, runs in enumerate(_in_threads(work)):
+        for k, grads in enumerate(runs):
+            for (name, _), g, r in zip(model.named_parameters(), grads, refs[i]):
+                assert_close(g, r, f"thread {i}, step {k}: gradient of {name}")

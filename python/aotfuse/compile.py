@@ -765,7 +765,8 @@ class CompiledFunction:
                     if isinstance(e, BackendUnavailable) else "an op or argument the C core cannot take"
                     if isinstance(e, UnsupportedError) else "the graph was traced, but partitioning it failed: an aotfuse "
                     "bug, please report it with this message" if entry.record.partition_failed
-                    else "data-dependent control flow or an op AOTAutograd cannot trace")
+                    else "data-dependent control flow, an op AOTAutograd cannot trace, or an error the function "
+                         "raises uncompiled too: AOTFUSE_DISABLE=1 runs it uncompiled")
             raise CaptureError(
                 f"aotfuse could not capture {self.name} ({hint}).\nCause: {reason}\nWays out: "
                 f"torch.compile(model, backend='aotfuse') splits the graph around what cannot be captured; "
