@@ -288,3 +288,31 @@ def test_a_function_registering_a_tensor_hook_is_refused_or_run_eagerly():
         compiled(x).backward()
     assert len(seen) == 1 and type(seen[0]) is torch.Tensor
     assert_close(seen[0], torch.full((4,), 2.0), "the hook's gradient")
+
+
+@pytest.mark.parametrize("fallback", ["error", "eager"])
+def test_a_kv_cache_argument_is_refused_or_run_eagerly(fallback):
+    """transformers' DynamicCache is an object holding tensors, which the forward appends to: before,
+    its tensors met the trace's fake ones (a confusing FakeTensor error)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64))
+    model.eval()
+    compiled = aotfuse.memory_efficient_fusion(model, fallback=fallback)
+    ids = torch.randint(0, 64, (1, 5))
+    with torch.no_grad():
+        out, ref = compiled(input_ids=ids, use_cache=True), model(input_ids=ids, use_cache=True)
+        assert _ran_compiled(compiled)
+        assert_close(out.logits, ref.logits, "logits")
+        for k, (a, b) in enumerate(zip(out.past_key_values.layers, ref.past_key_values.layers)):
+            assert type(a.keys) is torch.Tensor  # the output cache holds this call's tensors
+            assert_close(a.keys, b.keys, f"cached keys of layer {k}")
+        step = ids[:, -1:]
+        if fallback == "error":
+            with pytest.raises(CaptureError, match="DynamicCache holding tensors"):
+                compiled(input_ids=step, past_key_values=out.past_key_values, use_cache=True)
+            return
+        with pytest.warns(UserWarning, match="could not capture"):
+            nxt = compiled(input_ids=step, past_key_values=out.past_key_values, use_cache=True)
+        assert_close(nxt.logits, model(input_ids=step, past_key_values=ref.past_key_values, use_cache=True).logits,
+                     "the next token's logits")

@@ -24,7 +24,7 @@ from torch._functorch.aot_autograd import aot_function as _torch_aot_function
 from torch.utils.hooks import RemovableHandle
 
 from . import config, shapes
-from ._pytree import tree_flatten, tree_unflatten
+from ._pytree import _holds_tensor, tree_flatten, tree_unflatten
 from .decompositions import default_decompositions
 from .lower import BackendUnavailable, Lowered, UnsupportedError, lower
 from .partition import default_partition, min_cut_rematerialization_partition
@@ -618,7 +618,13 @@ class CompiledFunction:
         template = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         fn = self.fn
 
+        held = [type(x).__name__ for x in template if x is not None and _holds_tensor(x, 0, set())]
+
         def flat_fn(*tensors):  # AOTAutograd calls it once per tracing pass
+            if held:
+                raise ObjectInputError(f"{self.name} takes {', '.join(held)} holding tensors (not a tuple, list, dict "
+                                       f"or dataclass of them): a program cannot take its tensors, nor replay what "
+                                       f"the call does to it (a KV cache it appends to)")
             vals = list(template)
             for i, t in zip(tensor_idx, tensors):
                 vals[i] = t
@@ -758,7 +764,9 @@ class CompiledFunction:
                 entry.ready = True
                 return entry.fallback(*args, **kwargs), entry
             self._forget(entry)  # the next call of this signature tries (and explains) again
-            hint = ("Python hooks: register them on the compiled module instead (its own hooks run around each "
+            hint = ("an argument is an object holding tensors; inference with a KV cache runs with fallback='eager' "
+                    "(generate() runs the original module)" if isinstance(e, ObjectInputError) else
+                    "Python hooks: register them on the compiled module instead (its own hooks run around each "
                     "compiled call), or let fallback='eager' run them as they are (fallback='dynamo' traces them as "
                     "torch.compile does)" if isinstance(e, HooksError) else
                     "its kernels cannot be built on this machine; AOTFUSE_BACKEND=aten runs without them"
@@ -893,6 +901,12 @@ def _read_refs(refs: list) -> dict | None:
 # Module hooks a capture runs: forward, forward pre, backward and backward pre (each module's own
 # dict and torch's global one; a with_kwargs or always_called hook is in these dicts too).
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+class ObjectInputError(RuntimeError):
+    """An argument is a Python object holding tensors (transformers' DynamicCache): its tensors would
+    be constants of the trace, and what the call does to the object (a cache's update) would happen
+    once, while tracing. The signature is not captured: CaptureError, or the function's fallback."""
 
 
 class HooksError(RuntimeError):
