@@ -47,6 +47,21 @@ def _in_threads(work, n: int = THREADS) -> list:
     return results
 
 
+def _assert_gradients_per_thread(model: nn.Module, compiled, xs: list, steps: int) -> None:
+    """Every thread takes `steps` gradients of compiled(xs[i])'s squared sum by torch.autograd.grad,
+    all at once; each equals eager's for its own batch."""
+    params = list(model.parameters())
+    refs = [torch.autograd.grad(model(x).square().sum(), params) for x in xs]
+
+    def work(i):
+        return [torch.autograd.grad(compiled(xs[i]).square().sum(), params) for _ in range(steps)]
+
+    for i, runs in enumerate(_in_threads(work)):
+        for k, grads in enumerate(runs):
+            for (name, _), g, r in zip(model.named_parameters(), grads, refs[i]):
+                assert_close(g, r, f"thread {i}, step {k}: gradient of {name}")
+
+
 def test_threads_first_calls_compile_a_signature_once_and_get_eagers_values():
     torch.manual_seed(0)
     model = Mlp()
@@ -71,18 +86,9 @@ def test_threads_training_at_once_get_each_their_own_gradients():
     torch.manual_seed(1)
     model = Mlp()
     compiled = aotfuse.memory_efficient_fusion(model)
-    params = list(model.parameters())
     compiled(torch.randn(32, 64)).square().sum().backward()  # the batch of 32 compiled
     xs = [torch.randn(32 if i else 24, 64) for i in range(THREADS)]  # thread 0: a new signature
-    refs = [torch.autograd.grad(model(x).square().sum(), params) for x in xs]
-
-    def work(i):
-        return [torch.autograd.grad(compiled(xs[i]).square().sum(), params) for _ in range(4)]
-
-    for i, runs in enumerate(_in_threads(work)):
-        for k, grads in enumerate(runs):
-            for (name, _), g, r in zip(model.named_parameters(), grads, refs[i]):
-                assert_close(g, r, f"thread {i}, step {k}: gradient of {name}")
+    _assert_gradients_per_thread(model, compiled, xs, steps=4)
 
 
 def test_one_program_called_from_threads_at_once_runs_one_call_at_a_time():
@@ -130,14 +136,4 @@ def test_threads_through_torch_compile_with_aotfuses_backend():
     torch.manual_seed(4)
     model = Mlp()
     compiled = torch.compile(model, backend="aotfuse")
-    params = list(model.parameters())
-    xs = [torch.randn(32, 64) for _ in range(THREADS)]
-    refs = [torch.autograd.grad(model(x).square().sum(), params) for x in xs]
-
-    def work(i):
-        return [torch.autograd.grad(compiled(xs[i]).square().sum(), params) for _ in range(3)]
-
-    for i, runs in enumerate(_in_threads(work)):
-        for k, grads in enumerate(runs):
-            for (name, _), g, r in zip(model.named_parameters(), grads, refs[i]):
-                assert_close(g, r, f"thread {i}, step {k}: gradient of {name}")
+    _assert_gradients_per_thread(model, compiled, [torch.randn(32, 64) for _ in range(THREADS)], steps=3)

@@ -964,14 +964,15 @@ def _traced_call(mod: nn.Module, params: dict, buffers: dict, args: tuple, kwarg
     if impure:
         raise HooksError(f"{type(mod).__name__} has Python hooks a captured graph would run once, while tracing, "
                          f"not at each call: {'; '.join(impure[:4])}{' ...' if len(impure) > 4 else ''}")
-    before = RemovableHandle.next_id
-    pure_before = sum(1 for _, d in _hook_dicts(mod) for fn in d.values() if _pure_hook(fn))
+    def pure() -> int:
+        return sum(1 for _, d in _hook_dicts(mod) for fn in d.values() if _pure_hook(fn))
+
+    before, pure_before = RemovableHandle.next_id, pure()
     out = torch.func.functional_call(mod, {**params, **buffers}, args, kwargs)
     registered = RemovableHandle.next_id - before
     if registered:
-        pure_added = sum(1 for _, d in _hook_dicts(mod) for fn in d.values() if _pure_hook(fn)) - pure_before
         impure = _impure_hooks(mod)
-        if impure or registered > pure_added:
+        if impure or registered > pure() - pure_before:
             raise HooksError(f"the forward of {type(mod).__name__} registers hooks (Tensor.register_hook, a module "
                              f"hook, ...) a captured graph would run once, while tracing, not at each call"
                              + (f": {'; '.join(impure[:4])}" if impure else ""))
