@@ -316,3 +316,24 @@ def test_a_kv_cache_argument_is_refused_or_run_eagerly(fallback):
             nxt = compiled(input_ids=step, past_key_values=out.past_key_values, use_cache=True)
         assert_close(nxt.logits, model(input_ids=step, past_key_values=ref.past_key_values, use_cache=True).logits,
                      "the next token's logits")
+
+
+def test_a_function_calling_a_hooked_module_is_refused_before_its_hook_runs():
+    """aot_function over a function that calls a module (here one without parameters): its hooks are
+    found when it is called while tracing, before they run."""
+    act = nn.Tanh()
+    seen = []
+    act.register_forward_hook(lambda m, i, o: seen.append(o))
+
+    def step(x, w):
+        return act(x @ w).square().sum()
+
+    x, w = torch.randn(2, 8), torch.randn(8, 4, requires_grad=True)
+    with pytest.raises(CaptureError, match="Python hooks.*Tanh.forward_hooks"):
+        aotfuse.aot_function(step)(x, w)
+    assert seen == []  # stopped before the hook ran on traced tensors
+    compiled = aotfuse.aot_function(step, fallback="eager")
+    with pytest.warns(UserWarning, match="could not capture"):
+        out = compiled(x, w)
+    assert len(seen) == 1 and type(seen[0]) is torch.Tensor
+    assert_close(out, step(x, w), "the loss")

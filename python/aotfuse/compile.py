@@ -633,12 +633,9 @@ class CompiledFunction:
             # decomposition would otherwise record mkldnn_rnn_layer, whose inference-mode workspace
             # ATen returns as None at run time (the graph expects a tensor); without it the LSTM
             # traces as matmuls and pointwise ops
-            registered = RemovableHandle.next_id
-            with _ModuleStateGuard(module, tensors) as guard, _onednn_off():
+            with _ModuleStateGuard(module, tensors) as guard, _onednn_off(), _HookProbe(self.name, module) as hooks:
                 out = fn(*args, **kwargs)
-            if module is None and RemovableHandle.next_id != registered:  # (a module's: _traced_call)
-                raise HooksError(f"{self.name} registers hooks (Tensor.register_hook, a module hook, ...) a captured "
-                                 f"graph would run once, while tracing, not at each call")
+            hooks.check()
             if guard.kept:
                 raise RuntimeError(f"the forward keeps tensors in Python state ({', '.join(guard.kept)}), which a "
                                    f"compiled graph cannot replay")
@@ -950,33 +947,58 @@ def _hook_dicts(mod: nn.Module) -> list:
     return found
 
 
-def _impure_hooks(mod: nn.Module) -> list[str]:
-    """Where the hooks a capture cannot keep are, with their functions' names."""
-    return [f"{where}: {getattr(fn, '__qualname__', type(fn).__name__)}" for where, d in _hook_dicts(mod)
-            for fn in d.values() if not _pure_hook(fn)]
+class _HookProbe:
+    """Around one tracing pass of the user's function: a global forward pre-hook that, on the tracing
+    thread, looks at each module about to run (the root too) before its own hooks do. An impure hook
+    stops the pass there (HooksError, naming it); the pure ones' handle ids are noted, so that
+    check(), after the pass, refuses any other hook handle made meanwhile (Tensor.register_hook, a
+    hook on a grad_fn) before the backward is traced."""
 
+    def __init__(self, name: str, root: nn.Module | None = None) -> None:
+        self.name = name
+        self.root = root  # names the modules by their path in it, where they are in it
+        self.thread = threading.get_ident()
+        self.pure_ids: set[int] = set()
 
-def _traced_call(mod: nn.Module, params: dict, buffers: dict, args: tuple, kwargs: dict) -> Any:
-    """What aot_module traces: the module with these tensors. Refuses (HooksError) hooks whose side
-    effects the graph would lose: impure module hooks, and hooks the forward registers (on tensors,
-    on autograd nodes, on modules) other than the pure ones."""
-    impure = _impure_hooks(mod)
-    if impure:
-        raise HooksError(f"{type(mod).__name__} has Python hooks a captured graph would run once, while tracing, "
-                         f"not at each call: {'; '.join(impure[:4])}{' ...' if len(impure) > 4 else ''}")
-    def pure() -> int:
-        return sum(1 for _, d in _hook_dicts(mod) for fn in d.values() if _pure_hook(fn))
+    def _note(self, where: Callable[[], str], hooks: dict) -> None:
+        impure = []
+        for hid, fn in hooks.items():
+            if _pure_hook(fn):
+                self.pure_ids.add(hid)
+            else:
+                impure.append(f"{where()}: {getattr(fn, '__qualname__', type(fn).__name__)}")
+        if impure:
+            raise HooksError(f"{self.name} runs Python hooks a captured graph would run once, while tracing, not at "
+                             f"each call: {'; '.join(impure[:4])}{' ...' if len(impure) > 4 else ''}")
 
-    before, pure_before = RemovableHandle.next_id, pure()
-    out = torch.func.functional_call(mod, {**params, **buffers}, args, kwargs)
-    registered = RemovableHandle.next_id - before
-    if registered:
-        impure = _impure_hooks(mod)
-        if impure or registered > pure() - pure_before:
-            raise HooksError(f"the forward of {type(mod).__name__} registers hooks (Tensor.register_hook, a module "
-                             f"hook, ...) a captured graph would run once, while tracing, not at each call"
-                             + (f": {'; '.join(impure[:4])}" if impure else ""))
-    return out
+    def _where(self, module: nn.Module, kind: str) -> str:
+        names = {id(m): n for n, m in self.root.named_modules()} if self.root is not None else {}
+        return f"{names.get(id(module)) or type(module).__name__}.{kind.lstrip('_')}"
+
+    def _pre_hook(self, module: nn.Module, _args: Any) -> None:
+        if threading.get_ident() == self.thread:  # not another thread's eager modules
+            for k in _HOOK_DICTS:
+                hooks = module.__dict__.get(k)
+                if hooks:
+                    self._note(functools.partial(self._where, module, k), hooks)
+
+    def __enter__(self) -> "_HookProbe":
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        for where, hooks in _global_hooks():
+            self._note(lambda where=where: where, hooks)
+        self.start = RemovableHandle.next_id
+        self.handle = register_module_forward_pre_hook(self._pre_hook)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.handle.remove()
+        self.end = RemovableHandle.next_id
+
+    def check(self) -> None:
+        if set(range(self.start, self.end)) - self.pure_ids - {self.handle.id}:
+            raise HooksError(f"{self.name} registers hooks (Tensor.register_hook, a module hook, ...) a captured "
+                             f"graph would run once, while tracing, not at each call")
 
 
 class AOTModule(nn.Module):
@@ -1161,7 +1183,7 @@ def aot_module(mod: nn.Module, *args: Any, **kwargs: Any) -> AOTModule:
         return AOTDataParallel(mod, aot_module(mod.module, *args, **kwargs))
 
     def functional_call(params: dict, buffers: dict, *a: Any, **k: Any) -> Any:
-        return _traced_call(mod, params, buffers, a, k)
+        return torch.func.functional_call(mod, {**params, **buffers}, a, k)
 
     functional_call.__qualname__ = type(mod).__name__
     n = len(list(mod.named_parameters())) + len(list(mod.named_buffers()))
