@@ -9,7 +9,8 @@ import torch  # noqa: F401  (the C core's bridge needs torch loaded)
 
 from . import _C
 from ._C import Error
-from .compile import AOTDataParallel, AOTModule, CaptureError, aot_function, aot_module, memory_efficient_fusion
+from .compile import (AOTDataParallel, AOTModule, CaptureError, HooksError, ObjectInputError, aot_function, aot_module,
+                      memory_efficient_fusion)
 from .decompositions import default_decompositions
 from .explain import explain
 from .lower import UnsupportedError
@@ -28,6 +29,8 @@ __all__ = [
     "AOTDataParallel",
     "AOTModule",
     "CaptureError",
+    "HooksError",
+    "ObjectInputError",
     "UnsupportedError",
     "Error",
 ]

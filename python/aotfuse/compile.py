@@ -29,8 +29,8 @@ from .decompositions import default_decompositions
 from .lower import BackendUnavailable, Lowered, UnsupportedError, lower
 from .partition import default_partition, min_cut_rematerialization_partition
 
-__all__ = ["aot_function", "aot_module", "memory_efficient_fusion", "CaptureError", "HooksError", "AOTModule",
-           "AOTDataParallel"]
+__all__ = ["aot_function", "aot_module", "memory_efficient_fusion", "CaptureError", "HooksError", "ObjectInputError",
+           "AOTModule", "AOTDataParallel"]
 
 
 class CaptureError(RuntimeError):
