@@ -814,20 +814,20 @@ static PyObject *op_kind(PyObject *m, PyObject *arg) {
 }
 
 /* partition(graph, roles, num_fwd_outputs, min_cut=True, max_dist_from_bw=.., reduction_ratio=..,
- *           ban_materialized_bw=.., ban_chained_random=..) -> dict(saved=[value ids], forward=[node idx], backward=[node idx in
+ *           ban_materialized_bw=.., ban_chained_random=.., node_policy=None) -> dict(saved=[value ids], forward=[node idx], backward=[node idx in
  *           run order], recomputed=int, saved_bytes=int, cut_value=int) */
 static PyObject *partition(PyObject *m, PyObject *args, PyObject *kwds) {
     (void)m;
     static char *kwlist[] = {"graph", "roles", "num_fwd_outputs", "min_cut", "max_dist_from_bw", "reduction_ratio",
-                             "ban_materialized_bw", "ban_chained_random", NULL};
+                             "ban_materialized_bw", "ban_chained_random", "node_policy", NULL};
     GraphObject *graph;
-    Py_buffer roles;
+    Py_buffer roles, policy = {0};
     int nfwd, min_cut = 1;
     af_partition_options o = af_partition_default_options();
     long long max_dist = o.max_dist_from_bw;
     int ratio = o.reduction_ratio, ban_bw = o.ban_materialized_bw, ban_random = o.ban_chained_random;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!y*i|pLiip", kwlist, &GraphType, &graph, &roles, &nfwd, &min_cut,
-                                     &max_dist, &ratio, &ban_bw, &ban_random))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!y*i|pLiipz*", kwlist, &GraphType, &graph, &roles, &nfwd, &min_cut,
+                                     &max_dist, &ratio, &ban_bw, &ban_random, &policy))
         return NULL;
     PyObject *result = NULL;
     af_partition *p = NULL;
@@ -836,12 +836,26 @@ static PyObject *partition(PyObject *m, PyObject *args, PyObject *kwds) {
         PyErr_Format(PyExc_ValueError, "%zd roles for %d graph inputs", roles.len, (int)af_graph_num_inputs(graph->g));
         goto done;
     }
+    if (policy.buf) {
+        if (policy.len != af_graph_num_nodes(graph->g)) {
+            PyErr_Format(PyExc_ValueError, "node_policy has %zd entries for %d nodes", policy.len,
+                         (int)af_graph_num_nodes(graph->g));
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < policy.len; i++)
+            if (((const uint8_t *)policy.buf)[i] > AF_POLICY_SAVE) {
+                PyErr_Format(PyExc_ValueError, "node_policy[%zd] is %d: 0 (none), 1 (recompute) or 2 (save)", i,
+                             (int)((const uint8_t *)policy.buf)[i]);
+                goto done;
+            }
+        o.node_policy = policy.buf;
+    }
     o.max_dist_from_bw = max_dist;
     o.reduction_ratio = ratio;
     o.ban_materialized_bw = ban_bw;
     o.ban_chained_random = ban_random;
     int st = min_cut ? af_partition_min_cut(graph->g, roles.buf, nfwd, &o, &p)
-                     : af_partition_default(graph->g, roles.buf, nfwd, &p);
+                     : af_partition_default_policy(graph->g, roles.buf, nfwd, o.node_policy, &p);
     if (!st) st = af_partition_check(graph->g, roles.buf, nfwd, p);
     if (st) {
         raise_status(st);
@@ -871,6 +885,7 @@ build_failed:
 done:
     af_partition_free(p);
     PyBuffer_Release(&roles);
+    if (policy.buf) PyBuffer_Release(&policy);
     return result;
 }
 

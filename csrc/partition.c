@@ -523,6 +523,11 @@ static int start(const af_graph *g, const uint8_t *roles, af_partition **out) {
 }
 
 int af_partition_default(const af_graph *g, const uint8_t *roles, int32_t num_fwd_outputs, af_partition **out) {
+    return af_partition_default_policy(g, roles, num_fwd_outputs, NULL, out);
+}
+
+int af_partition_default_policy(const af_graph *g, const uint8_t *roles, int32_t num_fwd_outputs,
+                                const uint8_t *node_policy, af_partition **out) {
     af_partition *p = NULL;
     int st = start(g, roles, &p);
     if (st) return st;
@@ -538,8 +543,9 @@ int af_partition_default(const af_graph *g, const uint8_t *roles, int32_t num_fw
     /* a node the forward runs makes all of its outputs (native_layer_norm's mean and rstd too) */
     for (int32_t v = 0; v < c.nv; v++) {
         int32_t role = c.input_role[v], prod = af_graph_value(g, v)->producer;
-        stop[v] = (prod >= 0 ? node_fw_required(&c, prod) : 0) || role == AF_ROLE_PRIMAL || role == AF_ROLE_PARAM ||
-                  role == AF_ROLE_FWD_SEED;
+        stop[v] = (prod >= 0 ? node_fw_required(&c, prod) && !(node_policy && node_policy[prod] == AF_POLICY_RECOMPUTE)
+                             : 0) ||
+                  role == AF_ROLE_PRIMAL || role == AF_ROLE_PARAM || role == AF_ROLE_FWD_SEED;
     }
     st = finish(&c, stop, p);
 done:
@@ -584,8 +590,10 @@ int af_partition_min_cut(const af_graph *g, const uint8_t *roles, int32_t num_fw
     for (int32_t v = 0; v < 2 * nv; v++) draws[v] = -1;
     for (int32_t n = 0; n < c.nn; n++) {
         const af_node *node = af_graph_node(g, n);
+        uint8_t policy = o.node_policy ? o.node_policy[n] : AF_POLICY_NONE;
         node_draws(&c, n, draws);
-        if (!node_fw_required(&c, n)) continue;
+        if (!node_fw_required(&c, n) || policy == AF_POLICY_RECOMPUTE) continue;
+        if (policy == AF_POLICY_SAVE) node_ban[n] = 1;
         for (int32_t k = 0; k < node->n_outputs && !node_ban[n]; k++)
             node_ban[n] = (uint8_t)should_ban(&c, &o, node->first_output + k, scratch, mark, draws);
         for (int32_t k = 0; node_ban[n] && k < node->n_outputs; k++) /* never drawn again through it */
@@ -602,12 +610,17 @@ int af_partition_min_cut(const af_graph *g, const uint8_t *roles, int32_t num_fw
             EDGE(vin, sink, AF_FLOW_INF);
             continue;
         }
+        int32_t prod = af_graph_value(g, v)->producer;
+        if (prod >= 0 && o.node_policy && o.node_policy[prod] == AF_POLICY_RECOMPUTE) {
+            /* checkpointed: never saved, so on the sink's side; what it reads is saved or recomputed in turn */
+            EDGE(vin, sink, AF_FLOW_INF);
+            continue;
+        }
         if (c.bw_required[v]) EDGE(vout, sink, AF_FLOW_INF); /* must be available to the backward */
         if (role == AF_ROLE_PRIMAL || role == AF_ROLE_PARAM || role == AF_ROLE_FWD_SEED || role == AF_ROLE_CONSTANT)
             EDGE(source, vin, AF_FLOW_INF);
         else if (role < 0 && node_ban[af_graph_value(g, v)->producer])
             EDGE(source, vin, AF_FLOW_INF);
-        int32_t prod = af_graph_value(g, v)->producer;
         int mat_bw = prod >= 0 && node_fw_required(&c, prod) && materialized_backward(&c, v, scratch, mark);
         EDGE(vin, vout, save_weight(&c, v, mat_bw));
         for (int32_t k = c.user_start[v]; k < c.user_start[v + 1]; k++) {

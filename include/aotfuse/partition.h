@@ -34,6 +34,15 @@ typedef enum {
     AF_ROLE_COUNT
 } af_input_role;
 
+/* What activation checkpointing asks of a node (torch.utils.checkpoint's regions: the "recompute"
+ * tags of the joint graph). A node to recompute is never saved: the backward runs it again from
+ * what is saved before it, whatever it costs (a matmul too); a node to save is never recomputed. */
+typedef enum {
+    AF_POLICY_NONE = 0,      /* the partitioner decides */
+    AF_POLICY_RECOMPUTE = 1, /* inside a checkpointed region */
+    AF_POLICY_SAVE = 2,      /* a region's output read by a later region, or marked to save */
+} af_node_policy;
+
 enum {
     AF_BAN_MATERIALIZED_NONE = 0,
     AF_BAN_MATERIALIZED_ALL = 1,    /* functorch's rule: such a value is saved */
@@ -49,6 +58,7 @@ typedef struct {
                                      the cut prefers (AF_BAN_MATERIALIZED_NONE) */
     int32_t ban_chained_random;   /* ban recomputing values that need two or more random nodes
                                      (aotfuse::rng_uniform) recomputed with them (1) */
+    const uint8_t *node_policy;   /* NULL, or one af_node_policy per node (activation checkpointing) */
 } af_partition_options;
 
 typedef struct {
@@ -71,6 +81,10 @@ int af_partition_min_cut(const af_graph *joint, const uint8_t *roles, int32_t nu
                          const af_partition_options *opts, af_partition **out);
 int af_partition_default(const af_graph *joint, const uint8_t *roles, int32_t num_fwd_outputs,
                          af_partition **out);
+/* The default partition, except that nodes to recompute (node_policy, NULL allowed) are not saved:
+ * the backward runs them again from the values before them, which are saved. */
+int af_partition_default_policy(const af_graph *joint, const uint8_t *roles, int32_t num_fwd_outputs,
+                                const uint8_t *node_policy, af_partition **out);
 
 void af_partition_free(af_partition *p); /* NULL allowed */
 

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from . import config
+from . import checkpoint, config
 from .partition import _val
 
 aten = torch.ops.aten
@@ -243,7 +243,7 @@ def fused_graph(fn: Callable, tensors: list, mode: str) -> fx.GraphModule | None
     try:
         # a fake mode of its own, static shapes: not the one of a Dynamo compile under way (whose shape
         # environment would take the trace's sizes for symbols without a source)
-        with torch._guards.tracing(None):
+        with torch._guards.tracing(None), checkpoint.pre_dispatch():
             gm = make_fx(fn, pre_dispatch=True, tracing_mode="fake")(*tensors)
     except Exception as e:  # noqa: BLE001 - the usual capture decides, and explains
         config.emit("cache", f"attention: no pre-dispatch graph ({type(e).__name__}); traced as it is")
@@ -261,4 +261,6 @@ def fused_graph(fn: Callable, tensors: list, mode: str) -> fx.GraphModule | None
     grad_inputs = [isinstance(t, torch.Tensor) and t.requires_grad for t in tensors]
     found = fuse_attention(gm, force_cpu=mode == "1", grad_inputs=grad_inputs)
     config.emit("cache", f"attention: {found} chain(s) as scaled_dot_product_attention")
+    if found and checkpoint.tagged(gm):  # activation checkpointing's regions (checkpoint.py) stay regions
+        gm = checkpoint.replay_with_tags(gm)
     return gm if found else None

@@ -120,9 +120,12 @@ def _quiet_dropout(cfg: Any, p: float) -> None:
 
 
 def build_model(name: str, size: str, dtype: torch.dtype, device: str, attn: str = "eager",
-                dropout: float = 1e-8, attention_mask: bool = False) -> tuple[torch.nn.Module, dict, str]:
+                dropout: float = 1e-8, attention_mask: bool = False,
+                gradient_checkpointing: bool = False) -> tuple[torch.nn.Module, dict, str]:
     """A freshly initialised model (seed 0), one batch of inputs (seed 1) and a one-line description.
-    Inputs are the seed's, input_ids and labels; attention_mask=True adds a mask of ones."""
+    Inputs are the seed's, input_ids and labels; attention_mask=True adds a mask of ones;
+    gradient_checkpointing=True checkpoints every layer (transformers' gradient_checkpointing_enable,
+    non-reentrant)."""
     import transformers as tf
 
     cfg, batch, seq = build_config(name, size)
@@ -132,6 +135,8 @@ def build_model(name: str, size: str, dtype: torch.dtype, device: str, attn: str
     model = cls._from_config(cfg, attn_implementation=attn) if name != "LongformerForMaskedLM" \
         else cls._from_config(cfg)
     model = model.to(device=device, dtype=dtype).train()
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     gen = torch.Generator().manual_seed(1)
     vocab = cfg.vocab_size
     ids = torch.randint(3, vocab, (batch, seq), generator=gen)
@@ -371,6 +376,7 @@ class Settings:
     attn: str = "eager"
     dropout: float = 1e-8
     attention_mask: bool = False
+    gradient_checkpointing: bool = False  # every contender's model checkpoints each layer
     aotfuse_fallback: str = "eager"  # memory_efficient_fusion(fallback=...) where capture fails
     load: tuple[float, float] | None = None  # 1-minute load average at start and end (CPU noise)
 
@@ -403,7 +409,8 @@ def run(models: list[str], dtypes: list[str], backends: list[str], settings: Set
             bar.set_description(f"{model_name} {dtype_name}")
             torch._dynamo.reset()
             base, inputs, desc = build_model(model_name, settings.size, dtype, device, settings.attn,
-                                             settings.dropout, settings.attention_mask)
+                                             settings.dropout, settings.attention_mask,
+                                             settings.gradient_checkpointing)
             if desc not in descriptions:
                 descriptions.append(desc)
             contenders = []
@@ -639,7 +646,10 @@ def write_results(results: list[Result], descriptions: list[str], out_dir: str, 
         f"- models ({settings.size} size; random weights from config classes, nothing downloaded; config "
         f"defaults except: dropout probabilities {settings.dropout:g}, attention implementation "
         f"'{settings.attn}' (Longformer: its own); inputs: random input_ids and labels"
-        + (", attention_mask of ones" if settings.attention_mask else " (as the seed; no attention_mask)") + "):",
+        + (", attention_mask of ones" if settings.attention_mask else " (as the seed; no attention_mask)")
+        + ("; every contender's model with gradient checkpointing (gradient_checkpointing_enable, "
+           "use_reentrant=False): the eager reference recomputes each layer too" if settings.gradient_checkpointing
+           else "") + "):",
     ]
     notes += [f"  - {d}" for d in descriptions]
     if any(r.model == "GPT2LMHeadModel" for r in results):
@@ -742,6 +752,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dropout", type=float, default=1e-8, help="every dropout probability (the seed: ~0)")
     ap.add_argument("--attention-mask", action="store_true",
                     help="also pass an attention_mask of ones (the seed passed input_ids and labels only)")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="every contender checkpoints each layer (model.gradient_checkpointing_enable())")
     ap.add_argument("--aotfuse-fallback", default="dynamo",
                     help="memory_efficient_fusion(model, fallback=...) for a model aotfuse cannot capture "
                          "(dynamo, the default: Dynamo splits the graph and aotfuse compiles the pieces; or eager)")
@@ -781,7 +793,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     backends = ["eager"] + [b for b in args.backends if b != "eager"]
     settings = Settings(device=args.device, size=args.size, repeats=args.repeats, warmup=args.warmup,
                         attn=args.attn, dropout=args.dropout, attention_mask=args.attention_mask,
-                        aotfuse_fallback=args.aotfuse_fallback)
+                        gradient_checkpointing=args.gradient_checkpointing, aotfuse_fallback=args.aotfuse_fallback)
     load_start = _load()
     def partial(rows: list, descs: list) -> None:
         write_results(rows, descs, args.out_dir, settings, stem=args.name)

@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch._functorch.aot_autograd import aot_function as _torch_aot_function
 from torch.utils.hooks import RemovableHandle
 
-from . import config, shapes
+from . import checkpoint, config, shapes
 from ._pytree import _holds_tensor, tree_flatten, tree_unflatten
 from .decompositions import default_decompositions
 from .lower import BackendUnavailable, Lowered, UnsupportedError, lower
@@ -633,7 +633,8 @@ class CompiledFunction:
             # decomposition would otherwise record mkldnn_rnn_layer, whose inference-mode workspace
             # ATen returns as None at run time (the graph expects a tensor); without it the LSTM
             # traces as matmuls and pointwise ops
-            with _ModuleStateGuard(module, tensors) as guard, _onednn_off(), _HookProbe(self.name, module) as hooks:
+            with _ModuleStateGuard(module, tensors) as guard, _onednn_off(), _HookProbe(self.name, module) as hooks, \
+                    checkpoint.regions():
                 out = fn(*args, **kwargs)
             hooks.check()
             if guard.kept:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import _C, config, shapes
+from . import _C, checkpoint, config, shapes
 from .lower import build_graph, set_real_dtypes
 from .rng import share_seeds
 from .shapes import same
@@ -285,6 +285,9 @@ def _partition(joint_module: fx.GraphModule, num_fwd_outputs: int, min_cut: bool
     nfwd = sum(1 for t in build.out_template[:num_fwd_outputs] if t is None)
     if min_cut:
         options.setdefault("ban_materialized_bw", config.ban_materialized())
+    policies = checkpoint.node_policies(joint_module.graph)  # activation checkpointing's regions
+    if policies:
+        options["node_policy"] = bytes(policies.get(n.name, checkpoint.NONE) for n in build.ir_nodes)
     res = _C.partition(build.graph, roles, nfwd, min_cut=min_cut, **options)
     by_name = {n.name: n for n in joint_module.graph.nodes} if symbolic else None
     saved_nodes, saved_vals = [], []

@@ -149,6 +149,63 @@ static void test_pointwise_chain_is_recomputed(void **state) {
     af_graph_free(g);
 }
 
+/* Activation checkpointing: x -> mm(W) -> h -> exp -> e -> mm(W) -> y, the backward reading h and e.
+ * Without a policy the cut saves h (the mm is never recomputed); with both nodes to recompute
+ * nothing of the region is saved (x and W are), and the backward runs the mm and exp again; a node
+ * to save is saved, even where recomputing it is cheap. The default partition recomputes the same. */
+static void test_node_policy_checkpointed_region(void **state) {
+    (void)state;
+    af_graph *g = NULL;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    int32_t x = input(g, "x", 64), w = input(g, "w", 64), t = input(g, "t", 64);
+    int32_t h = add(g, "aten::mm.default", x, w, 64);
+    int32_t e = add(g, "aten::exp.default", h, -1, 64);
+    int32_t y = add(g, "aten::mm.default", e, w, 64);
+    int32_t ge = add(g, "aten::mm.default", t, w, 64);  /* grad wrt e */
+    int32_t gh = add(g, "aten::mul.Tensor", ge, e, 64); /* grad wrt h: * exp(h) */
+    int32_t gw = add(g, "aten::mm.default", e, t, 64);  /* grad wrt W (second mm): reads e */
+    int32_t gx = add(g, "aten::mm.default", gh, w, 64);
+    int32_t outs[3] = {y, gx, gw};
+    assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
+    uint8_t roles[3] = {AF_ROLE_PRIMAL, AF_ROLE_PARAM, AF_ROLE_TANGENT};
+    int32_t mm_node = af_graph_value(g, h)->producer, exp_node = af_graph_value(g, e)->producer;
+    int32_t nn = af_graph_num_nodes(g);
+    uint8_t *policy = calloc((size_t)nn, 1);
+    assert_non_null(policy);
+    af_partition_options o = af_partition_default_options();
+    af_partition *p = NULL;
+    /* no policy: the mm is not recomputed */
+    assert_int_equal(af_partition_min_cut(g, roles, 1, &o, &p), AF_OK);
+    check_partition(g, roles, 1, p);
+    assert_false(p->in_backward[mm_node]);
+    af_partition_free(p);
+    /* the region (mm, exp) to recompute: only x and W saved, both nodes rerun in the backward */
+    policy[mm_node] = policy[exp_node] = AF_POLICY_RECOMPUTE;
+    o.node_policy = policy;
+    for (int min_cut = 0; min_cut < 2; min_cut++) {
+        p = NULL;
+        if (min_cut) assert_int_equal(af_partition_min_cut(g, roles, 1, &o, &p), AF_OK);
+        else assert_int_equal(af_partition_default_policy(g, roles, 1, policy, &p), AF_OK);
+        check_partition(g, roles, 1, p);
+        for (int32_t s = 0; s < p->n_saved; s++) assert_true(p->saved[s] == x || p->saved[s] == w);
+        assert_true(p->in_forward[mm_node] && p->in_backward[mm_node]);
+        assert_true(p->in_forward[exp_node] && p->in_backward[exp_node]);
+        af_partition_free(p);
+    }
+    /* exp to save, the mm to recompute: e is saved and the mm is not rerun (nothing reads h but exp) */
+    policy[exp_node] = AF_POLICY_SAVE;
+    p = NULL;
+    assert_int_equal(af_partition_min_cut(g, roles, 1, &o, &p), AF_OK);
+    check_partition(g, roles, 1, p);
+    int saved_e = 0;
+    for (int32_t s = 0; s < p->n_saved; s++) saved_e |= p->saved[s] == e;
+    assert_true(saved_e);
+    assert_false(p->in_backward[exp_node]);
+    af_partition_free(p);
+    free(policy);
+    af_graph_free(g);
+}
+
 /* A parameter costs nothing to save (it lives anyway): the backward reads the weight itself, not
  * the transposed view of it the forward made (which, closer to the backward, would cost less to
  * save than a plain primal of the same bytes). */
@@ -467,6 +524,7 @@ int main(void) {
         cmocka_unit_test(test_materialized_values_are_recomputed_unless_they_draw),
         cmocka_unit_test(test_matmuls_sink_past_pointwise_work),
         cmocka_unit_test(test_matmuls_sink_past_work_sharing_a_saved_value),
+        cmocka_unit_test(test_node_policy_checkpointed_region),
         cmocka_unit_test(test_bad_arguments),
     };
     return cmocka_run_group_tests_name("partition", tests, NULL, NULL);
