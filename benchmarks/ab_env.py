@@ -42,9 +42,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=200, help="timed steps per side")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="the model checkpoints each layer (gradient_checkpointing_enable, non-reentrant)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, inputs, desc = build_model(args.model, args.size, DTYPES[args.dtype], "cpu")
+    model, inputs, desc = build_model(args.model, args.size, DTYPES[args.dtype], "cpu",
+                                      gradient_checkpointing=args.gradient_checkpointing)
     saved = os.environ.get(args.env)
     sides = {}
     programs = {}
@@ -93,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
             opt.step()
 
         peaks[side] = _cpu_peak(step)
-    print(f"{desc} | {args.dtype} | torch {torch.__version__} | {args.repeats} steps a side, {args.threads} thread(s)")
+    gc = ", gradient checkpointing" if args.gradient_checkpointing else ""
+    print(f"{desc}{gc} | {args.dtype} | torch {torch.__version__} | {args.repeats} steps a side, {args.threads} thread(s)")
     for side, value in (("A", args.a), ("B", args.b)):
         print(f"  {args.env}={value}: step median {statistics.median(times[side]) * 1e3:.3f} ms, peak "
               f"{peaks[side] / 1e6:.3f} MB, last loss {losses[side]:.6f}, {programs[side][0]} programs, "

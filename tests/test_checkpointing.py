@@ -227,3 +227,14 @@ def test_partition_node_policy_is_checked():
         _C.partition(build.graph, bytes([0]), 1, node_policy=bytes(n + 1))
     with pytest.raises(ValueError, match="recompute"):
         _C.partition(build.graph, bytes([0]), 1, node_policy=bytes([3] * n))
+
+
+def test_regions_switched_off_are_traced_through(monkeypatch):
+    """AOTFUSE_CHECKPOINT_REGIONS=0: the partitioner decides as without checkpointing (before 2026-12-04)."""
+    monkeypatch.setenv("AOTFUSE_CHECKPOINT_REGIONS", "0")
+    model, twin = _pair({"use_reentrant": False})
+    compiled = aotfuse.memory_efficient_fusion(twin)
+    x = torch.randn(8, 16)
+    report = aotfuse.explain(compiled, x)
+    assert not _recomputed_matmuls(report), report.recomputed
+    _assert_same_step(_step(compiled, twin, x), _step(model, model, x), "regions off")

@@ -145,6 +145,24 @@ def test_aot_with_bf16_mixed_precision(tmp_path):
     torch.testing.assert_close(torch.tensor(losses["aot"]), torch.tensor(losses["none"]), atol=1e-2, rtol=1e-1)
 
 
+def test_aot_with_gradient_checkpointing(tmp_path):
+    """--gradient_checkpointing: the fused run recomputes each layer's linears in its backward (before,
+    the regions were traced through and nothing of them recomputed) and trains like plain training."""
+    losses = {}
+    for fusion in ("none", "aot"):
+        args = _parse(tmp_path / fusion, "--fusion", fusion, "--max_steps", "2", "--save_strategy", "no",
+                      "--gradient_checkpointing")
+        trainer = Trainer(model=_model(), args=args, train_dataset=_Random(8, 1))
+        trainer.train()
+        losses[fusion] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    compiled = trainer.fused_model(trainer.model_wrapped)._aotfuse_compiled
+    assert compiled.last_entry is not None and compiled.last_entry.fallback is None
+    recomputed = [n for r in compiled.records for n in r.recomputed if n.startswith(("mm", "addmm"))]
+    assert len(recomputed) >= 12, [r.recomputed for r in compiled.records]  # 2 layers x 6 linears
+    assert len(losses["aot"]) == len(losses["none"]) == 2
+    torch.testing.assert_close(torch.tensor(losses["aot"]), torch.tensor(losses["none"]), atol=ATOL, rtol=RTOL)
+
+
 def test_fusion_choices_are_enforced(tmp_path):
     with pytest.raises(SystemExit):
         _parse(tmp_path, "--fusion", "bogus")

@@ -136,6 +136,8 @@ def build_model(name: str, size: str, dtype: torch.dtype, device: str, attn: str
         else cls._from_config(cfg)
     model = model.to(device=device, dtype=dtype).train()
     if gradient_checkpointing:
+        if not model.supports_gradient_checkpointing:
+            raise NotImplementedError(f"transformers' {name} does not support gradient checkpointing")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     gen = torch.Generator().manual_seed(1)
     vocab = cfg.vocab_size
@@ -408,9 +410,15 @@ def run(models: list[str], dtypes: list[str], backends: list[str], settings: Set
             dtype = DTYPES[dtype_name]
             bar.set_description(f"{model_name} {dtype_name}")
             torch._dynamo.reset()
-            base, inputs, desc = build_model(model_name, settings.size, dtype, device, settings.attn,
-                                             settings.dropout, settings.attention_mask,
-                                             settings.gradient_checkpointing)
+            try:
+                base, inputs, desc = build_model(model_name, settings.size, dtype, device, settings.attn,
+                                                 settings.dropout, settings.attention_mask,
+                                                 settings.gradient_checkpointing)
+            except NotImplementedError as e:  # a model without gradient checkpointing
+                print(f"aotfuse.bench: skipped {model_name}: {e}", file=sys.stderr)
+                if f"{model_name}: skipped: {e}" not in descriptions:
+                    descriptions.append(f"{model_name}: skipped: {e}")
+                continue
             if desc not in descriptions:
                 descriptions.append(desc)
             contenders = []

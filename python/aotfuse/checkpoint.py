@@ -34,6 +34,8 @@ from typing import Any, Iterator
 import torch
 import torch.fx as fx
 
+from . import config
+
 __all__ = ["regions", "pre_dispatch", "node_policies", "replay_with_tags", "tagged", "UserPolicyError", "NONE",
            "RECOMPUTE", "SAVE"]
 
@@ -168,7 +170,7 @@ def _supported() -> bool:
 @contextlib.contextmanager
 def regions() -> Iterator[None]:
     """While active on this thread, torch.utils.checkpoint regions tag their traced nodes."""
-    if not _supported():  # another torch: regions are traced through, as before
+    if not config.checkpoint_regions() or not _supported():  # off, or another torch: traced through
         yield
         return
     _install()
@@ -227,6 +229,8 @@ def _draws(node: fx.Node) -> bool:
 def node_policies(graph: fx.Graph) -> dict[str, int]:
     """Per node name, the C partitioner's policy (RECOMPUTE, SAVE; absent: NONE) from the graph's
     checkpoint tags; empty where nothing is tagged."""
+    if not config.checkpoint_regions():
+        return {}
     policy = {n.name: _policy_of(n.meta.get("recompute")) for n in graph.nodes if n.op == "call_function"}
     policy = {k: v for k, v in policy.items() if v != NONE}
     if not policy:

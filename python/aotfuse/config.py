@@ -170,6 +170,12 @@ def drop_clones() -> bool:
     return os.environ.get("AOTFUSE_DROP_CLONES", "1") not in ("", "0")
 
 
+def checkpoint_regions() -> bool:
+    """AOTFUSE_CHECKPOINT_REGIONS: torch.utils.checkpoint regions recomputed in the backward (default 1);
+    0 traces through them and lets the partitioner save what it likes (as before 2026-12-04)."""
+    return os.environ.get("AOTFUSE_CHECKPOINT_REGIONS", "1") not in ("", "0")
+
+
 def fuse_attention() -> str:
     """AOTFUSE_FUSE_ATTENTION: "auto" (default), "1" (also CPU attention with dropout), "0" (never)."""
     v = os.environ.get("AOTFUSE_FUSE_ATTENTION", "auto").strip().lower()
