@@ -26,7 +26,7 @@ python3 -c "import aotfuse._C as C, aotfuse.lower as L; L._add_nvrtc_search_dirs
 echo "== pytest -m cuda"
 PER_TEST=""
 python3 -c "import pytest_timeout" 2>/dev/null && PER_TEST="--timeout 90"
-timeout 170 python3 -m pytest tests/test_cuda.py tests/test_scatter.py tests/test_reuse.py tests/test_autocast.py tests/test_shapes.py -m cuda -q -rfE -p no:cacheprovider $PER_TEST > "$OUT/pytest-cuda.log" 2>&1
+timeout 170 python3 -m pytest tests/test_cuda.py tests/test_scatter.py tests/test_reuse.py tests/test_autocast.py tests/test_shapes.py tests/test_checkpointing.py -m cuda -q -rfE -p no:cacheprovider $PER_TEST > "$OUT/pytest-cuda.log" 2>&1
 echo "pytest rc=$? ($(tail -n 1 "$OUT/pytest-cuda.log"))"
 
 echo "== seed benchmark (cuda: seed shapes; fp32 then bf16; eager, aotfuse, torch.compile, eager-sdpa)"

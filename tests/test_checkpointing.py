@@ -238,3 +238,31 @@ def test_regions_switched_off_are_traced_through(monkeypatch):
     report = aotfuse.explain(compiled, x)
     assert not _recomputed_matmuls(report), report.recomputed
     _assert_same_step(_step(compiled, twin, x), _step(model, model, x), "regions off")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_checkpointed_bert_trains_like_eager_and_float64(device):
+    """aotfuse.testing.compare_models on a Bert with gradient_checkpointing_enable() (eager attention:
+    SDPA on CUDA): three steps in bf16 against eager and a float64 copy, each layer recomputed."""
+    transformers = pytest.importorskip("transformers")
+    from aotfuse.testing import compare_models
+
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                  vocab_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+    def make():
+        m = transformers.BertForMaskedLM._from_config(cfg, attn_implementation="eager").to(device).train()
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return m
+
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1)).to(device)
+    held = []
+
+    def compile_fn(model):
+        held.append(aotfuse.memory_efficient_fusion(model))
+        return held[-1]
+
+    compare_models(make, lambda: dict(input_ids=ids, labels=ids.clone()), dtype=torch.bfloat16,
+                   compile_fn=compile_fn).assert_ok()
+    records = held[0]._aotfuse_compiled.records
+    assert len([n for r in records for n in r.recomputed if n.startswith(("mm", "addmm"))]) == 12

@@ -88,33 +88,39 @@ def _tagging_context_fn(user_context_fn: Any, region: int) -> Any:
     return context_fn
 
 
-def _generator(original: Any, fn: Any, preserve_rng_state: bool = True, context_fn: Any = None,
-               determinism_check: Any = "default", debug: bool = False, early_stop: bool = True,
-               *args: Any, **kwargs: Any) -> Iterator[None]:
+def _generator(original: Any, *args: Any, **kwargs: Any) -> Iterator[None]:
     """torch.utils.checkpoint._checkpoint_without_reentrant_generator, tagging the region while a
-    trace is active on this thread."""
+    trace is active on this thread. Its arguments are bound by name (fn, preserve_rng_state,
+    context_fn, determinism_check, debug, and early_stop where this torch has it, then the
+    function's own), so another torch's order of them is read right."""
+    import inspect
+
     import torch.fx.traceback as fx_traceback
     import torch.utils.checkpoint as ckpt
 
-    if context_fn is None:
-        context_fn = ckpt.noop_context_fn
     if not _active():
-        yield from original(fn, preserve_rng_state, context_fn, determinism_check, debug, early_stop, *args, **kwargs)
+        yield from original(*args, **kwargs)
         return
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    bound.apply_defaults()
+    context_fn = bound.arguments.get("context_fn", ckpt.noop_context_fn)
     if getattr(_state, "pre_dispatch", 0) and context_fn is not ckpt.noop_context_fn:
         # attention.py's pre-dispatch graph would keep the region but not the policy's choice per op
         raise UserPolicyError("a checkpoint with its own context_fn (a selective policy)")
     region = next(_ids)
+    # The recompute reads the values cached by the forward's contexts: nothing random is drawn
+    # again (no RNG state to keep), and all of them (no early stop), torch.compile's settings.
+    bound.arguments["preserve_rng_state"] = False
+    bound.arguments["context_fn"] = _tagging_context_fn(context_fn, region)
+    if "early_stop" in bound.arguments:
+        bound.arguments["early_stop"] = False
     # every node the region makes carries its tags, at any tracing level (the SAC contexts tag the
     # ATen nodes of AOTAutograd's trace; attention.py's pre-dispatch graph has its own nodes, whose
-    # tags its replay hands on). The recompute reads the values cached by the forward's contexts
-    # (nothing random drawn again: no RNG state to keep), all of them (no early stop): torch.compile's
-    # settings.
+    # tags its replay hands on)
     with fx_traceback.preserve_node_meta():
         meta = fx_traceback.get_current_meta()
         meta["recompute"], meta["ac_graph_id"] = ckpt.CheckpointPolicy.PREFER_RECOMPUTE, region
-        yield from original(fn, False, _tagging_context_fn(context_fn, region), determinism_check, debug, False,
-                            *args, **kwargs)
+        yield from original(*bound.args, **bound.kwargs)
 
 
 class _ReentrantFunction:
