@@ -814,20 +814,21 @@ static PyObject *op_kind(PyObject *m, PyObject *arg) {
 }
 
 /* partition(graph, roles, num_fwd_outputs, min_cut=True, max_dist_from_bw=.., reduction_ratio=..,
- *           ban_materialized_bw=.., ban_chained_random=.., node_policy=None) -> dict(saved=[value ids], forward=[node idx], backward=[node idx in
+ *           ban_materialized_bw=.., ban_chained_random=.., node_policy=None, memory_budget=1.0) -> dict(saved=[value ids], forward=[node idx], backward=[node idx in
  *           run order], recomputed=int, saved_bytes=int, cut_value=int) */
 static PyObject *partition(PyObject *m, PyObject *args, PyObject *kwds) {
     (void)m;
     static char *kwlist[] = {"graph", "roles", "num_fwd_outputs", "min_cut", "max_dist_from_bw", "reduction_ratio",
-                             "ban_materialized_bw", "ban_chained_random", "node_policy", NULL};
+                             "ban_materialized_bw", "ban_chained_random", "node_policy", "memory_budget", NULL};
     GraphObject *graph;
     Py_buffer roles, policy = {0};
     int nfwd, min_cut = 1;
     af_partition_options o = af_partition_default_options();
     long long max_dist = o.max_dist_from_bw;
     int ratio = o.reduction_ratio, ban_bw = o.ban_materialized_bw, ban_random = o.ban_chained_random;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!y*i|pLiipz*", kwlist, &GraphType, &graph, &roles, &nfwd, &min_cut,
-                                     &max_dist, &ratio, &ban_bw, &ban_random, &policy))
+    double budget = o.memory_budget;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!y*i|pLiipz*d", kwlist, &GraphType, &graph, &roles, &nfwd, &min_cut,
+                                     &max_dist, &ratio, &ban_bw, &ban_random, &policy, &budget))
         return NULL;
     PyObject *result = NULL;
     af_partition *p = NULL;
@@ -850,6 +851,7 @@ static PyObject *partition(PyObject *m, PyObject *args, PyObject *kwds) {
             }
         o.node_policy = policy.buf;
     }
+    o.memory_budget = budget;
     o.max_dist_from_bw = max_dist;
     o.reduction_ratio = ratio;
     o.ban_materialized_bw = ban_bw;

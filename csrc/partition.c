@@ -500,7 +500,8 @@ done:
 
 af_partition_options af_partition_default_options(void) {
     af_partition_options o = {.max_dist_from_bw = 1000, .reduction_ratio = 4,
-                              .ban_materialized_bw = AF_BAN_MATERIALIZED_RANDOM, .ban_chained_random = 1};
+                              .ban_materialized_bw = AF_BAN_MATERIALIZED_RANDOM, .ban_chained_random = 1,
+                              .memory_budget = 1.0};
     return o;
 }
 
@@ -520,6 +521,11 @@ static int start(const af_graph *g, const uint8_t *roles, af_partition **out) {
     if (st) return st;
     *out = calloc(1, sizeof **out);
     return *out ? AF_OK : af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
+}
+
+static int fresh(af_partition **p) {
+    *p = calloc(1, sizeof **p);
+    return *p ? AF_OK : af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
 }
 
 int af_partition_default(const af_graph *g, const uint8_t *roles, int32_t num_fwd_outputs, af_partition **out) {
@@ -556,95 +562,210 @@ done:
     return st;
 }
 
+/* One min cut: the values to save (stop) for these bans. lift: NULL, or per node 1 where a node
+ * banned for its kind (compute, extern) may be recomputed after all (the memory budget's choice).
+ * node_ban and draws are the caller's scratch (nn + 1 and 2 nv + 2 entries). */
+static int solve_cut(const joint_ctx *c, const af_partition_options *o, const uint8_t *lift, uint8_t *node_ban,
+                     int32_t *draws, uint8_t *side, uint8_t *stop, uint8_t *mark, int32_t *scratch,
+                     int64_t *cut_value) {
+    const af_graph *g = c->g;
+    int32_t nv = c->nv, source = 2 * nv, sink = 2 * nv + 1;
+    af_flow *f = NULL;
+    int st = AF_OK;
+    memset(node_ban, 0, (size_t)c->nn + 1);
+    /* Bans are per node: a node runs whole, so if one output must not be recomputed (or the
+     * node is compute-heavy, random, extern), none of its outputs is recomputed either. */
+    for (int32_t v = 0; v < 2 * nv; v++) draws[v] = -1;
+    for (int32_t n = 0; n < c->nn; n++) {
+        const af_node *node = af_graph_node(g, n);
+        uint8_t policy = o->node_policy ? o->node_policy[n] : AF_POLICY_NONE;
+        node_draws(c, n, draws);
+        if (!node_fw_required(c, n) || policy == AF_POLICY_RECOMPUTE || (lift && lift[n])) continue;
+        if (policy == AF_POLICY_SAVE) node_ban[n] = 1;
+        for (int32_t k = 0; k < node->n_outputs && !node_ban[n]; k++)
+            node_ban[n] = (uint8_t)should_ban(c, o, node->first_output + k, scratch, mark, draws);
+        for (int32_t k = 0; node_ban[n] && k < node->n_outputs; k++) /* never drawn again through it */
+            draws[2 * (node->first_output + k)] = draws[2 * (node->first_output + k) + 1] = -1;
+    }
+    if ((st = af_flow_new(2 * nv + 2, &f))) return st;
+#define EDGE(a, b, w)                                        \
+    do {                                                     \
+        if ((st = af_flow_add_edge(f, (a), (b), (w)))) goto done; \
+    } while (0)
+    for (int32_t v = 0; v < nv; v++) {
+        int32_t vin = 2 * v, vout = 2 * v + 1, role = c->input_role[v];
+        if (c->tangent[v]) { /* must be computed in the backward */
+            EDGE(vin, sink, AF_FLOW_INF);
+            continue;
+        }
+        int32_t prod = af_graph_value(g, v)->producer;
+        if (prod >= 0 && o->node_policy && o->node_policy[prod] == AF_POLICY_RECOMPUTE) {
+            /* checkpointed: never saved, so on the sink's side; what it reads is saved or recomputed in turn */
+            EDGE(vin, sink, AF_FLOW_INF);
+            continue;
+        }
+        if (c->bw_required[v]) EDGE(vout, sink, AF_FLOW_INF); /* must be available to the backward */
+        if (role == AF_ROLE_PRIMAL || role == AF_ROLE_PARAM || role == AF_ROLE_FWD_SEED || role == AF_ROLE_CONSTANT)
+            EDGE(source, vin, AF_FLOW_INF);
+        else if (role < 0 && node_ban[prod])
+            EDGE(source, vin, AF_FLOW_INF);
+        int mat_bw = prod >= 0 && node_fw_required(c, prod) && materialized_backward(c, v, scratch, mark);
+        EDGE(vin, vout, save_weight(c, v, mat_bw));
+        for (int32_t k = c->user_start[v]; k < c->user_start[v + 1]; k++) {
+            const af_node *u = af_graph_node(g, c->users[k]);
+            for (int32_t out_i = 0; out_i < u->n_outputs; out_i++) EDGE(vout, 2 * (u->first_output + out_i), AF_FLOW_INF);
+        }
+    }
+#undef EDGE
+    if ((st = af_flow_solve(f, source, sink, cut_value))) goto done;
+    if (*cut_value >= AF_FLOW_INF) {
+        st = af_error_set(AF_ERR_INVALID, "partition: no finite cut (the backward needs a value that cannot be saved)");
+        goto done;
+    }
+    if ((st = af_flow_source_side(f, side))) goto done;
+    for (int32_t v = 0; v < nv; v++) stop[v] = side[2 * v] && !side[2 * v + 1];
+done:
+    af_flow_free(f);
+    return st;
+}
+
+/* Bytes the forward saves for the backward that do not live anyway (parameters and buffers do). */
+static int64_t activation_bytes(const joint_ctx *c, const af_partition *p) {
+    int64_t total = 0;
+    for (int32_t s = 0; s < p->n_saved; s++)
+        if (c->input_role[p->saved[s]] != AF_ROLE_PARAM)
+            total += af_tensor_meta_nbytes(&af_graph_value(c->g, p->saved[s])->meta);
+    return total;
+}
+
+/* A node the memory budget may have recomputed: banned for its kind alone (AF_KIND_COMPUTE: a matmul,
+ * a convolution, an attention; not other extern calls, which may read a buffer the step updates
+ * after the forward, a batch norm its running statistics), not marked to save. Its cost: an estimate of the work per byte
+ * it gives back, its output's elements times the longest row any of its tensor arguments brings
+ * to each output row (a matmul's inner dim), over its output's bytes. */
+static double lift_cost(const joint_ctx *c, int32_t n) {
+    const af_node *node = af_graph_node(c->g, n);
+    const af_tensor_meta *out = &af_graph_value(c->g, node->first_output)->meta;
+    double out_numel = 1, rows = 1, inner = 1;
+    for (int32_t d = 0; d < out->ndim; d++) out_numel *= (double)out->sizes[d];
+    for (int32_t d = 0; d + 1 < out->ndim; d++) rows *= (double)out->sizes[d];
+    for (int32_t k = c->arg_start[n]; k < c->arg_start[n + 1]; k++) {
+        const af_tensor_meta *m = &af_graph_value(c->g, c->args_flat[k])->meta;
+        double numel = 1;
+        for (int32_t d = 0; d < m->ndim; d++) numel *= (double)m->sizes[d];
+        if (rows > 0 && numel / rows > inner) inner = numel / rows;
+    }
+    int64_t bytes = af_tensor_meta_nbytes(out);
+    return out_numel * inner / (double)(bytes > 0 ? bytes : 1);
+}
+
+typedef struct {
+    double cost;
+    int32_t node;
+} lift_entry;
+
+static int by_cost(const void *a, const void *b) {
+    const lift_entry *x = a, *y = b;
+    return x->cost < y->cost ? -1 : x->cost > y->cost ? 1 : (x->node > y->node) - (x->node < y->node);
+}
+
 int af_partition_min_cut(const af_graph *g, const uint8_t *roles, int32_t num_fwd_outputs,
                          const af_partition_options *opts, af_partition **out) {
     af_partition_options o = opts ? *opts : af_partition_default_options();
     if (o.ban_materialized_bw < AF_BAN_MATERIALIZED_NONE || o.ban_materialized_bw > AF_BAN_MATERIALIZED_RANDOM)
         return af_error_set(AF_ERR_INVALID, "partition: ban_materialized_bw must be 0 (none), 1 (all) or 2 (random), not %d",
                             (int)o.ban_materialized_bw);
-    af_partition *p = NULL;
+    if (!(o.memory_budget >= 0.0 && o.memory_budget <= 1.0))
+        return af_error_set(AF_ERR_INVALID, "partition: memory_budget must be in [0, 1], not %g", o.memory_budget);
+    af_partition *p = NULL, *trial = NULL;
     int st = start(g, roles, &p);
     if (st) return st;
     joint_ctx c;
-    af_flow *f = NULL;
-    uint8_t *side = NULL, *stop = NULL, *mark = NULL, *node_ban = NULL;
+    uint8_t *side = NULL, *stop = NULL, *mark = NULL, *node_ban = NULL, *lift = NULL;
     int32_t *scratch = NULL, *draws = NULL;
+    lift_entry *cand = NULL;
     if ((st = ctx_build(&c, g, roles, num_fwd_outputs))) goto done;
-    int32_t nv = c.nv, source = 2 * nv, sink = 2 * nv + 1;
+    int32_t nv = c.nv;
     side = calloc((size_t)2 * nv + 2, 1);
     stop = calloc((size_t)nv + 1, 1);
     mark = calloc((size_t)nv + 1, 1);
     scratch = malloc(((size_t)2 * nv + 2) * sizeof(int32_t));
-    if (!side || !stop || !mark || !scratch) {
-        st = af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
-        goto done;
-    }
-    /* Bans are per node: a node runs whole, so if one output must not be recomputed (or the
-     * node is compute-heavy, random, extern), none of its outputs is recomputed either. */
     node_ban = calloc((size_t)c.nn + 1, 1);
     draws = malloc(((size_t)2 * nv + 2) * sizeof(int32_t));
-    if (!node_ban || !draws) {
+    if (!side || !stop || !mark || !scratch || !node_ban || !draws) {
         st = af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
         goto done;
     }
-    for (int32_t v = 0; v < 2 * nv; v++) draws[v] = -1;
-    for (int32_t n = 0; n < c.nn; n++) {
-        const af_node *node = af_graph_node(g, n);
-        uint8_t policy = o.node_policy ? o.node_policy[n] : AF_POLICY_NONE;
-        node_draws(&c, n, draws);
-        if (!node_fw_required(&c, n) || policy == AF_POLICY_RECOMPUTE) continue;
-        if (policy == AF_POLICY_SAVE) node_ban[n] = 1;
-        for (int32_t k = 0; k < node->n_outputs && !node_ban[n]; k++)
-            node_ban[n] = (uint8_t)should_ban(&c, &o, node->first_output + k, scratch, mark, draws);
-        for (int32_t k = 0; node_ban[n] && k < node->n_outputs; k++) /* never drawn again through it */
-            draws[2 * (node->first_output + k)] = draws[2 * (node->first_output + k) + 1] = -1;
-    }
-    if ((st = af_flow_new(2 * nv + 2, &f))) goto done;
-#define EDGE(a, b, w)                                        \
-    do {                                                     \
-        if ((st = af_flow_add_edge(f, (a), (b), (w)))) goto done; \
-    } while (0)
-    for (int32_t v = 0; v < nv; v++) {
-        int32_t vin = 2 * v, vout = 2 * v + 1, role = c.input_role[v];
-        if (c.tangent[v]) { /* must be computed in the backward */
-            EDGE(vin, sink, AF_FLOW_INF);
-            continue;
+    if ((st = solve_cut(&c, &o, NULL, node_ban, draws, side, stop, mark, scratch, &p->cut_value))) goto done;
+    if (o.memory_budget < 1.0) {
+        /* The budget: save at most S_min + budget x (S_max - S_min) bytes of activations, S_max being
+         * the cut above, S_min the cut with every candidate free to be recomputed; the fewest,
+         * cheapest candidates (by lift_cost) reach it: a binary search over how many of them, in
+         * that order, are freed (more freedom never raises the cut). */
+        int32_t nc = 0;
+        cand = malloc(((size_t)c.nn + 1) * sizeof *cand);
+        lift = calloc((size_t)c.nn + 1, 1);
+        if (!cand || !lift) {
+            st = af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
+            goto done;
         }
-        int32_t prod = af_graph_value(g, v)->producer;
-        if (prod >= 0 && o.node_policy && o.node_policy[prod] == AF_POLICY_RECOMPUTE) {
-            /* checkpointed: never saved, so on the sink's side; what it reads is saved or recomputed in turn */
-            EDGE(vin, sink, AF_FLOW_INF);
-            continue;
+        for (int32_t n = 0; n < c.nn; n++) {
+            af_op_kind kind = node_kind(&c, n);
+            uint8_t policy = o.node_policy ? o.node_policy[n] : AF_POLICY_NONE;
+            if (kind == AF_KIND_COMPUTE && node_fw_required(&c, n) &&
+                policy == AF_POLICY_NONE && af_graph_node(g, n)->n_outputs > 0)
+                cand[nc++] = (lift_entry){lift_cost(&c, n), n};
         }
-        if (c.bw_required[v]) EDGE(vout, sink, AF_FLOW_INF); /* must be available to the backward */
-        if (role == AF_ROLE_PRIMAL || role == AF_ROLE_PARAM || role == AF_ROLE_FWD_SEED || role == AF_ROLE_CONSTANT)
-            EDGE(source, vin, AF_FLOW_INF);
-        else if (role < 0 && node_ban[af_graph_value(g, v)->producer])
-            EDGE(source, vin, AF_FLOW_INF);
-        int mat_bw = prod >= 0 && node_fw_required(&c, prod) && materialized_backward(&c, v, scratch, mark);
-        EDGE(vin, vout, save_weight(&c, v, mat_bw));
-        for (int32_t k = c.user_start[v]; k < c.user_start[v + 1]; k++) {
-            const af_node *u = af_graph_node(g, c.users[k]);
-            for (int32_t out_i = 0; out_i < u->n_outputs; out_i++) EDGE(vout, 2 * (u->first_output + out_i), AF_FLOW_INF);
+        qsort(cand, (size_t)nc, sizeof *cand, by_cost);
+        int64_t cut_k = 0, s_max, s_min;
+        if ((st = finish(&c, stop, p))) goto done;
+        s_max = activation_bytes(&c, p);
+        for (int32_t i = 0; i < nc; i++) lift[cand[i].node] = 1;
+        if ((st = fresh(&trial))) goto done;
+        if ((st = solve_cut(&c, &o, lift, node_ban, draws, side, stop, mark, scratch, &cut_k))) goto done;
+        if ((st = finish(&c, stop, trial))) goto done;
+        s_min = activation_bytes(&c, trial);
+        af_partition_free(trial);
+        trial = NULL;
+        int64_t target = s_min + (int64_t)(o.memory_budget * (double)(s_max - s_min));
+        if (s_max > target) {
+            int32_t lo = 1, hi = nc; /* the smallest count of freed candidates that meets the target */
+            while (lo < hi) {
+                int32_t mid = lo + (hi - lo) / 2;
+                memset(lift, 0, (size_t)c.nn + 1);
+                for (int32_t i = 0; i < mid; i++) lift[cand[i].node] = 1;
+                if ((st = fresh(&trial))) goto done;
+                if ((st = solve_cut(&c, &o, lift, node_ban, draws, side, stop, mark, scratch, &cut_k))) goto done;
+                if ((st = finish(&c, stop, trial))) goto done;
+                if (activation_bytes(&c, trial) <= target) hi = mid;
+                else lo = mid + 1;
+                af_partition_free(trial);
+                trial = NULL;
+            }
+            memset(lift, 0, (size_t)c.nn + 1);
+            for (int32_t i = 0; i < lo; i++) lift[cand[i].node] = 1;
+            af_partition_free(p);
+            p = NULL;
+            if ((st = fresh(&p))) goto done;
+            if ((st = solve_cut(&c, &o, lift, node_ban, draws, side, stop, mark, scratch, &p->cut_value))) goto done;
+        } else { /* the cut above meets it already: keep it */
+            af_partition_free(p);
+            p = NULL;
+            if ((st = fresh(&p))) goto done;
+            if ((st = solve_cut(&c, &o, NULL, node_ban, draws, side, stop, mark, scratch, &p->cut_value))) goto done;
         }
     }
-#undef EDGE
-    if ((st = af_flow_solve(f, source, sink, &p->cut_value))) goto done;
-    if (p->cut_value >= AF_FLOW_INF) {
-        st = af_error_set(AF_ERR_INVALID, "partition: no finite cut (the backward needs a value that cannot be saved)");
-        goto done;
-    }
-    if ((st = af_flow_source_side(f, side))) goto done;
-    for (int32_t v = 0; v < nv; v++) stop[v] = side[2 * v] && !side[2 * v + 1];
     st = finish(&c, stop, p);
 done:
-    af_flow_free(f);
     free(side);
     free(stop);
     free(mark);
     free(scratch);
     free(node_ban);
     free(draws);
+    free(lift);
+    free(cand);
+    af_partition_free(trial);
     ctx_free(&c);
     if (st) af_partition_free(p);
     else *out = p;

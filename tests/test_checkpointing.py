@@ -266,3 +266,34 @@ def test_checkpointed_bert_trains_like_eager_and_float64(device):
                    compile_fn=compile_fn).assert_ok()
     records = held[0]._aotfuse_compiled.records
     assert len([n for r in records for n in r.recomputed if n.startswith(("mm", "addmm"))]) == 12
+
+
+def test_batch_norm_in_a_checkpointed_region_updates_its_statistics_once():
+    """A region with a training batch norm: its running statistics are updated after the forward, so
+    the region's norm is saved, not run again (before: autograd's version check failed the backward).
+    The statistics move once a step, as without checkpointing and under torch.compile (eager's
+    checkpoint moves them again in its recompute)."""
+    class Net(nn.Module):
+        def __init__(self, ckpt):
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 8))
+            self.head, self.ckpt = nn.Linear(8, 1), ckpt
+
+        def forward(self, x):
+            h = checkpoint(self.block, x, use_reentrant=False) if self.ckpt else self.block(x)
+            return self.head(h).sum()
+
+    torch.manual_seed(0)
+    model = Net(False)
+    twin = Net(True)
+    twin.load_state_dict(model.state_dict())
+    compiled = aotfuse.memory_efficient_fusion(twin)
+    x = torch.randn(6, 8, requires_grad=True)
+    assert len(_recomputed_matmuls(aotfuse.explain(compiled, x))) >= 1  # a forward: the statistics move
+    model(x)
+    for step in range(3):
+        x = torch.randn(6, 8, requires_grad=True)
+        _assert_same_step(_step(compiled, twin, x), _step(model, model, x), f"step {step}")
+    assert_close(twin.block[1].running_mean, model.block[1].running_mean, "running mean")
+    assert_close(twin.block[1].running_var, model.block[1].running_var, "running var")
+    assert int(twin.block[1].num_batches_tracked) == int(model.block[1].num_batches_tracked) == 4

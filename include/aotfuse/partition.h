@@ -59,6 +59,12 @@ typedef struct {
     int32_t ban_chained_random;   /* ban recomputing values that need two or more random nodes
                                      (aotfuse::rng_uniform) recomputed with them (1) */
     const uint8_t *node_policy;   /* NULL, or one af_node_policy per node (activation checkpointing) */
+    double memory_budget;         /* 1 (default): the cut above. Below 1, compute nodes (matmuls,
+                                     convolutions, attention; not ones marked to save) may be
+                                     recomputed too, the fewest and cheapest that bring
+                                     the saved activations to S_min + budget x (S_max - S_min) bytes:
+                                     S_max the cut with the bans, S_min with all of them lifted (0: as
+                                     little as anything recomputable allows) */
 } af_partition_options;
 
 typedef struct {

@@ -232,15 +232,54 @@ def _draws(node: fx.Node) -> bool:
     return True
 
 
-def node_policies(graph: fx.Graph) -> dict[str, int]:
+def _reads_mutated_input(graph: fx.Graph) -> set[str]:
+    """Nodes reading (directly or through views) a graph input that the step updates after the
+    forward (AOTAutograd's InputMutationAOTOutput: a batch norm's running statistics). Run again in
+    the backward, such a node would read the input after its update (autograd's version check
+    refuses a saved input modified in place)."""
+    output = next((n for n in reversed(graph.nodes) if n.op == "output"), None)
+    descs = output.meta.get("desc") if output is not None else None
+    mutated = [getattr(d, "mutated_input", None) for d in (descs or ())]
+    mutated = [m for m in mutated if m is not None]
+    if not mutated:
+        return set()
+    held = {n for n in graph.nodes if n.op == "placeholder" and n.meta.get("desc") in mutated}
+    readers = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or not any(a in held for a in node.all_input_nodes):
+            continue
+        if getattr(node.target, "is_view", False):
+            held.add(node)
+        else:
+            readers.add(node.name)
+    return readers
+
+
+def _never_rerun(node: fx.Node) -> bool:
+    """Whether running node again in the backward would be wrong: it draws random numbers (_draws)
+    or mutates an argument."""
+    schema = getattr(node.target, "_schema", None)
+    return _draws(node) or (schema is not None and schema.is_mutable)
+
+
+def node_policies(graph: fx.Graph, budget: bool = False) -> dict[str, int]:
     """Per node name, the C partitioner's policy (RECOMPUTE, SAVE; absent: NONE) from the graph's
-    checkpoint tags; empty where nothing is tagged."""
+    checkpoint tags; empty where nothing is tagged and budget is False. budget: a memory budget
+    below 1 may have the partitioner recompute matmuls too, so every node that must not run again
+    is SAVE."""
+    never = {}
+    if budget:
+        never = {n.name: SAVE for n in graph.nodes if n.op == "call_function" and _never_rerun(n)}
+        never.update(dict.fromkeys(_reads_mutated_input(graph), SAVE))
     if not config.checkpoint_regions():
-        return {}
+        return never
     policy = {n.name: _policy_of(n.meta.get("recompute")) for n in graph.nodes if n.op == "call_function"}
     policy = {k: v for k, v in policy.items() if v != NONE}
     if not policy:
-        return {}
+        return never
+    for name in _reads_mutated_input(graph):
+        if policy.get(name) == RECOMPUTE:
+            policy[name] = SAVE  # a batch norm in a region: its running statistics are updated after the forward
     tagged_save = {name for name, v in policy.items() if v == SAVE}
     for node in graph.nodes:
         forward_users = [u for u in node.users if u.meta.get("partitioner_tag") != "is_backward"]
@@ -260,4 +299,4 @@ def node_policies(graph: fx.Graph) -> dict[str, int]:
         if mine is not None and any(policy.get(u.name) == RECOMPUTE and _region(u) is not None and _region(u) > mine
                                     for u in node.users):
             policy[node.name] = SAVE
-    return policy
+    return {**policy, **never}

@@ -110,7 +110,8 @@ def _lower_stage(record: _Record, stage: str, gm: torch.fx.GraphModule, example_
 
 def _recording_partition(record: _Record, partition_fn: Callable, lower_backward: bool, num_params_buffers: int,
                          joint_module, joint_inputs, **kwargs):
-    if getattr(partition_fn, "__module__", None) == "aotfuse.partition" and not kwargs.get("static_lifetime_input_indices"):
+    ours = getattr(partition_fn, "func", partition_fn)  # functools.partial(min_cut_rematerialization_partition, ...)
+    if getattr(ours, "__module__", None) == "aotfuse.partition" and not kwargs.get("static_lifetime_input_indices"):
         # aot_function marks no static inputs: the first num_params_buffers are the parameters and
         # buffers (free to save, they live anyway); only our partitioners take the hint
         kwargs["aotfuse_static_inputs"] = range(num_params_buffers)
@@ -614,6 +615,7 @@ class CompiledFunction:
                               f"{self._varying_shapes(key, tree)}", stacklevel=4)
                 self._warned_full = True
             return None
+        config.memory_budget()  # a bad AOTFUSE_MEMORY_BUDGET is said before tracing, as what it is
         record = _Record()
         template = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         fn = self.fn

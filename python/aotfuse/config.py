@@ -170,6 +170,25 @@ def drop_clones() -> bool:
     return os.environ.get("AOTFUSE_DROP_CLONES", "1") not in ("", "0")
 
 
+def memory_budget() -> float:
+    """AOTFUSE_MEMORY_BUDGET in [0, 1] (else torch._functorch.config.activation_memory_budget, as
+    torch.compile reads it; 1 by default): below 1 the min cut may recompute matmuls and other extern
+    calls to save fewer activations (partition.h, memory_budget)."""
+    v = os.environ.get("AOTFUSE_MEMORY_BUDGET", "").strip()
+    if v:
+        try:
+            budget = float(v)
+        except ValueError:
+            raise ValueError(f"AOTFUSE_MEMORY_BUDGET={v!r}: a number in [0, 1]") from None
+    else:
+        import torch._functorch.config as functorch_config
+
+        budget = float(getattr(functorch_config, "activation_memory_budget", 1.0))
+    if not 0.0 <= budget <= 1.0:
+        raise ValueError(f"the activation memory budget must be in [0, 1], not {budget}")
+    return budget
+
+
 def checkpoint_regions() -> bool:
     """AOTFUSE_CHECKPOINT_REGIONS: torch.utils.checkpoint regions recomputed in the backward (default 1);
     0 traces through them and lets the partitioner save what it likes (as before 2026-12-04)."""

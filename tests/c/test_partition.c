@@ -206,6 +206,60 @@ static void test_node_policy_checkpointed_region(void **state) {
     af_graph_free(g);
 }
 
+/* The memory budget: x -> mm(W) -> h -> exp -> e -> mm(W) -> y with the backward reading h and e
+ * (as above), x a quarter of h's bytes. Budget 1 keeps the cut (h or e saved, the mm not rerun);
+ * budget 0 lets the mm be recomputed from x,
+ * so nothing but x and W is saved; a budget outside [0, 1] is an error. A random node is never
+ * freed (the budget's candidates are compute and extern nodes not marked to save). */
+static void test_memory_budget_recomputes_matmuls(void **state) {
+    (void)state;
+    af_graph *g = NULL;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    int32_t x = input(g, "x", 16), w = input(g, "w", 64), t = input(g, "t", 64);
+    int32_t h = add(g, "aten::mm.default", x, w, 64);
+    int32_t e = add(g, "aten::exp.default", h, -1, 64);
+    int32_t y = add(g, "aten::mm.default", e, w, 64);
+    int32_t ge = add(g, "aten::mm.default", t, w, 64);
+    int32_t gh = add(g, "aten::mul.Tensor", ge, e, 64);
+    int32_t gw = add(g, "aten::mm.default", e, t, 64);
+    int32_t gx = add(g, "aten::mm.default", gh, w, 64);
+    int32_t outs[3] = {y, gx, gw};
+    assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
+    uint8_t roles[3] = {AF_ROLE_PRIMAL, AF_ROLE_PARAM, AF_ROLE_TANGENT};
+    int32_t mm_node = af_graph_value(g, h)->producer;
+    af_partition_options o = af_partition_default_options();
+    assert_true(o.memory_budget == 1.0);
+    af_partition *p = NULL;
+    assert_int_equal(af_partition_min_cut(g, roles, 1, &o, &p), AF_OK);
+    check_partition(g, roles, 1, p);
+    assert_false(p->in_backward[mm_node]);
+    af_partition_free(p);
+    o.memory_budget = 0.0;
+    p = NULL;
+    assert_int_equal(af_partition_min_cut(g, roles, 1, &o, &p), AF_OK);
+    check_partition(g, roles, 1, p);
+    for (int32_t s = 0; s < p->n_saved; s++) assert_true(p->saved[s] == x || p->saved[s] == w);
+    assert_true(p->in_forward[mm_node] && p->in_backward[mm_node]);
+    af_partition_free(p);
+    /* the mm marked to save: the budget may not free it */
+    uint8_t *policy = calloc((size_t)af_graph_num_nodes(g), 1);
+    assert_non_null(policy);
+    policy[mm_node] = AF_POLICY_SAVE;
+    o.node_policy = policy;
+    p = NULL;
+    assert_int_equal(af_partition_min_cut(g, roles, 1, &o, &p), AF_OK);
+    check_partition(g, roles, 1, p);
+    assert_false(p->in_backward[mm_node]);
+    af_partition_free(p);
+    free(policy);
+    o.node_policy = NULL;
+    o.memory_budget = 1.5;
+    p = NULL;
+    assert_int_equal(af_partition_min_cut(g, roles, 1, &o, &p), AF_ERR_INVALID);
+    assert_null(p);
+    af_graph_free(g);
+}
+
 /* A parameter costs nothing to save (it lives anyway): the backward reads the weight itself, not
  * the transposed view of it the forward made (which, closer to the backward, would cost less to
  * save than a plain primal of the same bytes). */
@@ -525,6 +579,7 @@ int main(void) {
         cmocka_unit_test(test_matmuls_sink_past_pointwise_work),
         cmocka_unit_test(test_matmuls_sink_past_work_sharing_a_saved_value),
         cmocka_unit_test(test_node_policy_checkpointed_region),
+        cmocka_unit_test(test_memory_budget_recomputes_matmuls),
         cmocka_unit_test(test_bad_arguments),
     };
     return cmocka_run_group_tests_name("partition", tests, NULL, NULL);
