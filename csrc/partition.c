@@ -640,33 +640,68 @@ static int64_t activation_bytes(const joint_ctx *c, const af_partition *p) {
 
 /* A node the memory budget may have recomputed: banned for its kind alone (AF_KIND_COMPUTE: a matmul,
  * a convolution, an attention; not other extern calls, which may read a buffer the step updates
- * after the forward, a batch norm its running statistics), not marked to save. Its cost: an estimate of the work per byte
- * it gives back, its output's elements times the longest row any of its tensor arguments brings
- * to each output row (a matmul's inner dim), over its output's bytes. */
+ * after the forward, a batch norm its running statistics), not marked to save. Its cost: the
+ * multiply-adds per output element (a matmul's inner dim, an attention's key length times its head
+ * size over the value's, a convolution's weight elements per output channel) per output byte. */
+static const af_tensor_meta *value_arg(const joint_ctx *c, const af_node *node, int32_t i) {
+    if (i >= node->n_args || node->args[i].kind != AF_ARG_VALUE) return NULL;
+    return &af_graph_value(c->g, node->args[i].u.value)->meta;
+}
+
 static double lift_cost(const joint_ctx *c, int32_t n) {
     const af_node *node = af_graph_node(c->g, n);
-    const af_tensor_meta *out = &af_graph_value(c->g, node->first_output)->meta;
-    double out_numel = 1, rows = 1, inner = 1;
-    for (int32_t d = 0; d < out->ndim; d++) out_numel *= (double)out->sizes[d];
-    for (int32_t d = 0; d + 1 < out->ndim; d++) rows *= (double)out->sizes[d];
-    for (int32_t k = c->arg_start[n]; k < c->arg_start[n + 1]; k++) {
-        const af_tensor_meta *m = &af_graph_value(c->g, c->args_flat[k])->meta;
-        double numel = 1;
-        for (int32_t d = 0; d < m->ndim; d++) numel *= (double)m->sizes[d];
-        if (rows > 0 && numel / rows > inner) inner = numel / rows;
+    const af_tensor_meta *out = &af_graph_value(c->g, node->first_output)->meta, *a = NULL, *b = NULL;
+    double per_element = 1;
+    switch (node->op_id) {
+    case AF_OP_MM:
+    case AF_OP_BMM:
+        a = value_arg(c, node, 0);
+        if (a && a->ndim > 0) per_element = (double)a->sizes[a->ndim - 1];
+        break;
+    case AF_OP_ADDMM:
+    case AF_OP_BADDBMM:
+        a = value_arg(c, node, 1);
+        if (a && a->ndim > 0) per_element = (double)a->sizes[a->ndim - 1];
+        break;
+    case AF_OP_SDPA_FLASH:
+    case AF_OP_SDPA_EFFICIENT:
+    case AF_OP_SDPA_CPU:
+        a = value_arg(c, node, 1); /* key [.., S, E] */
+        b = value_arg(c, node, 2); /* value [.., S, Ev] */
+        if (a && b && a->ndim >= 2 && b->ndim >= 1 && b->sizes[b->ndim - 1] > 0)
+            per_element = 2.0 * (double)a->sizes[a->ndim - 2] * (double)a->sizes[a->ndim - 1] /
+                          (double)b->sizes[b->ndim - 1];
+        break;
+    case AF_OP_CONVOLUTION:
+        a = value_arg(c, node, 1); /* weight [Cout, Cin / groups, k...] */
+        if (a && a->ndim > 0 && a->sizes[0] > 0) {
+            double numel = 1;
+            for (int32_t d = 0; d < a->ndim; d++) numel *= (double)a->sizes[d];
+            per_element = numel / (double)a->sizes[0];
+        }
+        break;
+    default:
+        break;
     }
     int64_t bytes = af_tensor_meta_nbytes(out);
-    return out_numel * inner / (double)(bytes > 0 ? bytes : 1);
+    double out_numel = 1;
+    for (int32_t d = 0; d < out->ndim; d++) out_numel *= (double)out->sizes[d];
+    return out_numel * per_element / (double)(bytes > 0 ? bytes : 1);
 }
 
 typedef struct {
-    double cost;
+    double cost;   /* lift_cost */
+    int64_t bytes; /* its output's bytes */
     int32_t node;
 } lift_entry;
 
+/* Cheapest work per byte first; of equal costs the biggest output first (one node freeing the most:
+ * a language-model head's logits before a layer's projections), then graph order. */
 static int by_cost(const void *a, const void *b) {
     const lift_entry *x = a, *y = b;
-    return x->cost < y->cost ? -1 : x->cost > y->cost ? 1 : (x->node > y->node) - (x->node < y->node);
+    if (x->cost != y->cost) return x->cost < y->cost ? -1 : 1;
+    if (x->bytes != y->bytes) return x->bytes > y->bytes ? -1 : 1;
+    return (x->node > y->node) - (x->node < y->node);
 }
 
 int af_partition_min_cut(const af_graph *g, const uint8_t *roles, int32_t num_fwd_outputs,
@@ -714,7 +749,8 @@ int af_partition_min_cut(const af_graph *g, const uint8_t *roles, int32_t num_fw
             uint8_t policy = o.node_policy ? o.node_policy[n] : AF_POLICY_NONE;
             if (kind == AF_KIND_COMPUTE && node_fw_required(&c, n) &&
                 policy == AF_POLICY_NONE && af_graph_node(g, n)->n_outputs > 0)
-                cand[nc++] = (lift_entry){lift_cost(&c, n), n};
+                cand[nc++] = (lift_entry){lift_cost(&c, n),
+                                          af_tensor_meta_nbytes(&af_graph_value(g, af_graph_node(g, n)->first_output)->meta), n};
         }
         qsort(cand, (size_t)nc, sizeof *cand, by_cost);
         int64_t cut_k = 0, s_max, s_min;
