@@ -280,6 +280,7 @@ def node_policies(graph: fx.Graph, budget: bool = False) -> dict[str, int]:
     for name in _reads_mutated_input(graph):
         if policy.get(name) == RECOMPUTE:
             policy[name] = SAVE  # a batch norm in a region: its running statistics are updated after the forward
+    tagged = dict(policy)  # the tags as traced (the loop below changes policy)
     tagged_save = {name for name, v in policy.items() if v == SAVE}
     for node in graph.nodes:
         forward_users = [u for u in node.users if u.meta.get("partitioner_tag") != "is_backward"]
@@ -294,9 +295,11 @@ def node_policies(graph: fx.Graph, budget: bool = False) -> dict[str, int]:
         if _draws(node):
             policy[node.name] = SAVE  # an ATen draw would draw other numbers in the backward
             continue
-        # a region's output read by a later region: saved, where the later region's recompute starts
-        mine = _region(node)
-        if mine is not None and any(policy.get(u.name) == RECOMPUTE and _region(u) is not None and _region(u) > mine
-                                    for u in node.users):
+        # a region's output (read in the forward by a node outside the region: a later region, a
+        # residual add or a norm between regions) is saved: the backward's recompute of the regions
+        # after it starts there, not from the model's input (a residual stream through every
+        # region would otherwise be recomputable from the input alone, and nothing be saved)
+        if any(u.meta.get("partitioner_tag") != "is_backward" and not (
+                u.name in tagged and _region(u) == _region(node)) for u in node.users):
             policy[node.name] = SAVE
     return {**policy, **never}
