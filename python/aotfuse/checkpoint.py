@@ -267,17 +267,18 @@ def node_policies(graph: fx.Graph, budget: bool = False) -> dict[str, int]:
     checkpoint tags; empty where nothing is tagged and budget is False. budget: a memory budget
     below 1 may have the partitioner recompute matmuls too, so every node that must not run again
     is SAVE."""
+    policy = {n.name: _policy_of(n.meta.get("recompute")) for n in graph.nodes if n.op == "call_function"}
+    policy = {k: v for k, v in policy.items() if v != NONE} if config.checkpoint_regions() else {}
+    if not policy and not budget:
+        return {}
+    readers = _reads_mutated_input(graph)
     never = {}
     if budget:
         never = {n.name: SAVE for n in graph.nodes if n.op == "call_function" and _never_rerun(n)}
-        never.update(dict.fromkeys(_reads_mutated_input(graph), SAVE))
-    if not config.checkpoint_regions():
-        return never
-    policy = {n.name: _policy_of(n.meta.get("recompute")) for n in graph.nodes if n.op == "call_function"}
-    policy = {k: v for k, v in policy.items() if v != NONE}
+        never.update(dict.fromkeys(readers, SAVE))
     if not policy:
         return never
-    for name in _reads_mutated_input(graph):
+    for name in readers:
         if policy.get(name) == RECOMPUTE:
             policy[name] = SAVE  # a batch norm in a region: its running statistics are updated after the forward
     tagged = dict(policy)  # the tags as traced (the loop below changes policy)
