@@ -149,24 +149,36 @@ static void test_pointwise_chain_is_recomputed(void **state) {
     af_graph_free(g);
 }
 
-/* Activation checkpointing: x -> mm(W) -> h -> exp -> e -> mm(W) -> y, the backward reading h and e.
+/* x -> mm(W) -> h -> exp -> e -> mm(W) -> y, the backward reading h and e (the gradient of e through
+ * W, of h through exp, of W through e); x has x_size elements, the rest 64. Roles: x primal, W a
+ * parameter, t the tangent. */
+static af_graph *region_graph(int64_t x_size, int32_t *x, int32_t *w, int32_t *h, int32_t *e) {
+    af_graph *g = NULL;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    int32_t t;
+    *x = input(g, "x", x_size);
+    *w = input(g, "w", 64);
+    t = input(g, "t", 64);
+    *h = add(g, "aten::mm.default", *x, *w, 64);
+    *e = add(g, "aten::exp.default", *h, -1, 64);
+    int32_t y = add(g, "aten::mm.default", *e, *w, 64);
+    int32_t ge = add(g, "aten::mm.default", t, *w, 64);  /* grad wrt e */
+    int32_t gh = add(g, "aten::mul.Tensor", ge, *e, 64); /* grad wrt h: * exp(h) */
+    int32_t gw = add(g, "aten::mm.default", *e, t, 64);  /* grad wrt W (second mm): reads e */
+    int32_t gx = add(g, "aten::mm.default", gh, *w, 64);
+    int32_t outs[3] = {y, gx, gw};
+    assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
+    return g;
+}
+
+/* Activation checkpointing on region_graph.
  * Without a policy the cut saves h (the mm is never recomputed); with both nodes to recompute
  * nothing of the region is saved (x and W are), and the backward runs the mm and exp again; a node
  * to save is saved, even where recomputing it is cheap. The default partition recomputes the same. */
 static void test_node_policy_checkpointed_region(void **state) {
     (void)state;
-    af_graph *g = NULL;
-    assert_int_equal(af_graph_new(&g), AF_OK);
-    int32_t x = input(g, "x", 64), w = input(g, "w", 64), t = input(g, "t", 64);
-    int32_t h = add(g, "aten::mm.default", x, w, 64);
-    int32_t e = add(g, "aten::exp.default", h, -1, 64);
-    int32_t y = add(g, "aten::mm.default", e, w, 64);
-    int32_t ge = add(g, "aten::mm.default", t, w, 64);  /* grad wrt e */
-    int32_t gh = add(g, "aten::mul.Tensor", ge, e, 64); /* grad wrt h: * exp(h) */
-    int32_t gw = add(g, "aten::mm.default", e, t, 64);  /* grad wrt W (second mm): reads e */
-    int32_t gx = add(g, "aten::mm.default", gh, w, 64);
-    int32_t outs[3] = {y, gx, gw};
-    assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
+    int32_t x, w, h, e;
+    af_graph *g = region_graph(64, &x, &w, &h, &e);
     uint8_t roles[3] = {AF_ROLE_PRIMAL, AF_ROLE_PARAM, AF_ROLE_TANGENT};
     int32_t mm_node = af_graph_value(g, h)->producer, exp_node = af_graph_value(g, e)->producer;
     int32_t nn = af_graph_num_nodes(g);
@@ -206,25 +218,14 @@ static void test_node_policy_checkpointed_region(void **state) {
     af_graph_free(g);
 }
 
-/* The memory budget: x -> mm(W) -> h -> exp -> e -> mm(W) -> y with the backward reading h and e
- * (as above), x a quarter of h's bytes. Budget 1 keeps the cut (h or e saved, the mm not rerun);
- * budget 0 lets the mm be recomputed from x,
- * so nothing but x and W is saved; a budget outside [0, 1] is an error. A random node is never
- * freed (the budget's candidates are compute and extern nodes not marked to save). */
+/* The memory budget on region_graph, x a quarter of h's bytes. Budget 1 keeps the cut (h or e saved,
+ * the mm not rerun); budget 0 lets the mm be recomputed from x, so nothing but x and W is saved; a
+ * budget outside [0, 1] is an error. A node marked to save is never freed (the budget's candidates
+ * are compute nodes not marked to save). */
 static void test_memory_budget_recomputes_matmuls(void **state) {
     (void)state;
-    af_graph *g = NULL;
-    assert_int_equal(af_graph_new(&g), AF_OK);
-    int32_t x = input(g, "x", 16), w = input(g, "w", 64), t = input(g, "t", 64);
-    int32_t h = add(g, "aten::mm.default", x, w, 64);
-    int32_t e = add(g, "aten::exp.default", h, -1, 64);
-    int32_t y = add(g, "aten::mm.default", e, w, 64);
-    int32_t ge = add(g, "aten::mm.default", t, w, 64);
-    int32_t gh = add(g, "aten::mul.Tensor", ge, e, 64);
-    int32_t gw = add(g, "aten::mm.default", e, t, 64);
-    int32_t gx = add(g, "aten::mm.default", gh, w, 64);
-    int32_t outs[3] = {y, gx, gw};
-    assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
+    int32_t x, w, h, e;
+    af_graph *g = region_graph(16, &x, &w, &h, &e);
     uint8_t roles[3] = {AF_ROLE_PRIMAL, AF_ROLE_PARAM, AF_ROLE_TANGENT};
     int32_t mm_node = af_graph_value(g, h)->producer;
     af_partition_options o = af_partition_default_options();
