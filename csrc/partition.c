@@ -704,6 +704,30 @@ static int by_cost(const void *a, const void *b) {
     return (x->node > y->node) - (x->node < y->node);
 }
 
+/* The scratch one cut needs (solve_cut's arrays), allocated once for all the cuts of a call. */
+typedef struct {
+    uint8_t *node_ban, *side, *stop, *mark;
+    int32_t *draws, *scratch;
+} cut_space;
+
+/* A whole partition for these lifted nodes (NULL: none): the cut, then the programs' split. */
+static int cut_with(const joint_ctx *c, const af_partition_options *o, const uint8_t *lift, cut_space *ws,
+                    af_partition **out) {
+    af_partition *p = NULL;
+    int st = fresh(&p);
+    if (!st) st = solve_cut(c, o, lift, ws->node_ban, ws->draws, ws->side, ws->stop, ws->mark, ws->scratch, &p->cut_value);
+    if (!st) st = finish(c, ws->stop, p);
+    if (st) af_partition_free(p);
+    else *out = p;
+    return st;
+}
+
+/* lift = the first k candidates (in cost order). */
+static void lift_first(uint8_t *lift, int32_t nn, const lift_entry *cand, int32_t k) {
+    memset(lift, 0, (size_t)nn + 1);
+    for (int32_t i = 0; i < k; i++) lift[cand[i].node] = 1;
+}
+
 int af_partition_min_cut(const af_graph *g, const uint8_t *roles, int32_t num_fwd_outputs,
                          const af_partition_options *opts, af_partition **out) {
     af_partition_options o = opts ? *opts : af_partition_default_options();
@@ -715,23 +739,25 @@ int af_partition_min_cut(const af_graph *g, const uint8_t *roles, int32_t num_fw
     af_partition *p = NULL, *trial = NULL;
     int st = start(g, roles, &p);
     if (st) return st;
+    af_partition_free(p); /* start() verified the graph; cut_with makes the partitions */
+    p = NULL;
     joint_ctx c;
-    uint8_t *side = NULL, *stop = NULL, *mark = NULL, *node_ban = NULL, *lift = NULL;
-    int32_t *scratch = NULL, *draws = NULL;
+    cut_space ws = {0};
+    uint8_t *lift = NULL;
     lift_entry *cand = NULL;
     if ((st = ctx_build(&c, g, roles, num_fwd_outputs))) goto done;
     int32_t nv = c.nv;
-    side = calloc((size_t)2 * nv + 2, 1);
-    stop = calloc((size_t)nv + 1, 1);
-    mark = calloc((size_t)nv + 1, 1);
-    scratch = malloc(((size_t)2 * nv + 2) * sizeof(int32_t));
-    node_ban = calloc((size_t)c.nn + 1, 1);
-    draws = malloc(((size_t)2 * nv + 2) * sizeof(int32_t));
-    if (!side || !stop || !mark || !scratch || !node_ban || !draws) {
+    ws.side = calloc((size_t)2 * nv + 2, 1);
+    ws.stop = calloc((size_t)nv + 1, 1);
+    ws.mark = calloc((size_t)nv + 1, 1);
+    ws.scratch = malloc(((size_t)2 * nv + 2) * sizeof(int32_t));
+    ws.node_ban = calloc((size_t)c.nn + 1, 1);
+    ws.draws = malloc(((size_t)2 * nv + 2) * sizeof(int32_t));
+    if (!ws.side || !ws.stop || !ws.mark || !ws.scratch || !ws.node_ban || !ws.draws) {
         st = af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
         goto done;
     }
-    if ((st = solve_cut(&c, &o, NULL, node_ban, draws, side, stop, mark, scratch, &p->cut_value))) goto done;
+    if ((st = cut_with(&c, &o, NULL, &ws, &p))) goto done;
     if (o.memory_budget < 1.0) {
         /* The budget: save at most S_min + budget x (S_max - S_min) bytes of activations, S_max being
          * the cut above, S_min the cut with every candidate free to be recomputed; the fewest,
@@ -745,60 +771,45 @@ int af_partition_min_cut(const af_graph *g, const uint8_t *roles, int32_t num_fw
             goto done;
         }
         for (int32_t n = 0; n < c.nn; n++) {
-            af_op_kind kind = node_kind(&c, n);
             uint8_t policy = o.node_policy ? o.node_policy[n] : AF_POLICY_NONE;
-            if (kind == AF_KIND_COMPUTE && node_fw_required(&c, n) &&
-                policy == AF_POLICY_NONE && af_graph_node(g, n)->n_outputs > 0)
+            const af_node *node = af_graph_node(g, n);
+            if (node_kind(&c, n) == AF_KIND_COMPUTE && node_fw_required(&c, n) && policy == AF_POLICY_NONE &&
+                node->n_outputs > 0)
                 cand[nc++] = (lift_entry){lift_cost(&c, n),
-                                          af_tensor_meta_nbytes(&af_graph_value(g, af_graph_node(g, n)->first_output)->meta), n};
+                                          af_tensor_meta_nbytes(&af_graph_value(g, node->first_output)->meta), n};
         }
         qsort(cand, (size_t)nc, sizeof *cand, by_cost);
-        int64_t cut_k = 0, s_max, s_min;
-        if ((st = finish(&c, stop, p))) goto done;
-        s_max = activation_bytes(&c, p);
-        for (int32_t i = 0; i < nc; i++) lift[cand[i].node] = 1;
-        if ((st = fresh(&trial))) goto done;
-        if ((st = solve_cut(&c, &o, lift, node_ban, draws, side, stop, mark, scratch, &cut_k))) goto done;
-        if ((st = finish(&c, stop, trial))) goto done;
-        s_min = activation_bytes(&c, trial);
+        int64_t s_max = activation_bytes(&c, p);
+        lift_first(lift, c.nn, cand, nc);
+        if ((st = cut_with(&c, &o, lift, &ws, &trial))) goto done;
+        int64_t s_min = activation_bytes(&c, trial);
+        int64_t target = s_min + (int64_t)(o.memory_budget * (double)(s_max - s_min));
         af_partition_free(trial);
         trial = NULL;
-        int64_t target = s_min + (int64_t)(o.memory_budget * (double)(s_max - s_min));
-        if (s_max > target) {
+        if (s_max > target) { /* else the cut above meets it already */
             int32_t lo = 1, hi = nc; /* the smallest count of freed candidates that meets the target */
             while (lo < hi) {
                 int32_t mid = lo + (hi - lo) / 2;
-                memset(lift, 0, (size_t)c.nn + 1);
-                for (int32_t i = 0; i < mid; i++) lift[cand[i].node] = 1;
-                if ((st = fresh(&trial))) goto done;
-                if ((st = solve_cut(&c, &o, lift, node_ban, draws, side, stop, mark, scratch, &cut_k))) goto done;
-                if ((st = finish(&c, stop, trial))) goto done;
+                lift_first(lift, c.nn, cand, mid);
+                if ((st = cut_with(&c, &o, lift, &ws, &trial))) goto done;
                 if (activation_bytes(&c, trial) <= target) hi = mid;
                 else lo = mid + 1;
                 af_partition_free(trial);
                 trial = NULL;
             }
-            memset(lift, 0, (size_t)c.nn + 1);
-            for (int32_t i = 0; i < lo; i++) lift[cand[i].node] = 1;
+            lift_first(lift, c.nn, cand, lo);
             af_partition_free(p);
             p = NULL;
-            if ((st = fresh(&p))) goto done;
-            if ((st = solve_cut(&c, &o, lift, node_ban, draws, side, stop, mark, scratch, &p->cut_value))) goto done;
-        } else { /* the cut above meets it already: keep it */
-            af_partition_free(p);
-            p = NULL;
-            if ((st = fresh(&p))) goto done;
-            if ((st = solve_cut(&c, &o, NULL, node_ban, draws, side, stop, mark, scratch, &p->cut_value))) goto done;
+            if ((st = cut_with(&c, &o, lift, &ws, &p))) goto done;
         }
     }
-    st = finish(&c, stop, p);
 done:
-    free(side);
-    free(stop);
-    free(mark);
-    free(scratch);
-    free(node_ban);
-    free(draws);
+    free(ws.side);
+    free(ws.stop);
+    free(ws.mark);
+    free(ws.scratch);
+    free(ws.node_ban);
+    free(ws.draws);
     free(lift);
     free(cand);
     af_partition_free(trial);

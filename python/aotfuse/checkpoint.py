@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import threading
 from typing import Any, Iterator
@@ -88,20 +89,18 @@ def _tagging_context_fn(user_context_fn: Any, region: int) -> Any:
     return context_fn
 
 
-def _generator(original: Any, *args: Any, **kwargs: Any) -> Iterator[None]:
+def _generator(original: Any, signature: Any, *args: Any, **kwargs: Any) -> Iterator[None]:
     """torch.utils.checkpoint._checkpoint_without_reentrant_generator, tagging the region while a
     trace is active on this thread. Its arguments are bound by name (fn, preserve_rng_state,
     context_fn, determinism_check, debug, and early_stop where this torch has it, then the
     function's own), so another torch's order of them is read right."""
-    import inspect
-
     import torch.fx.traceback as fx_traceback
     import torch.utils.checkpoint as ckpt
 
     if not _active():
         yield from original(*args, **kwargs)
         return
-    bound = inspect.signature(original).bind(*args, **kwargs)
+    bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
     context_fn = bound.arguments.get("context_fn", ckpt.noop_context_fn)
     if getattr(_state, "pre_dispatch", 0) and context_fn is not ckpt.noop_context_fn:
@@ -150,7 +149,7 @@ def _install() -> None:
         if _patched["count"] == 0:
             gen, func = ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction
             _patched["originals"] = (gen, func)
-            ckpt._checkpoint_without_reentrant_generator = functools.partial(_generator, gen)
+            ckpt._checkpoint_without_reentrant_generator = functools.partial(_generator, gen, inspect.signature(gen))
             ckpt.CheckpointFunction = _ReentrantFunction(func)
         _patched["count"] += 1
 
