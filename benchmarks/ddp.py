@@ -1,6 +1,8 @@
 """DistributedDataParallel training step, side by side: eager DDP, aotfuse (memory_efficient_fusion of the
 DDP), aotfuse under torch.compile (torch.compile(DDP, backend="aotfuse")) and torch.compile (Inductor), in
-one process group of N processes (gloo on the CPU, nccl on GPUs), one of the seed's models each.
+one process group of N processes (gloo on the CPU, nccl on GPUs), one of the seed's models each; also
+aotfuse-no-overlap (memory_efficient_fusion with AOTFUSE_DDP_OVERLAP=0: DDP's reducer all-reduces after the
+compiled backward, not the backward's buckets during it). --bucket-cap-mb sets DDP's bucket size.
 
     python benchmarks/ddp.py --models BertForMaskedLM,GPT2LMHeadModel --size reduced --nproc 2
 
@@ -28,16 +30,18 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONTENDERS = ("eager", "aotfuse", "aotfuse-dynamo", "torch.compile")
+# also: aotfuse-no-overlap, memory_efficient_fusion with AOTFUSE_DDP_OVERLAP=0 (DDP's reducer all-reduces
+# after the compiled backward, not its buckets during it)
 
 
-def _wrap(name: str, model: torch.nn.Module, device_ids: list | None) -> torch.nn.Module:
+def _wrap(name: str, model: torch.nn.Module, device_ids: list | None, bucket_cap_mb: float = 25) -> torch.nn.Module:
     import aotfuse
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ddp = DDP(model, device_ids=device_ids)
+    ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
     if name == "eager":
         return ddp
-    if name == "aotfuse":
+    if name in ("aotfuse", "aotfuse-no-overlap"):
         return aotfuse.memory_efficient_fusion(ddp, fallback="dynamo")
     if name == "aotfuse-dynamo":
         return torch.compile(ddp, backend="aotfuse", dynamic=False)
@@ -100,14 +104,19 @@ def worker(args: argparse.Namespace) -> None:
         contenders, first = {}, {}
         for c in args.contenders.split(","):
             model = copy.deepcopy(base)
-            wrapped = _wrap(c, model, [torch.cuda.current_device()] if cuda else None)
+            wrapped = _wrap(c, model, [torch.cuda.current_device()] if cuda else None, args.bucket_cap_mb)
             opt = torch.optim.SGD(model.parameters(), lr=1e-4)
             contenders[c] = (model, wrapped, opt)
 
         def step(c: str) -> float:
             model, wrapped, opt = contenders[c]
             opt.zero_grad(set_to_none=True)
-            loss = wrapped(**inputs).loss
+            if c == "aotfuse-no-overlap":  # read at each call (ddp.plan)
+                os.environ["AOTFUSE_DDP_OVERLAP"] = "0"
+            try:
+                loss = wrapped(**inputs).loss
+            finally:
+                os.environ.pop("AOTFUSE_DDP_OVERLAP", None)
             loss.backward()
             opt.step()
             return loss.detach().float()
@@ -175,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--cpu", action="store_true", help="gloo on the CPU even where there are GPUs")
+    ap.add_argument("--bucket-cap-mb", type=float, default=25, help="DDP's bucket_cap_mb (default DDP's 25)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -10,7 +10,9 @@ Every rank runs every case; rank 0 writes one JSON object, case name -> what the
   same step on both ranks' batches (what DDP's averaged gradient is), aotfuse's and eager DDP's;
 - "compiled": signatures (memory_efficient_fusion) or programs (torch.compile) aotfuse compiled (0 would
   mean it ran eagerly; under torch.compile a forward and a backward per DDP bucket);
-- "error": for the cases that must refuse, the exception's type and message.
+- "error": for the cases that must refuse, the exception's type and message;
+- "all_reduces", "overlapped": for memory_efficient_fusion(DDP(model)), the all-reduce calls in the
+  synced backward program and how many of them are followed by more of the backward's computation.
 """
 from __future__ import annotations
 
@@ -65,12 +67,26 @@ class Case:
     """One model, stepped through `wrap(model)` and through eager DDP (each with SGD), the float64 reference
     in one process on every rank's batch."""
 
-    def __init__(self, make, batches, wrap, ddp_kwargs=None, counter=None, no_sync_every: int = 0) -> None:
+    def __init__(self, make, batches, wrap, ddp_kwargs=None, counter=None, no_sync_every: int = 0,
+                 env: dict | None = None) -> None:
         self.make, self.batches, self.wrap = make, batches, wrap
         self.ddp_kwargs = ddp_kwargs or {}
         self.counter, self.no_sync_every = counter, no_sync_every
+        self.env = env or {}
 
     def run(self, rank: int, world: int) -> dict:
+        old = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            return self._run(rank, world)
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def _run(self, rank: int, world: int) -> dict:
         torch.manual_seed(0)
         model = self.make()
         eager_model, ref64 = copy.deepcopy(model), copy.deepcopy(model).double()
@@ -118,7 +134,7 @@ class Case:
                     opt.step()
                     opt.zero_grad(set_to_none=True)
         return {"mismatches": mismatches, "ranks_disagree": disagree, "err": err, "eager_err": eager_err,
-                "compiled": self.counter(fused) if self.counter else None}
+                "compiled": self.counter(fused) if self.counter else None, **_all_reduces(fused)}
 
     @staticmethod
     def _gathered(args, kwargs, r: int, world: int):
@@ -159,6 +175,40 @@ def _programs(view) -> int:
     return view._aotfuse_compiled.compile_count
 
 
+_COMMS = ("_c10d_functional.all_reduce_.default", "aotfuse.ddp_wait.default")
+_FREE = ("aten.reshape.default", "aten.view.default", "aten.slice.Tensor", "aten.cat.default", "aten.div.Tensor")
+
+
+def _all_reduces(view) -> dict:
+    """The all-reduce calls in the backward programs of memory_efficient_fusion(DDP(model)), and how many
+    are followed by more of the backward's own computation (started while it computes, not after)."""
+    if not isinstance(view, aotfuse.AOTDataParallel):
+        return {}
+    count = overlapped = 0
+    for entry in view.compiled_module._aotfuse_compiled._cache.values():
+        gm = entry.record.graphs.get("backward") if entry.record is not None else None
+        if gm is None:
+            continue
+        targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        for k, t in enumerate(targets):
+            if t == _COMMS[0]:
+                count += 1
+                overlapped += any(u not in _COMMS and u not in _FREE for u in targets[k + 1:])
+    return {"all_reduces": count, "overlapped": overlapped}
+
+
+class Branchy(nn.Module):
+    """A forward that reads a value (`.item()`): no one graph, memory_efficient_fusion's fallback runs it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = Mlp()
+
+    def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+        y = self.mlp(x)
+        return y * 2 if y.sum().item() > 0 else y
+
+
 def _dynamo_wrap(collected: list):
     def wrap(model, kw):
         torch._dynamo.reset()
@@ -177,15 +227,24 @@ def _bert():
     return BertForMaskedLM(config)
 
 
-def _bert_batches(rank: int):
+def _bert_batches(rank: int, lengths: tuple = (16, 16)):
     g = torch.Generator().manual_seed(200 + rank)
     out = []
-    for _ in range(2):
-        ids = torch.randint(5, 64, (4, 16), generator=g)
-        labels = torch.where(torch.rand(4, 16, generator=g) < 0.3, ids, torch.full_like(ids, -100))
+    for n in lengths:
+        ids = torch.randint(5, 64, (4, n), generator=g)
+        labels = torch.where(torch.rand(4, n, generator=g) < 0.3, ids, torch.full_like(ids, -100))
         labels[:, 0] = ids[:, 0]
         out.append(((), {"input_ids": ids, "labels": labels}))
     return out
+
+
+def _with_comm_hook(model, kw):
+    """DDP with a Python comm hook (plain all-reduce, so eager DDP's values): its reducer syncs."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    wrapper = DDP(model, **kw)
+    wrapper.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
+    return aotfuse.memory_efficient_fusion(wrapper)
 
 
 def _refusals() -> dict:
@@ -216,6 +275,16 @@ def main(out_path: str) -> None:
         "torch_compile_ddp": Case(Mlp, _mlp_batches, _dynamo_wrap(collected), counter=lambda v: len(collected)),
         "torch_compile_ddp_buckets": Case(Deep, _mlp_batches, _dynamo_wrap(collected), ddp_kwargs={"bucket_cap_mb": 1},
                                           counter=lambda v: len(collected)),
+        "compiled_ddp_buckets": Case(Deep, _mlp_batches, lambda m, kw: aotfuse.memory_efficient_fusion(DDP(m, **kw)),
+                                     ddp_kwargs={"bucket_cap_mb": 1}, counter=_programs),
+        "compiled_ddp_overlap_off": Case(Deep, _mlp_batches,
+                                         lambda m, kw: aotfuse.memory_efficient_fusion(DDP(m, **kw)),
+                                         ddp_kwargs={"bucket_cap_mb": 1}, counter=_programs,
+                                         env={"AOTFUSE_DDP_OVERLAP": "0"}),
+        "compiled_ddp_comm_hook": Case(Mlp, _mlp_batches, _with_comm_hook, counter=_programs),
+        "compiled_ddp_fallback": Case(Branchy, _mlp_batches,
+                                      lambda m, kw: aotfuse.memory_efficient_fusion(DDP(m, **kw), fallback="eager"),
+                                      counter=lambda v: 1),
         "no_sync_accumulation": Case(Mlp, functools.partial(_mlp_batches, steps=4),
                                      lambda m, kw: aotfuse.memory_efficient_fusion(DDP(m, **kw)), counter=_programs,
                                      no_sync_every=2),
@@ -228,6 +297,10 @@ def main(out_path: str) -> None:
         cases["hf_bert_compiled_ddp"] = Case(_bert, _bert_batches,
                                              lambda m, kw: aotfuse.memory_efficient_fusion(DDP(m, **kw)),
                                              counter=_programs)
+        # three lengths: the third through the shape family the second traced (its own programs, synced)
+        cases["hf_bert_compiled_ddp_lengths"] = Case(_bert, functools.partial(_bert_batches, lengths=(16, 12, 8)),
+                                                     lambda m, kw: aotfuse.memory_efficient_fusion(DDP(m, **kw)),
+                                                     counter=_programs)
     except ImportError:
         pass
     results = {}

@@ -18,8 +18,9 @@ import aotfuse
 from helpers import assert_close
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CASES = ["ddp_of_compiled", "compiled_ddp", "torch_compile_ddp", "torch_compile_ddp_buckets", "no_sync_accumulation",
-         "find_unused_parameters", "hf_bert_compiled_ddp"]
+CASES = ["ddp_of_compiled", "compiled_ddp", "compiled_ddp_buckets", "compiled_ddp_overlap_off", "compiled_ddp_comm_hook",
+         "compiled_ddp_fallback", "torch_compile_ddp", "torch_compile_ddp_buckets", "no_sync_accumulation",
+         "find_unused_parameters", "hf_bert_compiled_ddp", "hf_bert_compiled_ddp_lengths"]
 
 requires_gloo = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
                                    reason="this torch has no gloo process groups")
@@ -42,13 +43,24 @@ def test_ddp_trains_like_eager_ddp(worker, case):
     """Each case: three or four SGD steps (two micro-steps a step under no_sync; a Linear used in one step
     only under find_unused_parameters; batch norm buffers DDP broadcasts; under torch.compile, a model of
     several 1 MB buckets, which Dynamo's DDPOptimizer compiles as a graph each), both ranks."""
-    if case == "hf_bert_compiled_ddp" and case not in worker:
+    if case.startswith("hf_bert") and case not in worker:
         pytest.skip("transformers is not installed")
     result = worker[case]
     assert "exception" not in result, f"{case}: {result.get('exception')}"
     assert result["compiled"] >= 1, f"{case}: nothing was compiled, the step ran eagerly"
     if case == "torch_compile_ddp_buckets":  # Dynamo's DDPOptimizer: a graph per bucket, each fw and bw
         assert result["compiled"] >= 4, f"{case}: {result['compiled']} programs, expected several buckets' graphs"
+    # memory_efficient_fusion(DDP(model)): the synced backward all-reduces its buckets itself, each as
+    # soon as its gradients are made (Deep's 3.6 MB of weights in 1 MB buckets: several, all but the
+    # last followed by more of the backward); under no_sync, find_unused_parameters, a fallback or
+    # AOTFUSE_DDP_OVERLAP=0, DDP's reducer does it after the backward
+    if case in ("compiled_ddp", "hf_bert_compiled_ddp", "hf_bert_compiled_ddp_lengths"):
+        assert result["all_reduces"] >= 1, f"{case}: the backward program all-reduces nothing"
+    elif case == "compiled_ddp_buckets":
+        assert result["all_reduces"] >= 3 and result["overlapped"] >= result["all_reduces"] - 1, (
+            f"{case}: {result['all_reduces']} all-reduces, {result['overlapped']} before the backward's end")
+    elif "all_reduces" in result:
+        assert result["all_reduces"] == 0, f"{case}: {result['all_reduces']} all-reduces in the backward program"
     assert result["ranks_disagree"] == [], f"{case}: gradients not all-reduced: {result['ranks_disagree']}"
     assert result["mismatches"] == [], f"{case}: differs from eager DDP: {result['mismatches']}"
     # against float64: no further from the exact averaged gradient than eager DDP is, up to rounding

@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch._functorch.aot_autograd import aot_function as _torch_aot_function
 from torch.utils.hooks import RemovableHandle
 
-from . import checkpoint, config, shapes
+from . import checkpoint, config, ddp, shapes
 from ._pytree import _holds_tensor, tree_flatten, tree_unflatten
 from .decompositions import default_decompositions
 from .lower import BackendUnavailable, Lowered, UnsupportedError, lower
@@ -57,6 +57,8 @@ class _Record:
         # the backward lowered at partition time: (its graph's _graph_key, the symbol values it was made
         # concrete at or None, the Lowered), for the backward compiler to take instead of lowering again
         self.early_backward: tuple | None = None
+        # a DDP-synced signature's (ddp.Sync): its backward all-reduces the gradients bucket by bucket
+        self.ddp: ddp.Sync | None = None
 
 
 def _graph_key(gm: torch.fx.GraphModule) -> tuple:
@@ -91,6 +93,8 @@ def _lower_stage(record: _Record, stage: str, gm: torch.fx.GraphModule, example_
             record.programs[stage] = lowered
             record.graphs[stage] = gm
             return lowered
+    if stage == "backward" and record.ddp is not None:
+        ddp.insert_all_reduces(gm, record.ddp)  # before lowering: the variants below are made from gm too
     # a backward's kernels compile at its first run: called without the gradients of outputs nobody
     # differentiates (the logits beside a loss), it runs a variant program instead (Lowered._without)
     lowered = lower(gm, example_inputs, saved_from=record.num_fwd_outputs if stage == "forward" else None,
@@ -617,6 +621,8 @@ class CompiledFunction:
             return None
         config.memory_budget()  # a bad AOTFUSE_MEMORY_BUDGET is said before tracing, as what it is
         record = _Record()
+        # part of the key too (AOTModule.forward's extra); only where the backward is lowered here
+        record.ddp = ddp.current() if self.bw_compiler is None else None
         template = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         fn = self.fn
 
@@ -1014,6 +1020,8 @@ class AOTModule(nn.Module):
         object.__setattr__(self, "_aotfuse_options", options)  # aot_module's arguments after the module
         object.__setattr__(self, "_aotfuse_refs", None)
         object.__setattr__(self, "_aotfuse_hooks", None)
+        object.__setattr__(self, "_aotfuse_ddp", None)  # the ddp.Sync of the call AOTDataParallel makes
+        object.__setattr__(self, "_aotfuse_ddp_ran", False)  # whether that call ran a program that syncs
         object.__setattr__(self, "orig_module", mod)  # not a submodule: keys stay unprefixed
         self._parameters = mod._parameters
         self._buffers = mod._buffers
@@ -1035,7 +1043,8 @@ class AOTModule(nn.Module):
         if _peek_interpreter_stack() is not None:
             _warn_transform(compiled.name)
             return mod(*args, **kwargs)
-        extra = (mod.training, self._hooks_key())
+        sync = self._aotfuse_ddp
+        extra = (mod.training, self._hooks_key(), sync)
         shortcut = compiled.module_fallback
         if shortcut is not None:  # these arguments fell back before: no tensor walk, no lookup
             leaves, spec = tree_flatten((args, kwargs))
@@ -1047,7 +1056,14 @@ class AOTModule(nn.Module):
         if gen & 1 or compiled.trace_gen != gen:  # another thread's trace had swapped in its fake tensors
             with config.compile_lock():
                 params, buffers = self._tensors()
-        out, entry = compiled._call(((params, buffers) + args, kwargs), extra)
+        token = ddp._SYNC.set(sync)  # this call's alone: a compiled module called inside it sets its own
+        try:
+            out, entry = compiled._call(((params, buffers) + args, kwargs), extra)
+        finally:
+            ddp._SYNC.reset(token)
+        if sync is not None:
+            object.__setattr__(self, "_aotfuse_ddp_ran", entry is not None and entry.fallback is None
+                               and entry.record is not None and entry.record.ddp == sync)
         if entry is not None and entry.fallback is not None:
             leaves, spec = tree_flatten((args, kwargs))
             compiled.module_fallback = (_signature(leaves, spec, extra), entry.fallback_target)
@@ -1142,11 +1158,27 @@ class AOTDataParallel(AOTModule):
             if mod is not inner.orig_module:
                 raise RuntimeError(f"aotfuse: the {type(wrapper).__name__}'s module was replaced after it was "
                                    f"compiled; compile the wrapper again")
+            # a call DDP would sync: its reducer stands by (as under no_sync) and the compiled backward
+            # all-reduces the gradients bucket by bucket as it makes them (ddp.py)
+            sync = None if config.disabled() else ddp.plan(wrapper)
             wrapper._modules["module"] = inner  # a plain dict write: no registration hooks, no recompile
+            if sync is not None:
+                wrapper.require_backward_grad_sync = False
+                object.__setattr__(inner, "_aotfuse_ddp", sync)
+                object.__setattr__(inner, "_aotfuse_ddp_ran", False)
             try:
-                return wrapper(*args, **kwargs)
+                out = wrapper(*args, **kwargs)
             finally:
                 wrapper._modules["module"] = mod
+                if sync is not None:
+                    object.__setattr__(inner, "_aotfuse_ddp", None)
+                    wrapper.require_backward_grad_sync = True
+                    wrapper.require_forward_param_sync = True  # what DDP's synced forward leaves (buffers next call)
+            if sync is not None and not inner._aotfuse_ddp_ran:
+                # the call ran eagerly or under Dynamo (a fallback, a full cache): the reducer all-reduces
+                # after all, armed as DDP's own synced forward would have armed it
+                wrapper.reducer.prepare_for_backward([])
+            return out
 
 
 def _data_parallel_wrapper(mod: nn.Module) -> str | None:

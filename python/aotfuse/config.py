@@ -32,6 +32,9 @@ AOTFUSE_SHAPE_PROGRAMS=N  programs a family's forward or backward keeps (default
                        used dropped)
 AOTFUSE_MERGE_KERNELS=0  independent kernels of one loop stay separate (default: merged into one,
                        fuse.c's merge_independent_groups)
+AOTFUSE_DDP_OVERLAP=0  memory_efficient_fusion(DDP(model)): DDP's reducer all-reduces the gradients
+                       after the compiled backward (default: the backward program all-reduces them
+                       bucket by bucket as it makes them, ddp.py)
 AOTFUSE_RECOMPUTE_MATERIALIZED=auto  values the backward writes out anyway (a matmul's operand: a
                        GELU's output, a norm's) recomputed by the min cut where they draw no random
                        numbers (auto, default); 0 never (functorch's rule: saved); 1 wherever the
@@ -187,6 +190,13 @@ def memory_budget() -> float:
     if not 0.0 <= budget <= 1.0:
         raise ValueError(f"the activation memory budget must be in [0, 1], not {budget}")
     return budget
+
+
+def ddp_overlap() -> bool:
+    """AOTFUSE_DDP_OVERLAP: memory_efficient_fusion(DDP(model))'s backward all-reduces the gradients
+    bucket by bucket as it makes them (default 1, ddp.py); 0 leaves it to DDP's reducer, after the
+    compiled backward."""
+    return os.environ.get("AOTFUSE_DDP_OVERLAP", "1") not in ("", "0")
 
 
 def checkpoint_regions() -> bool:
