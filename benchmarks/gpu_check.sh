@@ -57,7 +57,7 @@ if part tests 60; then
   python3 -c "import xdist" 2>/dev/null && ARGS+=(-n 8)
   if [[ -n ${TESTS:-} ]]; then read -r -a SEL <<< "$TESTS"; else
     SEL=(tests/test_cuda.py tests/test_scatter.py tests/test_reuse.py tests/test_autocast.py tests/test_shapes.py
-         tests/test_checkpointing.py); fi
+         tests/test_checkpointing.py tests/test_distributed.py); fi
   timeout "$(cap 150)" python3 -m pytest "${SEL[@]}" -m cuda -q -rfE -p no:cacheprovider "${ARGS[@]}" \
     > "$OUT/pytest-cuda.log" 2>&1
   echo "pytest rc=$? ($(tail -n 1 "$OUT/pytest-cuda.log"))"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
 import functools
 import json
 import os
@@ -198,15 +199,19 @@ def _all_reduces(view) -> dict:
 
 
 class Branchy(nn.Module):
-    """A forward that reads a value (`.item()`): no one graph, memory_efficient_fusion's fallback runs it."""
+    """A forward that reads a value (`.item()`) on the ranks given (all by default): no one graph there,
+    memory_efficient_fusion's fallback runs it; the other ranks run it compiled."""
 
-    def __init__(self) -> None:
+    def __init__(self, ranks: tuple | None = None) -> None:
         super().__init__()
-        self.mlp = Mlp()
+        self.body = Deep()
+        self.ranks = ranks
 
     def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
-        y = self.mlp(x)
-        return y * 2 if y.sum().item() > 0 else y
+        y = self.body(x)
+        if self.ranks is None or dist.get_rank() in self.ranks:  # the same values either way
+            return y if y.sum().item() > -1e30 else -y
+        return y
 
 
 def _dynamo_wrap(collected: list):
@@ -263,7 +268,8 @@ def _refusals() -> dict:
 
 
 def main(out_path: str) -> None:
-    dist.init_process_group("gloo")
+    # a collective the ranks do not both issue fails within the timeout instead of hanging the test
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     collected: list = []
@@ -284,7 +290,12 @@ def main(out_path: str) -> None:
         "compiled_ddp_comm_hook": Case(Mlp, _mlp_batches, _with_comm_hook, counter=_programs),
         "compiled_ddp_fallback": Case(Branchy, _mlp_batches,
                                       lambda m, kw: aotfuse.memory_efficient_fusion(DDP(m, **kw), fallback="eager"),
-                                      counter=lambda v: 1),
+                                      ddp_kwargs={"bucket_cap_mb": 1}, counter=lambda v: 1),
+        # rank 0 runs it eagerly (the fallback), rank 1 compiled: the same buckets all-reduced in one order
+        "compiled_ddp_fallback_on_one_rank": Case(
+            functools.partial(Branchy, ranks=(0,)), _mlp_batches,
+            lambda m, kw: aotfuse.memory_efficient_fusion(DDP(m, **kw), fallback="eager"),
+            ddp_kwargs={"bucket_cap_mb": 1}, counter=lambda v: 1),
         "no_sync_accumulation": Case(Mlp, functools.partial(_mlp_batches, steps=4),
                                      lambda m, kw: aotfuse.memory_efficient_fusion(DDP(m, **kw)), counter=_programs,
                                      no_sync_every=2),

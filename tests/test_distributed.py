@@ -19,7 +19,7 @@ from helpers import assert_close
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = ["ddp_of_compiled", "compiled_ddp", "compiled_ddp_buckets", "compiled_ddp_overlap_off", "compiled_ddp_comm_hook",
-         "compiled_ddp_fallback", "torch_compile_ddp", "torch_compile_ddp_buckets", "no_sync_accumulation",
+         "compiled_ddp_fallback", "compiled_ddp_fallback_on_one_rank", "torch_compile_ddp", "torch_compile_ddp_buckets", "no_sync_accumulation",
          "find_unused_parameters", "hf_bert_compiled_ddp", "hf_bert_compiled_ddp_lengths"]
 
 requires_gloo = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -114,3 +114,48 @@ def test_a_wrapper_whose_module_was_replaced_is_an_error():
     dp.module = nn.Linear(4, 4)
     with pytest.raises(RuntimeError, match="module was replaced after it was compiled"):
         compiled(torch.randn(2, 4))
+
+
+def _one_process_ddp(backend: str, device: str) -> None:
+    """memory_efficient_fusion(DDP(Deep)) in a one-process group: its backward program all-reduces its
+    1 MB buckets (functional collectives on this backend) and trains like eager DDP."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from distributed_worker import Deep, _all_reduces
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = Deep().to(device)
+        ref = copy.deepcopy(model)
+        ids = [0] if device == "cuda" else None
+        fused = aotfuse.memory_efficient_fusion(DDP(model, device_ids=ids, bucket_cap_mb=1))
+        eager = DDP(ref, device_ids=ids, bucket_cap_mb=1)
+        x = torch.randn(8, 12, device=device)
+        for step in range(2):
+            fused(x).square().mean().backward()
+            eager(x).square().mean().backward()
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                assert_close(p.grad, q.grad, f"{backend} step {step}: grad of {name}")
+                p.grad = q.grad = None
+        counts = _all_reduces(fused)
+        assert counts["all_reduces"] >= 3, counts
+    finally:
+        dist.destroy_process_group()
+
+
+@requires_gloo
+def test_compiled_ddp_all_reduces_in_its_backward_in_one_process():
+    _one_process_ddp("gloo", "cpu")
+
+
+@pytest.mark.cuda
+def test_compiled_ddp_all_reduces_in_its_backward_with_nccl():
+    """The same on a GPU through NCCL (one process: the machine has one GPU): the all-reduces on NCCL's
+    stream, waited for on torch's current stream before the gradients are read."""
+    if not torch.distributed.is_nccl_available():
+        pytest.skip("this torch has no NCCL")
+    _one_process_ddp("nccl", "cuda")

@@ -93,8 +93,11 @@ def _lower_stage(record: _Record, stage: str, gm: torch.fx.GraphModule, example_
             record.programs[stage] = lowered
             record.graphs[stage] = gm
             return lowered
-    if stage == "backward" and record.ddp is not None:
-        ddp.insert_all_reduces(gm, record.ddp)  # before lowering: the variants below are made from gm too
+    if stage == "backward" and record.ddp is not None and not ddp.insert_all_reduces(gm, record.ddp) \
+            and not any(n.target is torch.ops.aotfuse.ddp_wait.default for n in gm.graph.nodes):
+        # (before lowering: the variants below are made from gm too) a parameter gets no gradient from
+        # this graph: its calls' gradients are all-reduced after the backward (ddp.AfterBackward)
+        record.ddp = None
     # a backward's kernels compile at its first run: called without the gradients of outputs nobody
     # differentiates (the logits beside a loss), it runs a variant program instead (Lowered._without)
     lowered = lower(gm, example_inputs, saved_from=record.num_fwd_outputs if stage == "forward" else None,
@@ -1145,6 +1148,7 @@ class AOTDataParallel(AOTModule):
         super().__init__(wrapper, inner._aotfuse_compiled, options or inner._aotfuse_options)
         object.__setattr__(self, "compiled_module", inner)
         object.__setattr__(self, "_aotfuse_lock", threading.RLock())
+        object.__setattr__(self, "_aotfuse_after", None)  # a ddp.AfterBackward waiting for its backward
 
     def train(self, mode: bool = True) -> "AOTDataParallel":
         self.orig_module.train(mode)  # the wrapper's train() sets its module's
@@ -1161,6 +1165,9 @@ class AOTDataParallel(AOTModule):
             # a call DDP would sync: its reducer stands by (as under no_sync) and the compiled backward
             # all-reduces the gradients bucket by bucket as it makes them (ddp.py)
             sync = None if config.disabled() else ddp.plan(wrapper)
+            if self._aotfuse_after is not None:  # the last call's backward never came
+                self._aotfuse_after.cancel()
+                object.__setattr__(self, "_aotfuse_after", None)
             wrapper._modules["module"] = inner  # a plain dict write: no registration hooks, no recompile
             if sync is not None:
                 wrapper.require_backward_grad_sync = False
@@ -1175,9 +1182,11 @@ class AOTDataParallel(AOTModule):
                     wrapper.require_backward_grad_sync = True
                     wrapper.require_forward_param_sync = True  # what DDP's synced forward leaves (buffers next call)
             if sync is not None and not inner._aotfuse_ddp_ran:
-                # the call ran eagerly or under Dynamo (a fallback, a full cache): the reducer all-reduces
-                # after all, armed as DDP's own synced forward would have armed it
-                wrapper.reducer.prepare_for_backward([])
+                # the call ran eagerly or under Dynamo (a fallback, a full cache): its gradients are
+                # all-reduced when the backward ends, in the buckets and order the programs use, so
+                # ranks that ran different paths issue the same collectives
+                object.__setattr__(self, "_aotfuse_after",
+                                   ddp.AfterBackward(list(inner.orig_module.parameters()), sync, wrapper.process_group))
             return out
 
 

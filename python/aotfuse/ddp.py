@@ -4,12 +4,14 @@
 (compile.AOTDataParallel). Left to DDP's reducer, the all-reduce of the gradients would start only when
 the compiled backward (one autograd node) returns them all at once. Instead, for a call DDP would sync,
 the reducer is told to stand by (as under `no_sync()`) and the backward program all-reduces the
-gradients itself: they are put in buckets in the order the backward produces them (DDP's caps: a first
-bucket of 1 MiB, then `bucket_cap_mb`), each bucket is flattened, divided by the world size and handed to
-torch's functional all-reduce (`_c10d_functional.all_reduce_`, in place, asynchronous: gloo's thread, NCCL's stream)
-right after its last gradient is computed, and every bucket is waited for at the end of the backward,
-its gradients returned as views of it. So the communication runs while the rest of the backward
-computes, as in eager DDP.
+gradients itself: in DDP's first buckets (the parameters in reverse order, a first bucket of 1 MiB, then
+`bucket_cap_mb`), each flattened, divided by the world size and handed to torch's functional all-reduce
+(`_c10d_functional.all_reduce_`, in place, asynchronous: gloo's thread, NCCL's stream) right after its
+last gradient is computed (and after the bucket ahead's), every bucket waited for at the end of the
+backward, its gradients returned as views of it. So the communication runs while the rest of the
+backward computes, as in eager DDP. A call that ran outside such a program (a fallback, a full cache)
+all-reduces the same buckets in the same order when its backward ends (AfterBackward), so ranks that
+took different paths issue matching collectives.
 
 Calls where DDP does something this does not (find_unused_parameters, static_graph, comm hooks, mixed
 precision, ignored parameters, gradients already accumulated under `no_sync()`), or with
@@ -50,23 +52,55 @@ _SYNC: contextvars.ContextVar = contextvars.ContextVar("aotfuse_ddp_sync", defau
 
 @dataclasses.dataclass(frozen=True)
 class Sync:
-    """How a synced call's backward all-reduces: the process group's registered name, its size, DDP's
-    bucket caps in bytes, and how many of the backward's first outputs are the module's parameters'
-    gradients (the inner module's parameters come first, in named_parameters order)."""
+    """How a synced call's gradients are all-reduced: the process group's registered name, its size,
+    how many of the backward's first outputs are the module's parameters' gradients (the inner module's
+    parameters come first, in named_parameters order), and the buckets (parameter indices). The buckets
+    depend on the parameters alone, never on a program, so every rank all-reduces the same buckets in
+    the same order whether a call ran its compiled backward or not (a fallback, a full cache)."""
     group_name: str
     world: int
-    bucket_bytes: int
-    first_bucket_bytes: int
     num_params: int
+    buckets: tuple[tuple[int, ...], ...]
 
 
 def current() -> Sync | None:
     return _SYNC.get()
 
 
+_LAYOUTS: dict = {}  # (requires_grad flags, dtypes, sizes, caps) -> buckets
+
+
+def layout(params: list, first: int, cap: int) -> tuple[tuple[int, ...], ...]:
+    """DDP's own first assignment: the parameters that require grad in reverse order (about the order
+    the backward makes their gradients), one dtype a bucket, a bucket closed once it holds `first` bytes
+    (the first one) or `cap` (the others)."""
+    key = (tuple((p.requires_grad, p.dtype, p.numel()) for p in params), first, cap)
+    got = _LAYOUTS.get(key)
+    if got is not None:
+        return got
+    buckets: list[tuple[int, ...]] = []
+    open_: dict[torch.dtype, list[int]] = {}
+    size: dict[torch.dtype, int] = {}
+    for i in reversed(range(len(params))):
+        p = params[i]
+        if not p.requires_grad:
+            continue
+        open_.setdefault(p.dtype, []).append(i)
+        size[p.dtype] = size.get(p.dtype, 0) + p.numel() * p.element_size()
+        if size[p.dtype] >= (first if not buckets else cap):
+            buckets.append(tuple(open_.pop(p.dtype)))
+            size[p.dtype] = 0
+    buckets += [tuple(b) for b in open_.values() if b]
+    if len(_LAYOUTS) > 64:
+        _LAYOUTS.clear()
+    _LAYOUTS[key] = got = tuple(buckets)
+    return got
+
+
 def plan(wrapper: torch.nn.Module) -> Sync | None:
     """The Sync for this call of a DistributedDataParallel, or None where its reducer must sync (a call
-    it would not sync, or options this does not reproduce)."""
+    it would not sync, or options this does not reproduce). The same on every rank: it reads only DDP's
+    options and whether gradients are there (every rank runs the same no_sync/zero_grad loop)."""
     from torch.nn.parallel import DistributedDataParallel
 
     if not config.ddp_overlap() or not isinstance(wrapper, DistributedDataParallel):
@@ -93,7 +127,10 @@ def plan(wrapper: torch.nn.Module) -> Sync | None:
         return None
     first = getattr(torch.distributed, "_DEFAULT_FIRST_BUCKET_BYTES", 1024 * 1024)
     cap = int(getattr(wrapper, "bucket_bytes_cap", 25 * 1024 * 1024))
-    return Sync(str(name), pg.size(), cap, min(first, cap), len(params))
+    buckets = layout(params, min(first, cap), cap)
+    if not buckets or any(not params[i].is_floating_point() for b in buckets for i in b):
+        return None
+    return Sync(str(name), pg.size(), len(params), buckets)
 
 
 def _val(node: fx.Node):
@@ -108,58 +145,49 @@ def _call(graph: fx.Graph, op, args: tuple, val) -> fx.Node:
 
 def insert_all_reduces(gm: fx.GraphModule, sync: Sync) -> int:
     """Rewrites a backward graph (outputs: the gradients of the forward's inputs, the parameters' first)
-    so it all-reduces the parameters' gradients itself; returns the number of buckets (0: nothing to do,
-    the graph unchanged). Idempotent: a graph that has them already is left as it is."""
+    so it all-reduces the parameters' gradients itself: each of sync.buckets, in order, right after its
+    last gradient is made and not before the bucket ahead of it (so every rank issues them in one
+    order); returns the number of buckets. 0: the graph has them already, or a parameter that requires
+    grad gets none from it (DDP's reducer errors on that without find_unused_parameters): unchanged."""
     graph = gm.graph
     if any(n.target is torch.ops.aotfuse.ddp_wait.default for n in graph.nodes):
         return 0
     out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
     outs = list(out_node.args[0])
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    grads = []
-    for i in range(min(sync.num_params, len(outs))):
-        g = outs[i]
-        if isinstance(g, fx.Node) and isinstance(_val(g), torch.Tensor) and _val(g).is_floating_point():
-            grads.append((order[g], i, g))
-    if not grads:
-        return 0
-    grads.sort(key=lambda t: (t[0], t[1]))
-    # buckets in the order the gradients are ready, one dtype each
-    buckets: list[list[tuple[int, fx.Node]]] = []
-    open_: dict[torch.dtype, list] = {}
-    sizes: dict[torch.dtype, int] = {}
-    for _, i, g in grads:
-        v = _val(g)
-        dt = v.dtype
-        open_.setdefault(dt, []).append((i, g))
-        sizes[dt] = sizes.get(dt, 0) + v.numel() * v.element_size()
-        cap = sync.first_bucket_bytes if not buckets else sync.bucket_bytes
-        if sizes[dt] >= cap:
-            buckets.append(open_.pop(dt))
-            sizes[dt] = 0
-    buckets += [b for b in open_.values() if b]
+    for bucket in sync.buckets:
+        for i in bucket:
+            g = outs[i] if i < len(outs) else None
+            if not isinstance(g, fx.Node) or not isinstance(_val(g), torch.Tensor):
+                return 0
+    order = {n: k for k, n in enumerate(graph.nodes)}
     world = sync.world
     done = []
-    for bucket in buckets:
-        last = max((g for _, g in bucket), key=lambda n: order[n])
-        # before the node after the last gradient (after the placeholders, for a gradient that is an input)
+    prev: fx.Node | None = None  # the bucket ahead's all-reduce
+    for bucket in sync.buckets:
+        grads = [outs[i] for i in bucket]
+        last = max(grads, key=lambda n: order.get(n, -1))
+        if prev is not None and order.get(prev, -1) > order.get(last, -1):
+            last = prev
+        # before the node after `last` (after the placeholders, where every gradient is an input)
         after = last.next if last.op != "placeholder" else next(n for n in graph.nodes if n.op != "placeholder")
         with graph.inserting_before(after):
-            flats = [_call(graph, aten.reshape.default, (g, [-1]), _val(g).reshape(-1)) for _, g in bucket]
+            flats = [_call(graph, aten.reshape.default, (g, [-1]), _val(g).reshape(-1)) for g in grads]
             cat_val = torch.cat([f.meta["val"] for f in flats])
             flat = _call(graph, aten.cat.default, (flats,), cat_val)
             scaled = _call(graph, aten.div.Tensor, (flat, world), cat_val / world)
             # in place: the bucket is this kernel's fresh output, read by nothing else (no clone of it)
             reduced = _call(graph, torch.ops._c10d_functional.all_reduce_.default, (scaled, "sum", sync.group_name),
                             scaled.meta["val"])
+        order = {n: k for k, n in enumerate(graph.nodes)}
+        prev = reduced
         done.append((bucket, reduced))
     with graph.inserting_before(out_node):
         for bucket, reduced in done:
             rv = _val(reduced)
             waited = _call(graph, torch.ops.aotfuse.ddp_wait.default, (reduced,), rv.view(rv.shape))
             off = 0
-            for i, g in bucket:
-                gv = _val(g)
+            for i in bucket:
+                gv = _val(outs[i])
                 n = math.prod(gv.shape)
                 part = _call(graph, aten.slice.Tensor, (waited, 0, off, off + n), rv[off:off + n])
                 outs[i] = _call(graph, aten.view.default, (part, list(gv.shape)), rv[off:off + n].view(gv.shape))
@@ -168,3 +196,45 @@ def insert_all_reduces(gm: fx.GraphModule, sync: Sync) -> int:
     graph.lint()
     gm.recompile()
     return len(done)
+
+
+class AfterBackward:
+    """For a synced call that ran outside the compiled programs (a fallback, a full cache, a program
+    without the all-reduces): the gradients all-reduced when its backward ends, in sync.buckets, in
+    order, as the programs do, so ranks that ran different paths still issue matching collectives.
+    Hooks on the parameters' gradient accumulation queue one callback at the end of the backward;
+    `cancel` drops them (the next forward does, where no backward came)."""
+
+    def __init__(self, params: list, sync: Sync, group) -> None:
+        self.params, self.sync, self.group = params, sync, group
+        self.queued = False
+        self.handles = [params[i].register_post_accumulate_grad_hook(self._ready)
+                        for b in sync.buckets for i in b]
+
+    def cancel(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _ready(self, _param) -> None:
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._all_reduce)
+
+    def _all_reduce(self) -> None:
+        self.cancel()
+        for bucket in self.sync.buckets:
+            grads = [self.params[i].grad for i in bucket]
+            missing = [i for i, g in zip(bucket, grads) if g is None]
+            if missing:
+                raise RuntimeError(
+                    f"aotfuse: under DistributedDataParallel, parameter(s) {missing} (in module.parameters() order) "
+                    f"got no gradient in this backward; every rank must all-reduce every parameter's gradient: pass "
+                    f"find_unused_parameters=True to DistributedDataParallel where some are unused")
+            flat = torch.cat([g.reshape(-1) for g in grads]).div_(self.sync.world)
+            torch.distributed.all_reduce(flat, group=self.group)
+            off = 0
+            for g in grads:
+                n = g.numel()
+                g.copy_(flat[off:off + n].view_as(g))
+                off += n
