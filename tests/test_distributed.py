@@ -19,7 +19,8 @@ from helpers import assert_close
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = ["ddp_of_compiled", "compiled_ddp", "compiled_ddp_buckets", "compiled_ddp_overlap_off", "compiled_ddp_comm_hook",
-         "compiled_ddp_fallback", "compiled_ddp_fallback_on_one_rank", "torch_compile_ddp", "torch_compile_ddp_buckets", "no_sync_accumulation",
+         "compiled_ddp_fallback", "compiled_ddp_fallback_on_one_rank", "compiled_ddp_grad_hooks", "compiled_ddp_join",
+         "torch_compile_ddp", "torch_compile_ddp_buckets", "no_sync_accumulation",
          "find_unused_parameters", "hf_bert_compiled_ddp", "hf_bert_compiled_ddp_lengths"]
 
 requires_gloo = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -62,6 +63,7 @@ def test_ddp_trains_like_eager_ddp(worker, case):
     elif "all_reduces" in result:
         assert result["all_reduces"] == 0, f"{case}: {result['all_reduces']} all-reduces in the backward program"
     assert result["ranks_disagree"] == [], f"{case}: gradients not all-reduced: {result['ranks_disagree']}"
+    assert result["pending"] == 0, f"{case}: {result['pending']} collectives not waited for when the backward returned"
     assert result["mismatches"] == [], f"{case}: differs from eager DDP: {result['mismatches']}"
     # against float64: no further from the exact averaged gradient than eager DDP is, up to rounding
     assert result["err"] <= max(4 * result["eager_err"], 1e-6), (

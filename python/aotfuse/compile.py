@@ -59,6 +59,7 @@ class _Record:
         self.early_backward: tuple | None = None
         # a DDP-synced signature's (ddp.Sync): its backward all-reduces the gradients bucket by bucket
         self.ddp: ddp.Sync | None = None
+        self.ddp_checked = False  # a backward of it has the all-reduces
 
 
 def _graph_key(gm: torch.fx.GraphModule) -> tuple:
@@ -93,11 +94,18 @@ def _lower_stage(record: _Record, stage: str, gm: torch.fx.GraphModule, example_
             record.programs[stage] = lowered
             record.graphs[stage] = gm
             return lowered
-    if stage == "backward" and record.ddp is not None and not ddp.insert_all_reduces(gm, record.ddp) \
-            and not any(n.target is torch.ops.aotfuse.ddp_wait.default for n in gm.graph.nodes):
-        # (before lowering: the variants below are made from gm too) a parameter gets no gradient from
-        # this graph: its calls' gradients are all-reduced after the backward (ddp.AfterBackward)
-        record.ddp = None
+    if stage == "backward" and record.ddp is not None:
+        # before lowering: the variants below are made from gm too
+        if ddp.insert_all_reduces(gm, record.ddp) or any(n.target is torch.ops.aotfuse.ddp_wait.default
+                                                          for n in gm.graph.nodes):
+            record.ddp_checked = True
+        elif record.ddp_checked:  # a later shape's backward, lowered at its first backward: too late to say
+            raise RuntimeError("aotfuse: a DistributedDataParallel backward of this shape gives a parameter no "
+                               "gradient where the shapes before gave every one; set AOTFUSE_DDP_OVERLAP=0")
+        else:
+            # a parameter gets no gradient from this graph (lowered with its forward): its calls'
+            # gradients are all-reduced after the backward (ddp.AfterBackward)
+            record.ddp = None
     # a backward's kernels compile at its first run: called without the gradients of outputs nobody
     # differentiates (the logits beside a loss), it runs a variant program instead (Lowered._without)
     lowered = lower(gm, example_inputs, saved_from=record.num_fwd_outputs if stage == "forward" else None,
@@ -624,8 +632,10 @@ class CompiledFunction:
             return None
         config.memory_budget()  # a bad AOTFUSE_MEMORY_BUDGET is said before tracing, as what it is
         record = _Record()
-        # part of the key too (AOTModule.forward's extra); only where the backward is lowered here
-        record.ddp = ddp.current() if self.bw_compiler is None else None
+        # the DDP sync AOTModule.forward put last in the key (its extra): this signature's alone, never a
+        # function compiled during its call; only where the backward is lowered here
+        sync = key[-1] if key and isinstance(key[-1], ddp.Sync) else None
+        record.ddp = sync if self.bw_compiler is None else None
         template = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         fn = self.fn
 
@@ -1059,11 +1069,7 @@ class AOTModule(nn.Module):
         if gen & 1 or compiled.trace_gen != gen:  # another thread's trace had swapped in its fake tensors
             with config.compile_lock():
                 params, buffers = self._tensors()
-        token = ddp._SYNC.set(sync)  # this call's alone: a compiled module called inside it sets its own
-        try:
-            out, entry = compiled._call(((params, buffers) + args, kwargs), extra)
-        finally:
-            ddp._SYNC.reset(token)
+        out, entry = compiled._call(((params, buffers) + args, kwargs), extra)
         if sync is not None:
             object.__setattr__(self, "_aotfuse_ddp_ran", entry is not None and entry.fallback is None
                                and entry.record is not None and entry.record.ddp == sync)
@@ -1149,6 +1155,9 @@ class AOTDataParallel(AOTModule):
         object.__setattr__(self, "compiled_module", inner)
         object.__setattr__(self, "_aotfuse_lock", threading.RLock())
         object.__setattr__(self, "_aotfuse_after", None)  # a ddp.AfterBackward waiting for its backward
+        # a grad-enabled call under no_sync() since the last synced one: gradients accumulated on each
+        # rank alone, which DDP's reducer all-reduces at the next synced call (the same on every rank)
+        object.__setattr__(self, "_aotfuse_unsynced", False)
 
     def train(self, mode: bool = True) -> "AOTDataParallel":
         self.orig_module.train(mode)  # the wrapper's train() sets its module's
@@ -1164,10 +1173,14 @@ class AOTDataParallel(AOTModule):
                                    f"compiled; compile the wrapper again")
             # a call DDP would sync: its reducer stands by (as under no_sync) and the compiled backward
             # all-reduces the gradients bucket by bucket as it makes them (ddp.py)
-            sync = None if config.disabled() else ddp.plan(wrapper)
             if self._aotfuse_after is not None:  # the last call's backward never came
                 self._aotfuse_after.cancel()
                 object.__setattr__(self, "_aotfuse_after", None)
+            grad = torch.is_grad_enabled()
+            synced = grad and getattr(wrapper, "require_backward_grad_sync", False)  # DataParallel: never
+            sync = None if config.disabled() or not synced or self._aotfuse_unsynced else ddp.plan(wrapper)
+            if grad:
+                object.__setattr__(self, "_aotfuse_unsynced", not synced)
             wrapper._modules["module"] = inner  # a plain dict write: no registration hooks, no recompile
             if sync is not None:
                 wrapper.require_backward_grad_sync = False

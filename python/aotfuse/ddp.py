@@ -13,13 +13,13 @@ backward computes, as in eager DDP. A call that ran outside such a program (a fa
 all-reduces the same buckets in the same order when its backward ends (AfterBackward), so ranks that
 took different paths issue matching collectives.
 
-Calls where DDP does something this does not (find_unused_parameters, static_graph, comm hooks, mixed
-precision, ignored parameters, gradients already accumulated under `no_sync()`), or with
-AOTFUSE_DDP_OVERLAP=0, keep DDP's reducer: the all-reduce after the backward.
+Calls where DDP does something this does not (find_unused_parameters, static_graph, join(), comm hooks,
+mixed precision, ignored parameters, hooks on parameters' gradients, a module across devices, the synced
+call after grad-enabled calls under `no_sync()`), or with AOTFUSE_DDP_OVERLAP=0, keep DDP's reducer: the
+all-reduce after the backward. Everything that decides is the same on every rank.
 """
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import math
 
@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from . import config
 
-__all__ = ["Sync", "plan", "insert_all_reduces", "current"]
+__all__ = ["Sync", "plan", "layout", "insert_all_reduces", "AfterBackward"]
 
 aten = torch.ops.aten
 
@@ -45,11 +45,6 @@ def _ddp_wait(bucket: torch.Tensor) -> torch.Tensor:
 
 _lib.impl("ddp_wait", _ddp_wait, "CompositeExplicitAutograd")
 
-# the DDP sync of the call being traced or run (a Sync), set by AOTDataParallel around its module's
-# call: part of the inner module's signatures (compile.AOTModule.forward) and of the record a trace makes
-_SYNC: contextvars.ContextVar = contextvars.ContextVar("aotfuse_ddp_sync", default=None)
-
-
 @dataclasses.dataclass(frozen=True)
 class Sync:
     """How a synced call's gradients are all-reduced: the process group's registered name, its size,
@@ -61,10 +56,6 @@ class Sync:
     world: int
     num_params: int
     buckets: tuple[tuple[int, ...], ...]
-
-
-def current() -> Sync | None:
-    return _SYNC.get()
 
 
 _LAYOUTS: dict = {}  # (requires_grad flags, dtypes, sizes, caps) -> buckets
@@ -98,15 +89,20 @@ def layout(params: list, first: int, cap: int) -> tuple[tuple[int, ...], ...]:
 
 
 def plan(wrapper: torch.nn.Module) -> Sync | None:
-    """The Sync for this call of a DistributedDataParallel, or None where its reducer must sync (a call
-    it would not sync, or options this does not reproduce). The same on every rank: it reads only DDP's
-    options and whether gradients are there (every rank runs the same no_sync/zero_grad loop)."""
+    """The Sync for a call of a DistributedDataParallel that DDP would sync (grad mode, outside no_sync(),
+    none since the last synced call: AOTDataParallel checks), or None where its reducer must (options
+    this does not reproduce). The same on every rank: it reads DDP's options and the parameters' own
+    hooks and devices, never per-rank state such as whether gradients are there (gradients left by an
+    earlier synced step are the same on every rank, and the all-reduced ones add to them as in DDP)."""
     from torch.nn.parallel import DistributedDataParallel
 
     if not config.ddp_overlap() or not isinstance(wrapper, DistributedDataParallel):
         return None
     if not (torch.is_grad_enabled() and wrapper.require_backward_grad_sync):
         return None  # under no_sync() or no_grad: nothing to all-reduce
+    join = getattr(wrapper, "_join_config", None)
+    if join is not None and join.enable:  # uneven inputs: DDP matches the joined ranks' all-reduces itself
+        return None
     if (wrapper.find_unused_parameters or getattr(wrapper, "static_graph", False)
             or getattr(wrapper, "_comm_hooks", None) or getattr(wrapper, "mixed_precision", None) is not None
             or getattr(wrapper, "parameters_to_ignore", None) or getattr(wrapper, "_delay_all_reduce_all_params", False)
@@ -118,8 +114,14 @@ def plan(wrapper: torch.nn.Module) -> Sync | None:
     except Exception:  # noqa: BLE001 - a torch without the logger's data: the Python hooks were checked
         pass
     params = list(wrapper.module.parameters())
-    if any(p.grad is not None for p in params if p.requires_grad):
-        # gradients accumulated under no_sync(): DDP all-reduces the sum, this backward's alone would not
+    devices = set()
+    for p in params:
+        # a hook on a parameter's gradient sees the local gradient in DDP (its reducer reads the hooked
+        # one), the all-reduced one here
+        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+            return None
+        devices.add(p.device)
+    if len(devices) > 1:  # a module across devices: one bucket per device (DDP's)
         return None
     pg = wrapper.process_group
     name = getattr(pg, "group_name", None)
