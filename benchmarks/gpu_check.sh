@@ -36,6 +36,8 @@ part() {
   nvidia-smi || true
   python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)"
   python3 -c "import transformers; print('transformers', transformers.__version__)" || true
+  # which SDPA kernels torch may pick (cuDNN's attention first on sm_90 with a new cuDNN, in newer torch)
+  python3 -c "import torch; b = torch.backends; print('cudnn', b.cudnn.version(), 'sdpa flash', b.cuda.flash_sdp_enabled(), 'efficient', b.cuda.mem_efficient_sdp_enabled(), 'cudnn', b.cuda.cudnn_sdp_enabled(), 'math', b.cuda.math_sdp_enabled())" || true
   nproc
 } 2>&1 | tee "$OUT/versions.txt"
 

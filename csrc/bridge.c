@@ -159,9 +159,10 @@ static int load_shim(void) {
             shim.aoti_torch_dtype_float32, shim.aoti_torch_dtype_float64, shim.aoti_torch_dtype_float16,
             shim.aoti_torch_dtype_bfloat16, shim.aoti_torch_dtype_int64, shim.aoti_torch_dtype_int32,
             shim.aoti_torch_dtype_int16, shim.aoti_torch_dtype_int8, shim.aoti_torch_dtype_uint8,
-            shim.aoti_torch_dtype_bool, shim.aoti_torch_dtype_complex64, shim.aoti_torch_dtype_complex128};
-        /* c10::ScalarType's values, for a torch that lacks a getter */
-        static const int32_t c10_codes[AF_DTYPE_COUNT] = {6, 7, 5, 15, 4, 3, 2, 1, 0, 11, 9, 10};
+            shim.aoti_torch_dtype_bool, shim.aoti_torch_dtype_complex64, shim.aoti_torch_dtype_complex128,
+            NULL /* uint64: c10's code */};
+        /* c10::ScalarType's values, for a torch that lacks a getter (UInt64 is 29 since torch 2.3) */
+        static const int32_t c10_codes[AF_DTYPE_COUNT] = {6, 7, 5, 15, 4, 3, 2, 1, 0, 11, 9, 10, 29};
         for (int i = 0; i < AF_DTYPE_COUNT; i++) torch_dtype_code[i] = getters[i] ? getters[i]() : c10_codes[i];
     }
     torch_device_code[AF_DEVICE_CPU] = shim.aoti_torch_device_type_cpu ? shim.aoti_torch_device_type_cpu() : 0;

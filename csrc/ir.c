@@ -104,11 +104,11 @@ void af_graph_free(af_graph *g) {
 
 static const char *const dtype_names[AF_DTYPE_COUNT] = {
     "float32", "float64", "float16", "bfloat16", "int64", "int32",
-    "int16", "int8", "uint8", "bool", "complex64", "complex128"};
-static const int dtype_sizes[AF_DTYPE_COUNT] = {4, 8, 2, 2, 8, 4, 2, 1, 1, 1, 8, 16};
+    "int16", "int8", "uint8", "bool", "complex64", "complex128", "uint64"};
+static const int dtype_sizes[AF_DTYPE_COUNT] = {4, 8, 2, 2, 8, 4, 2, 1, 1, 1, 8, 16, 8};
 static const char *const device_names[AF_DEVICE_COUNT] = {"cpu", "cuda", "meta"};
 static const char *const dtype_short[AF_DTYPE_COUNT] = {
-    "f32", "f64", "f16", "bf16", "i64", "i32", "i16", "i8", "u8", "b8", "c64", "c128"};
+    "f32", "f64", "f16", "bf16", "i64", "i32", "i16", "i8", "u8", "b8", "c64", "c128", "u64"};
 
 const char *af_dtype_name(af_dtype d) {
     return ((unsigned)d < AF_DTYPE_COUNT) ? dtype_names[d] : "invalid";

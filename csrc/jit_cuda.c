@@ -14,7 +14,7 @@
 
 #include "aotfuse/jit.h"
 
-#define JIT_CUDA_VERSION "aotfuse-cuda-1"
+#define JIT_CUDA_VERSION "aotfuse-cuda-2" /* 2: --fmad=false */
 #define MAX_DIRS 16
 #define MAX_DEVICES 64
 
@@ -207,8 +207,10 @@ int af_nvrtc_compile(const char *source, int arch, int ptx, int verbose, char **
     if (r) return nvrtc_fail(r, "nvrtcCreateProgram");
     char archopt[64];
     snprintf(archopt, sizeof archopt, "--gpu-architecture=%s_%d", ptx ? "compute" : "sm", arch);
-    const char *opts[5] = {archopt, "--std=c++17", "-w", "--ptxas-options=-v", NULL};
-    int nopts = ptx || !verbose ? 3 : 4;
+    /* --fmad=false: a multiply and an add stay two roundings, as ATen's separate kernels, the C
+     * backend (-ffp-contract=off) and the host emulation round them; the kernels are bound by memory */
+    const char *opts[6] = {archopt, "--std=c++17", "-w", "--fmad=false", "--ptxas-options=-v", NULL};
+    int nopts = ptx || !verbose ? 4 : 5;
     nvrtcResult cr = nv.CompileProgram(prog, nopts, opts);
     size_t log_size = 0;
     char *text = NULL;

@@ -213,3 +213,63 @@ def test_reads_of_views_computed_from_their_sources_compile(dtype):
     for arch in ARCHS:
         kernels = compile_report(source, arch)
         assert len(kernels) >= 3 and all(k["spill_stores"] == k["spill_loads"] == 0 for k in kernels), (arch, kernels)
+
+
+def _flash(q, k, v, g):
+    out, lse, cq, ck, mq, mk, seed, off, _ = aten._scaled_dot_product_flash_attention(q, k, v, 0.1, True)
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(g, q, k, v, out, lse, cq, ck, mq, mk, 0.1, True,
+                                                                   seed, off)
+    return out, dq, dk, dv
+
+
+def _efficient(q, k, v, g):
+    out, lse, seed, off = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.1, True)
+    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(g, q, k, v, None, out, lse, seed, off, 0.1,
+                                                                          [True, True, True, False], True)
+    return out, dq, dk, dv
+
+
+def _cudnn(q, k, v, g):
+    out, lse, cq, ck, mq, mk, seed, off, _ = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.1, True,
+                                                                                       False)
+    dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(g, q, k, v, out, lse, seed, off, None, cq, ck, mq, mk,
+                                                                   0.1, True)
+    return out, dq, dk, dv
+
+
+@pytest.mark.parametrize("kernel", [_flash, _efficient, _cudnn], ids=["flash", "efficient", "cudnn"])
+def test_cuda_attention_kernels_graphs_lower(kernel):
+    """The graphs of SDPA's CUDA kernels (flash, memory-efficient, cuDNN), forward and backward with
+    dropout, as AOTAutograd gives them on a GPU: traced on fake CUDA tensors here (a CPU torch has no
+    CUDA kernels, so nothing else here sees them). Flash attention's random state is a uint64 tensor
+    the forward saves for the backward: the programs take it (an opaque dtype only extern calls
+    carry), and the kernels around the attention are planned and, where NVRTC is here, compiled."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def f(q, k, v, g):
+        out, dq, dk, dv = kernel(q * 2.0, k, v, g)
+        return out.float().sum(-1), dq * 3.0, dk, dv
+
+    with FakeTensorMode():
+        q, k, v, g = (torch.randn(2, 4, 64, 32, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        gm = make_fx(f)(q, k, v, g)
+    attention = [n for n in gm.graph.nodes if n.op == "call_function" and "attention" in str(n.target)]
+    assert len(attention) == 2, attention  # the forward and the backward kernel
+    source, launches = _C.cuda_codegen(build_graph(gm, device="cuda:0").graph)
+    assert len(launches) >= 2, launches  # q * 2 before it, the float sum and dq * 3 after it
+    if nvrtc_available() is None:
+        assert compile_report(source, 90)
+
+
+@needs_nvrtc
+def test_nvrtc_keeps_a_multiply_and_an_add_two_roundings():
+    """NVRTC runs with --fmad=false: x * y + 1 stays a rounded multiply and a rounded add (.rn), as
+    ATen's separate kernels, the C backend (-ffp-contract=off) and the host emulation compute it, so
+    the CUDA kernels give the bits the CPU checks saw; no fused multiply-add."""
+    from aotfuse.lower import _add_nvrtc_search_dirs
+
+    _add_nvrtc_search_dirs()
+    src = 'extern "C" __global__ void k(const float* a, const float* b, float* c) { int i = threadIdx.x; c[i] = a[i] * b[i] + 1.0f; }'
+    ptx, _log = _C.nvrtc_compile(src, 90, ptx=True)
+    text = bytes(ptx).decode(errors="replace")
+    assert "mul.rn.f32" in text and "add.rn.f32" in text and "fma" not in text, text

@@ -33,6 +33,7 @@ typedef enum {
     AF_DTYPE_BOOL,
     AF_DTYPE_COMPLEX64,
     AF_DTYPE_COMPLEX128,
+    AF_DTYPE_UINT64, /* opaque: only extern calls carry it (CUDA attention's random state) */
     AF_DTYPE_COUNT
 } af_dtype;
 

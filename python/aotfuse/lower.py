@@ -42,7 +42,7 @@ def _add_nvrtc_search_dirs() -> None:
 
 _DTYPE_NAMES = {getattr(torch, n): n for n in (
     "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
-    "complex64", "complex128")}
+    "complex64", "complex128", "uint64")}  # uint64: CUDA attention's random state, extern calls' alone
 
 
 def _meta(val: Any, device: tuple | None = None) -> tuple:

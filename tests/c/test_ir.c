@@ -819,7 +819,7 @@ static void test_view_root(void **state) {
 
 static void test_dtype_names(void **state) {
     (void)state;
-    static const int sizes[AF_DTYPE_COUNT] = {4, 8, 2, 2, 8, 4, 2, 1, 1, 1, 8, 16};
+    static const int sizes[AF_DTYPE_COUNT] = {4, 8, 2, 2, 8, 4, 2, 1, 1, 1, 8, 16, 8};
     for (int i = 0; i < AF_DTYPE_COUNT; i++) {
         const char *name = af_dtype_name((af_dtype)i);
         assert_non_null(name);
