@@ -32,6 +32,8 @@ from aotfuse.lower import build_graph
 
 HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emu.h")
 _SIG = re.compile(r'extern "C" __global__ void __launch_bounds__\(\d+(?:, \d+)?\) (\w+)\(([^)]*)\) \{')
+# each kernel's launch bound and parameter count, as the source declares them
+_BOUND = re.compile(r'extern "C" __global__ void __launch_bounds__\((\d+)(?:, \d+)?\) (\w+)\(([^)]*)\) \{')
 _built: dict[str, ctypes.CDLL] = {}
 _dir = None
 
@@ -81,6 +83,8 @@ def _library(source: str) -> ctypes.CDLL:
     if r.returncode:
         raise RuntimeError(f"the CUDA emulation does not compile ({' '.join(cmd)}):\n{r.stderr[:4000]}")
     dll = ctypes.CDLL(lib)
+    dll.declared = {name: (int(bound), len([p for p in params.split(",") if p.strip()]))
+                    for bound, name, params in _BOUND.findall(body)}
     dll.emu_launch.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint, ctypes.c_uint, ctypes.c_uint]
     dll.emu_launch.restype = ctypes.c_int
     _built[key] = dll
@@ -90,6 +94,11 @@ def _library(source: str) -> ctypes.CDLL:
 def _launch(dll, name: str, tensors: list, grid_x: int, grid_y: int, threads: int, streams: list) -> None:
     # the kernel's parameters: its operands' pointers, then its dropout streams by value (the
     # trampoline casts each slot to its parameter's type)
+    # what the code generator reports for the launch must fit what the kernel declares: a block no
+    # bigger than its __launch_bounds__ (a GPU refuses the launch), one argument per parameter
+    bound, n_params = dll.declared[name]
+    assert threads <= bound, f"{name}: launched with {threads} threads, declared __launch_bounds__({bound})"
+    assert len(tensors) + len(streams) == n_params, f"{name}: {len(tensors) + len(streams)} arguments, {n_params} parameters"
     args = (ctypes.c_void_p * (len(tensors) + len(streams)))(*[t.data_ptr() for t in tensors], *streams)
     fn = ctypes.cast(getattr(dll, f"emu_{name}"), ctypes.c_void_p)
     rc = dll.emu_launch(fn, args, grid_x, grid_y, threads)
