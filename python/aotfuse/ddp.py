@@ -46,6 +46,7 @@ def _ddp_wait(bucket: torch.Tensor) -> torch.Tensor:
 
 _lib.impl("ddp_wait", _ddp_wait, "CompositeExplicitAutograd")
 
+
 @dataclasses.dataclass(frozen=True)
 class Sync:
     """How a synced call's gradients are all-reduced: the process group's registered name, its size,
@@ -59,17 +60,10 @@ class Sync:
     buckets: tuple[tuple[int, ...], ...]
 
 
-_LAYOUTS: dict = {}  # (requires_grad flags, dtypes, sizes, caps) -> buckets
-
-
 def layout(params: list, first: int, cap: int) -> tuple[tuple[int, ...], ...]:
     """DDP's own first assignment: the parameters that require grad in reverse order (about the order
     the backward makes their gradients), one dtype a bucket, a bucket closed once it holds `first` bytes
     (the first one) or `cap` (the others)."""
-    key = (tuple((p.requires_grad, p.dtype, p.numel()) for p in params), first, cap)
-    got = _LAYOUTS.get(key)
-    if got is not None:
-        return got
     buckets: list[tuple[int, ...]] = []
     open_: dict[torch.dtype, list[int]] = {}
     size: dict[torch.dtype, int] = {}
@@ -83,10 +77,7 @@ def layout(params: list, first: int, cap: int) -> tuple[tuple[int, ...], ...]:
             buckets.append(tuple(open_.pop(p.dtype)))
             size[p.dtype] = 0
     buckets += [tuple(b) for b in open_.values() if b]
-    if len(_LAYOUTS) > 64:
-        _LAYOUTS.clear()
-    _LAYOUTS[key] = got = tuple(buckets)
-    return got
+    return tuple(buckets)
 
 
 def plan(wrapper: torch.nn.Module) -> Sync | None:
