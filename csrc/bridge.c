@@ -314,17 +314,28 @@ static int schema_may_alias(PyObject *op) {
     return aliases;
 }
 
-/* Whether argument objects a and b have equal names. */
-static int same_name(PyObject *a, PyObject *b) {
-    PyObject *x = PyObject_GetAttrString(a, "name"), *y = PyObject_GetAttrString(b, "name");
-    int eq = x && y && PyObject_RichCompareBool(x, y, Py_EQ) == 1;
-    Py_XDECREF(x);
-    Py_XDECREF(y);
+/* Whether argument objects a and b have equal names and types (str of their `type`): an overload of
+ * the same names may take another type there (sum.DimnameList_out's `str[1] dim` beside
+ * IntList_out's `int[1]? dim`, add.out's `Tensor other` beside Scalar_out's `Scalar other`). */
+static int same_arg(PyObject *a, PyObject *b) {
+    int eq = 0;
+    static const char *const attrs[2] = {"name", "type"};
+    for (int i = 0; i < 2; i++) {
+        PyObject *x = PyObject_GetAttrString(a, attrs[i]), *y = PyObject_GetAttrString(b, attrs[i]);
+        PyObject *xs = x && i ? PyObject_Str(x) : NULL, *ys = y && i ? PyObject_Str(y) : NULL;
+        eq = i ? xs && ys && PyObject_RichCompareBool(xs, ys, Py_EQ) == 1
+               : x && y && PyObject_RichCompareBool(x, y, Py_EQ) == 1;
+        Py_XDECREF(xs);
+        Py_XDECREF(ys);
+        Py_XDECREF(x);
+        Py_XDECREF(y);
+        if (!eq) break;
+    }
     PyErr_Clear();
     return eq;
 }
 
-/* The out= overload of op in packet: the same arguments (by name, in order) and then one
+/* The out= overload of op in packet: the same arguments (by name and type, in order) and then one
  * keyword-only tensor it writes; its C callable with *kw the keyword's name, or NULL. Only for an
  * op returning one tensor and annotating no alias. */
 static PyObject *resolve_out_variant(PyObject *packet, PyObject *op, PyObject **kw) {
@@ -344,7 +355,7 @@ static PyObject *resolve_out_variant(PyObject *packet, PyObject *op, PyObject **
         PyObject *cand = PyObject_GetAttr(packet, PySequence_Fast_GET_ITEM(fnames, i));
         PyObject *cargs = cand ? schema_list(cand, "arguments") : NULL;
         int ok = cargs && PySequence_Fast_GET_SIZE(cargs) == nf + 1;
-        for (Py_ssize_t k = 0; ok && k < nf; k++) ok = same_name(PySequence_Fast_GET_ITEM(fargs, k), PySequence_Fast_GET_ITEM(cargs, k));
+        for (Py_ssize_t k = 0; ok && k < nf; k++) ok = same_arg(PySequence_Fast_GET_ITEM(fargs, k), PySequence_Fast_GET_ITEM(cargs, k));
         if (ok) {
             PyObject *last = PySequence_Fast_GET_ITEM(cargs, nf), *info = PyObject_GetAttrString(last, "alias_info");
             PyObject *write = info && info != Py_None ? PyObject_GetAttrString(info, "is_write") : NULL;

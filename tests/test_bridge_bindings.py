@@ -58,13 +58,13 @@ def _overload(name: str):
 
 def _out_variant(overload):
     """The overload's out= variant as the bridge finds it (resolve_out_variant): the same arguments by
-    name, then one keyword-only tensor it writes; with that argument's name."""
-    names = [a.name for a in overload._schema.arguments]
+    name and type, then one keyword-only tensor it writes; with that argument's name."""
+    names = [(a.name, str(a.type)) for a in overload._schema.arguments]
     packet = overload.overloadpacket
     for name in packet.overloads():
         cand = getattr(packet, name)
         args = cand._schema.arguments
-        if len(args) == len(names) + 1 and [a.name for a in args[:-1]] == names:
+        if len(args) == len(names) + 1 and [(a.name, str(a.type)) for a in args[:-1]] == names:
             last = args[-1]
             if last.kwarg_only and last.alias_info is not None and last.alias_info.is_write:
                 return cand, last.name

@@ -374,15 +374,47 @@ def _traced_leaves(v: Any, depth: int = 4) -> list:
     return [t for x in v for t in _traced_leaves(x, depth - 1)]
 
 
+def _fixed_one_layer_lstm():
+    """torch's LSTM decomposition, where it returns each layer's final states with their step
+    dimension kept (torch < 2.13: `hx.squeeze(1)` for `squeeze(0)`, pytorch/pytorch#185716), so
+    that h_n and c_n trace as [layers * directions, 1, batch, hidden]: a wrapper giving them the
+    shape of the states it was given; else None. Probed on a batch of 2, at import (not while
+    tracing: the probe's ops would be traced)."""
+    from torch._decomp import decompositions as decomp
+    orig = getattr(decomp, "one_layer_lstm", None)
+    try:
+        z = torch.zeros
+        _, (h, _c) = orig(z(1, 2, 1), (z(2, 1), z(2, 1)), [z(4, 1), z(4, 1)], False)
+    except Exception:  # gone, or another signature: leave torch's
+        return None
+    if h.shape == (2, 1):
+        return None
+
+    def fixed(inp, hidden, params, has_biases, reverse=False):
+        out, (h, c) = orig(inp, hidden, params, has_biases, reverse)
+        return out, (h.reshape(hidden[0].shape), c.reshape(hidden[1].shape))
+    return fixed
+
+
+_LSTM_FIX = _fixed_one_layer_lstm()
+
+
 @contextlib.contextmanager
 def _onednn_off():
-    """oneDNN off for a tracing pass (torch.backends.mkldnn.flags would also warn about TF32)."""
+    """oneDNN off for a tracing pass (torch.backends.mkldnn.flags would also warn about TF32), and
+    torch's LSTM decomposition with its final states' shape mended (_fixed_one_layer_lstm)."""
     was = torch._C._get_mkldnn_enabled()
     torch._C._set_mkldnn_enabled(False)
+    fixed = _LSTM_FIX
+    if fixed is not None:
+        from torch._decomp import decompositions as decomp
+        orig, decomp.one_layer_lstm = decomp.one_layer_lstm, fixed
     try:
         yield
     finally:
         torch._C._set_mkldnn_enabled(was)
+        if fixed is not None:
+            decomp.one_layer_lstm = orig
 
 
 class _ModuleStateGuard:
