@@ -2,7 +2,9 @@
 DDP), aotfuse under torch.compile (torch.compile(DDP, backend="aotfuse")) and torch.compile (Inductor), in
 one process group of N processes (gloo on the CPU, nccl on GPUs), one of the seed's models each; also
 aotfuse-no-overlap (memory_efficient_fusion with AOTFUSE_DDP_OVERLAP=0: DDP's reducer all-reduces after the
-compiled backward, not the backward's buckets during it). --bucket-cap-mb sets DDP's bucket size.
+compiled backward, not the backward's buckets during it) and ddp-of-aotfuse (DDP(memory_efficient_fusion(model)):
+its first step eager, the later ones syncing in the compiled backward as aotfuse's). --bucket-cap-mb sets
+DDP's bucket size.
 
     python benchmarks/ddp.py --models BertForMaskedLM,GPT2LMHeadModel --size reduced --nproc 2
 
@@ -31,13 +33,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONTENDERS = ("eager", "aotfuse", "aotfuse-dynamo", "torch.compile")
 # also: aotfuse-no-overlap, memory_efficient_fusion with AOTFUSE_DDP_OVERLAP=0 (DDP's reducer all-reduces
-# after the compiled backward, not its buckets during it)
+# after the compiled backward, not its buckets during it); ddp-of-aotfuse, DDP(memory_efficient_fusion(model))
 
 
 def _wrap(name: str, model: torch.nn.Module, device_ids: list | None, bucket_cap_mb: float = 25) -> torch.nn.Module:
     import aotfuse
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    if name == "ddp-of-aotfuse":
+        return DDP(aotfuse.memory_efficient_fusion(model, fallback="dynamo"), device_ids=device_ids,
+                   bucket_cap_mb=bucket_cap_mb)
     ddp = DDP(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
     if name == "eager":
         return ddp

@@ -69,8 +69,9 @@ class Case:
     in one process on every rank's batch."""
 
     def __init__(self, make, batches, wrap, ddp_kwargs=None, counter=None, no_sync_every: int = 0,
-                 env: dict | None = None, prepare=None) -> None:
+                 env: dict | None = None, prepare=None, count_reducer: bool = False) -> None:
         self.make, self.batches, self.wrap = make, batches, wrap
+        self.count_reducer = count_reducer  # count the calls DDP's reducer was prepared to all-reduce
         self.ddp_kwargs = ddp_kwargs or {}
         self.counter, self.no_sync_every = counter, no_sync_every
         self.env = env or {}
@@ -97,6 +98,10 @@ class Case:
             self.prepare(eager_model, rank)
         fused = self.wrap(model, self.ddp_kwargs)
         eager = DDP(eager_model, **self.ddp_kwargs)
+        prepared = [0]
+        if self.count_reducer:
+            wrapper = fused.orig_module if isinstance(fused, aotfuse.AOTDataParallel) else fused
+            wrapper.reducer = _CountingReducer(wrapper.reducer, prepared)
         opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, eager_model, ref64)]
         mismatches, disagree, err, eager_err = [], [], 0.0, 0.0
         pending = 0  # collectives not waited for when aotfuse's backward returned
@@ -142,7 +147,8 @@ class Case:
                     opt.step()
                     opt.zero_grad(set_to_none=True)
         return {"mismatches": mismatches, "ranks_disagree": disagree, "err": err, "eager_err": eager_err,
-                "compiled": self.counter(fused) if self.counter else None, "pending": pending, **_all_reduces(fused)}
+                "compiled": self.counter(fused) if self.counter else None, "pending": pending, **_all_reduces(fused),
+                **({"reducer_prepared": prepared[0]} if self.count_reducer else {})}
 
     @staticmethod
     def _gathered(args, kwargs, r: int, world: int):
@@ -155,6 +161,21 @@ class Case:
             part = parts[r]
             return part.double() if part.is_floating_point() else part
         return tuple(gather(a) for a in args), {k: gather(v) for k, v in kwargs.items()}
+
+
+class _CountingReducer:
+    """DDP's reducer behind a proxy that counts its prepare_for_backward calls (each a backward it will
+    all-reduce after: DDP's forward makes that call for each synced call it does not leave to aotfuse)."""
+
+    def __init__(self, reducer, count: list) -> None:
+        self._reducer, self._count = reducer, count
+
+    def prepare_for_backward(self, *args):
+        self._count[0] += 1
+        return self._reducer.prepare_for_backward(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self._reducer, name)
 
 
 class Deep(nn.Module):
@@ -188,12 +209,17 @@ _FREE = ("aten.reshape.default", "aten.view.default", "aten.slice.Tensor", "aten
 
 
 def _all_reduces(view) -> dict:
-    """The all-reduce calls in the backward programs of memory_efficient_fusion(DDP(model)), and how many
+    """The all-reduce calls in the backward programs of memory_efficient_fusion(DDP(model)) (or of
+    DDP(memory_efficient_fusion(model))), and how many
     are followed by more of the backward's own computation (started while it computes, not after)."""
-    if not isinstance(view, aotfuse.AOTDataParallel):
+    if isinstance(view, aotfuse.AOTDataParallel):
+        inner = view.compiled_module
+    elif isinstance(view, DDP) and isinstance(view.module, aotfuse.AOTModule):  # DDP(memory_efficient_fusion(m))
+        inner = view.module
+    else:
         return {}
     count = overlapped = 0
-    for entry in view.compiled_module._aotfuse_compiled._cache.values():
+    for entry in inner._aotfuse_compiled._cache.values():
         gm = entry.record.graphs.get("backward") if entry.record is not None else None
         if gm is None:
             continue
@@ -317,14 +343,25 @@ def main(out_path: str) -> None:
     collected: list = []
     cases = {
         "ddp_of_compiled": Case(Mlp, _mlp_batches, lambda m, kw: DDP(aotfuse.memory_efficient_fusion(m), **kw),
-                                counter=lambda v: _programs(v.module)),
+                                counter=lambda v: _programs(v.module), count_reducer=True),
+        # the first call runs eagerly (DDP's reducer prepared it before the compiled module saw the DDP), the
+        # later ones through a backward that all-reduces its buckets itself
+        "ddp_of_compiled_buckets": Case(Deep, _mlp_batches, lambda m, kw: DDP(aotfuse.memory_efficient_fusion(m), **kw),
+                                        ddp_kwargs={"bucket_cap_mb": 1}, counter=lambda v: _programs(v.module), count_reducer=True),
+        "ddp_of_compiled_no_sync": Case(Mlp, functools.partial(_mlp_batches, steps=4),
+                                        lambda m, kw: DDP(aotfuse.memory_efficient_fusion(m), **kw),
+                                        counter=lambda v: _programs(v.module), no_sync_every=2),
+        "ddp_of_compiled_fallback_on_one_rank": Case(
+            functools.partial(Branchy, ranks=(0,)), _mlp_batches,
+            lambda m, kw: DDP(aotfuse.memory_efficient_fusion(m, fallback="eager"), **kw),
+            ddp_kwargs={"bucket_cap_mb": 1}, counter=lambda v: 1),
         "compiled_ddp": Case(Mlp, _mlp_batches, lambda m, kw: aotfuse.memory_efficient_fusion(DDP(m, **kw)),
-                             counter=_programs),
+                             counter=_programs, count_reducer=True),
         "torch_compile_ddp": Case(Mlp, _mlp_batches, _dynamo_wrap(collected), counter=lambda v: len(collected)),
         "torch_compile_ddp_buckets": Case(Deep, _mlp_batches, _dynamo_wrap(collected), ddp_kwargs={"bucket_cap_mb": 1},
                                           counter=lambda v: len(collected)),
         "compiled_ddp_buckets": Case(Deep, _mlp_batches, lambda m, kw: aotfuse.memory_efficient_fusion(DDP(m, **kw)),
-                                     ddp_kwargs={"bucket_cap_mb": 1}, counter=_programs),
+                                     ddp_kwargs={"bucket_cap_mb": 1}, counter=_programs, count_reducer=True),
         "compiled_ddp_overlap_off": Case(Deep, _mlp_batches,
                                          lambda m, kw: aotfuse.memory_efficient_fusion(DDP(m, **kw)),
                                          ddp_kwargs={"bucket_cap_mb": 1}, counter=_programs,

@@ -18,7 +18,8 @@ import aotfuse
 from helpers import assert_close
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CASES = ["ddp_of_compiled", "compiled_ddp", "compiled_ddp_buckets", "compiled_ddp_overlap_off", "compiled_ddp_comm_hook",
+CASES = ["ddp_of_compiled", "ddp_of_compiled_buckets", "ddp_of_compiled_no_sync", "ddp_of_compiled_fallback_on_one_rank",
+         "compiled_ddp", "compiled_ddp_buckets", "compiled_ddp_overlap_off", "compiled_ddp_comm_hook",
          "compiled_ddp_fallback", "compiled_ddp_fallback_on_one_rank", "compiled_ddp_grad_hooks", "compiled_ddp_join",
          "torch_compile_ddp", "torch_compile_ddp_buckets", "no_sync_accumulation",
          "find_unused_parameters", "hf_bert_compiled_ddp", "hf_bert_compiled_ddp_lengths"]
@@ -51,17 +52,24 @@ def test_ddp_trains_like_eager_ddp(worker, case):
     assert result["compiled"] >= 1, f"{case}: nothing was compiled, the step ran eagerly"
     if case == "torch_compile_ddp_buckets":  # Dynamo's DDPOptimizer: a graph per bucket, each fw and bw
         assert result["compiled"] >= 4, f"{case}: {result['compiled']} programs, expected several buckets' graphs"
-    # memory_efficient_fusion(DDP(model)): the synced backward all-reduces its buckets itself, each as
+    # memory_efficient_fusion(DDP(model)) and, from its second call, DDP(memory_efficient_fusion(model)):
+    # the synced backward all-reduces its buckets itself, each as
     # soon as its gradients are made (Deep's 3.6 MB of weights in 1 MB buckets: several, all but the
     # last followed by more of the backward); under no_sync, find_unused_parameters, a fallback or
     # AOTFUSE_DDP_OVERLAP=0, DDP's reducer does it after the backward
-    if case in ("compiled_ddp", "hf_bert_compiled_ddp", "hf_bert_compiled_ddp_lengths"):
+    if case in ("compiled_ddp", "ddp_of_compiled", "hf_bert_compiled_ddp", "hf_bert_compiled_ddp_lengths"):
         assert result["all_reduces"] >= 1, f"{case}: the backward program all-reduces nothing"
-    elif case == "compiled_ddp_buckets":
+    elif case in ("compiled_ddp_buckets", "ddp_of_compiled_buckets"):
         assert result["all_reduces"] >= 3 and result["overlapped"] >= result["all_reduces"] - 1, (
             f"{case}: {result['all_reduces']} all-reduces, {result['overlapped']} before the backward's end")
     elif "all_reduces" in result:
         assert result["all_reduces"] == 0, f"{case}: {result['all_reduces']} all-reduces in the backward program"
+    # DDP's reducer stands by where the backward all-reduces (else each gradient would be all-reduced twice,
+    # which the values cannot show); DDP(memory_efficient_fusion(model))'s first call is left to it
+    if "reducer_prepared" in result:
+        expected = 1 if case.startswith("ddp_of_compiled") else 0
+        assert result["reducer_prepared"] == expected, (
+            f"{case}: DDP's reducer prepared to all-reduce {result['reducer_prepared']} backwards, expected {expected}")
     assert result["ranks_disagree"] == [], f"{case}: gradients not all-reduced: {result['ranks_disagree']}"
     assert result["pending"] == 0, f"{case}: {result['pending']} collectives not waited for when the backward returned"
     assert result["mismatches"] == [], f"{case}: differs from eager DDP: {result['mismatches']}"

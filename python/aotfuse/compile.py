@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 from torch._functorch.aot_autograd import aot_function as _torch_aot_function
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint, config, ddp, shapes
@@ -1065,7 +1066,7 @@ class AOTModule(nn.Module):
         object.__setattr__(self, "_aotfuse_options", options)  # aot_module's arguments after the module
         object.__setattr__(self, "_aotfuse_refs", None)
         object.__setattr__(self, "_aotfuse_hooks", None)
-        object.__setattr__(self, "_aotfuse_ddp", None)  # the ddp.Sync of the call AOTDataParallel makes
+        object.__setattr__(self, "_aotfuse_ddp", None)  # the ddp.Sync of the synced call in progress (ddp.Calls)
         object.__setattr__(self, "_aotfuse_ddp_ran", False)  # whether that call ran a program that syncs
         object.__setattr__(self, "orig_module", mod)  # not a submodule: keys stay unprefixed
         self._parameters = mod._parameters
@@ -1089,6 +1090,14 @@ class AOTModule(nn.Module):
             _warn_transform(compiled.name)
             return mod(*args, **kwargs)
         sync = self._aotfuse_ddp
+        if sync is None:
+            # DDP(memory_efficient_fusion(model)): the first call inside a DDP's forward hooks the DDP so
+            # that its later synced calls all-reduce in the compiled backward (ddp.watch); this one, already
+            # prepared by DDP's reducer, runs eagerly if it is such a call
+            active = getattr(DistributedDataParallel, "_active_ddp_module", None)
+            if active is not None and active._modules.get("module") is self and active not in ddp.MANAGED:
+                if ddp.watch(active, self):
+                    return mod(*args, **kwargs)
         extra = (mod.training, self._hooks_key(), sync)
         shortcut = compiled.module_fallback
         if shortcut is not None:  # these arguments fell back before: no tensor walk, no lookup
@@ -1153,7 +1162,7 @@ class AOTModule(nn.Module):
     # what the original module shares with this view; the rest of __dict__ (its own hooks, training) is its own
     _SHARED = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "orig_module",
                          "_aotfuse_compiled", "_aotfuse_refs", "_aotfuse_hooks", "_aotfuse_options", "compiled_module",
-                         "_aotfuse_lock"})
+                         "_aotfuse_lock", "_aotfuse_calls"})
 
     def __reduce_ex__(self, protocol: int) -> tuple:
         """copy.deepcopy and pickle (torch.save of the whole model): the original module, copied or
@@ -1186,10 +1195,8 @@ class AOTDataParallel(AOTModule):
         super().__init__(wrapper, inner._aotfuse_compiled, options or inner._aotfuse_options)
         object.__setattr__(self, "compiled_module", inner)
         object.__setattr__(self, "_aotfuse_lock", threading.RLock())
-        object.__setattr__(self, "_aotfuse_after", None)  # a ddp.AfterBackward waiting for its backward
-        # a grad-enabled call under no_sync() since the last synced one: gradients accumulated on each
-        # rank alone, which DDP's reducer all-reduces at the next synced call (the same on every rank)
-        object.__setattr__(self, "_aotfuse_unsynced", False)
+        object.__setattr__(self, "_aotfuse_calls", ddp.Calls())  # the synced calls' bookkeeping
+        ddp.MANAGED[wrapper] = self._aotfuse_calls  # its module, the inner view during a call, never watches it
 
     def train(self, mode: bool = True) -> "AOTDataParallel":
         self.orig_module.train(mode)  # the wrapper's train() sets its module's
@@ -1205,33 +1212,16 @@ class AOTDataParallel(AOTModule):
                                    f"compiled; compile the wrapper again")
             # a call DDP would sync: its reducer stands by (as under no_sync) and the compiled backward
             # all-reduces the gradients bucket by bucket as it makes them (ddp.py)
-            if self._aotfuse_after is not None:  # the last call's backward never came
-                self._aotfuse_after.cancel()
-                object.__setattr__(self, "_aotfuse_after", None)
-            grad = torch.is_grad_enabled()
-            synced = grad and getattr(wrapper, "require_backward_grad_sync", False)  # DataParallel: never
-            sync = None if config.disabled() or not synced or self._aotfuse_unsynced else ddp.plan(wrapper)
-            if grad:
-                object.__setattr__(self, "_aotfuse_unsynced", not synced)
+            calls = self._aotfuse_calls
+            calls.begin(wrapper, inner)
             wrapper._modules["module"] = inner  # a plain dict write: no registration hooks, no recompile
-            if sync is not None:
-                wrapper.require_backward_grad_sync = False
-                object.__setattr__(inner, "_aotfuse_ddp", sync)
-                object.__setattr__(inner, "_aotfuse_ddp_ran", False)
+            returned = False
             try:
                 out = wrapper(*args, **kwargs)
+                returned = True
             finally:
                 wrapper._modules["module"] = mod
-                if sync is not None:
-                    object.__setattr__(inner, "_aotfuse_ddp", None)
-                    wrapper.require_backward_grad_sync = True
-                    wrapper.require_forward_param_sync = True  # what DDP's synced forward leaves (buffers next call)
-            if sync is not None and not inner._aotfuse_ddp_ran:
-                # the call ran eagerly or under Dynamo (a fallback, a full cache): its gradients are
-                # all-reduced when the backward ends, in the buckets and order the programs use, so
-                # ranks that ran different paths issue the same collectives
-                object.__setattr__(self, "_aotfuse_after",
-                                   ddp.AfterBackward(list(inner.orig_module.parameters()), sync, wrapper.process_group))
+                calls.end(wrapper, returned)
             return out
 
 

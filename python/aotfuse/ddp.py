@@ -21,7 +21,9 @@ all-reduce after the backward. Everything that decides is the same on every rank
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import sys
 import weakref
 
 import torch
@@ -29,7 +31,7 @@ import torch.fx as fx
 
 from . import config
 
-__all__ = ["Sync", "plan", "layout", "insert_all_reduces", "AfterBackward"]
+__all__ = ["Sync", "plan", "layout", "insert_all_reduces", "AfterBackward", "Calls", "watch"]
 
 aten = torch.ops.aten
 
@@ -254,3 +256,80 @@ class AfterBackward:
                 n = g.numel()
                 g.copy_(flat[off:off + n].view_as(g))
                 off += n
+
+
+class Calls:
+    """The calls of one DDP wrapper around a compiled module (an AOTModule, `inner`): `begin` before the
+    wrapper's forward, `end` after it. For a call DDP would sync, `begin` finds the Sync (plan), tells the
+    reducer to stand by (require_backward_grad_sync off, as under no_sync(), so DDP's forward neither
+    prepares the reducer nor marks its buckets) and hands the Sync to `inner`, whose backward program
+    all-reduces; `end` restores the flags to what DDP's synced forward leaves and, where the call ran
+    outside such a program, all-reduces the gradients when its backward ends (AfterBackward).
+    AOTDataParallel keeps one; `watch` hooks one onto a DDP that wraps a compiled module."""
+
+    def __init__(self) -> None:
+        self.after: AfterBackward | None = None  # waiting for the backward of a call that fell back
+        # a grad-enabled call under no_sync() since the last synced one: gradients accumulated on each rank
+        # alone, which DDP's reducer all-reduces at the next synced call (the same on every rank)
+        self.unsynced = False
+        self.sync: Sync | None = None  # the call in progress
+        self.inner = None
+
+    def begin(self, wrapper: torch.nn.Module, inner) -> Sync | None:
+        if self.after is not None:  # the last call's backward never came
+            self.after.cancel()
+            self.after = None
+        grad = torch.is_grad_enabled()
+        synced = grad and getattr(wrapper, "require_backward_grad_sync", False)  # DataParallel: never
+        sync = None if config.disabled() or not synced or self.unsynced else plan(wrapper)
+        if grad:
+            self.unsynced = not synced
+        self.sync, self.inner = sync, inner
+        if sync is not None:
+            wrapper.require_backward_grad_sync = False
+            object.__setattr__(inner, "_aotfuse_ddp", sync)
+            object.__setattr__(inner, "_aotfuse_ddp_ran", False)
+        return sync
+
+    def end(self, wrapper: torch.nn.Module, returned: bool) -> None:
+        sync, inner = self.sync, self.inner
+        self.sync = self.inner = None
+        if sync is None:
+            return
+        object.__setattr__(inner, "_aotfuse_ddp", None)
+        wrapper.require_backward_grad_sync = True
+        wrapper.require_forward_param_sync = True  # what DDP's synced forward leaves (buffers next call)
+        if returned and not inner._aotfuse_ddp_ran:
+            # the call ran eagerly or under Dynamo (a fallback, a full cache): its gradients are
+            # all-reduced when the backward ends, in the buckets and order the programs use, so ranks
+            # that ran different paths issue the same collectives
+            self.after = AfterBackward(list(inner.orig_module.parameters()), sync, wrapper.process_group)
+
+
+# the DDP wrappers whose calls of a compiled module a Calls manages (AOTDataParallel's, or watch's hooks)
+MANAGED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _pre_hook(calls: Calls, wrapper: torch.nn.Module, _args) -> None:
+    inner = wrapper._modules.get("module")
+    if getattr(inner, "_aotfuse_compiled", None) is not None:  # not if the module was replaced since
+        calls.begin(wrapper, inner)
+
+
+def _post_hook(calls: Calls, wrapper: torch.nn.Module, _args, _out) -> None:
+    calls.end(wrapper, returned=sys.exc_info()[0] is None)  # always_call: after a raise too
+
+
+def watch(wrapper: torch.nn.Module, inner) -> bool:
+    """DDP(memory_efficient_fusion(model)): called by the compiled module's first call inside the DDP's
+    forward (DistributedDataParallel._active_ddp_module), which is too late to keep the reducer out of
+    that call. Hooks a Calls onto the DDP (a forward pre-hook, first, and an always-called forward hook)
+    so its later calls sync in the compiled backward as memory_efficient_fusion(DDP(model))'s do.
+    Returns whether this call is one those would sync: the caller then runs it eagerly, once, DDP's
+    reducer all-reducing, rather than compiling a program for a signature no later call has."""
+    calls = Calls()
+    calls.unsynced = torch.is_grad_enabled() and not wrapper.require_backward_grad_sync
+    MANAGED[wrapper] = calls
+    wrapper.register_forward_pre_hook(functools.partial(_pre_hook, calls), prepend=True)
+    wrapper.register_forward_hook(functools.partial(_post_hook, calls), always_call=True)
+    return not config.disabled() and plan(wrapper) is not None
