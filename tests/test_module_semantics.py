@@ -1,5 +1,6 @@
 """What a user does with a compiled module besides calling it: Python hooks on its submodules
-(before and after it compiled), copying and saving it whole, and torch.func transforms around it.
+(before and after it compiled), copying and saving it whole, torch.func transforms around it, and
+compilers around it (another compiled module holding it, torch.compile of it).
 
 Hooks: a captured graph runs a hook once, while tracing, with traced tensors; one recording
 activations or counting calls would record fakes and count traces. So aotfuse traces only hooks known
@@ -269,6 +270,55 @@ def test_vmap_and_grad_over_compiled_functions_run_them_as_the_original():
     assert_close(g, torch.func.grad(f)(x), "grad")
     assert_close(compiled(xs[0]), model(xs[0]), "a plain call afterwards")
     assert _ran_compiled(compiled)
+
+
+def test_a_compiled_module_inside_a_compiled_model_is_traced_through():
+    """A user compiles a block, then the model holding it (or a Trainer compiles it again): the enclosing
+    capture traces through the block (one program, the block's ops in it) and the block alone still runs
+    its own. Before: CaptureError, the block's capture seeing the enclosing one's hook probe as a hook."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 16), nn.GELU())
+    model = nn.Sequential(aotfuse.memory_efficient_fusion(block), nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    ref[0] = ref[0].orig_module
+    ref64 = copy.deepcopy(ref).double()
+    compiled = aotfuse.memory_efficient_fusion(model)
+    x = torch.randn(4, 8)
+    for step in range(2):
+        out = compiled(x)
+        assert_close(out, ref(x), f"step {step}: output")
+        out.square().mean().backward()
+        ref(x).square().mean().backward()
+        ref64(x.double()).square().mean().backward()
+        for (name, p), q, r in zip(model.named_parameters(), ref.parameters(), ref64.parameters()):
+            assert_close(p.grad, q.grad, f"step {step}: grad of {name}")
+            err, eager_err = (p.grad.double() - r.grad).abs().max(), (q.grad.double() - r.grad).abs().max()
+            assert err <= max(4 * eager_err, 1e-6), f"step {step}: grad of {name}: {err:.3g} from float64, eager {eager_err:.3g}"
+    assert _ran_compiled(compiled) and compiled._aotfuse_compiled.compile_count == 1
+    assert model[0]._aotfuse_compiled.compile_count == 0  # traced through, never compiled on its own
+    assert_close(model[0](x), ref[0](x), "the block called alone")
+    assert _ran_compiled(model[0])
+
+
+def test_torch_compile_of_a_compiled_module_traces_it_through_without_a_warning():
+    """torch.compile(memory_efficient_fusion(model)): Dynamo traces the view into the original module,
+    which its backend compiles (here aotfuse's own). Before: the same, with a warning that the call was
+    under a torch.func transform (Dynamo's trace looked like one)."""
+    import warnings
+
+    torch._dynamo.reset()
+    model = _net()
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(aotfuse.memory_efficient_fusion(model), backend="aotfuse")
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*aotfuse.*")
+        out = compiled(x)
+    assert_close(out, ref(x), "output")
+    out.sum().backward()
+    ref(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad, f"grad of {name}")
 
 
 def test_a_function_registering_a_tensor_hook_is_refused_or_run_eagerly():

@@ -194,6 +194,16 @@ def _tracing_flag():
         compiler._is_compiling_flag = old
 
 
+@contextlib.contextmanager
+def _captures():
+    """Marks this thread as capturing (_capturing.depth) for a signature's first run."""
+    _capturing.depth += 1
+    try:
+        yield
+    finally:
+        _capturing.depth -= 1
+
+
 def _leaf_key(x: Any, seen: dict) -> Any:
     if isinstance(x, torch.Tensor):
         first = seen.setdefault(id(x), len(seen))  # the same tensor passed twice is part of the key
@@ -474,11 +484,22 @@ except ImportError:  # pragma: no cover - torch without functorch's C++ part
         return None
 
 _warned_transform: set = set()
+# this thread's captures in progress (_first_run's tracing): a compiled function called meanwhile is
+# traced through (torch.compiler.is_compiling() cannot tell: a process-wide flag, another thread's too)
+class _Capturing(threading.local):
+    depth = 0  # every thread's starting value
+
+
+_capturing = _Capturing()
 
 
 def _warn_transform(name: str) -> None:
     """A compiled function called inside torch.func.vmap/grad/jacrev/...: its programs take plain
-    tensors, so it runs as the original function (the transform's own rules), with one warning."""
+    tensors, so it runs as the original function (the transform's own rules), with one warning. Not
+    while Dynamo traces it (torch.compile of a model holding it, where functorch's interpreter stack
+    reads as set too): Dynamo traces the original, which its backend compiles."""
+    if torch.compiler.is_compiling():
+        return
     if name not in _warned_transform:
         _warned_transform.add(name)
         warnings.warn(f"aotfuse: {name} was called under a torch.func transform (vmap, grad, jacrev, ...); it runs "
@@ -544,6 +565,8 @@ class CompiledFunction:
             return self.fn(*args, **kwargs)
         if _peek_interpreter_stack() is not None:
             _warn_transform(self.name)
+            return self.fn(*args, **kwargs)
+        if _capturing.depth:  # called by a function aotfuse captures: traced through into its graph
             return self.fn(*args, **kwargs)
         return self._call((args, kwargs), ())[0]
 
@@ -781,7 +804,7 @@ class CompiledFunction:
         try:
             self.trace_gen += 1  # odd while tracing: the module's tensors are swapped for traced ones
             try:
-                with _tracing_flag(), config.lazy_graph_modules():
+                with _tracing_flag(), _captures(), config.lazy_graph_modules():
                     if entry.traced_fn is not None:
                         _fuse_attention_first(entry, tensors, self.fuse_attention)
                     outs = entry.compiled(*tensors)
@@ -1086,8 +1109,12 @@ class AOTModule(nn.Module):
         compiled = self._aotfuse_compiled
         if config.disabled():
             return mod(*args, **kwargs)
-        if _peek_interpreter_stack() is not None:
+        if _peek_interpreter_stack() is not None:  # also while Dynamo traces a model holding this view
             _warn_transform(compiled.name)
+            return mod(*args, **kwargs)
+        if _capturing.depth:
+            # called by a function aotfuse captures (a compiled block in a model compiled again): traced
+            # through, so the enclosing graph (and its program) gets its ops
             return mod(*args, **kwargs)
         sync = self._aotfuse_ddp
         if sync is None:
