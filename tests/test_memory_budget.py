@@ -121,3 +121,51 @@ def test_a_buffer_update_is_never_recomputed(monkeypatch):
     assert_close(twin[1].running_mean, model[1].running_mean, "running mean")
     assert_close(twin[1].running_var, model[1].running_var, "running var")
     assert twin[1].num_batches_tracked == model[1].num_batches_tracked == 3
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the tensors autograd saves for the backward while `fn` runs (the compiled programs'
+    saved activations and parameters), through saved_tensors_hooks."""
+    sizes = []
+
+    def pack(t):
+        sizes.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(sizes)
+
+
+def test_torch_compile_options_set_the_budget(monkeypatch):
+    """torch.compile(model, backend="aotfuse", options={"memory_budget": 0}) saves less than the default
+    and trains the same; an unknown option (Inductor's, say) is an error naming the known ones, not
+    silently dropped; a mode aotfuse has none of warns once and compiles as the default."""
+    monkeypatch.delenv("AOTFUSE_MEMORY_BUDGET", raising=False)
+    ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
+    saved, grads = {}, {}
+    for options in (None, {"memory_budget": 0.0}):
+        torch._dynamo.reset()
+        model = _bert()
+        compiled = torch.compile(model, backend="aotfuse", options=options)
+        out, saved[bool(options)] = _saved_bytes(lambda: compiled(input_ids=ids, labels=ids))
+        out.loss.backward()
+        grads[bool(options)] = {n: p.grad for n, p in model.named_parameters()}
+    assert saved[True] < saved[False], saved
+    for name, g in grads[False].items():
+        assert_close(grads[True][name], g, f"budget 0 under torch.compile: grad of {name}")
+
+    x = torch.randn(2, 4)
+    torch._dynamo.reset()
+    bad = torch.compile(nn.Sequential(nn.Linear(4, 4), nn.GELU()), backend="aotfuse",
+                        options={"triton.cudagraphs": True})
+    with pytest.raises(Exception, match=r"unknown option\(s\) \['triton.cudagraphs'\].*'memory_budget'"):
+        bad(x)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"memory_budget'\] must be a number in \[0, 1\]"):
+        torch.compile(nn.Linear(4, 4), backend="aotfuse", options={"memory_budget": 2})(x)
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+    with pytest.warns(UserWarning, match="mode='max-autotune' has no meaning for the aotfuse backend"):
+        out = torch.compile(model, backend="aotfuse", mode="max-autotune")(x)
+    assert_close(out, model(x), "mode='max-autotune' output")

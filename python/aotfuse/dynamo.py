@@ -74,7 +74,8 @@ def _with_scalars(gm: torch.fx.GraphModule, values: dict[int, Any]) -> torch.fx.
     return config.graph_module(gm, graph)
 
 
-def _per_shape(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], collect: list | None):
+def _per_shape(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], collect: list | None,
+               options: dict | None = None):
     """A graph with symbolic shapes runs as programs compiled for each concrete signature its calls
     bring (the C core compiles shapes, not formulas for them): the first call of a signature traces
     gm again with its real inputs, so every size is a number (and every float Dynamo left as an
@@ -110,7 +111,8 @@ def _per_shape(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], collect:
                               "padding batches to a few fixed lengths (a data collator's pad_to_multiple_of, "
                               "say) keeps them compiled, or raise the limit.", stacklevel=4)
             return gm
-        fn = programs[key] = aotfuse_backend(_with_scalars(gm, values) if values else gm, list(args), collect)
+        fn = programs[key] = aotfuse_backend(_with_scalars(gm, values) if values else gm, list(args), collect,
+                                             options=options)
         return fn
 
     return run
@@ -160,8 +162,38 @@ def _static_inputs(dynamo_gm: torch.fx.GraphModule, traced: torch.fx.GraphModule
     return list(range(held)) + marked
 
 
+_OPTIONS = {"memory_budget": "a number in [0, 1]: the min cut's activation memory budget (below 1 matmuls and attention "
+                             "may be recomputed to save less), as AOTFUSE_MEMORY_BUDGET or memory_efficient_fusion's "
+                             "partition_fn=partial(min_cut_rematerialization_partition, memory_budget=...)"}
+_warned_modes: set = set()
+
+
+def _backend_options(mode: str | None, options: dict | None) -> dict:
+    """torch.compile's `mode=` and `options=`, as Dynamo hands them to a backend: the partition's keyword
+    arguments they set. A mode other than "default" warns once (aotfuse has none: no autotuning, no CUDA
+    graphs; it compiles as by default); an unknown option or a bad value is a ValueError naming the known
+    ones (Inductor's options mean nothing here: silently dropped, a user would think them applied)."""
+    if mode not in (None, "default") and mode not in _warned_modes:
+        _warned_modes.add(mode)
+        warnings.warn(f"aotfuse: torch.compile mode={mode!r} has no meaning for the aotfuse backend (it autotunes "
+                      f"nothing and launches without CUDA graphs); it compiles as mode='default'", stacklevel=3)
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        known = "; ".join(f"{k!r}: {v}" for k, v in _OPTIONS.items())
+        raise ValueError(f"aotfuse backend: unknown option(s) {unknown} (the known ones: {known}; the other settings "
+                         f"are AOTFUSE_* environment variables, README's Configuration)")
+    kw = {}
+    if "memory_budget" in options:
+        budget = options["memory_budget"]
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0.0 <= budget <= 1.0:
+            raise ValueError(f"aotfuse backend: options['memory_budget'] must be a number in [0, 1], not {budget!r}")
+        kw["memory_budget"] = float(budget)
+    return kw
+
+
 def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], collect: list | None = None,
-                    **kwargs: Any):
+                    mode: str | None = None, options: dict | None = None):
     """The Dynamo backend. Example: torch.compile(model, backend="aotfuse").
     Each graph is partitioned by the C core's min-cut (as memory_efficient_fusion does); a graph with
     symbolic shapes is traced once as it is, and each concrete shape it meets gets programs made from
@@ -172,11 +204,12 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
     AOTFUSE_DISABLE=1 (read when Dynamo compiles a graph) runs the graph as torch's own FX code."""
     from . import config
 
+    partition_kw = _backend_options(mode, options)
     if config.disabled():
         return gm.forward
     symbolic = _symbolic(example_inputs)
     if symbolic and (config.dynamic() == "0" or _scalar_inputs(gm)):
-        return _per_shape(gm, example_inputs, collect)
+        return _per_shape(gm, example_inputs, collect, options)
     state: dict[str, int] = {}
 
     def _keep(stage: str, low: Any) -> Any:
@@ -190,7 +223,7 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
         state["num_fwd_outputs"] = kw.get("num_fwd_outputs", 0)
         if static is not None and not kw.get("static_lifetime_input_indices"):
             kw["aotfuse_static_inputs"] = static
-        return min_cut_rematerialization_partition(joint, joint_inputs, **kw)
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kw, **partition_kw)
 
     def forward(fw: torch.fx.GraphModule, inputs: Sequence[Any] = ()):
         low = _compile_or_fallback(fw, inputs, state.get("num_fwd_outputs"))
@@ -233,7 +266,7 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
             raise
         # the symbolic capture failed: each concrete shape traced with its real inputs, as before
         config.emit("cache", f"a Dynamo graph with symbolic shapes is traced per shape ({type(e).__name__}: {e})")
-        return _per_shape(gm, example_inputs, collect)
+        return _per_shape(gm, example_inputs, collect, options)
 
     @functools.wraps(compiled)  # same calling convention (boxed or not) and attributes
     def run(*args: Any) -> Any:
