@@ -4,7 +4,7 @@ one process group of N processes (gloo on the CPU, nccl on GPUs), one of the see
 aotfuse-no-overlap (memory_efficient_fusion with AOTFUSE_DDP_OVERLAP=0: DDP's reducer all-reduces after the
 compiled backward, not the backward's buckets during it) and ddp-of-aotfuse (DDP(memory_efficient_fusion(model)):
 its first step eager, the later ones syncing in the compiled backward as aotfuse's). --bucket-cap-mb sets
-DDP's bucket size.
+DDP's bucket size; --accumulate N makes each step N micro-steps, all but the last under no_sync().
 
     python benchmarks/ddp.py --models BertForMaskedLM,GPT2LMHeadModel --size reduced --nproc 2
 
@@ -19,6 +19,7 @@ every rank ended with the same weights (the gradients were all-reduced).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import os
@@ -119,10 +120,13 @@ def worker(args: argparse.Namespace) -> None:
             if c == "aotfuse-no-overlap":  # read at each call (ddp.plan)
                 os.environ["AOTFUSE_DDP_OVERLAP"] = "0"
             try:
-                loss = wrapped(**inputs).loss
+                for micro in range(args.accumulate):  # gradient accumulation: no_sync() but for the last
+                    last = micro == args.accumulate - 1
+                    with contextlib.nullcontext() if last else wrapped.no_sync():
+                        loss = wrapped(**inputs).loss
+                        loss.backward()
             finally:
                 os.environ.pop("AOTFUSE_DDP_OVERLAP", None)
-            loss.backward()
             opt.step()
             return loss.detach().float()
 
@@ -170,7 +174,9 @@ def worker(args: argparse.Namespace) -> None:
         header = [f"# DDP training step, {datetime.date.today()}", "",
                   f"`python benchmarks/ddp.py {' '.join(_user_args(sys.argv[1:]))}`", "",
                   f"Machine: {_machine('cuda' if cuda else 'cpu')}, {world} processes x {args.threads} threads, "
-                  f"{args.rounds} rounds of {args.warmup} warm-up + {args.steps} timed steps per contender.", ""]
+                  f"{args.rounds} rounds of {args.warmup} warm-up + {args.steps} timed steps per contender"
+                  + (f", each step {args.accumulate} micro-steps (all but the last under no_sync())"
+                     if args.accumulate > 1 else "") + ".", ""]
         with open(args.out, "w") as f:
             f.write("\n".join(header + lines))
         print(f"wrote {args.out}")
@@ -190,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--cpu", action="store_true", help="gloo on the CPU even where there are GPUs")
     ap.add_argument("--bucket-cap-mb", type=float, default=25, help="DDP's bucket_cap_mb (default DDP's 25)")
+    ap.add_argument("--accumulate", type=int, default=1,
+                    help="micro-steps a step, all but the last under DDP's no_sync() (gradient accumulation)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

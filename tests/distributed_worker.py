@@ -350,7 +350,7 @@ def main(out_path: str) -> None:
                                         ddp_kwargs={"bucket_cap_mb": 1}, counter=lambda v: _programs(v.module), count_reducer=True),
         "ddp_of_compiled_no_sync": Case(Mlp, functools.partial(_mlp_batches, steps=4),
                                         lambda m, kw: DDP(aotfuse.memory_efficient_fusion(m), **kw),
-                                        counter=lambda v: _programs(v.module), no_sync_every=2),
+                                        counter=lambda v: _programs(v.module), no_sync_every=2, count_reducer=True),
         "ddp_of_compiled_fallback_on_one_rank": Case(
             functools.partial(Branchy, ranks=(0,)), _mlp_batches,
             lambda m, kw: DDP(aotfuse.memory_efficient_fusion(m, fallback="eager"), **kw),
@@ -379,7 +379,12 @@ def main(out_path: str) -> None:
             ddp_kwargs={"bucket_cap_mb": 1}, counter=lambda v: 1),
         "no_sync_accumulation": Case(Mlp, functools.partial(_mlp_batches, steps=4),
                                      lambda m, kw: aotfuse.memory_efficient_fusion(DDP(m, **kw)), counter=_programs,
-                                     no_sync_every=2),
+                                     no_sync_every=2, count_reducer=True),
+        # three micro-steps a step, 1 MB buckets: each bucket's accumulated .grads join it
+        "no_sync_accumulation_buckets": Case(Deep, functools.partial(_mlp_batches, steps=6),
+                                             lambda m, kw: aotfuse.memory_efficient_fusion(DDP(m, **kw)),
+                                             ddp_kwargs={"bucket_cap_mb": 1}, counter=_programs, no_sync_every=3,
+                                             count_reducer=True),
         "find_unused_parameters": Case(functools.partial(Mlp, extra=True), functools.partial(_mlp_batches, extra_at=1),
                                        lambda m, kw: aotfuse.memory_efficient_fusion(DDP(m, **kw)),
                                        ddp_kwargs={"find_unused_parameters": True}, counter=_programs),

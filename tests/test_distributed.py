@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = ["ddp_of_compiled", "ddp_of_compiled_buckets", "ddp_of_compiled_no_sync", "ddp_of_compiled_fallback_on_one_rank",
          "compiled_ddp", "compiled_ddp_buckets", "compiled_ddp_overlap_off", "compiled_ddp_comm_hook",
          "compiled_ddp_fallback", "compiled_ddp_fallback_on_one_rank", "compiled_ddp_grad_hooks", "compiled_ddp_join",
-         "torch_compile_ddp", "torch_compile_ddp_buckets", "no_sync_accumulation",
+         "torch_compile_ddp", "torch_compile_ddp_buckets", "no_sync_accumulation", "no_sync_accumulation_buckets",
          "find_unused_parameters", "hf_bert_compiled_ddp", "hf_bert_compiled_ddp_lengths"]
 
 requires_gloo = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -55,19 +55,22 @@ def test_ddp_trains_like_eager_ddp(worker, case):
     # memory_efficient_fusion(DDP(model)) and, from its second call, DDP(memory_efficient_fusion(model)):
     # the synced backward all-reduces its buckets itself, each as
     # soon as its gradients are made (Deep's 3.6 MB of weights in 1 MB buckets: several, all but the
-    # last followed by more of the backward); under no_sync, find_unused_parameters, a fallback or
-    # AOTFUSE_DDP_OVERLAP=0, DDP's reducer does it after the backward
-    if case in ("compiled_ddp", "ddp_of_compiled", "hf_bert_compiled_ddp", "hf_bert_compiled_ddp_lengths"):
+    # last followed by more of the backward; after no_sync accumulation with the accumulated .grads
+    # added); under find_unused_parameters, a fallback or AOTFUSE_DDP_OVERLAP=0, DDP's reducer does it
+    # after the backward
+    if case in ("compiled_ddp", "ddp_of_compiled", "hf_bert_compiled_ddp", "hf_bert_compiled_ddp_lengths",
+                "no_sync_accumulation", "ddp_of_compiled_no_sync"):
         assert result["all_reduces"] >= 1, f"{case}: the backward program all-reduces nothing"
-    elif case in ("compiled_ddp_buckets", "ddp_of_compiled_buckets"):
+    elif case in ("compiled_ddp_buckets", "ddp_of_compiled_buckets", "no_sync_accumulation_buckets"):
         assert result["all_reduces"] >= 3 and result["overlapped"] >= result["all_reduces"] - 1, (
             f"{case}: {result['all_reduces']} all-reduces, {result['overlapped']} before the backward's end")
     elif "all_reduces" in result:
         assert result["all_reduces"] == 0, f"{case}: {result['all_reduces']} all-reduces in the backward program"
     # DDP's reducer stands by where the backward all-reduces (else each gradient would be all-reduced twice,
-    # which the values cannot show); DDP(memory_efficient_fusion(model))'s first call is left to it
+    # which the values cannot show); DDP(memory_efficient_fusion(model))'s first call is left to it where
+    # it is a synced one (not under no_sync)
     if "reducer_prepared" in result:
-        expected = 1 if case.startswith("ddp_of_compiled") else 0
+        expected = 1 if case in ("ddp_of_compiled", "ddp_of_compiled_buckets") else 0
         assert result["reducer_prepared"] == expected, (
             f"{case}: DDP's reducer prepared to all-reduce {result['reducer_prepared']} backwards, expected {expected}")
     assert result["ranks_disagree"] == [], f"{case}: gradients not all-reduced: {result['ranks_disagree']}"

@@ -14,14 +14,17 @@ all-reduces the same buckets in the same order when its backward ends (AfterBack
 took different paths issue matching collectives.
 
 Calls where DDP does something this does not (find_unused_parameters, static_graph, join(), comm hooks,
-mixed precision, ignored parameters, hooks on parameters' gradients, a module across devices, the synced
-call after grad-enabled calls under `no_sync()`), or with AOTFUSE_DDP_OVERLAP=0, keep DDP's reducer: the
-all-reduce after the backward. Everything that decides is the same on every rank.
+mixed precision, ignored parameters, hooks on parameters' gradients, a module across devices), or with
+AOTFUSE_DDP_OVERLAP=0, keep DDP's reducer: the all-reduce after the backward. The synced call after
+grad-enabled calls under `no_sync()` (gradient accumulation) adds each parameter's accumulated .grad to
+its bucket before the all-reduce, as DDP all-reduces the accumulated sums. Everything that decides is
+the same on every rank.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import sys
 import weakref
@@ -47,6 +50,30 @@ def _ddp_wait(bucket: torch.Tensor) -> torch.Tensor:
 
 
 _lib.impl("ddp_wait", _ddp_wait, "CompositeExplicitAutograd")
+_lib.define("ddp_add_accumulated(Tensor flat, int token, int[] params) -> Tensor")
+
+# Sync.token -> the parameters (module.parameters() order) of the wrapper whose synced call follows
+# no_sync() accumulation; dropped with the wrapper
+_ACCUMULATED: dict[int, list] = {}
+_TOKENS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_token_numbers = itertools.count(1)
+
+
+def _ddp_add_accumulated(flat: torch.Tensor, token: int, params: list[int]) -> torch.Tensor:
+    """A bucket's new gradients (`flat`, flattened) plus what its parameters accumulated under no_sync()
+    on this rank alone, which it takes from them (.grad set to None: autograd's accumulation then gives
+    each parameter its slice of the all-reduced bucket as it is). So the all-reduce averages the
+    accumulated sums, as DDP's reducer does at the synced call after no_sync() (it all-reduces .grad)."""
+    ps = _ACCUMULATED[token]
+    parts = [ps[i].grad.reshape(-1) if ps[i].grad is not None else flat.new_zeros(ps[i].numel()) for i in params]
+    out = flat + torch.cat(parts).to(flat.dtype)
+    for i in params:
+        ps[i].grad = None
+    return out
+
+
+_lib.impl("ddp_add_accumulated", _ddp_add_accumulated, "CompositeExplicitAutograd")
+_lib.impl("ddp_add_accumulated", lambda flat, token, params: torch.empty_like(flat), "Meta")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +82,14 @@ class Sync:
     how many of the backward's first outputs are the module's parameters' gradients (the inner module's
     parameters come first, in named_parameters order), and the buckets (parameter indices). The buckets
     depend on the parameters alone, never on a program, so every rank all-reduces the same buckets in
-    the same order whether a call ran its compiled backward or not (a fallback, a full cache)."""
+    the same order whether a call ran its compiled backward or not (a fallback, a full cache). `token`
+    (the synced call after no_sync() accumulation): the parameters' accumulated gradients are added to
+    each bucket before its all-reduce (ddp_add_accumulated), so such calls have programs of their own."""
     group_name: str
     world: int
     num_params: int
     buckets: tuple[tuple[int, ...], ...]
+    token: int = 0  # not 0: the synced call after no_sync() accumulation (each bucket adds the .grads)
 
 
 def layout(params: list, first: int, cap: int) -> tuple[tuple[int, ...], ...]:
@@ -192,6 +222,9 @@ def insert_all_reduces(gm: fx.GraphModule, sync: Sync) -> int:
             flats = [_call(graph, aten.reshape.default, (g, [-1]), _val(g).reshape(-1)) for g in grads]
             cat_val = torch.cat([f.meta["val"] for f in flats])
             flat = _call(graph, aten.cat.default, (flats,), cat_val)
+            if sync.token:  # after no_sync() accumulation: plus the .grads, taken from the parameters
+                flat = _call(graph, torch.ops.aotfuse.ddp_add_accumulated.default, (flat, sync.token, list(bucket)),
+                             torch.empty_like(cat_val))
             scaled = _call(graph, aten.div.Tensor, (flat, world), cat_val / world)
             # in place: the bucket is this kernel's fresh output, read by nothing else (no clone of it)
             reduced = _call(graph, torch.ops._c10d_functional.all_reduce_.default, (scaled, "sum", sync.group_name),
@@ -281,7 +314,9 @@ class Calls:
             self.after = None
         grad = torch.is_grad_enabled()
         synced = grad and getattr(wrapper, "require_backward_grad_sync", False)  # DataParallel: never
-        sync = None if config.disabled() or not synced or self.unsynced else plan(wrapper)
+        sync = None if config.disabled() or not synced else plan(wrapper)
+        if sync is not None and self.unsynced:  # after no_sync() accumulation: the .grads join the buckets
+            sync = accumulated(wrapper, sync)
         if grad:
             self.unsynced = not synced
         self.sync, self.inner = sync, inner
@@ -304,6 +339,17 @@ class Calls:
             # all-reduced when the backward ends, in the buckets and order the programs use, so ranks
             # that ran different paths issue the same collectives
             self.after = AfterBackward(list(inner.orig_module.parameters()), sync, wrapper.process_group)
+
+
+def accumulated(wrapper: torch.nn.Module, sync: Sync) -> Sync:
+    """`sync` for the synced call after no_sync() accumulation: with the wrapper's token, its parameters
+    registered for ddp_add_accumulated (again at each such call: the list may have changed)."""
+    token = _TOKENS.get(wrapper)
+    if token is None:
+        token = _TOKENS[wrapper] = next(_token_numbers)
+        weakref.finalize(wrapper, _ACCUMULATED.pop, token, None)
+    _ACCUMULATED[token] = list(wrapper.module.parameters())
+    return dataclasses.replace(sync, token=token)
 
 
 # the DDP wrappers whose calls of a compiled module a Calls manages (AOTDataParallel's, or watch's hooks)
