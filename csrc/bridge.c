@@ -774,6 +774,12 @@ static aten_handle handle_of(PyObject *o) {
     return PyLong_AsVoidPtr(o);
 }
 
+static int meta_is_empty(const af_tensor_meta *m) {
+    for (int32_t d = 0; d < m->ndim; d++)
+        if (m->sizes[d] == 0) return 1;
+    return 0;
+}
+
 static int check_one(aten_handle h, const af_tensor_meta *m, const char *name) {
     int64_t dim = 0, *sizes = NULL, *strides = NULL, offset = 0;
     int32_t dtype = 0, dev = 0, dev_index = 0;
@@ -785,8 +791,10 @@ static int check_one(aten_handle h, const af_tensor_meta *m, const char *name) {
             return af_error_set(AF_ERR_BRIDGE, "torch's shim could not read a kernel operand");
         if (dtype != torch_dtype_code[m->dtype] || dev != torch_device_code[m->device.type] || dim != m->ndim)
             return AF_BRIDGE_LAYOUT_MISMATCH;
+        int empty = meta_is_empty(m); /* no elements: any strides read the same (none) */
         for (int32_t d = 0; d < m->ndim; d++)
-            if (sizes[d] != m->sizes[d] || (sizes[d] > 1 && strides[d] != m->strides[d])) return AF_BRIDGE_LAYOUT_MISMATCH;
+            if (sizes[d] != m->sizes[d] || (!empty && sizes[d] > 1 && strides[d] != m->strides[d]))
+                return AF_BRIDGE_LAYOUT_MISMATCH;
         kernel_ptr = ptr;
         return AF_OK;
     }
@@ -811,11 +819,14 @@ static int check_one(aten_handle h, const af_tensor_meta *m, const char *name) {
     if (dim != m->ndim)
         return af_error_set(AF_ERR_INVALID, "input %s: rank %" PRId64 ", the program was compiled for rank %d", name,
                             dim, (int)m->ndim);
+    /* a tensor without elements (a batch of 0) has no layout to keep: torch calls any strides of it
+     * contiguous (the expanded gradient of a sum, strides 0, stays as it is) */
+    int empty = meta_is_empty(m);
     for (int32_t d = 0; d < m->ndim; d++) {
         if (sizes[d] != m->sizes[d])
             return af_error_set(AF_ERR_INVALID, "input %s: size %" PRId64 " in dim %d, the program was compiled for %" PRId64,
                                 name, sizes[d], (int)d, m->sizes[d]);
-        if (sizes[d] > 1 && strides[d] != m->strides[d])
+        if (!empty && sizes[d] > 1 && strides[d] != m->strides[d])
             return af_error_set(AF_ERR_INVALID, "input %s: stride %" PRId64 " in dim %d, the program was compiled for %" PRId64,
                                 name, strides[d], (int)d, m->strides[d]);
     }

@@ -4,6 +4,7 @@ float64 reference, through compare_models); the tests also check that a shape jo
 (traced nothing) or, where it must not, was traced on its own."""
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -277,7 +278,7 @@ def test_inference_calls_and_batch_norm_statistics_in_a_family():
     norm (AOTAutograd's input mutation: the running statistics) at batch sizes of a family."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
-    twin = __import__("copy").deepcopy(model)
+    twin = copy.deepcopy(model)
     compiled = aotfuse.memory_efficient_fusion(twin)
     assert_batches_train_like_eager(compiled, twin, model, (4, 6, 9, 5), 6)
     assert_close(twin[1].running_mean, model[1].running_mean, "running mean")
@@ -371,7 +372,7 @@ def test_torch_compile_traces_a_symbolic_graph_with_size_inputs_once(monkeypatch
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = M()
-    twin = __import__("copy").deepcopy(model)
+    twin = copy.deepcopy(model)
     compiled = torch.compile(twin, backend="aotfuse")
     for n in (12, 20, 16, 9):
         ids = torch.randint(0, 100, (2, n))
@@ -391,7 +392,7 @@ def test_batch_and_length_both_symbolic_train_like_eager():
     input of the graph gives the value of ...")."""
     torch.manual_seed(0)
     model = _bert()
-    twin = __import__("copy").deepcopy(model)
+    twin = copy.deepcopy(model)
     compiled = aotfuse.memory_efficient_fusion(twin, dynamic=True)
     for b, n in ((2, 16), (3, 12), (4, 20), (2, 9)):
         ids = torch.randint(0, 100, (b, n))
@@ -425,3 +426,31 @@ def test_explain_reports_a_members_own_programs_and_saved_values():
     assert member.saved_bytes == alone.saved_bytes and member.saved_bytes > 0
     assert (member.forward_nodes, member.backward_nodes, member.fused_kernels) == \
         (alone.forward_nodes, alone.backward_nodes, alone.fused_kernels)
+
+
+@pytest.mark.parametrize("route", ["first_call", "family", "torch_compile_dynamic"])
+def test_batches_without_elements_train_like_eager(route):
+    """A size-0 dim (an empty batch or sequence) in the middle of the shape: the output gradient of a
+    sum is then an expanded tensor (strides 0) torch calls contiguous, and a bias gradient's sum over a
+    reshape of it has no stride ranges to tell the reduced dims by. Before: the backward's first run
+    failed a view ('shape [1, 32] is invalid for input of size 64'), and after a family or under
+    dynamic=True the C program refused the gradient ('AF_ERR_INVALID: input tangents_1: stride 0')."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    twin = copy.deepcopy(model)
+    if route == "torch_compile_dynamic":
+        torch._dynamo.reset()
+        compiled = torch.compile(twin, backend="aotfuse", dynamic=True)
+    else:
+        compiled = aotfuse.memory_efficient_fusion(twin)
+    shapes_ = {"first_call": [(2, 0, 16), (0, 3, 16)], "family": [(2, 4, 16), (2, 6, 16), (0, 6, 16), (2, 0, 16)],
+               "torch_compile_dynamic": [(2, 4, 16), (2, 0, 16), (0, 5, 16)]}[route]
+    for shape in shapes_:
+        x = torch.randn(shape)
+        out, ref = compiled(x), model(x)
+        assert_close(out, ref, f"{route} {shape}: output")
+        (out.sum() + out.square().sum()).backward()
+        (ref.sum() + ref.square().sum()).backward()
+        for (name, p), q in zip(twin.named_parameters(), model.parameters()):
+            assert_close(p.grad, q.grad, f"{route} {shape}: grad of {name}")
+            p.grad = q.grad = None

@@ -299,6 +299,8 @@ def _reduced_dims_through(xshape: tuple, vshape: tuple, vdims: set) -> list[int]
             stride *= size
         return out[::-1]
 
+    if 0 in xshape or 0 in vshape:  # no elements: the stride ranges collapse and tell nothing
+        return None
     xr, vr = ranges(xshape), ranges(vshape)
     dims = []
     for d, (lo, hi) in enumerate(xr):
