@@ -25,6 +25,35 @@ def test_untraceable_function_raises_a_clear_error():
     assert "data-dependent control flow" in msg
 
 
+def test_a_tensor_read_without_being_an_input_is_named_as_such():
+    """A global model a loss function calls, a closed-over tensor, an unregistered tensor attribute:
+    the capture meets real tensors among its traced ones. The error says so and how to pass them, where
+    it used to blame control flow; fallback='eager' still runs such functions as they are."""
+    model = torch.nn.Linear(4, 2)
+    w = torch.randn(4, requires_grad=True)
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.scale = torch.tensor(2.0)  # neither a parameter nor a buffer
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    x = torch.randn(3, 4)
+    for name, fn in (("global model", aotfuse.memory_efficient_fusion(lambda x: model(x).pow(2).mean())),
+                     ("closed-over tensor", aotfuse.aot_function(lambda x: (x * w).sum())),
+                     ("tensor attribute", aotfuse.memory_efficient_fusion(Scaled()))):
+        with pytest.raises(aotfuse.CaptureError, match="reads a tensor that is not one of its inputs") as info:
+            fn(x)
+        assert "register_buffer" in str(info.value) and "control flow" not in str(info.value), name
+    fallback = aotfuse.aot_function(lambda x: (x * w).sum(), fallback="eager")
+    with pytest.warns(UserWarning):
+        out = fallback(x)
+    assert torch.equal(out, (x * w).sum())
+
+
 def test_a_partitioner_failure_is_reported_as_aotfuses_bug_not_the_models(monkeypatch):
     import aotfuse.partition
 

@@ -272,6 +272,49 @@ def test_vmap_and_grad_over_compiled_functions_run_them_as_the_original():
     assert _ran_compiled(compiled)
 
 
+def test_submodule_state_changed_after_compiling_is_not_ignored():
+    """After the first compiled call: a batch norm frozen with .eval() inside a model that trains (a
+    fine-tuning habit), a submodule replaced, inserted (Sequential.insert writes its dict directly)
+    and deleted, a dropout's p raised. Each makes another signature, so the values stay eager's. Before, only the root's training flag was in the signature: the frozen norm
+    kept normalizing with batch statistics and moving its running ones, the old submodule ran."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4), nn.GELU(), nn.Linear(4, 4))
+    ref = copy.deepcopy(model)
+    compiled = aotfuse.memory_efficient_fusion(model)
+    x = torch.randn(16, 8)
+
+    def step(what):
+        out, expected = compiled(x), ref(x)
+        assert_close(out, expected, f"{what}: output")
+        out.square().mean().backward()
+        expected.square().mean().backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad, f"{what}: grad of {name}")
+            p.grad = q.grad = None
+        for (name, b), c in zip(model.named_buffers(), ref.buffers()):
+            assert torch.equal(b, c), f"{what}: buffer {name}"
+
+    step("all training")
+    model[1].eval()
+    ref[1].eval()
+    assert model.training and not model[1].training
+    step("batch norm frozen by .eval()")
+    model[2] = nn.Tanh()
+    ref[2] = nn.Tanh()
+    step("GELU replaced by Tanh")
+    model.insert(3, nn.Linear(4, 4))  # Sequential.insert writes the submodule dict past the hooks
+    ref.insert(3, copy.deepcopy(model[3]))
+    step("a Linear inserted")
+    del model[3], ref[3]
+    step("the Linear deleted again")
+    model.append(nn.Dropout(0.1))  # dropout draws differ from eager's: count the zeros
+    x = torch.randn(256, 8)
+    assert (compiled(x) == 0).float().mean().item() < 0.2
+    model[-1].p = 0.9
+    zeros = (compiled(x) == 0).float().mean().item()
+    assert 0.8 < zeros, f"dropout p raised to 0.9 after compiling: {zeros:.2f} of the values dropped"
+
+
 def test_a_compiled_module_inside_a_compiled_model_is_traced_through():
     """A user compiles a block, then the model holding it (or a Trainer compiles it again): the enclosing
     capture traces through the block (one program, the block's ops in it) and the block alone still runs

@@ -12,6 +12,7 @@ import collections
 import contextlib
 import functools
 import math
+import operator
 import sys
 import threading
 import warnings
@@ -493,6 +494,18 @@ class _Capturing(threading.local):
 _capturing = _Capturing()
 
 
+def _reads_outside_tensor(e: BaseException) -> bool:
+    """Did tracing meet a real tensor among the traced ones (FakeTensorMode's refusal)? That is a tensor
+    the function reads without taking it: a global, a closure's, an unregistered module attribute."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if "convert all Tensors to FakeTensors" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def _warn_transform(name: str) -> None:
     """A compiled function called inside torch.func.vmap/grad/jacrev/...: its programs take plain
     tensors, so it runs as the original function (the transform's own rules), with one warning. Not
@@ -846,7 +859,11 @@ class CompiledFunction:
                     "torch.compile does)" if isinstance(e, HooksError) else
                     "its kernels cannot be built on this machine; AOTFUSE_BACKEND=aten runs without them"
                     if isinstance(e, BackendUnavailable) else "an op or argument the C core cannot take"
-                    if isinstance(e, UnsupportedError) else "the graph was traced, but partitioning it failed: an aotfuse "
+                    if isinstance(e, UnsupportedError) else "it reads a tensor that is not one of its inputs: a global "
+                    "or closed-over tensor, or a module attribute that is neither a parameter nor a buffer; pass it as "
+                    "an argument or register it with register_buffer (a compiled module passes its parameters and "
+                    "buffers itself)" if _reads_outside_tensor(e)
+                    else "the graph was traced, but partitioning it failed: an aotfuse "
                     "bug, please report it with this message" if entry.record.partition_failed
                     else "data-dependent control flow, an op AOTAutograd cannot trace, or an error the function "
                          "raises uncompiled too: AOTFUSE_DISABLE=1 runs it uncompiled")
@@ -925,6 +942,10 @@ def aot_function(fn: Callable, fw_compiler: Callable | None = None, bw_compiler:
 # tree (a loss module a forward builds per call, as Hugging Face's models do; another model) do not
 # bump it: at the host regime's Bert size they made every compiled forward walk again, 0.8 ms.
 _structure_version = [0]
+# a module tree (its modules' ids, in modules() order) -> a small number for signatures to hold
+_tree_ids: dict[tuple, int] = {}
+_training = operator.attrgetter("training")
+_dropout_p = operator.attrgetter("p")
 _structure_hooks: list = []
 _watched_modules: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
@@ -1089,6 +1110,8 @@ class AOTModule(nn.Module):
         object.__setattr__(self, "_aotfuse_options", options)  # aot_module's arguments after the module
         object.__setattr__(self, "_aotfuse_refs", None)
         object.__setattr__(self, "_aotfuse_hooks", None)
+        # (structure version, modules, the tree's number, dropouts, their submodule dicts, the dicts' lengths)
+        object.__setattr__(self, "_aotfuse_tree", None)
         object.__setattr__(self, "_aotfuse_ddp", None)  # the ddp.Sync of the synced call in progress (ddp.Calls)
         object.__setattr__(self, "_aotfuse_ddp_ran", False)  # whether that call ran a program that syncs
         object.__setattr__(self, "orig_module", mod)  # not a submodule: keys stay unprefixed
@@ -1125,7 +1148,7 @@ class AOTModule(nn.Module):
             if active is not None and active._modules.get("module") is self and active not in ddp.MANAGED:
                 if ddp.watch(active, self):
                     return mod(*args, **kwargs)
-        extra = (mod.training, self._hooks_key(), sync)
+        extra = (self._state_key(), self._hooks_key(), sync)
         shortcut = compiled.module_fallback
         if shortcut is not None:  # these arguments fell back before: no tensor walk, no lookup
             leaves, spec = tree_flatten((args, kwargs))
@@ -1145,6 +1168,31 @@ class AOTModule(nn.Module):
             leaves, spec = tree_flatten((args, kwargs))
             compiled.module_fallback = (_signature(leaves, spec, extra), entry.fallback_target)
         return out
+
+    def _state_key(self) -> tuple:
+        """The module tree's part of each signature: which modules it holds (a submodule replaced or
+        added makes another signature: the programs traced the old one), their training flags (one
+        bool while all agree; each module's where they differ: a batch norm frozen by .eval() in a model
+        training) and the dropout modules' p (a dropout schedule). The tree is walked again only when a
+        module registered anything anywhere (_structure_version) or a submodule dict's length changed
+        behind the hooks; flags, p and the lengths are read at each call (about 20 us for Bert-base's
+        233 modules). Other Python attributes a forward reads are constants of
+        the programs traced (README, Troubleshooting)."""
+        cached = self._aotfuse_tree
+        if cached is not None and cached[0] == _structure_version[0] and tuple(map(len, cached[4])) != cached[5]:
+            # a submodule dict written directly, past the registration hooks (Sequential.insert,
+            # ModuleList.pop, del model[i]): the tree, and every cache keyed by the version, are stale
+            _structure_version[0] += 1
+        if cached is None or cached[0] != _structure_version[0]:
+            mods = list(self.orig_module.modules())
+            tree = _tree_ids.setdefault(tuple(map(id, mods)), len(_tree_ids))
+            dropouts = [m for m in mods if isinstance(m, nn.modules.dropout._DropoutNd)]
+            dicts = [m._modules for m in mods]
+            cached = (_structure_version[0], mods, tree, dropouts, dicts, tuple(map(len, dicts)))
+            object.__setattr__(self, "_aotfuse_tree", cached)
+        flags = tuple(map(_training, cached[1]))
+        return (cached[2], flags[0] if flags.count(flags[0]) == len(flags) else flags,
+                tuple(map(_dropout_p, cached[3])))
 
     def _hooks_key(self) -> tuple:
         """The module hooks a call would run (where, and their ids): part of each signature, so a hook
@@ -1188,7 +1236,7 @@ class AOTModule(nn.Module):
 
     # what the original module shares with this view; the rest of __dict__ (its own hooks, training) is its own
     _SHARED = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "orig_module",
-                         "_aotfuse_compiled", "_aotfuse_refs", "_aotfuse_hooks", "_aotfuse_options", "compiled_module",
+                         "_aotfuse_compiled", "_aotfuse_refs", "_aotfuse_hooks", "_aotfuse_tree", "_aotfuse_options", "compiled_module",
                          "_aotfuse_lock", "_aotfuse_calls"})
 
     def __reduce_ex__(self, protocol: int) -> tuple:
