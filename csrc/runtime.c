@@ -93,9 +93,9 @@ struct af_program {
     int8_t *reuse_state;     /* per value: 0 donor not yet checked, 1 checked, -1 its layout differs (never reused) */
     int32_t n_reuses;        /* planned */
     int32_t n_sunk;          /* copies and reads af_sink_copies rewrote */
-    uint8_t *pin_state;      /* per value: 0, or a base of as_strided views, which must have its graph
-                              * layout: 1 unchecked, 2 checked (has it), 3 given it by a copy each run */
-    int32_t n_pinned;
+    uint8_t *pin_state;      /* per value: 0, or a base of as_strided or view steps, which must have its
+                              * graph layout: 1 unchecked, 2 checked (has it), 3 given it by a copy each run */
+    int32_t n_pinned;        /* values in state 1 or 3: 0 after a first run where every base had its layout */
     int64_t reused_bytes;    /* planned: bytes of the results that take a donor's tensor */
     int64_t fresh_bytes;     /* planned: bytes of the intermediates (no outputs) allocated fresh: see af_program_fresh_bytes */
     int64_t reuses_refused;  /* runs in which a donor was found held elsewhere (released, not reused) */
@@ -717,7 +717,6 @@ int af_program_new(af_graph *g, const af_program_options *opts, af_program **out
     }
     if (o.fuse && (st = build_kernels(p, &o))) goto error;
     if ((st = plan_views(p))) goto error;
-    if ((st = plan_pins(p))) goto error;
     /* groups that run after a node not their own (fuse.c's deps), listed at that node */
     int32_t ngr = p->plan ? p->plan->n_groups : 0;
     int32_t *late_head = malloc(((size_t)nn + 1) * sizeof(int32_t)), *late_next = malloc(((size_t)ngr + 1) * sizeof(int32_t));
@@ -763,6 +762,7 @@ int af_program_new(af_graph *g, const af_program_options *opts, af_program **out
     if ((st = plan_releases(p, step_of_node))) goto error;
     for (int32_t i = 0; i < nn; i++)
         if ((st = af_extern_new(g, i, &p->externs[i]))) goto error;
+    if ((st = plan_pins(p))) goto error; /* reads the externs' alias flags */
     if ((st = plan_reuse(p, step_of_node, !o.no_reuse))) goto error;
     if ((st = plan_huge(p, o.huge_pages_min))) goto error;
     free(step_of_node);
@@ -1306,18 +1306,23 @@ static int check_view(af_program *p, int32_t i) {
     return AF_OK;
 }
 
-/* as_strided reads its base's storage as the graph lays it out: the bases made by the program
- * (a kernel's output, or an ATen call's where the kernel fell back or there is none) are checked
- * against their metadata after the step making them, and given that layout by a copy where ATen
- * made another (never seen in traced graphs; graphs whose metadata disagrees with ATen's views). */
+/* as_strided reads its base's storage as the graph lays it out, and view/_unsafe_view need a
+ * layout they can view: the bases made by the program (a kernel's output, or an ATen call's where
+ * the kernel fell back or there is none) are checked against their metadata after the step making
+ * them (the first run only, where they agree), and given that layout by a copy where ATen made
+ * another. Seen: CPU batch norm over a transposed input returns a contiguous tensor where its meta
+ * function keeps the input's strides, so the view after it failed. Not a base an ATen call may
+ * return aliased to its input (a copy would break the alias); inputs are checked on entry. */
 static int plan_pins(af_program *p) {
     const af_graph *g = p->graph;
     int32_t nn = af_graph_num_nodes(g);
     for (int32_t i = 0; i < nn; i++) {
         const af_node *n = af_graph_node(g, i);
-        if (n->op_id != AF_OP_AS_STRIDED || n->n_args < 1 || n->args[0].kind != AF_ARG_VALUE) continue;
-        int32_t r = af_graph_view_root(g, n->args[0].u.value);
-        if (af_graph_value(g, r)->producer < 0 || af_graph_value(g, r)->meta.type != AF_VALUE_TENSOR) continue; /* inputs: checked */
+        int viewing = n->op_id == AF_OP_VIEW || n->op_id == AF_OP_UNSAFE_VIEW;
+        if ((n->op_id != AF_OP_AS_STRIDED && !viewing) || n->n_args < 1 || n->args[0].kind != AF_ARG_VALUE) continue;
+        int32_t r = af_graph_view_root(g, n->args[0].u.value), prod = af_graph_value(g, r)->producer;
+        if (prod < 0 || af_graph_value(g, r)->meta.type != AF_VALUE_TENSOR) continue; /* inputs: checked */
+        if (viewing && af_extern_may_alias(p->externs[prod])) continue;
         if (!p->pin_state && !(p->pin_state = calloc((size_t)af_graph_num_values(g) + 1, 1)))
             return af_error_set(AF_ERR_NOMEM, "out of memory planning a program");
         p->n_pinned += p->pin_state[r] == 0;
@@ -1333,7 +1338,7 @@ static int pin_layout(af_program *p, int32_t v) {
     void *ptr = NULL;
     int st = af_bridge_tensor_data(&t, &m, 1, &ptr);
     if (st != AF_BRIDGE_LAYOUT_MISMATCH) {
-        if (!st && p->pin_state[v] == 1) p->pin_state[v] = 2;
+        if (!st && p->pin_state[v] == 1) p->pin_state[v] = 2, p->n_pinned--; /* checked: never again */
         return st;
     }
     af_obj *fresh = NULL;

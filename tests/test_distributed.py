@@ -130,8 +130,12 @@ def test_a_wrapper_whose_module_was_replaced_is_an_error():
 
 
 def _one_process_ddp(backend: str, device: str) -> None:
-    """memory_efficient_fusion(DDP(Deep)) in a one-process group: its backward program all-reduces its
-    1 MB buckets (functional collectives on this backend) and trains like eager DDP."""
+    """memory_efficient_fusion(DDP(Deep)) and DDP(memory_efficient_fusion(Deep)) in a one-process group:
+    their backward programs all-reduce the 1 MB buckets (functional collectives on this backend), the
+    synced call after a no_sync() micro-step adding the accumulated .grads to each bucket first, and
+    they train like eager DDP."""
+    import contextlib
+
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -141,21 +145,31 @@ def _one_process_ddp(backend: str, device: str) -> None:
         pytest.skip("a process group is already initialized in this process")
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
-        torch.manual_seed(0)
-        model = Deep().to(device)
-        ref = copy.deepcopy(model)
-        ids = [0] if device == "cuda" else None
-        fused = aotfuse.memory_efficient_fusion(DDP(model, device_ids=ids, bucket_cap_mb=1))
-        eager = DDP(ref, device_ids=ids, bucket_cap_mb=1)
-        x = torch.randn(8, 12, device=device)
-        for step in range(2):
-            fused(x).square().mean().backward()
-            eager(x).square().mean().backward()
-            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-                assert_close(p.grad, q.grad, f"{backend} step {step}: grad of {name}")
-                p.grad = q.grad = None
-        counts = _all_reduces(fused)
-        assert counts["all_reduces"] >= 3, counts
+        for form in ("compiled_ddp", "ddp_of_compiled"):
+            torch.manual_seed(0)
+            model = Deep().to(device)
+            ref = copy.deepcopy(model)
+            ids = [0] if device == "cuda" else None
+            fused = (aotfuse.memory_efficient_fusion(DDP(model, device_ids=ids, bucket_cap_mb=1)) if form == "compiled_ddp"
+                     else DDP(aotfuse.memory_efficient_fusion(model), device_ids=ids, bucket_cap_mb=1))
+            eager = DDP(ref, device_ids=ids, bucket_cap_mb=1)
+            x = torch.randn(8, 12, device=device)
+            for step in range(4):  # step 2 a no_sync() micro-step, step 3 the synced call after it
+                for wrapped in (fused, eager):
+                    with wrapped.no_sync() if step == 2 else contextlib.nullcontext():
+                        wrapped(x * (step + 1)).square().mean().backward()
+                if step == 2:
+                    continue
+                for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                    assert_close(p.grad, q.grad, f"{backend} {form} step {step}: grad of {name}")
+                    p.grad = q.grad = None
+            counts = _all_reduces(fused)
+            assert counts["all_reduces"] >= 6, (form, counts)  # the synced program's and the accumulated one's
+            inner = fused.compiled_module if form == "compiled_ddp" else fused.module
+            adds = sum(n.target is torch.ops.aotfuse.ddp_add_accumulated.default
+                       for e in inner._aotfuse_compiled._cache.values() if e.record is not None
+                       for gm in [e.record.graphs.get("backward")] if gm is not None for n in gm.graph.nodes)
+            assert adds >= 3, (form, adds)
     finally:
         dist.destroy_process_group()
 
@@ -168,7 +182,8 @@ def test_compiled_ddp_all_reduces_in_its_backward_in_one_process():
 @pytest.mark.cuda
 def test_compiled_ddp_all_reduces_in_its_backward_with_nccl():
     """The same on a GPU through NCCL (one process: the machine has one GPU): the all-reduces on NCCL's
-    stream, waited for on torch's current stream before the gradients are read."""
+    stream, waited for on torch's current stream before the gradients are read; both forms, and the
+    accumulated .grads added on the GPU."""
     if not torch.distributed.is_nccl_available():
         pytest.skip("this torch has no NCCL")
     _one_process_ddp("nccl", "cuda")
