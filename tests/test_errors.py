@@ -54,6 +54,36 @@ def test_a_tensor_read_without_being_an_input_is_named_as_such():
     assert torch.equal(out, (x * w).sum())
 
 
+def test_a_call_the_signature_refuses_raises_eagers_type_error():
+    """A missing, extra or unknown argument raises TypeError, as the eager call would, before anything
+    is traced (it was a CaptureError blaming control flow, which `except TypeError` missed); a function
+    taking *args/**kwargs (a decorator's wrapper) binds anything and compiles as before."""
+    import functools
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+    compiled = aotfuse.memory_efficient_fusion(model)
+    x = torch.randn(2, 4)
+    for call, what in ((lambda: compiled(), "missing a required argument"), (lambda: compiled(x, x), "too many"),
+                       (lambda: compiled(x, foo=1), "unexpected keyword argument 'foo'")):
+        with pytest.raises(TypeError, match=what):
+            call()
+    assert torch.allclose(compiled(x), model(x), atol=1e-6)
+
+    def f(a, b):
+        return (a * b).sum()
+
+    with pytest.raises(TypeError, match="missing a required argument: 'b'"):
+        aotfuse.aot_function(f)(x)
+
+    @functools.wraps(f)
+    def renaming(*args, **kwargs):  # accepts an old keyword the wrapped signature has not
+        if "old_b" in kwargs:
+            kwargs["b"] = kwargs.pop("old_b")
+        return f(*args, **kwargs)
+
+    assert torch.allclose(aotfuse.aot_function(renaming)(x, old_b=x), f(x, x))
+
+
 def test_a_partitioner_failure_is_reported_as_aotfuses_bug_not_the_models(monkeypatch):
     import aotfuse.partition
 

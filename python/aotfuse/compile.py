@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import inspect
 import math
 import operator
 import sys
@@ -600,6 +601,7 @@ class CompiledFunction:
             with config.compile_lock():
                 entry = self._cache.get(key)  # compiled meanwhile by another thread
                 if entry is None:
+                    self._check_call(tree)
                     entry = self._compile(key, leaves, spec, tree)
                     if entry is None:  # cache full: this signature runs eagerly
                         args, kwargs = tree
@@ -808,6 +810,21 @@ class CompiledFunction:
             config.emit("cache", f"{self.name}: the symbolic trace pinned every symbolic size; other shapes are "
                                  f"traced on their own")
         return outs
+
+    def _check_call(self, tree: Any) -> None:
+        """A call the function's own signature refuses (a missing, extra or unknown argument) raises
+        the TypeError an eager call would, before anything is traced (it used to surface as a
+        CaptureError blaming control flow, which `except TypeError` missed). A new signature only."""
+        args, kwargs = tree
+        fn = self.fallback_fn.forward if isinstance(self.fallback_fn, nn.Module) else self.fallback_fn
+        try:  # the callable's own signature: a decorator's (*args, **kwargs) binds anything, as it should
+            sig = inspect.signature(fn, follow_wrapped=False)
+        except (TypeError, ValueError):  # a builtin or C function without one: the trace will say
+            return
+        try:
+            sig.bind(*args[self.fallback_skip:], **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{self.name}: {e}") from None
 
     def _first_run(self, entry: _Entry, leaves: list, tree: Any, extra: tuple = (), key: tuple = ()) -> tuple:
         """The first call of a signature traces, partitions, lowers (forward and backward) and runs:
