@@ -56,7 +56,7 @@ OP_CASES = {
     "aten::floor": lambda a, b, c: aten.floor(a * 4.0),
     "aten::ceil": lambda a, b, c: aten.ceil(a * 4.0),
     "aten::trunc": lambda a, b, c: aten.trunc(a * 4.0),
-    "aten::round": lambda a, b, c: aten.round(a * 4.0) + aten.round(aten.full.default(list(a.shape), 2.5, dtype=a.dtype)),
+    "aten::round": lambda a, b, c: aten.round(a * 4.0) + aten.round(aten.full.default(list(a.shape), 2.5, dtype=a.dtype, device=a.device)),
     "aten::frac": lambda a, b, c: aten.frac(a * 4.0),
     "aten::sign": lambda a, b, c: aten.sign(aten.round(a)) + b,
     "aten::sigmoid": lambda a, b, c: aten.sigmoid(a),
@@ -85,7 +85,7 @@ OP_CASES = {
     if False else prims.convert_element_type(prims.convert_element_type(a, torch.bfloat16), a.dtype),
     "aten::_to_copy": lambda a, b, c: aten._to_copy(aten._to_copy(a, dtype=torch.bfloat16), dtype=a.dtype),
     "aten::clone": lambda a, b, c: aten.clone(a),
-    "aten::full": lambda a, b, c: aten.mul.Tensor(aten.full.default(list(a.shape), 0.75, dtype=a.dtype), a),
+    "aten::full": lambda a, b, c: aten.mul.Tensor(aten.full.default(list(a.shape), 0.75, dtype=a.dtype, device=a.device), a),
 }
 
 
