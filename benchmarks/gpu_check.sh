@@ -5,19 +5,22 @@
 #
 # A lease is about 15 minutes, a machine's start included, so the check is cut into parts that two runs
 # can share:
-#   STEPS   comma-separated parts, in this order: tests, fp32, bf16, fp16, ab, profile, epilogues
-#           (default: all of them)
+#   STEPS   comma-separated parts, run in this order: tests, fp32, bf16, ab, profile, epilogues, fp16
+#           (default: all of them; fp16 last, so the short diagnostic parts are not starved by a bench)
 #   BUDGET  seconds for the whole run (default 450): every part's timeout is cut to what is left, and a
 #           part that would get under 30 s is skipped
 #   TESTS   pytest node ids or files to run instead of the whole `-m cuda` subset (a rerun of failures)
 #   MODELS  the bench's models (default the four seed models)
+#   AB_DTYPE the ab part's dtype (default bf16; fp32 asks what the SDPA rewrite and the phased norm
+#           kernels give where the matmuls are not on tensor cores)
 # e.g. a first run:  STEPS=tests,fp32 BUDGET=330 bash benchmarks/gpu_check.sh
 #      a second one: STEPS=bf16,tests TESTS="tests/test_cuda.py::test_x" BUDGET=300 bash benchmarks/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu-results}"
 mkdir -p "$OUT"
-STEPS=",${STEPS:-tests,fp32,bf16,fp16,ab,profile,epilogues},"
+STEPS=",${STEPS:-tests,fp32,bf16,ab,profile,epilogues,fp16},"
+AB_DTYPE="${AB_DTYPE:-bf16}"
 BUDGET="${BUDGET:-450}"
 MODELS="${MODELS:-AlbertForMaskedLM,GPT2LMHeadModel,BertForMaskedLM,LongformerForMaskedLM}"
 start=$(date +%s)
@@ -79,13 +82,12 @@ bench() {
 # is its attention rewrite (fuse_attention: SDPA on CUDA in fp16/bf16, not in fp32 without TF32)
 part fp32 120 && bench fp32 eager,aotfuse,torch.compile
 part bf16 120 && bench bf16 eager,aotfuse,torch.compile,eager-sdpa
-part fp16 120 && bench fp16 eager,aotfuse,torch.compile
 
 if part ab 60; then
-  echo "== bf16, Bert and GPT2: layer norm and softmax left to ATen (AOTFUSE_DECOMPOSE_NORMS=0's effect), attention left eager (AOTFUSE_FUSE_ATTENTION=0's)"
-  timeout "$(cap 75)" python3 -m aotfuse.bench --device cuda --models BertForMaskedLM,GPT2LMHeadModel --dtypes bf16 \
+  echo "== $AB_DTYPE, Bert and GPT2: layer norm and softmax left to ATen (AOTFUSE_DECOMPOSE_NORMS=0's effect), attention left eager (AOTFUSE_FUSE_ATTENTION=0's)"
+  timeout "$(cap 75)" python3 -m aotfuse.bench --device cuda --models BertForMaskedLM,GPT2LMHeadModel --dtypes "$AB_DTYPE" \
     --backends eager,aotfuse-aten-norms,aotfuse-eager-attn --repeats 10 --time-budget 30 --no-progress --out-dir "$OUT" \
-    --name hf-cuda-aten-norms-eager-attn > "$OUT/bench-aten-norms.log" 2>&1
+    --name "hf-cuda-aten-norms-eager-attn-$AB_DTYPE" > "$OUT/bench-aten-norms.log" 2>&1
   echo "aten-norms bench rc=$?"
 fi
 
@@ -101,6 +103,8 @@ if part epilogues 30; then
   timeout "$(cap 35)" python3 benchmarks/epilogues.py --device cuda > "$OUT/epilogues-cuda.md" 2>&1
   echo "epilogues rc=$?"; grep -E '^\| (layer_norm|add|softmax \||cross)' "$OUT/epilogues-cuda.md" | cut -c1-140
 fi
+
+part fp16 120 && bench fp16 eager,aotfuse,torch.compile
 
 echo "== summary ($(( $(date +%s) - start )) s)"
 for f in "$OUT"/hf-cuda*.md; do [ -f "$f" ] && grep -E '^\| (model|[A-Za-z]+For|GPT2)' "$f" | cut -c1-220; done

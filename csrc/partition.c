@@ -396,8 +396,9 @@ static int sink_matmuls(const joint_ctx *c, af_partition *p) {
 static int finish(const joint_ctx *c, const uint8_t *stop, af_partition *p) {
     const af_graph *g = c->g;
     int st = AF_OK;
-    uint8_t *need = calloc((size_t)c->nv + 1, 1);
-    uint8_t *saved = calloc((size_t)c->nv + 1, 1);
+    size_t nv = c->nv > 0 ? (size_t)c->nv : 0; /* gcc 12's fortified memset wants the sign settled */
+    uint8_t *need = calloc(nv + 1, 1);
+    uint8_t *saved = calloc(nv + 1, 1);
     uint8_t *emitted = calloc((size_t)c->nn + 1, 1);
     int32_t *stack_n = malloc(((size_t)c->nn + 1) * sizeof(int32_t));
     int32_t *stack_k = malloc(((size_t)c->nn + 1) * sizeof(int32_t));
@@ -427,7 +428,7 @@ static int finish(const joint_ctx *c, const uint8_t *stop, af_partition *p) {
         for (int32_t k = c->arg_start[prod]; k < c->arg_start[prod + 1]; k++) need[c->args_flat[k]] = 1;
     }
     /* forward slice: the forward outputs and the saved values */
-    memset(need, 0, (size_t)c->nv);
+    memset(need, 0, nv);
     for (int32_t o = 0; o < c->nfwd; o++) need[af_graph_output(g, o)] = 1;
     for (int32_t v = 0; v < c->nv; v++)
         if (saved[v]) need[v] = 1;
