@@ -5,7 +5,7 @@
 #
 # A lease is about 15 minutes, a machine's start included, so the check is cut into parts that two runs
 # can share:
-#   STEPS   comma-separated parts, run in this order: tests, fp32, bf16, ab, profile, epilogues, fp16
+#   STEPS   comma-separated parts, run in this order: tests, fp32, bf16, diag, ab, profile, epilogues, fp16
 #           (default: all of them; fp16 last, so the short diagnostic parts are not starved by a bench)
 #   BUDGET  seconds for the whole run (default 450): every part's timeout is cut to what is left, and a
 #           part that would get under 30 s is skipped
@@ -19,7 +19,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu-results}"
 mkdir -p "$OUT"
-STEPS=",${STEPS:-tests,fp32,bf16,ab,profile,epilogues,fp16},"
+STEPS=",${STEPS:-tests,fp32,bf16,diag,ab,profile,epilogues,fp16},"
 AB_DTYPE="${AB_DTYPE:-bf16}"
 BUDGET="${BUDGET:-450}"
 MODELS="${MODELS:-AlbertForMaskedLM,GPT2LMHeadModel,BertForMaskedLM,LongformerForMaskedLM}"
@@ -82,6 +82,21 @@ bench() {
 # is its attention rewrite (fuse_attention: SDPA on CUDA in fp16/bf16, not in fp32 without TF32)
 part fp32 120 && bench fp32 eager,aotfuse,torch.compile
 part bf16 120 && bench bf16 eager,aotfuse,torch.compile,eager-sdpa
+
+# diag: why Bert's fp32 step trailed eager's (2026-12-04: 104%, torch.compile 94%): micro-benchmarks of the
+# suspects (fp32 attention through SDPA's memory-efficient kernel against eager's bmm + softmax, the LM
+# head's gradient in vocabulary chunks, Threefry dropout in row kernels), then aotfuse with each switch
+# side by side in one process (dropout through ATen's generator on both sides of the attention switch:
+# without the rewrite the attention's dropout would otherwise be Threefry's in aotfuse's kernels)
+if part diag 60; then
+  echo "== fp32 diagnosis, Bert (at $(( $(date +%s) - start )) s)"
+  timeout "$(cap 100)" python3 benchmarks/gpu_micro.py --device cuda --iters 20 > "$OUT/micro-cuda.txt" 2>&1
+  echo "micro rc=$?"; cat "$OUT/micro-cuda.txt"
+  timeout "$(cap 150)" python3 -m aotfuse.bench --device cuda --models BertForMaskedLM --dtypes fp32 --backends \
+    eager,aotfuse,aotfuse+AOTFUSE_LM_GRAD_CHUNKS=0,aotfuse+AOTFUSE_FALLBACK_RANDOM=1,aotfuse+AOTFUSE_FALLBACK_RANDOM=1+AOTFUSE_FUSE_ATTENTION=0,aotfuse+AOTFUSE_RECOMPUTE_MATERIALIZED=0,aotfuse+AOTFUSE_DECOMPOSE_NORMS=0 \
+    --repeats 10 --time-budget 60 --no-progress --out-dir "$OUT" --name hf-cuda-fp32-switches > "$OUT/bench-switches.log" 2>&1
+  echo "switches bench rc=$?"
+fi
 
 if part ab 60; then
   echo "== $AB_DTYPE, Bert and GPT2: layer norm and softmax left to ATen (AOTFUSE_DECOMPOSE_NORMS=0's effect), attention left eager (AOTFUSE_FUSE_ATTENTION=0's)"

@@ -338,7 +338,7 @@ static void close_row_chunks(af_strbuf *sb, const char *flush) {
  * passes (max; exp and sum; divide), layer norm three (mean; variance; normalize). */
 static int emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp,
                               const int32_t *phases, int32_t last_phase, int32_t index) {
-    uint8_t *cached = af_cg_phase_cache(g, grp, phases, sp->inner, AF_PHASE_CACHE_BYTES);
+    uint8_t *cached = af_cg_phase_cache(g, grp, phases, sp->inner, AF_PHASE_CACHE_BYTES, 0);
     if (!cached) return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
     const af_cg_operand *ops = sp->ops;
     int32_t nops = sp->nops, nd = sp->nd, n_kept = sp->n_kept;
@@ -388,7 +388,7 @@ static int emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_
         af_cg_emit_unflatten(sb, "      ", "af_idx", "s", "o", n_kept, nd - 1, sp->sizes, sp->strides, nops);
         af_strbuf_printf(sb, "      (void)s;\n");
         af_cg_emit_loads(sb, grp, ops);
-        af_cg_emit_members_cached(sb, g, grp, "      ", "", phases, ph, AF_CG_NAN_FLAGS | AF_CG_FLOAT_SUMS, cached);
+        af_cg_emit_members_cached(sb, g, grp, "      ", "", phases, ph, AF_CG_NAN_FLAGS | AF_CG_FLOAT_SUMS, cached, "i");
         af_cg_emit_phase_stores(sb, g, grp, ops, phases, ph, "      ");
         close_row_chunks(sb, flush.buf ? flush.buf : "");
         free(clauses.buf);

@@ -739,25 +739,26 @@ static void emit_frame(af_strbuf *sb, const af_graph *g, const af_fusion_group *
 
 static void emit_members_impl(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
                               const char *indent, const char *acc_at, const int32_t *phases, int32_t phase, int modes,
-                              const uint8_t *cached, af_cg_part *part);
+                              const uint8_t *cached, const char *at, af_cg_part *part);
 
 /* Emits the members' element computation (pointwise values as floats; reductions combined into
  * their accumulators acc<value>). */
 void af_cg_emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent,
                          const char *acc_at, const int32_t *phases, int32_t phase, int modes) {
-    emit_members_impl(sb, g, grp, NULL, indent, acc_at, phases, phase, modes, NULL, NULL);
+    emit_members_impl(sb, g, grp, NULL, indent, acc_at, phases, phase, modes, NULL, "i", NULL);
 }
 
 void af_cg_emit_members_cached(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent,
-                               const char *acc_at, const int32_t *phases, int32_t phase, int modes, const uint8_t *cached) {
-    emit_members_impl(sb, g, grp, NULL, indent, acc_at, phases, phase, modes, cached, NULL);
+                               const char *acc_at, const int32_t *phases, int32_t phase, int modes, const uint8_t *cached,
+                               const char *at) {
+    emit_members_impl(sb, g, grp, NULL, indent, acc_at, phases, phase, modes, cached, at, NULL);
 }
 
 /* ops: the kernel's operands, needed by window members (only af_cg_emit_body's pointwise kernels
  * have them: fuse.c keeps windows out of reduction groups). part: the loop part emitted, or NULL. */
 static void emit_members_impl(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
                               const char *indent, const char *acc_at, const int32_t *phases, int32_t phase, int modes,
-                              const uint8_t *cached, af_cg_part *part) {
+                              const uint8_t *cached, const char *at, af_cg_part *part) {
     af_frame root = {.ndim = 0, .part = part};
     const char *it = "int64_t";
     int explicit = ops && af_cg_explicit(g, grp);
@@ -797,8 +798,8 @@ static void emit_members_impl(af_strbuf *sb, const af_graph *g, const af_fusion_
         if (phases && ((phases[m] & AF_CG_ROW) || (info->kind == AF_KIND_REDUCTION ? phases[m] != phase : phases[m] > phase)))
             continue;
         if (cached && cached[m] && phases[m] < phase) { /* computed in its own phase's pass, read back */
-            af_strbuf_printf(sb, "%sconst float v%d = c%d[i]; /* %s, cached */\n", indent, (int)n->first_output,
-                             (int)n->first_output, n->op);
+            af_strbuf_printf(sb, "%sconst float v%d = c%d[%s]; /* %s, cached */\n", indent, (int)n->first_output,
+                             (int)n->first_output, at, n->op);
             continue;
         }
         if (info->kind == AF_KIND_REDUCTION) {
@@ -832,11 +833,11 @@ static void emit_members_impl(af_strbuf *sb, const af_graph *g, const af_fusion_
             int seed = (int)n->args[0].u.value;
             af_strbuf_printf(sb, "%sfloat v%d = af_rand(sv%d + %" PRId64 "ull, iv%d); /* %s */\n", indent, (int)n->first_output,
                              seed, stream, seed, n->op);
-            if (cached && cached[m]) af_strbuf_printf(sb, "%sc%d[i] = v%d;\n", indent, (int)n->first_output, (int)n->first_output);
+            if (cached && cached[m]) af_strbuf_printf(sb, "%sc%d[%s] = v%d;\n", indent, (int)n->first_output, at, (int)n->first_output);
             continue;
         }
         emit_pointwise(sb, g, n, indent, row_divisor(g, grp, phases, m));
-        if (cached && cached[m]) af_strbuf_printf(sb, "%sc%d[i] = v%d;\n", indent, (int)n->first_output, (int)n->first_output);
+        if (cached && cached[m]) af_strbuf_printf(sb, "%sc%d[%s] = v%d;\n", indent, (int)n->first_output, at, (int)n->first_output);
     }
 }
 
@@ -847,7 +848,7 @@ static int reads_value(const af_node *n, int32_t v) {
 }
 
 uint8_t *af_cg_phase_cache(const af_graph *g, const af_fusion_group *grp, const int32_t *phases, int64_t inner,
-                           int64_t max_bytes) {
+                           int64_t max_bytes, int random_only) {
     uint8_t *cached = calloc((size_t)grp->n_nodes + 1, 1), *later = calloc((size_t)grp->n_nodes + 1, 1);
     if (!cached || !later) {
         free(cached);
@@ -863,7 +864,8 @@ uint8_t *af_cg_phase_cache(const af_graph *g, const af_fusion_group *grp, const 
             /* a reader in a later phase, or one of this phase that a later phase evaluates again */
             later[m] = phases[k] > phases[m] || (later[k] && !cached[k]);
         }
-        if (later[m] && af_op_expensive(af_op_get(n->op_id)) && bytes + inner * 4 <= max_bytes) {
+        int wanted = random_only ? n->op_id == AF_OP_RNG_UNIFORM : af_op_expensive(af_op_get(n->op_id));
+        if (later[m] && wanted && bytes + inner * 4 <= max_bytes) {
             cached[m] = 1;
             bytes += inner * 4;
         }
@@ -965,7 +967,7 @@ void af_cg_emit_store_at(af_strbuf *sb, const af_graph *g, const af_fusion_group
 static void emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
                       const char *acc_at, int modes, af_cg_part *part) {
     af_cg_emit_loads(sb, grp, ops);
-    emit_members_impl(sb, g, grp, ops, "      ", acc_at, NULL, 0, modes, NULL, part);
+    emit_members_impl(sb, g, grp, ops, "      ", acc_at, NULL, 0, modes, NULL, "i", part);
     for (int32_t k = grp->n_inputs; k < grp->n_inputs + grp->n_outputs; k++) {
         if (!af_cg_is_reduction_value(g, ops[k].value)) af_cg_emit_store_at(sb, g, grp, "      ", k, ops[k].dtype, "o", ops[k].value);
     }

@@ -75,13 +75,18 @@ void af_cg_emit_store_value(af_strbuf *sb, af_dtype d, const char *v);
 void af_cg_emit_members(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent, const char *acc_at,
                         const int32_t *phases, int32_t phase, int modes);
 /* af_cg_emit_members for a phased kernel whose members flagged in `cached` (af_cg_phase_cache)
- * are kept in per-row arrays c<id>[i]: stored in their own phase's pass, read back in later ones. */
+ * are kept in arrays c<id>[<at>]: stored in their own phase's pass, read back in later ones. `at`
+ * indexes them by the element i: "i" for the C backend's per-row arrays, "i / 32" for a CUDA warp's
+ * lane, whose elements are i = lane + 32 j. */
 void af_cg_emit_members_cached(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent,
-                               const char *acc_at, const int32_t *phases, int32_t phase, int modes, const uint8_t *cached);
+                               const char *acc_at, const int32_t *phases, int32_t phase, int modes, const uint8_t *cached,
+                               const char *at);
 /* Which pointwise members of a phased group to keep per row rather than evaluate again in a later
- * phase: transcendental ones (exp, log, erf, tanh, pow) that a later pass needs, up to max_bytes
- * of float arrays of `inner` elements. malloc'd, one flag per member (NULL when out of memory). */
-uint8_t *af_cg_phase_cache(const af_graph *g, const af_fusion_group *grp, const int32_t *phases, int64_t inner, int64_t max_bytes);
+ * phase: transcendental ones (exp, log, erf, tanh, pow; with random_only, only the random numbers,
+ * Threefry's 20 rounds) that a later pass needs, up to max_bytes of float arrays of `inner`
+ * elements. malloc'd, one flag per member (NULL when out of memory). */
+uint8_t *af_cg_phase_cache(const af_graph *g, const af_fusion_group *grp, const int32_t *phases, int64_t inner, int64_t max_bytes,
+                           int random_only);
 /* Per member: its phase. A reduction is in its input's phase; a pointwise member one after the
  * row values of its group it reads (an epilogue, fuse.c) and in its members' phases otherwise. A
  * row member (pointwise over the group's reductions only, of their shape) is flagged AF_CG_ROW and

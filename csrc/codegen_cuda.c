@@ -275,17 +275,29 @@ static void emit_rows(af_strbuf *sb, const af_graph *g, const af_fusion_group *g
  * combine their accumulators with an xor butterfly, which leaves every lane the same total, and a
  * block's warps then combine through shared memory in a fixed order; every thread so holds the
  * finished reductions (v<id>) that later phases and row members read. One thread stores the row
- * values. */
-static void emit_phased(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp, const int32_t *phases,
-                        int32_t last_phase, int32_t index, af_cuda_launch *launch) {
+ * values.
+ * Random numbers a later phase reads again (a dropout before a layer norm: its mean's, variance's and
+ * normalizing passes) are drawn once: a warp's lane keeps its elements' values (i = lane + 32 j) in
+ * an array c<id>[j] of ceil(inner / 32) floats, AF_CUDA_PHASE_CACHE_BYTES of them a row at most
+ * (Threefry's 20 rounds against a load from the thread's local memory, which stays in L1). Other
+ * members are evaluated again, as loads and arithmetic cost less than the local memory. */
+#define AF_CUDA_PHASE_CACHE_BYTES (64 * 32 * 4) /* 64 floats a thread */
+static int emit_phased(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp, const int32_t *phases,
+                       int32_t last_phase, int32_t index, af_cuda_launch *launch) {
     const char *it = index_type(sp);
     const af_cg_operand *ops = sp->ops;
     int tpr = sp->inner <= 2048 ? 32 : 512, rpb = tpr == 32 ? AF_THREADS / 32 : 1, threads = tpr * rpb;
+    uint8_t *cached = tpr == 32 ? af_cg_phase_cache(g, grp, phases, sp->inner, AF_CUDA_PHASE_CACHE_BYTES, 1) : NULL;
+    if (tpr == 32 && !cached) return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
     af_strbuf_printf(sb, "\n/* group %d: %d nodes (%d reductions, %d phases), %d inputs, %d outputs, %" PRId64 " rows of %" PRId64 " */\n",
                      (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)last_phase + 1, (int)grp->n_inputs,
                      (int)grp->n_outputs, sp->outer, sp->inner);
     emit_signature(sb, g, grp, sp->ops, "af_kernel", index, "", threads, 0);
     emit_row_loop_begin(sb, g, grp, sp, tpr, rpb);
+    for (int32_t m = 0; cached && m < grp->n_nodes; m++)
+        if (cached[m])
+            af_strbuf_printf(sb, "    float c%d[%" PRId64 "]; /* kept from its phase for later ones */\n",
+                             (int)af_graph_node(g, grp->nodes[m])->first_output, (sp->inner + 31) / 32);
     for (int32_t ph = 0; ph <= last_phase; ph++) {
         for (int32_t m = 0; m < grp->n_nodes; m++) {
             const af_node *n = af_graph_node(g, grp->nodes[m]);
@@ -295,7 +307,8 @@ static void emit_phased(af_strbuf *sb, const af_graph *g, const af_fusion_group 
         af_strbuf_printf(sb, "    for (%s i = lane; i < %" PRId64 "; i += %d) { /* phase %d */\n", it, sp->inner, tpr, (int)ph);
         emit_row_element_offsets(sb, it, sp);
         af_cg_emit_loads(sb, grp, ops);
-        af_cg_emit_members(sb, g, grp, "      ", "", phases, ph, AF_CG_FLOAT_ACC);
+        if (cached) af_cg_emit_members_cached(sb, g, grp, "      ", "", phases, ph, AF_CG_FLOAT_ACC, cached, "i / 32");
+        else af_cg_emit_members(sb, g, grp, "      ", "", phases, ph, AF_CG_FLOAT_ACC);
         af_cg_emit_phase_stores(sb, g, grp, ops, phases, ph, "      ");
         af_strbuf_printf(sb, "    }\n");
         if (af_cg_phase_has_reductions(g, grp, phases, ph)) {
@@ -326,6 +339,8 @@ static void emit_phased(af_strbuf *sb, const af_graph *g, const af_fusion_group 
     launch->kind = AF_CUDA_ROWS;
     launch->threads = threads;
     launch->blocks = (sp->outer + rpb - 1) / rpb;
+    free(cached);
+    return AF_OK;
 }
 
 /* Two-pass reductions (columns, split rows), pass one: each reduction's chunk total to
@@ -520,14 +535,14 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
         /* phases first, as the C backend: a group whose members read its own reductions runs a
          * pass per phase over each row, whatever its layout (column kernels have no phases) */
         int64_t split = row_split(sp.outer, sp.inner, sm_count);
-        if (af_cg_is_phased(phases, grp->n_nodes, last_phase)) emit_phased(sb, g, grp, &sp, phases, last_phase, index, launch);
+        if (af_cg_is_phased(phases, grp->n_nodes, last_phase)) st = emit_phased(sb, g, grp, &sp, phases, last_phase, index, launch);
         else if (sp.column) emit_columns(sb, g, grp, &sp, index, sm_count, launch);
         else if (split > 1) emit_split_rows(sb, g, grp, &sp, index, split, launch);
         else emit_rows(sb, g, grp, &sp, index, launch);
         free(phases);
     }
     af_cg_space_free(&sp);
-    return AF_OK;
+    return st;
 }
 
 int af_codegen_cuda(const af_graph *g, const af_fusion_plan *plan, int sm_count, char **source, af_cuda_launch *launch) {

@@ -209,6 +209,32 @@ def test_repeated_calls_take_the_last_signature_only_when_it_is_theirs():
     assert cf.compile_count == 2 * (len(seen) - 1), cf.compile_count
 
 
+@pytest.mark.parametrize("make", ["aot_function", "memory_efficient_fusion"])
+def test_inputs_sharing_a_storage_are_not_served_a_program_traced_for_distinct_ones(make):
+    """x.mul_(2) is seen through y where y overlaps x: eager's [4, 8, 12, 16, 14, 17] for views
+    a[0:6] and a[2:8] of arange(10). A program traced for distinct tensors of the same shapes (the
+    signature and the last-call guard looked at shapes, strides and object ids only) gave
+    [2, 5, 8, 11, 14, 17]; the storages and offsets of inputs sharing one are now part of the key."""
+    def fn(x, y):
+        x.mul_(2)
+        return x + y
+
+    def overlapping(shift=2):
+        a = torch.arange(10.0)
+        return a[0:6], a[shift:shift + 6]
+
+    expect = fn(*overlapping())
+    cf = getattr(aotfuse, make)(fn)
+    for _ in range(2):  # the second distinct call takes the last-call guard's path
+        x, y = torch.arange(6.0), torch.arange(2.0, 8.0)
+        assert torch.equal(cf(x, y), fn(torch.arange(6.0), torch.arange(2.0, 8.0)))
+    for _ in range(2):
+        assert torch.equal(cf(*overlapping()), expect), cf(*overlapping())
+    assert torch.equal(cf(*overlapping(1)), fn(*overlapping(1)))  # another offset: another aliasing
+    x, y = torch.arange(6.0), torch.arange(2.0, 8.0)
+    assert torch.equal(cf(x, y), fn(torch.arange(6.0), torch.arange(2.0, 8.0)))  # distinct again
+
+
 def test_cache_bound_warns_once_and_stays_correct():
     cf = aotfuse.aot_function(lambda x: x.cos() + 1, max_cache_size=2, dynamic=False)  # no shape family
     with warnings.catch_warnings(record=True) as caught:

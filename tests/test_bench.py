@@ -220,3 +220,53 @@ def test_ab_env_lowers_each_side_of_a_dynamo_fallback_model(capsys, monkeypatch)
     assert set(counts) == {"=1:", "=0:"}, out
     assert int(counts["=1:"][0]) >= 2 and int(counts["=0:"][0]) >= 2, out  # a forward and a backward each
     assert int(counts["=1:"][1]) > 0 and int(counts["=0:"][1]) == 0, out
+
+
+def test_env_contenders_lower_with_their_variables_and_put_them_back(monkeypatch, tmp_path):
+    """aotfuse+NAME=VALUE: the variables hold while the contender is made and while it steps (so its
+    lowering reads them), not after; in a table beside plain aotfuse."""
+    import copy
+
+    from aotfuse.lower import LIVE
+
+    monkeypatch.delenv("AOTFUSE_DECOMPOSE_NORMS", raising=False)
+    model, inputs, _ = bench.build_model("BertForMaskedLM", "tiny", torch.float32, "cpu")
+    kernels = {}
+    for backend in ("aotfuse", "aotfuse+AOTFUSE_DECOMPOSE_NORMS=0"):
+        c = bench.Contender(backend, copy.deepcopy(model), env=bench.backend_env(backend))
+        before = set(LIVE)
+        bench._first_step(c, backend, c.base, inputs, "cpu")
+        assert c.status == "ok", c.reason
+        made = set(LIVE) - before
+        assert made
+        kernels[backend] = sum(low.program.num_kernels for low in made)
+        assert "AOTFUSE_DECOMPOSE_NORMS" not in os.environ
+    # layer norms and softmax left to ATen: fewer fused kernels
+    assert kernels["aotfuse+AOTFUSE_DECOMPOSE_NORMS=0"] < kernels["aotfuse"], kernels
+    assert bench.backend_env("aotfuse+AOTFUSE_A=1+AOTFUSE_B=x") == {"AOTFUSE_A": "1", "AOTFUSE_B": "x"}
+    assert bench.backend_env("aotfuse") == {}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--backends", "eager,aotfuse+PATH=/tmp"])  # only AOTFUSE_* variables
+    args = bench.parse_args(["--backends", "eager,aotfuse+AOTFUSE_LM_GRAD_CHUNKS=0"])
+    assert args.backends == ["eager", "aotfuse+AOTFUSE_LM_GRAD_CHUNKS=0"]
+    bench.main(["--device", "cpu", "--size", "tiny", "--models", "BertForMaskedLM", "--dtypes", "fp32", "--backends",
+                "eager,aotfuse+AOTFUSE_DECOMPOSE_NORMS=0", "--repeats", "2", "--out-dir", str(tmp_path), "--name", "env",
+                "--no-progress"])
+    rows = {r[2]: r for r in _table_rows((tmp_path / "env.md").read_text())}
+    assert rows["aotfuse+AOTFUSE_DECOMPOSE_NORMS=0"][9].startswith("pass"), rows
+
+
+def test_gpu_micro_runs_its_parts_on_the_cpu():
+    """benchmarks/gpu_micro.py (gpu_check.sh's `diag` part) runs where a GPU is scarce only if it runs:
+    every part, on the CPU, small."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_micro.py"), "--device", "cpu", "--iters", "2",
+                          "--vocab", "256", "--parts", "attn,lm,rng"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "python")})
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    assert any(l.startswith("attn  eager fwd+bwd") for l in lines), res.stdout
+    assert sum(l.startswith("lm ") for l in lines) == 4, res.stdout
+    assert sum(l.startswith("rng ") for l in lines) == 5, res.stdout

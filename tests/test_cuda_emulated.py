@@ -104,6 +104,32 @@ def test_dropout_generator_matches_the_cpu_generator(kind):
     assert ran[0]["streams"] == [0, 1] and "+ af_s1, iv" in cuda_emu.source_of(gm), ran
 
 
+@pytest.mark.parametrize("width", [200, 768, 3000], ids=["warp_rows", "bert_rows", "block_rows"])
+def test_random_numbers_a_later_phase_reads_are_drawn_once_per_cuda_lane(width):
+    """A dropout before a decomposed layer norm (a residual stream): the mean's, the variance's and
+    the normalizing pass all read its random numbers. A warp's lane draws each of its elements' numbers
+    once (Threefry's 20 rounds) and keeps them in c<id>[i / 32] for the later passes; rows of a block
+    (over 2048 elements) draw them again. The values are the CPU generator's either way."""
+    from aotfuse.decompositions import default_decompositions
+
+    def fn(x, seed):
+        u = torch.ops.aotfuse.rng_uniform(seed, [37, width])
+        return torch.nn.functional.layer_norm(x + x * (u > 0.1) * 1.11, (width,))
+
+    x, seed = torch.randn(37, width, generator=torch.Generator().manual_seed(4)), torch.tensor(12345)
+    gm = make_fx(fn, decomposition_table=default_decompositions(norms=True))(x, seed)
+    ran = cuda_emu.check(gm, (x, seed), f"dropout + layer norm, width {width}")
+    assert [l["kind"] for l in ran] == ["rows"], ran
+    src = cuda_emu.source_of(gm)
+    kernel = src[src.index("phases)"):]
+    draws = kernel.count("= af_rand(sv")
+    if width <= 2048:
+        assert draws == 1 and f"float c" in kernel and f"[{-(-width // 32)}]; /* kept from its phase" in kernel, kernel
+        assert "[i / 32]; /* aotfuse::rng_uniform.default, cached */" in kernel, kernel
+    else:
+        assert draws == 3 and "cached */" not in kernel, kernel
+
+
 @pytest.mark.parametrize("width", [200, 3000], ids=["warp_rows", "block_rows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", sorted(EPILOGUE_CASES))

@@ -30,6 +30,7 @@ import datetime
 import gc
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -46,6 +47,9 @@ MODELS = ("AlbertForMaskedLM", "GPT2LMHeadModel", "BertForMaskedLM", "Longformer
 BACKENDS = ("eager", "aotfuse", "torch.compile", "functorch")
 # on request only: aotfuse with layer norm and softmax left to ATen's kernels (AOTFUSE_DECOMPOSE_NORMS=0)
 EXTRA_BACKENDS = ("aotfuse-aten-norms", "aotfuse-eager-attn", "aotfuse-dynamo", "eager-sdpa")
+# aotfuse with AOTFUSE_* variables set around each of its steps (so around its lowering), one process with
+# the other contenders: "aotfuse+AOTFUSE_LM_GRAD_CHUNKS=0", "aotfuse+AOTFUSE_FALLBACK_RANDOM=1+AOTFUSE_FUSE_ATTENTION=0"
+ENV_BACKEND = re.compile(r"aotfuse(\+AOTFUSE_[A-Z0-9_]+=[^+,=\s]*)+")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # the seed's tolerances: (atol, rtol)
 TOLERANCES = {torch.float32: (1e-4, 5e-3), torch.float16: (1e-2, 1e-1), torch.bfloat16: (1e-2, 1e-1)}
@@ -171,6 +175,32 @@ class Contender:
     loss: torch.Tensor | None = None
     grads: dict | None = None
     programs: list = dataclasses.field(default_factory=list)  # aotfuse: the Lowered programs its first step made
+    env: dict = dataclasses.field(default_factory=dict)  # AOTFUSE_* variables set around each step
+
+
+def backend_env(backend: str) -> dict[str, str]:
+    """The AOTFUSE_* variables of an "aotfuse+NAME=VALUE+..." contender (none for the others)."""
+    if not ENV_BACKEND.fullmatch(backend):
+        return {}
+    return dict(item.split("=", 1) for item in backend.split("+")[1:])
+
+
+class _environ:
+    """Sets variables for the length of a with block, then puts back what was there."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env, self.old = env, {}
+
+    def __enter__(self) -> None:
+        self.old = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc: Any) -> None:
+        for k, v in self.old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _reason(e: BaseException) -> str:
@@ -192,7 +222,7 @@ def _make(backend: str, model: torch.nn.Module, fallback: str | None = None) -> 
         if getattr(model.config, "_attn_implementation", None) != "sdpa":
             raise ValueError(f"{type(model).__name__} has no SDPA attention to switch to")
         return model
-    if backend in ("aotfuse", "aotfuse-aten-norms", "aotfuse-eager-attn"):
+    if backend in ("aotfuse", "aotfuse-aten-norms", "aotfuse-eager-attn") or ENV_BACKEND.fullmatch(backend):
         import aotfuse
         from aotfuse.decompositions import default_decompositions
 
@@ -212,7 +242,8 @@ def _make(backend: str, model: torch.nn.Module, fallback: str | None = None) -> 
             warnings.simplefilter("ignore")
             from functorch.compile import memory_efficient_fusion as functorch_mef
         return functorch_mef(model)
-    raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS + EXTRA_BACKENDS)}")
+    raise ValueError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS + EXTRA_BACKENDS)} "
+                     "or aotfuse+AOTFUSE_NAME=VALUE")
 
 
 def _sync(device: str) -> None:
@@ -222,12 +253,13 @@ def _sync(device: str) -> None:
 
 def _step(c: Contender, inputs: dict, before_update: Callable | None = None) -> None:
     """One training step: zero_grad(set_to_none=True), forward with labels, backward, SGD step."""
-    c.opt.zero_grad(set_to_none=True)
-    loss = c.call(**inputs).loss
-    loss.backward()
-    if before_update is not None:
-        before_update(loss)
-    c.opt.step()
+    with _environ(c.env):
+        c.opt.zero_grad(set_to_none=True)
+        loss = c.call(**inputs).loss
+        loss.backward()
+        if before_update is not None:
+            before_update(loss)
+        c.opt.step()
 
 
 def _record_first(c: Contender) -> Callable:
@@ -245,7 +277,8 @@ def _first_step(c: Contender, backend: str, model: torch.nn.Module, inputs: dict
     captured; other failures mark the contender failed (functorch: n/a)."""
     c.opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     try:
-        c.call = _make(backend, model)
+        with _environ(c.env):  # decompositions are chosen when the contender is made
+            c.call = _make(backend, model)
         _sync(device)
         t0 = time.perf_counter()
         _step(c, inputs, _record_first(c))
@@ -260,7 +293,8 @@ def _first_step(c: Contender, backend: str, model: torch.nn.Module, inputs: dict
     if not backend.startswith("aotfuse"):
         return
     try:  # the documented way out: run what cannot be captured eagerly
-        c.call = _make(backend, model, fallback=fallback)
+        with _environ(c.env):
+            c.call = _make(backend, model, fallback=fallback)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             _sync(device)
@@ -302,11 +336,12 @@ def _measure_memory(c: Contender, inputs: dict, device: str) -> tuple[int, int]:
         return t
 
     def step() -> None:
-        c.opt.zero_grad(set_to_none=True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = c.call(**inputs).loss
-        loss.backward()
-        c.opt.step()
+        with _environ(c.env):
+            c.opt.zero_grad(set_to_none=True)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = c.call(**inputs).loss
+            loss.backward()
+            c.opt.step()
 
     if device == "cuda":
         c.opt.zero_grad(set_to_none=True)
@@ -423,7 +458,7 @@ def run(models: list[str], dtypes: list[str], backends: list[str], settings: Set
                 descriptions.append(desc)
             contenders = []
             for backend in backends:
-                c = Contender(backend, copy.deepcopy(base))
+                c = Contender(backend, copy.deepcopy(base), env=backend_env(backend))
                 bar.set_postfix_str(f"compiling {backend}")
                 made_before = set(LIVE)
                 _first_step(c, backend, c.base, inputs, device, settings.aotfuse_fallback)
@@ -650,7 +685,8 @@ def write_results(results: list[Result], descriptions: list[str], out_dir: str, 
         "torch.compile(model, backend='aotfuse', dynamic=False); eager-sdpa (on request) = eager "
         "with the model's attention switched to torch's scaled_dot_product_attention "
         "(model.set_attn_implementation('sdpa'); n/a for Longformer): a yardstick for what fused attention "
-        "kernels (flash or memory-efficient on CUDA) alone give.",
+        "kernels (flash or memory-efficient on CUDA) alone give; aotfuse+NAME=VALUE (on request) = aotfuse "
+        "with those AOTFUSE_* variables set around each of its steps (its lowering included).",
         f"- models ({settings.size} size; random weights from config classes, nothing downloaded; config "
         f"defaults except: dropout probabilities {settings.dropout:g}, attention implementation "
         f"'{settings.attn}' (Longformer: its own); inputs: random input_ids and labels"
@@ -729,10 +765,10 @@ def _chart(results: list[Result], path: str, device: str) -> bool:
 
 # ---------------------------------------------------------------- command line
 
-def _csv_list(choices: tuple | dict) -> Callable[[str], list[str]]:
+def _csv_list(choices: tuple | dict, pattern: re.Pattern | None = None) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         items = [s.strip() for s in text.split(",") if s.strip()]
-        bad = [s for s in items if s not in choices]
+        bad = [s for s in items if s not in choices and not (pattern is not None and pattern.fullmatch(s))]
         if bad or not items:
             raise argparse.ArgumentTypeError(f"{','.join(bad) or text!r}: choose from {', '.join(choices)}")
         return items
@@ -748,9 +784,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtypes", type=_csv_list(DTYPES), default=None,
                     help="comma-separated from fp32,fp16,bf16 (default: cpu fp32, a few minutes on 2 cores; "
                          "cuda fp32,fp16,bf16)")
-    ap.add_argument("--backends", type=_csv_list(BACKENDS + EXTRA_BACKENDS), default=list(BACKENDS),
+    ap.add_argument("--backends", type=_csv_list(BACKENDS + EXTRA_BACKENDS, ENV_BACKEND), default=list(BACKENDS),
                     help=f"comma-separated, default all: {','.join(BACKENDS)} (eager is always run: the reference); "
-                         f"also {','.join(EXTRA_BACKENDS)}")
+                         f"also {','.join(EXTRA_BACKENDS)}, and aotfuse+AOTFUSE_NAME=VALUE[+...] (aotfuse with "
+                         "those variables set around its steps)")
     ap.add_argument("--repeats", type=int, default=None, help="timed steps per contender (default cpu 10, cuda 20)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per contender, the compiling one included")
     ap.add_argument("--size", choices=("auto",) + SIZES, default="auto",

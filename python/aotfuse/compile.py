@@ -244,6 +244,20 @@ def _family_key(key: tuple) -> tuple:
     return (spec, fam, *rest)
 
 
+def _storage_of(x: torch.Tensor) -> Any:
+    """What x's elements live in: its storage's address, or x itself where it has none (an empty or
+    storage-less tensor), so that views of one tensor are known for what they are."""
+    try:
+        ptr = x.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        ptr = 0
+    return ptr if ptr else ("tensor", id(x))
+
+
+def _distinct_storages(tensors: list) -> bool:
+    return len({_storage_of(t) for t in tensors}) == len(tensors)
+
+
 def _signature(leaves: list, spec: tuple, extra: tuple) -> tuple:
     seen: dict = {}
     keys = []
@@ -252,6 +266,13 @@ def _signature(leaves: list, spec: tuple, extra: tuple) -> tuple:
             keys.append((x.dtype, x.device, x.shape, x.stride(), x.requires_grad, x.layout, seen.setdefault(id(x), len(seen))))
         else:
             keys.append(_leaf_key(x, seen))
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    if len(tensors) > 1 and not _distinct_storages(tensors):
+        # inputs that are views of one storage (x and x[2:], say): AOTAutograd traces their aliasing
+        # (a mutation of one is seen through the other), so which share and at what offset is part
+        # of the key; a program traced for distinct tensors must not serve them
+        groups: dict = {}
+        extra = extra + (tuple((groups.setdefault(_storage_of(t), len(groups)), t.storage_offset()) for t in tensors),)
     return (spec, tuple(keys)) + _global_state() + extra
 
 
@@ -287,8 +308,8 @@ class _LastCall:
     @staticmethod
     def make(entry, leaves: list, spec: tuple, extra: tuple) -> "_LastCall | None":
         tensors = [leaves[i] for i in entry.tensor_idx]
-        if _TensorGuards is None or len({id(t) for t in tensors}) != len(tensors):
-            return None  # a tensor passed twice: its alias pattern is part of the key, left to it
+        if _TensorGuards is None or not _distinct_storages(tensors):
+            return None  # tensors sharing a storage: their alias pattern is part of the key, left to it
         try:
             return _LastCall(entry, leaves, spec, extra)
         except Exception:  # a tensor torch's guard cannot describe: every call takes the key path
@@ -302,7 +323,7 @@ class _LastCall:
             if type(x) is not kind or (x != value if hashable else id(x) != value):
                 return False
         tensors = [leaves[i] for i in self.tensor_idx]
-        return len({id(t) for t in tensors}) == len(tensors) and self.guards.check(*tensors)
+        return _distinct_storages(tensors) and self.guards.check(*tensors)
 
 
 def _hashable(x: Any) -> bool:
