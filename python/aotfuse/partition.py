@@ -263,6 +263,55 @@ def _params(joint_module: fx.GraphModule, static: Any) -> set:
     return {primals[i] for i in static if 0 <= i < len(primals)}
 
 
+def _mutated_statics(joint_module: fx.GraphModule, params: set, num_fwd_outputs: int) -> set:
+    """The parameters and buffers the forward may update in place (`self.step += 1`, a clamp_ under
+    no_grad): AOTAutograd returns each such input's new value as a forward output (the first ones) and
+    writes it back after the forward, so the input itself no longer holds the value the backward was
+    traced with. Told from the graph: a forward output of an input's shape and dtype computed from it
+    (an output that only looks so costs a copy where it is saved, never a wrong value)."""
+    if not params:
+        return set()
+    out = next(n for n in reversed(joint_module.graph.nodes) if n.op == "output")
+    outs = list(out.args[0])[:num_fwd_outputs]
+    found: set = set()
+    for o in outs:
+        ov = _val(o)
+        if ov is None or o in params:
+            continue
+        cands = [p for p in params if p not in found and (v := _val(p)) is not None and v.shape == ov.shape
+                 and v.dtype == ov.dtype]
+        if not cands:
+            continue
+        seen, stack = set(), [o]
+        while stack:  # o's ancestors
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+        found.update(p for p in cands if p in seen)
+    return found
+
+
+def _save_copies_of(joint_module: fx.GraphModule, mutated: list, backward_names: set) -> dict:
+    """For each input in `mutated` that the cut saves: a clone of it made at the forward's start,
+    which the backward reads instead (what it was traced with: the input is overwritten by the
+    forward's write-back, and autograd would refuse it as modified in place). {input: clone}."""
+    graph = joint_module.graph
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    clones = {}
+    for p in mutated:
+        with graph.inserting_after(last):
+            c = graph.call_function(torch.ops.aten.clone.default, (p,))
+        c.meta = dict(p.meta)
+        for user in list(p.users):
+            if user is not c and user.name in backward_names:
+                user.replace_input_with(p, c)
+        clones[p] = c
+        last = c
+    return clones
+
+
 def _partition(joint_module: fx.GraphModule, num_fwd_outputs: int, min_cut: bool,
                static_lifetime_input_nodes: Any = None, static_inputs: Any = None,
                **options: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -300,6 +349,13 @@ def _partition(joint_module: fx.GraphModule, num_fwd_outputs: int, min_cut: bool
         if node.op != "get_attr":  # constants are copied into both graphs, never saved
             saved_nodes.append(by_name[node.name] if symbolic else node)
             saved_vals.append(node.meta.get("val"))
+    mutated = _mutated_statics(work, params, num_fwd_outputs)
+    if mutated:
+        names = {n.name for n in mutated}
+        copied = [n for n in saved_nodes if n.op == "placeholder" and n.name in names]
+        if copied:
+            clones = _save_copies_of(joint_module, copied, {build.ir_nodes[i].name for i in res["backward"]})
+            saved_nodes = [clones.get(n, n) for n in saved_nodes]
     fw, bw = _extract(joint_module, saved_nodes, num_fwd_outputs, static_lifetime_input_nodes,
                       _forward_sizes(joint_module) if symbolic else None)
     _reorder(bw, [build.ir_nodes[i].name for i in res["backward"]])
