@@ -506,3 +506,46 @@ def test_torch_compile_backend_hands_its_programs_to_a_collector():
     assert [stage for stage, _low in seen] == ["forward", "backward"], seen
     assert all(isinstance(low, Lowered) and low.program.num_steps > 0 for _stage, low in seen)
     torch._dynamo.reset()
+
+
+_LINALG_CHECKED = {  # ops whose input check is an effect (with_effects(token, aten._linalg_check_errors, ...))
+    "inv": lambda w, x: (torch.linalg.inv(w) @ x).tanh().sum(),
+    "solve": lambda w, x: torch.linalg.solve(w, x).sin().sum(),
+    "cholesky": lambda w, x: torch.linalg.cholesky(w @ w.mT + torch.eye(4, dtype=w.dtype)).sum() + x.sum(),
+    "inverse": lambda w, x: torch.inverse(w).square().sum() + x.sum(),
+    "matrix_power": lambda w, x: torch.linalg.matrix_power(w, -2).sum() + x.sum(),
+    "eigvals": lambda w, x: torch.linalg.eigvals(w @ w.mT + torch.eye(4, dtype=w.dtype)).real.sum() + x.sum(),
+}
+
+
+@pytest.mark.parametrize("how", ["memory_efficient_fusion", "torch.compile"])
+@pytest.mark.parametrize("name", sorted(_LINALG_CHECKED))
+def test_linalg_ops_with_checked_inputs_compile_and_still_raise(name, how):
+    """linalg's inv, solve, cholesky, ... check their results (a singular matrix raises) through an
+    effect-token call, which the programs refused (`with_effects ... cannot pass argument`), with
+    fallback="dynamo" and under torch.compile too. The check is now a step of the program: values and
+    gradients as eager's and as float64's, and a singular matrix raises eager's LinAlgError."""
+    import torch._dynamo
+
+    fn = _LINALG_CHECKED[name]
+    g = torch.Generator().manual_seed(3)
+    w0, x = torch.randn(4, 4, generator=g) + 3 * torch.eye(4), torch.randn(4, 5, generator=g)
+    if how == "torch.compile":
+        torch._dynamo.reset()
+    cf = aotfuse.memory_efficient_fusion(fn) if how == "memory_efficient_fusion" else torch.compile(fn, backend="aotfuse")
+    w, we = (w0.clone().requires_grad_() for _ in range(2))
+    out = cf(w, x)
+    out.backward()
+    ref = fn(we, x)
+    ref.backward()
+    w64d = w0.double().requires_grad_()
+    out64 = fn(w64d, x.double())
+    out64.backward()
+    assert_close(out, ref, f"{name} {how}: value")
+    assert_close(w.grad, we.grad, f"{name} {how}: grad of w")
+    assert_close(w.grad.double(), w64d.grad, f"{name} {how}: grad of w against float64", atol=1e-4, rtol=1e-3)
+    if name in ("inv", "solve", "inverse", "matrix_power"):
+        with pytest.raises(torch.linalg.LinAlgError):
+            fn(torch.zeros(4, 4), x)
+        with pytest.raises(torch.linalg.LinAlgError):
+            cf(torch.zeros(4, 4, requires_grad=True), x)

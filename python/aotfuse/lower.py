@@ -116,19 +116,20 @@ class Lowered:
         self.n_user_inputs = n_user_inputs
         self.graph_module: fx.GraphModule | None = None  # kept by a backward: see keep_graph_for_missing
         self.variants: dict[tuple, "Lowered"] = {}
-        self._tangents_from = -1  # a backward: where its output-gradient inputs start (-1: none)
+        self._tangents: tuple = ()  # a backward: the positions of its output-gradient inputs
         LIVE.add(self)
 
     def keep_graph_for_missing(self, gm: fx.GraphModule) -> None:
         """A backward: keep its graph, so that a call without some output gradients (None, the
         tangents AOTAutograd puts last) runs a variant program (missing_gradients)."""
-        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        tangents = [i for i, name in enumerate(names) if name.startswith("tangents")]
+        places = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.graph_module = gm
-        self._tangents_from = tangents[0] if tangents else -1
+        # (not an effect token's input, `tangents_token`: None at run time, as traced by unwrap_effects)
+        self._tangents = tuple(i for i, n in enumerate(places) if n.name.startswith("tangents")
+                               and n.meta.get("val", 0) is not None)
 
     def __call__(self, args: list) -> list:
-        if self._tangents_from >= 0 and any(args[i] is None for i in range(self._tangents_from, len(args))):
+        if self._tangents and any(args[i] is None for i in self._tangents):
             return self._without(args)
         # boxed convention: the program empties the list and drops each input after its last
         # use, so activations saved for backward die mid-run, not when the backward returns
@@ -148,14 +149,15 @@ class Lowered:
         """A backward called without some output gradients (autograd did not make zeros for the
         outputs nobody differentiated, e.g. the logits beside the loss): runs a variant program
         in which they are zeros, folded away where they are only added."""
-        missing = tuple(i for i, a in enumerate(args) if a is None)
+        missing = tuple(i for i in self._tangents if args[i] is None)
         variant = self.variants.get(missing)
         if variant is None:
             with config.lazy_graph_modules():
                 variant = lower(missing_gradients(self.graph_module, missing))
             variant.program.set_plain_outputs(0)
             self.variants[missing] = variant
-        rest = [a for a in args if a is not None]
+        gone = set(missing)
+        rest = [a for i, a in enumerate(args) if i not in gone]
         if isinstance(args, list):
             args.clear()
         return variant(rest)
@@ -712,6 +714,38 @@ def _with_dtype(meta: tuple, dtype: Any) -> tuple:
     return meta if dtype is None or meta[0] != "tensor" else (meta[0], _DTYPE_NAMES[dtype]) + meta[2:]
 
 
+def unwrap_effects(gm: fx.GraphModule) -> int:
+    """AOTAutograd threads an effect token through ops that only check or report (linalg's
+    `_linalg_check_errors`, which raises for a singular matrix): `with_effects(token, op, *args)`
+    returns (new token, op's result). Where op returns nothing, the call becomes op(*args) itself (a
+    step the program keeps, in order, as it keeps `_assert_async`) and the token goes through unchanged.
+    Returns how many calls it unwrapped."""
+    hop = getattr(torch.ops.higher_order, "with_effects", None)
+    if hop is None:
+        return 0
+    done = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not hop or len(node.args) < 2:
+            continue
+        token, op, *args = node.args
+        if not isinstance(op, torch._ops.OpOverload) or op._schema.returns:
+            continue  # an op with results: left as it is (the C core refuses it, naming it)
+        if any(u.target is not operator.getitem or u.args[1] != 0 for u in node.users):
+            continue
+        with gm.graph.inserting_before(node):
+            gm.graph.call_function(op, tuple(args), dict(node.kwargs))
+        if isinstance(token, fx.Node) and token.op == "placeholder":
+            token.meta["val"] = None  # AOTAutograd's runtime passes None for a token input
+        for user in list(node.users):
+            user.replace_all_uses_with(token)
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        done += 1
+    if done:
+        gm.recompile()
+    return done
+
+
 def build_graph(gm: fx.GraphModule, device: str | None = None, exact: bool = False) -> GraphBuild:
     """One walk over an ATen-level FX graph (as AOTAutograd produces) into the C IR. Each node becomes
     one IR node, except (unless exact=True, which the partitioner needs to map its node order back
@@ -959,6 +993,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
     from .picks import rewrite_one_hot_picks
     from .rng import share_seeds
 
+    unwrap_effects(gm)  # an inference graph's (a training graph's were unwrapped in its joint graph)
     share_seeds(gm)  # an inference graph's dropouts (a training graph's were shared in its joint graph)
     rewrite_overlap_sums(gm)  # before folding, which would make the scatters' indices opaque constants
     rewrite_embedding_grad_sums(gm)
