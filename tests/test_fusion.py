@@ -512,6 +512,22 @@ def test_random_numbers_a_later_phase_reads_are_kept_not_drawn_again():
     assert src.count("= af_rand(sv") == 1, src[-3000:]
 
 
+def test_exp_gives_subnormal_results_as_expf_does():
+    """The C kernels' exp scaled by 2^n in one factor, so from x = -87 down (n <= -126) it returned 0
+    where expf gives values down to 1.4e-45 (found by a bug hunt, 2026-12-04). Now two factors: every
+    float of [-110, 89] within 2 ulp of torch.exp where the result is normal, within one subnormal step
+    below, 0 where torch's is 0, inf where torch's is inf."""
+    x = torch.linspace(-110.0, 89.0, 400001)
+    lowered = lower(make_fx(lambda x: torch.exp(x * 1.0))(x))
+    assert lowered.program.num_kernels == 1
+    got, ref = lowered([x])[0], torch.exp(x)
+    assert torch.equal(got.isinf(), ref.isinf()) and torch.equal(got == 0, ref == 0)
+    normal = (ref >= 2.0 ** -126) & ~ref.isinf()
+    assert ((got - ref).abs() / ref)[normal].max() < 2.5e-7
+    sub = (ref < 2.0 ** -126) & (ref > 0)
+    assert sub.sum() > 1000 and (got - ref).abs()[sub].max() <= 1.5e-45
+
+
 def test_helpers_are_inlined_whatever_the_inliners_limits(tmp_path, monkeypatch):
     """Kernels calling the prelude's helpers (af_rand's 20 Threefry rounds, af_exp, af_erf) inline
     every call, so their loops vectorize. GCC's inliner declines calls once a program's source has
