@@ -304,6 +304,13 @@ static int emit_phased(af_strbuf *sb, const af_graph *g, const af_fusion_group *
             if (af_op_get(n->op_id)->kind == AF_KIND_REDUCTION && phases[m] == ph)
                 af_strbuf_printf(sb, "    float acc%d = %s;\n", (int)n->first_output, af_cg_acc_init(n));
         }
+        /* the pass that draws kept values stays a loop: unrolled, ptxas would hold a lane's array
+         * in registers (24 floats a 768-wide row) and spill the rest (Bert's dropout + layer norm:
+         * 64 registers and 564 bytes of spill stores, against 28 and none with the array in local
+         * memory; 30 and none drawing in every pass); later passes unroll as ptxas likes */
+        int draws = 0;
+        for (int32_t m = 0; cached && m < grp->n_nodes; m++) draws |= cached[m] && phases[m] == ph;
+        if (cached) af_strbuf_printf(sb, "    #pragma unroll %d\n", draws ? 1 : 4);
         af_strbuf_printf(sb, "    for (%s i = lane; i < %" PRId64 "; i += %d) { /* phase %d */\n", it, sp->inner, tpr, (int)ph);
         emit_row_element_offsets(sb, it, sp);
         af_cg_emit_loads(sb, grp, ops);

@@ -273,3 +273,28 @@ def test_nvrtc_keeps_a_multiply_and_an_add_two_roundings():
     ptx, _log = _C.nvrtc_compile(src, 90, ptx=True)
     text = bytes(ptx).decode(errors="replace")
     assert "mul.rn.f32" in text and "add.rn.f32" in text and "fma" not in text, text
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("width", [512, 768, 2048])
+def test_kept_random_numbers_stay_in_local_memory_without_spills(width):
+    """A dropout before a layer norm (Bert's residual stream, rows of 768): the numbers drawn in the
+    first pass are kept per lane (c<id>[i / 32]) for the later passes. With every pass unrolled, ptxas
+    held the array in registers and spilled (64 registers, 564 bytes of spill stores at 768); the
+    drawing pass stays a loop, so the array lives in local memory (ceil(width / 32) floats) and
+    nothing spills."""
+    import aotfuse.rng  # noqa: F401  (registers aotfuse::rng_uniform)
+    from aotfuse.decompositions import default_decompositions
+
+    def fn(x, r, seed):
+        u = torch.ops.aotfuse.rng_uniform(seed, [64, width])
+        return torch.nn.functional.layer_norm(x * (u > 0.1) * 1.11 + r, (width,))
+
+    x, r, seed = torch.randn(64, width), torch.randn(64, width), torch.tensor(12345)
+    gm = make_fx(fn, decomposition_table=default_decompositions(norms=True))(x, r, seed)
+    source, launches = _C.cuda_codegen(build_graph(gm, device="cuda:0").graph)
+    assert [l["kind"] for l in launches] == ["rows"] and source.count("= af_rand(sv") == 1, source
+    for arch in ARCHS:
+        (k,) = compile_report(source, arch)
+        assert k["spill_stores"] == 0 and k["spill_loads"] == 0, (arch, k)
+        assert k["stack"] >= 4 * -(-width // 32), (arch, k)  # the kept array, in local memory
