@@ -93,7 +93,7 @@ if part diag 60; then
   timeout "$(cap 100)" python3 benchmarks/gpu_micro.py --device cuda --iters 20 > "$OUT/micro-cuda.txt" 2>&1
   echo "micro rc=$?"; cat "$OUT/micro-cuda.txt"
   timeout "$(cap 150)" python3 -m aotfuse.bench --device cuda --models BertForMaskedLM --dtypes fp32 --backends \
-    eager,aotfuse,aotfuse+AOTFUSE_LM_GRAD_CHUNKS=0,aotfuse+AOTFUSE_FALLBACK_RANDOM=1,aotfuse+AOTFUSE_FALLBACK_RANDOM=1+AOTFUSE_FUSE_ATTENTION=0,aotfuse+AOTFUSE_RECOMPUTE_MATERIALIZED=0,aotfuse+AOTFUSE_DECOMPOSE_NORMS=0 \
+    eager,aotfuse,aotfuse+AOTFUSE_LM_GRAD_CHUNKS=0,aotfuse+AOTFUSE_FALLBACK_RANDOM=1,aotfuse+AOTFUSE_FALLBACK_RANDOM=1+AOTFUSE_FUSE_ATTENTION=0,aotfuse+AOTFUSE_RECOMPUTE_MATERIALIZED=0,aotfuse+AOTFUSE_DECOMPOSE_NORMS=0,aotfuse+AOTFUSE_CUDA_KEEP_RANDOM=0 \
     --repeats 10 --time-budget 60 --no-progress --out-dir "$OUT" --name hf-cuda-fp32-switches > "$OUT/bench-switches.log" 2>&1
   echo "switches bench rc=$?"
 fi

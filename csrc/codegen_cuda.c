@@ -287,8 +287,16 @@ static int emit_phased(af_strbuf *sb, const af_graph *g, const af_fusion_group *
     const char *it = index_type(sp);
     const af_cg_operand *ops = sp->ops;
     int tpr = sp->inner <= 2048 ? 32 : 512, rpb = tpr == 32 ? AF_THREADS / 32 : 1, threads = tpr * rpb;
-    uint8_t *cached = tpr == 32 ? af_cg_phase_cache(g, grp, phases, sp->inner, AF_CUDA_PHASE_CACHE_BYTES, 1) : NULL;
-    if (tpr == 32 && !cached) return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
+    const char *keep = getenv("AOTFUSE_CUDA_KEEP_RANDOM"); /* "0": draw in every pass (an A/B on a GPU) */
+    int keeping = tpr == 32 && !(keep && strcmp(keep, "0") == 0);
+    uint8_t *cached = keeping ? af_cg_phase_cache(g, grp, phases, sp->inner, AF_CUDA_PHASE_CACHE_BYTES, 1) : NULL;
+    if (keeping && !cached) return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
+    int any = 0;
+    for (int32_t m = 0; cached && m < grp->n_nodes; m++) any |= cached[m];
+    if (!any) { /* nothing kept: the kernel as without (its passes unrolled as ptxas likes) */
+        free(cached);
+        cached = NULL;
+    }
     af_strbuf_printf(sb, "\n/* group %d: %d nodes (%d reductions, %d phases), %d inputs, %d outputs, %" PRId64 " rows of %" PRId64 " */\n",
                      (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)last_phase + 1, (int)grp->n_inputs,
                      (int)grp->n_outputs, sp->outer, sp->inner);

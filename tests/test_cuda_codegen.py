@@ -298,3 +298,29 @@ def test_kept_random_numbers_stay_in_local_memory_without_spills(width):
         (k,) = compile_report(source, arch)
         assert k["spill_stores"] == 0 and k["spill_loads"] == 0, (arch, k)
         assert k["stack"] >= 4 * -(-width // 32), (arch, k)  # the kept array, in local memory
+
+
+def test_keeping_random_numbers_can_be_turned_off_and_leaves_other_kernels_alone(monkeypatch):
+    """AOTFUSE_CUDA_KEEP_RANDOM=0 draws in every pass (the kernel before 2026-12-04, for an A/B on a
+    GPU); a phased kernel with nothing to keep (a layer norm without dropout) gets no unroll pragmas."""
+    import aotfuse.rng  # noqa: F401
+    from aotfuse.decompositions import default_decompositions
+
+    def with_dropout(x, r, seed):
+        u = torch.ops.aotfuse.rng_uniform(seed, [64, 768])
+        return torch.nn.functional.layer_norm(x * (u > 0.1) * 1.11 + r, (768,))
+
+    def plain(x, r, seed):
+        return torch.nn.functional.layer_norm(x + r, (768,)) * seed
+
+    x, r, seed = torch.randn(64, 768), torch.randn(64, 768), torch.tensor(12345)
+    src = {}
+    for name, fn in (("dropout", with_dropout), ("plain", plain)):
+        gm = make_fx(fn, decomposition_table=default_decompositions(norms=True))(x, r, seed)
+        for keep in ("1", "0"):
+            monkeypatch.setenv("AOTFUSE_CUDA_KEEP_RANDOM", keep)
+            src[name, keep] = _C.cuda_codegen(build_graph(gm, device="cuda:0").graph)[0]
+    assert src["dropout", "1"].count("= af_rand(sv") == 1 and "#pragma unroll 1" in src["dropout", "1"]
+    assert src["dropout", "0"].count("= af_rand(sv") == 3 and "kept from its phase" not in src["dropout", "0"]
+    assert "#pragma unroll 4" not in src["dropout", "0"] and "#pragma unroll 1" not in src["dropout", "0"]
+    assert src["plain", "1"] == src["plain", "0"] and "#pragma unroll 4" not in src["plain", "1"]

@@ -30,6 +30,8 @@ AOTFUSE_DYNAMIC=auto   shape families (shapes.py): auto (default) traces a signa
                        (every size of the non-parameter inputs); 0 never (each shape traced on its own)
 AOTFUSE_SHAPE_PROGRAMS=N  programs a family's forward or backward keeps (default 64, least recently
                        used dropped)
+AOTFUSE_CUDA_KEEP_RANDOM=0  CUDA phased kernels draw dropout's numbers again in every pass (default:
+                       drawn once, each lane keeping its values for the later passes)
 AOTFUSE_MERGE_KERNELS=0  independent kernels of one loop stay separate (default: merged into one,
                        fuse.c's merge_independent_groups)
 AOTFUSE_DDP_OVERLAP=0  memory_efficient_fusion(DDP(model)): DDP's reducer all-reduces the gradients
