@@ -490,3 +490,42 @@ def test_parameters_and_buffers_the_forward_updates_then_reads_train_like_eager(
                     p.grad = None
     for (name, b), c in zip(twin.named_buffers(), model.named_buffers()):
         assert torch.equal(b, c[1]), name
+
+
+class _ClassToken(nn.Module):
+    """ViT's embeddings: a class token expanded over the batch, concatenated, plus position embeddings."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls = nn.Parameter(torch.randn(1, 1, 8))
+        self.pos = nn.Parameter(torch.randn(1, 5, 8))
+
+    def forward(self, x):
+        return (torch.cat([self.cls.expand(x.shape[0], -1, -1), x], 1) + self.pos).tanh().square().sum()
+
+
+@pytest.mark.parametrize("how", ["memory_efficient_fusion", "torch.compile"])
+def test_gradients_that_are_views_of_one_value_are_separate_tensors(how):
+    """At batch size 1 the position embedding's gradient G needs no sum over the batch and the class
+    token's is a slice of G: the backward returned views of one tensor, autograd kept them as the two
+    .grad, and a second backward's in-place accumulation (or clip_grad_norm_) changed both. Found by a
+    bug hunt on ViT, DeiT and BEiT with the Trainer at per-device batch 1 (torch's aot_eager and
+    inductor backends do the same). Now separate tensors: two accumulated backwards and a clip as
+    eager's and as float64's."""
+    torch.manual_seed(0)
+    model = _ClassToken()
+    twin, ref = copy.deepcopy(model), copy.deepcopy(model).double()
+    compiled = aotfuse.memory_efficient_fusion(twin) if how == "memory_efficient_fusion" else \
+        torch.compile(twin, backend="aotfuse")
+    x = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):  # accumulate
+        compiled(x).backward()
+        model(x).backward()
+        ref(x.double()).backward()
+    assert twin.cls.grad.untyped_storage().data_ptr() != twin.pos.grad.untyped_storage().data_ptr()
+    for m in (twin, model, ref):
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+    for (name, p), q in zip(twin.named_parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad.float(), f"{how}: accumulated, clipped grad of {name} against float64",
+                     atol=1e-5, rtol=1e-4)
+    assert_grads_match(twin, model, f"{how}: accumulated, clipped")

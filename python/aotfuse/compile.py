@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from . import checkpoint, config, ddp, shapes
 from ._pytree import _holds_tensor, tree_flatten, tree_unflatten
 from .decompositions import default_decompositions
-from .lower import BackendUnavailable, Lowered, UnsupportedError, lower
+from .lower import BackendUnavailable, Lowered, UnsupportedError, lower, separate_aliased_gradients
 from .partition import default_partition, min_cut_rematerialization_partition
 
 __all__ = ["aot_function", "aot_module", "memory_efficient_fusion", "CaptureError", "HooksError", "ObjectInputError",
@@ -109,6 +109,8 @@ def _lower_stage(record: _Record, stage: str, gm: torch.fx.GraphModule, example_
             # a parameter gets no gradient from this graph (lowered with its forward): its calls'
             # gradients are all-reduced after the backward (ddp.AfterBackward)
             record.ddp = None
+    if stage == "backward":
+        separate_aliased_gradients(gm)  # before lowering: the variants below are made from gm too
     # a backward's kernels compile at its first run: called without the gradients of outputs nobody
     # differentiates (the logits beside a loss), it runs a variant program instead (Lowered._without)
     lowered = lower(gm, example_inputs, saved_from=record.num_fwd_outputs if stage == "forward" else None,

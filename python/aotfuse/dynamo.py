@@ -13,7 +13,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from .compile import _no_zero_gradients
 from .decompositions import default_decompositions
 from . import shapes
-from .lower import Lowered, UnsupportedError, lower
+from .lower import Lowered, UnsupportedError, lower, separate_aliased_gradients
 from .partition import min_cut_rematerialization_partition
 
 __all__ = ["aotfuse_backend"]
@@ -232,6 +232,7 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
         return _keep("forward", low)
 
     def backward(bw: torch.fx.GraphModule, inputs: Sequence[Any] = ()):
+        separate_aliased_gradients(bw)
         low = _compile_or_fallback(bw, inputs, lazy=True)  # kernels compiled at its first run, if any
         if isinstance(low, Lowered):  # gradients may be plain views; missing ones run a variant
             low.program.set_plain_outputs(0)

@@ -714,6 +714,52 @@ def _with_dtype(meta: tuple, dtype: Any) -> tuple:
     return meta if dtype is None or meta[0] != "tensor" else (meta[0], _DTYPE_NAMES[dtype]) + meta[2:]
 
 
+def separate_aliased_gradients(gm: fx.GraphModule) -> int:
+    """A backward graph's outputs (gradients) that are views of one value: at batch size 1 ViT's
+    position-embedding gradient G and its class token's, a slice of G (no sum over the batch
+    separates them). Autograd keeps each as its parameter's .grad, so an in-place change of one
+    (a second backward accumulating, clip_grad_norm_) changed the other; eager's are separate
+    tensors. Every output whose elements overlap an earlier one's over the same value becomes a copy
+    (slices of one flat buffer side by side, DDP's bucket views, stay views). Returns how many."""
+    (outs,) = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args
+    if not isinstance(outs, (list, tuple)):
+        return 0
+
+    def base(n: Any) -> Any:
+        while isinstance(n, fx.Node) and n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) \
+                and n.target.is_view and n.args and isinstance(n.args[0], fx.Node):
+            n = n.args[0]
+        return n
+
+    def span(v: torch.Tensor) -> tuple[int, int]:  # the storage elements v's view may touch
+        off = v.storage_offset()
+        return off, off + 1 + sum((n - 1) * abs(st) for n, st in zip(v.shape, v.stride()))
+
+    kept: dict = {}  # base -> the spans of the outputs over it, as they are
+    new, copied = list(outs), 0
+    for i, o in enumerate(outs):
+        v = o.meta.get("val") if isinstance(o, fx.Node) else None
+        if not isinstance(v, torch.Tensor) or v.numel() == 0:
+            continue
+        lo, hi = span(v)
+        if not isinstance(lo, int) or not isinstance(hi, int):  # symbolic sizes: taken as the whole value
+            lo, hi = 0, None
+        spans = kept.setdefault(base(o), [])
+        if not any(hi is None or h is None or (lo < h and l < hi) for l, h in spans):
+            spans.append((lo, hi))
+            continue
+        with gm.graph.inserting_after(o):
+            c = gm.graph.call_function(torch.ops.aten.clone.default, (o,))
+        c.meta = dict(o.meta)
+        new[i] = c
+        copied += 1
+    if copied:
+        out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        out.args = (type(outs)(new),)
+        gm.recompile()
+    return copied
+
+
 def unwrap_effects(gm: fx.GraphModule) -> int:
     """AOTAutograd threads an effect token through ops that only check or report (linalg's
     `_linalg_check_errors`, which raises for a singular matrix): `with_effects(token, op, *args)`
