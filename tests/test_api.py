@@ -549,3 +549,38 @@ def test_linalg_ops_with_checked_inputs_compile_and_still_raise(name, how):
             fn(torch.zeros(4, 4), x)
         with pytest.raises(torch.linalg.LinAlgError):
             cf(torch.zeros(4, 4, requires_grad=True), x)
+
+
+@pytest.mark.parametrize("fallback", ["dynamo", "eager"])
+def test_a_fallback_signature_takes_every_later_shape_without_capturing_again(fallback):
+    """A function that cannot be captured whole (a branch on a value) called at 12 lengths. Before,
+    each length tried the capture again and warned again, and fallback="dynamo" ran under
+    torch.compile(dynamic=False): a Dynamo recompile per length, and past its recompile_limit (8) the
+    rest ran eagerly (and past 8 signatures aotfuse's own limit did too). Now one warning, later shapes
+    go straight to the fallback, and Dynamo's automatic dynamic shapes keep compiling them."""
+    import torch._dynamo
+
+    from aotfuse.lower import LIVE
+
+    def fn(x, w):
+        h = (x @ w).tanh()
+        return h * 2 if h.sum().item() > 0 else h - 1
+
+    torch._dynamo.reset()
+    cf = aotfuse.memory_efficient_fusion(fn, fallback=fallback)
+    w = torch.randn(4, 4, requires_grad=True)
+    made = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in range(2, 14):
+            x = torch.randn(n, 4, generator=torch.Generator().manual_seed(n))
+            before = len(LIVE)
+            out = cf(x, w)
+            made.append(len(LIVE) - before)
+            assert_close(out, fn(x, w), f"length {n}")
+    msgs = [str(c.message) for c in caught if "aotfuse" in str(c.message)]
+    assert len(msgs) == 1 and "could not capture" in msgs[0], msgs
+    if fallback == "dynamo":
+        assert all(k > 0 for k in made[-4:]), made  # still compiling at lengths 10-13
+    else:
+        assert made == [0] * 12, made

@@ -704,6 +704,18 @@ class CompiledFunction:
     def _compile(self, key: tuple, leaves: list, spec: tuple, tree: Any) -> _Entry | None:
         tensor_idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         module = self.fallback_fn if isinstance(self.fallback_fn, nn.Module) else None  # its Python state is kept
+        if self.fallback in ("eager", "dynamo") and _family_key(key) in self._uncaptured:
+            # another shape of a signature that could not be captured whole: straight to its fallback
+            # (Dynamo guards and recompiles shapes itself), no capture tried again, no warning again,
+            # not counted against the signature limit
+            target = self.fallback_fn if self.fallback == "eager" else self._dynamo()
+            entry = _Entry(None, tensor_idx, _Record(), None, module)
+            entry.fallback_target = target
+            entry.fallback = functools.partial(_without_leading, target, self.fallback_skip) if self.fallback_skip else target
+            entry.member, entry.ready = True, True
+            self._cache[key] = entry
+            config.emit("cache", f"{self.name}: a new shape of a signature that falls back ({self.fallback})")
+            return entry
         dims, fkey = None, None
         if self._dynamic_mode() != "0":
             tensors = [leaves[i] for i in tensor_idx]
@@ -930,7 +942,12 @@ class CompiledFunction:
         if self._dynamo_fn is None:
             from .dynamo import aotfuse_backend
 
-            self._dynamo_fn = torch.compile(self.fallback_fn, backend=aotfuse_backend, dynamic=False)
+            # Dynamo's automatic dynamic shapes unless shape families are off: a size that changes makes
+            # one symbolic graph (dynamic=False recompiled per sequence length and, past Dynamo's
+            # recompile_limit of 8, ran the model eagerly without a word but a log line)
+            mode = self._dynamic_mode()
+            self._dynamo_fn = torch.compile(self.fallback_fn, backend=aotfuse_backend,
+                                            dynamic=False if mode == "0" else True if mode == "1" else None)
         return self._dynamo_fn
 
     def cache_clear(self) -> None:
