@@ -715,10 +715,8 @@ class CompiledFunction:
             # another shape of a signature that could not be captured whole: straight to its fallback
             # (Dynamo guards and recompiles shapes itself), no capture tried again, no warning again,
             # not counted against the signature limit
-            target = self.fallback_fn if self.fallback == "eager" else self._dynamo()
             entry = _Entry(None, tensor_idx, _Record(), None, module)
-            entry.fallback_target = target
-            entry.fallback = functools.partial(_without_leading, target, self.fallback_skip) if self.fallback_skip else target
+            self._fall_back(entry)
             entry.member, entry.ready = True, True
             self._cache[key] = entry
             config.emit("cache", f"{self.name}: a new shape of a signature that falls back ({self.fallback})")
@@ -903,10 +901,7 @@ class CompiledFunction:
                 how = "eagerly" if self.fallback == "eager" else "through torch.compile(backend='aotfuse')"
                 warnings.warn(f"aotfuse: could not capture {self.name} as one graph, running it {how}. Cause: "
                               f"{reason.splitlines()[0] if reason else type(e).__name__}", stacklevel=4)
-                target = self.fallback_fn if self.fallback == "eager" else self._dynamo()
-                entry.fallback_target = target
-                entry.fallback = (functools.partial(_without_leading, target, self.fallback_skip)
-                                  if self.fallback_skip else target)
+                self._fall_back(entry)
                 args, kwargs = tree
                 entry.ready = True
                 return entry.fallback(*args, **kwargs), entry
@@ -942,6 +937,12 @@ class CompiledFunction:
             if e is entry:
                 del self._cache[k]
         self._last = None
+
+    def _fall_back(self, entry: _Entry) -> None:
+        """Makes `entry` run this function's fallback (eagerly, or under Dynamo with aotfuse's backend)."""
+        target = self.fallback_fn if self.fallback == "eager" else self._dynamo()
+        entry.fallback_target = target
+        entry.fallback = functools.partial(_without_leading, target, self.fallback_skip) if self.fallback_skip else target
 
     def _dynamo(self) -> Callable:
         """The function under Dynamo with aotfuse as its backend: Dynamo splits the graph where
