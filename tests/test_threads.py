@@ -137,3 +137,25 @@ def test_threads_through_torch_compile_with_aotfuses_backend():
     model = Mlp()
     compiled = torch.compile(model, backend="aotfuse")
     _assert_gradients_per_thread(model, compiled, [torch.randn(32, 64) for _ in range(THREADS)], steps=3)
+
+
+def test_a_trace_on_another_thread_does_not_change_a_warm_signature():
+    """While one thread traces, its hook probe (a global forward pre-hook) is registered; another
+    thread's call of a compiled signature must still find it. Before, the probe's hook id entered
+    the other thread's key, and each such call compiled once more (CI saw 7 compiles for 1)."""
+    from aotfuse.compile import _HookProbe
+
+    torch.manual_seed(3)
+    model = Mlp()
+    compiled = aotfuse.memory_efficient_fusion(model)
+    x = torch.randn(32, 64)
+    with torch.no_grad():
+        ref = model(x)
+        compiled(x)
+        assert compiled._aotfuse_compiled.compile_count == 1
+        probe = _HookProbe("another thread's trace")
+        probe.thread = -1  # as if it were another thread's: it notes nothing on this one
+        with probe:
+            out = compiled(x)
+    assert_close(out, ref, "call under another thread's probe")
+    assert compiled._aotfuse_compiled.compile_count == 1

@@ -1100,9 +1100,14 @@ def _global_hooks() -> list:
             if isinstance(getattr(torch_module, "_global" + k, None), dict)]
 
 
+def _is_probe(fn: Any) -> bool:
+    return isinstance(getattr(fn, "__self__", None), _HookProbe)
+
+
 def _hook_dicts(mod: nn.Module) -> list:
-    """(where, hook dict) for every non-empty hook dict a call of `mod` runs."""
-    found = [(where, d) for where, d in _global_hooks() if d]
+    """(where, hook dict) for every non-empty hook dict a call of `mod` runs. A global dict holding
+    only _HookProbe's hook (another thread tracing meanwhile) counts as empty."""
+    found = [(where, d) for where, d in _global_hooks() if d and not all(map(_is_probe, list(d.values())))]
     for prefix, m in mod.named_modules():
         for k in _HOOK_DICTS:
             d = m.__dict__.get(k)
@@ -1270,7 +1275,9 @@ class AOTModule(nn.Module):
             return cached[2]
         next_id, version = RemovableHandle.next_id, _structure_version[0]
         found = _hook_dicts(self.orig_module)
-        key = tuple((where, tuple(d)) for where, d in found)
+        # not the probe of a trace running on another thread: its hook id would make a signature
+        # that no later call has (each thread's first call compiled again; test_threads)
+        key = tuple((where, tuple(h for h, fn in list(d.items()) if not _is_probe(fn))) for where, d in found)
         object.__setattr__(self, "_aotfuse_hooks", (next_id, version, key, [(d, len(d)) for _, d in found]))
         return key
 
