@@ -33,8 +33,10 @@ const char af_cg_helpers_text[] =
     "  if (b == 2.0f) return a * a;\n"
     "  if (b == 1.0f) return a;\n"
     "  if (b == 0.5f) return sqrtf(a);\n"
+    "  if (b == -0.5f) return 1.0f / sqrtf(a);\n"
     "  if (b == 3.0f) return a * a * a;\n"
     "  if (b == -1.0f) return 1.0f / a;\n"
+    "  if (b == -2.0f) return 1.0f / (a * a);\n"
     "  return powf(a, b);\n"
     "}\n"
     "#define AF_ROTL32(x, r) (((x) << (r)) | ((x) >> (32 - (r))))\n"
@@ -234,8 +236,12 @@ static void emit_pointwise(af_strbuf *sb, const af_graph *g, const af_node *n, c
             break;
         }
     af_strbuf_printf(sb, "%sfloat v%d = ", indent, (int)n->first_output);
+    /* af_pow's special cases are ATen's for a scalar exponent (sqrt for 0.5: sqrt(-inf) is NaN);
+     * a tensor's exponents go through pow itself, as ATen's (pow(-inf, 0.5) is inf) */
+    const char *expr = n->op_id == AF_OP_POW && n->n_args >= 2 && n->args[1].kind == AF_ARG_VALUE ? "powf($0, $1)"
+                                                                                                : info->c_expr;
     if (recip >= 0) af_strbuf_printf(sb, "(v%d * rc%d)", (int)n->args[0].u.value, (int)recip);
-    else for (const char *e = info->c_expr; *e; e++) {
+    else for (const char *e = expr; *e; e++) {
         if (e[0] == '$' && e[1] >= '0' && e[1] <= '9') {
             const af_arg *a = &n->args[e[1] - '0'];
             if (a->kind == AF_ARG_VALUE) af_strbuf_printf(sb, "v%d", (int)a->u.value);

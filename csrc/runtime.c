@@ -1328,6 +1328,20 @@ static int plan_pins(af_program *p) {
         p->n_pinned += p->pin_state[r] == 0;
         p->pin_state[r] = 1;
     }
+    /* The program's outputs too: a forward's saved tensors reach the backward's program, whose input
+     * check holds them to their metadata. Seen: log_sigmoid_forward's buffer over a transposed input
+     * is contiguous where its meta function keeps the input's strides (the backward failed). */
+    for (int32_t k = 0; k < af_graph_num_outputs(g); k++) {
+        int32_t o = af_graph_output(g, k);
+        if (o < 0 || af_graph_value(g, o)->meta.type != AF_VALUE_TENSOR) continue;
+        int32_t r = af_graph_view_root(g, o), prod = af_graph_value(g, r)->producer;
+        if (prod < 0 || af_graph_value(g, r)->meta.type != AF_VALUE_TENSOR) continue;
+        if (p->externs[prod] && af_extern_may_alias(p->externs[prod])) continue;
+        if (!p->pin_state && !(p->pin_state = calloc((size_t)af_graph_num_values(g) + 1, 1)))
+            return af_error_set(AF_ERR_NOMEM, "out of memory planning a program");
+        p->n_pinned += p->pin_state[r] == 0;
+        p->pin_state[r] = 1;
+    }
     return AF_OK;
 }
 

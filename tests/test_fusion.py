@@ -1982,6 +1982,26 @@ def test_erf_is_accurate_and_keeps_special_values():
     assert torch.equal(torch.signbit(got_s[keep]), torch.signbit(ref_s[keep])), (got_s, ref_s)
 
 
+def test_pow_keeps_atens_special_values_for_scalar_and_tensor_exponents():
+    """ATen takes a scalar exponent's special cases (0.5 as sqrt, -0.5 as rsqrt, -2 as 1/(x*x)) and
+    a tensor's exponents through pow itself: pow(-inf, 0.5) is inf for a tensor exponent, NaN for a
+    scalar one. The kernels' pow used sqrt for a tensor's 0.5 too (NaN, and -0 for -0), and pow for
+    -0.5 (0 at -inf where rsqrt gives NaN: x.pow(0.5)'s gradient there)."""
+    x = torch.tensor([float("-inf"), -0.0, 0.0, 4.0, -4.0, float("inf"), float("nan"), 0.3, -2.5, 7.0])
+
+    def same(got, ref, what):
+        assert torch.equal(got.isnan(), ref.isnan()), (what, got, ref)
+        keep = ~ref.isnan()
+        assert_close(got[keep], ref[keep], what, atol=0, rtol=2.5e-7)
+        assert torch.equal(torch.signbit(got[keep]), torch.signbit(ref[keep])), (what, got, ref)
+
+    for e in (0.5, -0.5, 2.0, 3.0, -1.0, -2.0, 1.3, 0.0):
+        exps = torch.full_like(x, e)
+        same(lower(make_fx(lambda a, b: torch.pow(a * 1.0, b))(x, exps))([x, exps])[0], torch.pow(x, exps),
+             f"pow(x, tensor of {e})")
+        same(lower(make_fx(lambda a: torch.pow(a * 1.0, e))(x))([x])[0], torch.pow(x, e), f"pow(x, {e})")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_softmax_divides_rows_by_one_reciprocal(dtype):
     """A phased kernel dividing a later phase's elements by a row value (softmax's sum) multiplies by
