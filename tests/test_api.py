@@ -458,6 +458,70 @@ def test_disable_env_runs_torch_compile_graphs_uncompiled(monkeypatch):
     torch._dynamo.reset()
 
 
+class _SlicedLayers(torch.nn.Module):
+    """A forward that registers modules: slicing a ModuleList builds a new one (Hugging Face's Phi and
+    Gemma slice their decoder layers so), which runs torch's global registration hooks."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)])
+
+    def forward(self, x):
+        for layer in self.layers[:2]:
+            x = layer(x)
+        return x
+
+
+def test_aotfuse_models_leave_other_torch_compile_graphs_alone():
+    """aotfuse's registration hook, traced by Dynamo inside another model's forward, guarded that graph
+    on aotfuse's set of watched modules: every aotfuse model compiled later recompiled it (eagerly past
+    Dynamo's recompile limit), and a garbage collection during its compile crashed Dynamo's guard
+    building (IndexError), whatever the backend."""
+    import gc
+
+    torch._dynamo.reset()
+    x = torch.randn(2, 8)
+
+    def aotfuse_model():
+        m = aotfuse.memory_efficient_fusion(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()))
+        m(x).sum().backward()
+        return m
+
+    keep, compiles = [aotfuse_model()], []
+
+    def counting(gm, _inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    model = _SlicedLayers()
+    compiled = torch.compile(model, backend=counting)
+    for _ in range(4):
+        keep.append(aotfuse_model())
+        assert_close(compiled(x), model(x), "sliced layers")
+    assert len(compiles) == 1
+
+    class Cycle(torch.nn.Module):  # freed only by the collector
+        def __init__(self):
+            super().__init__()
+            self.lin, self.me = torch.nn.Linear(8, 8), [self]
+
+        def forward(self, x):
+            return self.lin(x)
+
+    dying = aotfuse.memory_efficient_fusion(Cycle())
+    dying(x)
+    del dying
+
+    def collecting(gm, _inputs):
+        gc.collect()
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = _SlicedLayers()
+    assert_close(torch.compile(model, backend=collecting)(x), model(x), "sliced layers, a collection while compiling")
+    torch._dynamo.reset()
+
+
 def test_torch_compile_backend():
     model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1))
     compiled = torch.compile(copy.deepcopy(model), backend="aotfuse", dynamic=False)

@@ -1016,6 +1016,12 @@ _watched_modules: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def _structure_changed(module: Any = None, *_args: Any) -> None:
+    # not while Dynamo traces a forward that registers something (an nn.ModuleList sliced, as in
+    # Hugging Face's Phi and Gemma): it would guard that graph on the WeakSet's contents, so any model
+    # compiled or collected later recompiled it (eagerly past the recompile limit), and a collection
+    # during its compile crashed Dynamo's guard building (IndexError), whatever its backend
+    if torch.compiler.is_dynamo_compiling():
+        return
     if module is None or module in _watched_modules:
         _structure_version[0] += 1
 
