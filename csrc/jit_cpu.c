@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <link.h>
 #include <sched.h>
 #include <spawn.h>
 #include <stdio.h>
@@ -142,8 +143,32 @@ static uint64_t config_hash(uint64_t h) {
 
 uint64_t af_jit_cpu_config(void) { return config_hash(af_jit_hash(14695981039346656037ull, JIT_VERSION)); }
 
+/* Whether path is a regular file holding a whole ELF object: its header, its program and section
+ * header tables and every segment's bytes inside the file. dlopen maps a truncated object whose
+ * header survived and dies on the missing pages (SIGBUS), and blocks on a FIFO. */
+static int elf_complete(const char *path) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return 0;
+    struct stat sb;
+    ElfW(Ehdr) eh;
+    int ok = fstat(fd, &sb) == 0 && S_ISREG(sb.st_mode) && sb.st_size >= (off_t)sizeof eh &&
+             pread(fd, &eh, sizeof eh, 0) == (ssize_t)sizeof eh && memcmp(eh.e_ident, ELFMAG, SELFMAG) == 0 &&
+             eh.e_phentsize == sizeof(ElfW(Phdr));
+    uint64_t size = ok ? (uint64_t)sb.st_size : 0;
+    ok = ok && eh.e_phoff <= size && (uint64_t)eh.e_phnum * eh.e_phentsize <= size - eh.e_phoff;
+    ok = ok && (eh.e_shoff == 0 || (eh.e_shoff <= size && (uint64_t)eh.e_shnum * eh.e_shentsize <= size - eh.e_shoff));
+    for (int i = 0; ok && i < eh.e_phnum; i++) {
+        ElfW(Phdr) ph;
+        ok = pread(fd, &ph, sizeof ph, (off_t)(eh.e_phoff + (uint64_t)i * sizeof ph)) == (ssize_t)sizeof ph &&
+             ph.p_offset <= size && ph.p_filesz <= size - ph.p_offset;
+    }
+    close(fd);
+    return ok;
+}
+
 /* dlopen + key check; 0 if the entry is missing, broken or someone else's. */
 static void *open_checked(const char *path, const char *key) {
+    if (!elf_complete(path)) return NULL;
     void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
     if (!h) return NULL;
     const char *k = dlsym(h, "af_module_key");
@@ -342,6 +367,13 @@ static int compile_to(const char *dir, const char *key, const char *source, cons
     }
     unlink(log);
     if (tried && !split && st == AF_OK) __atomic_store_n(&split_broken, 1, __ATOMIC_RELAXED);
+    if (st == AF_OK) { /* on disk before it takes the cache's name: a crash leaves no partial entry */
+        int fd = open(tmp_so, O_RDONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            (void)fsync(fd);
+            close(fd);
+        }
+    }
     if (st == AF_OK && rename(tmp_so, final_path) != 0)
         st = af_error_set(AF_ERR_RUNTIME, "cannot move %s into the cache: %s", tmp_so, strerror(errno));
     if (st != AF_OK) unlink(tmp_so);

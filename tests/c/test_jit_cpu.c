@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -226,6 +227,58 @@ static void test_a_missing_compiler_waits_for_no_other_child(void **state) {
 
 /* A compiler that refuses the parts: the module is built as one file all the same, and the next
  * large module does not try the parts again (this process's split stays off: the last test). */
+/* A cached object cut short (its header and its start intact, the rest lost: a crash during a copy
+ * of the cache) is rebuilt: dlopen mapped it and the process died of SIGBUS on the missing pages.
+ * So is a FIFO at its name (dlopen blocked on it), and a file of zeros. */
+static void test_a_truncated_or_odd_cache_entry_is_rebuilt(void **state) {
+    (void)state;
+    sandbox s;
+    sandbox_new(&s, 0);
+    setenv("AOTFUSE_JIT_JOBS", "1", 1);
+    char *src = two_unit_source(100, 11);
+    af_jit_module *m = NULL;
+    int hit = -1, calls, parts, links;
+    assert_int_equal(af_jit_cpu_load(src, &m, &hit), AF_OK);
+    assert_int_equal(hit, 0);
+    char path[4200];
+    snprintf(path, sizeof path, "%s", af_jit_path(m));
+    af_jit_module_free(m); /* unmapped: the file can change under no mapping of this process */
+    for (int how = 0; how < 3; how++) {
+        FILE *f = fopen(path, "rb");
+        assert_non_null(f);
+        assert_int_equal(fseek(f, 0, SEEK_END), 0);
+        long size = ftell(f);
+        fclose(f);
+        assert_true(size > 4096);
+        if (how == 0) {
+            assert_int_equal(truncate(path, size / 2), 0);
+        } else if (how == 1) {
+            assert_int_equal(unlink(path), 0);
+            assert_int_equal(mkfifo(path, 0600), 0);
+        } else {
+            f = fopen(path, "wb");
+            assert_non_null(f);
+            for (long i = 0; i < size; i++) fputc(0, f);
+            assert_int_equal(fclose(f), 0);
+        }
+        m = NULL;
+        hit = -1;
+        assert_int_equal(af_jit_cpu_load(src, &m, &hit), AF_OK);
+        assert_int_equal(hit, 0);
+        check_module(m, 11);
+        af_jit_module_free(m);
+        count_calls(&s, &calls, &parts, &links);
+        assert_int_equal(calls, 2 + how); /* compiled again each time */
+    }
+    m = NULL;
+    assert_int_equal(af_jit_cpu_load(src, &m, &hit), AF_OK);
+    assert_int_equal(hit, 1);
+    af_jit_module_free(m);
+    assert_int_equal(leftovers(&s), 0);
+    free(src);
+    sandbox_free(&s);
+}
+
 static void test_a_failed_split_falls_back_to_one_file(void **state) {
     (void)state;
     sandbox s;
@@ -260,6 +313,7 @@ int main(void) {
         cmocka_unit_test(test_a_large_source_compiles_in_parts),
         cmocka_unit_test(test_one_job_or_a_small_source_compiles_as_one_file),
         cmocka_unit_test(test_a_missing_compiler_waits_for_no_other_child),
+        cmocka_unit_test(test_a_truncated_or_odd_cache_entry_is_rebuilt),
         cmocka_unit_test(test_a_failed_split_falls_back_to_one_file), /* last: turns the split off */
     };
     return cmocka_run_group_tests_name("jit_cpu", tests, NULL, NULL);
