@@ -9,6 +9,7 @@
 #include <inttypes.h>
 #include <link.h>
 #include <sched.h>
+#include <signal.h>
 #include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -106,11 +107,25 @@ static int spawn_compiler(char *const *argv, const char *log_path, pid_t *pid) {
     return AF_OK;
 }
 
-/* Waits for a compiler spawn_compiler started; on failure the message holds the start of its output. */
+static int (*interrupt_check)(void);
+static int interrupted; /* this load was stopped: no compiler is started or waited for again */
+
+void af_jit_set_interrupt_check(int (*check)(void)) { interrupt_check = check; }
+
+/* Waits for a compiler spawn_compiler started; on failure the message holds the start of its output.
+ * A signal whose handler says stop (interrupt_check) kills it. */
 static int wait_compiler(pid_t pid, const char *argv0, const char *log_path) {
     int status = 0;
-    while (waitpid(pid, &status, 0) < 0)
+    while (waitpid(pid, &status, 0) < 0) {
         if (errno != EINTR) return af_error_set(AF_ERR_RUNTIME, "waiting for the C compiler: %s", strerror(errno));
+        if (interrupted || (interrupt_check && interrupt_check())) {
+            interrupted = 1;
+            kill(pid, SIGKILL);
+            while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+            }
+            return af_error_set(AF_ERR_RUNTIME, "interrupted while the C compiler '%s' ran", argv0);
+        }
+    }
     if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return AF_OK;
     char log[700] = "";
     FILE *f = fopen(log_path, "r");
@@ -121,7 +136,12 @@ static int wait_compiler(pid_t pid, const char *argv0, const char *log_path) {
     }
     if (WIFEXITED(status) && WEXITSTATUS(status) == 127)
         return af_error_set(AF_ERR_UNSUPPORTED, "the C compiler '%s' was not found: install one, or set AOTFUSE_CC, or AOTFUSE_FUSION=0", argv0);
-    return af_error_set(AF_ERR_UNSUPPORTED, "the C compiler '%s' failed (status %d): %s", argv0, status, log);
+    if (WIFSIGNALED(status))
+        return af_error_set(AF_ERR_UNSUPPORTED, "the C compiler '%s' was killed by signal %d: %s", argv0,
+                            WTERMSIG(status), log);
+    return af_error_set(AF_ERR_UNSUPPORTED, "the C compiler '%s' failed (exit code %d)%s%s", argv0,
+                        WIFEXITED(status) ? WEXITSTATUS(status) : status, *log ? ": " : ", with no output",
+                        log);
 }
 
 /* Runs the compiler; on failure the message holds the start of its output. */
@@ -299,8 +319,11 @@ static int split_compile(const char *dir, const char *key, long salt, const char
         ok = spawn_compiler(argv, paths[started][2], &pids[started]) == AF_OK;
         if (ok) started++;
     }
-    for (size_t j = 0; j < started; j++) ok &= wait_compiler(pids[j], argv[0], paths[j][2]) == AF_OK; /* waits for all */
-    if (ok) {
+    for (size_t j = 0; j < started; j++) { /* waits for all; once interrupted, kills the rest first */
+        if (interrupted) kill(pids[j], SIGKILL);
+        ok &= wait_compiler(pids[j], argv[0], paths[j][2]) == AF_OK;
+    }
+    if (ok && !interrupted) {
         int k = n;
         argv[k++] = "-shared";
         argv[k++] = "-fPIC";
@@ -351,7 +374,7 @@ static int compile_to(const char *dir, const char *key, const char *source, cons
      * -fopenmp-simd: row sums add one float partial sum per vector lane only through it (a chunk
      * summed as one float was 10x less accurate); the last attempt takes neither */
     static const char *const omp_flags[] = {"-fopenmp", "-fopenmp-simd", NULL};
-    for (int attempt = 0; attempt < 3 && !split; attempt++) {
+    for (int attempt = 0; attempt < 3 && !split && !interrupted; attempt++) {
         int k = n;
         for (int i = 0; i < N_BASE_FLAGS; i++) argv[k++] = (char *)base_flags[i];
         if (vector_width_flag()) argv[k++] = (char *)vector_width_flag();
@@ -362,10 +385,11 @@ static int compile_to(const char *dir, const char *key, const char *source, cons
         argv[k++] = "-lm";
         argv[k] = NULL;
         st = run_compiler(argv, log);
-        if (st == AF_OK) break;
+        if (st == AF_OK || interrupted) break;
         if (strstr(af_error_message(), "not found") || strstr(af_error_message(), "cannot run")) break;
     }
     unlink(log);
+    if (interrupted && st == AF_OK) st = af_error_set(AF_ERR_RUNTIME, "interrupted while the C compiler ran");
     if (tried && !split && st == AF_OK) __atomic_store_n(&split_broken, 1, __ATOMIC_RELAXED);
     if (st == AF_OK) { /* on disk before it takes the cache's name: a crash leaves no partial entry */
         int fd = open(tmp_so, O_RDONLY | O_CLOEXEC);
@@ -386,6 +410,7 @@ static int compile_to(const char *dir, const char *key, const char *source, cons
 
 int af_jit_cpu_load(const char *source, af_jit_module **out, int *cache_hit) {
     if (!source || !out) return af_error_set(AF_ERR_INVALID, "af_jit_cpu_load: NULL argument");
+    interrupted = 0;
     char dir[4000];
     int st = af_jit_cache_dir(dir, sizeof dir);
     if (st) return st;

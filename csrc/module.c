@@ -21,6 +21,7 @@
 #include "aotfuse/bridge.h"
 #include "aotfuse/codegen.h"
 #include "aotfuse/fuse.h"
+#include "aotfuse/jit.h"
 #include "aotfuse/jit_cuda.h"
 #include "aotfuse/ir.h"
 #include "aotfuse/ops.h"
@@ -1081,8 +1082,14 @@ static PyMethodDef module_methods[] = {
 static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "aotfuse._C", "aotfuse's C core.", -1, module_methods,
                                         NULL, NULL, NULL, NULL};
 
+/* The CPU JIT's wait for a compiler, interrupted by a signal: Python's handlers run (the GIL is held
+ * while kernels are built), and one that raised (KeyboardInterrupt) stops the build; the exception
+ * stays set, so raise_status raises it. */
+static int python_signal_raised(void) { return PyErr_CheckSignals() < 0; }
+
 PyMODINIT_FUNC PyInit__C(void) {
     if (PyType_Ready(&GraphType) < 0 || PyType_Ready(&ProgramType) < 0) return NULL;
+    af_jit_set_interrupt_check(python_signal_raised);
     PyObject *m = PyModule_Create(&module_def);
     if (!m) return NULL;
     AotfuseError = PyErr_NewExceptionWithDoc("aotfuse._C.Error", "An error reported by aotfuse's C core.",

@@ -301,6 +301,49 @@ def test_missing_compiler_is_a_clear_error_and_fusion_can_be_turned_off(tmp_path
     assert "OFF False 0" in off.stdout
 
 
+HANGING_CC_SCRIPT = """
+import torch, aotfuse
+f = aotfuse.aot_function(lambda x: (x.sin() * 2).exp(), fallback="eager")
+print("start", flush=True)
+try:
+    f(torch.randn(8))
+    print("returned", flush=True)
+except KeyboardInterrupt:
+    print("KeyboardInterrupt", flush=True)
+"""
+
+
+def test_ctrl_c_stops_a_compiler_that_never_finishes(tmp_path):
+    """A C compiler that hangs (a wedged ccache, a network file system): SIGINT to the process raised
+    nothing, since the wait for the compiler retried on EINTR without asking Python. Now Python's
+    handler runs, KeyboardInterrupt stops the build, the compilers are killed, and no temporary file
+    is left in the cache."""
+    import signal
+    import time
+
+    cc = tmp_path / "sleeping-cc"
+    cc.write_text("#!/bin/sh\nexec sleep 1000\n")
+    cc.chmod(0o755)
+    cache = tmp_path / "cache"
+    env = {**os.environ, "AOTFUSE_CACHE_DIR": str(cache), "AOTFUSE_CC": str(cc)}
+    proc = subprocess.Popen([sys.executable, "-c", HANGING_CC_SCRIPT], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "start"
+        deadline = time.time() + 60
+        while not list(cache.glob(".*.c")) and time.time() < deadline:  # the compiler is running
+            time.sleep(0.05)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)  # the process only, not its group: the compiler does not see it
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "KeyboardInterrupt" in out, (out, err)
+    assert not list(cache.glob(".*")), list(cache.iterdir())
+
+
 PARTS_SCRIPT = """
 import sys, torch, aotfuse
 def f(x, w):

@@ -29,6 +29,11 @@ typedef struct af_jit_module af_jit_module;
 #define AF_C_UNIT_MARK "//@af-unit"
 int af_jit_cpu_load(const char *source, af_jit_module **out, int *cache_hit);
 
+/* Called when a wait for the compiler is interrupted by a signal (the Python module's: Python's
+ * handlers run, so Ctrl-C raises KeyboardInterrupt); nonzero stops the load: the compilers are
+ * killed, their files removed, and the load fails with AF_ERR_RUNTIME. NULL (the default) waits on. */
+void af_jit_set_interrupt_check(int (*check)(void));
+
 /* A hash of the compiler (AOTFUSE_CC) and the flags af_jit_cpu_load would use now: part of the cache
  * key, and of a kernel template's identity (templates.h). */
 uint64_t af_jit_cpu_config(void);
