@@ -676,6 +676,12 @@ static PyObject *Program_node_groups(ProgramObject *self, PyObject *unused) {
     return list;
 }
 
+static PyObject *Program_load_kernels(ProgramObject *self, PyObject *Py_UNUSED(ignored)) {
+    int st = af_program_load_kernels(self->p);
+    if (st) return raise_status(st);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Program_set_plain_outputs(ProgramObject *self, PyObject *arg) {
     long first = PyLong_AsLong(arg);
     if (first == -1 && PyErr_Occurred()) return NULL;
@@ -722,6 +728,8 @@ static PyMethodDef Program_methods[] = {
     {"buffer_donors", (PyCFunction)Program_buffer_donors, METH_NOARGS,
      "[(value, donor value, made by, donor made by), ...]: results that take the tensor of a value dead by "
      "then (buffer reuse); made by: 'kernel' or the extern's op"},
+    {"load_kernels", (PyCFunction)Program_load_kernels, METH_NOARGS,
+     "load_kernels(): compiles and loads a lazy_jit program's kernels now (nothing where they are loaded)"},
     {"set_plain_outputs", (PyCFunction)Program_set_plain_outputs, METH_O,
      "set_plain_outputs(first): outputs from index first on (saved activations, gradients) may be views "
      "made without ATen's dispatcher; earlier ones (by default all) stay ATen's views"},

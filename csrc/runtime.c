@@ -793,6 +793,12 @@ int32_t af_program_donor(const af_program *p, int32_t value) {
 }
 int af_program_cache_hit(const af_program *p) { return p ? p->cache_hit : 0; }
 int af_program_kernels_loaded(const af_program *p) { return p && !p->jit_pending; }
+
+int af_program_load_kernels(af_program *p) {
+    if (!p) return af_error_set(AF_ERR_INVALID, "af_program_load_kernels: NULL program");
+    if (p->running) return af_error_set(AF_ERR_RUNTIME, "program is running");
+    return p->jit_pending ? load_kernels(p) : AF_OK;
+}
 const char *af_program_source(const af_program *p) { return p ? p->source : NULL; }
 int32_t af_program_bodies_reused(const af_program *p) { return p ? p->n_reused : 0; }
 int32_t af_program_bodies_lifted(const af_program *p) { return p ? p->n_lifted : 0; }

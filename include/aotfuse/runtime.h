@@ -59,6 +59,10 @@ int32_t af_program_num_kernels(const af_program *p);
 int64_t af_program_kernel_fallbacks(const af_program *p);
 int af_program_cache_hit(const af_program *p);
 int af_program_kernels_loaded(const af_program *p); /* compiled and loaded (or none to load); 0 before a lazy_jit program's first run */
+/* Compiles and loads a lazy_jit program's kernels now (nothing where they are loaded): a caller that
+ * can run the graph another way where they cannot be built asks before the first run, which would
+ * consume its inputs. */
+int af_program_load_kernels(af_program *p);
 const char *af_program_source(const af_program *p);
 /* Kernel templates (templates.h): C kernel bodies this program calls from earlier programs'
  * modules (nothing compiled for them), and bodies it compiles with some literals read from af_n

@@ -237,6 +237,7 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
         if isinstance(low, Lowered):  # gradients may be plain views; missing ones run a variant
             low.program.set_plain_outputs(0)
             low.keep_graph_for_missing(bw)
+            low.uncompiled_if_unbuildable = True
         return _keep("backward", low)
 
     def inference(g: torch.fx.GraphModule, inputs: Sequence[Any] = ()):

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import math
 import operator
+import warnings
 import weakref
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch._prims_common import make_contiguous_strides_for
@@ -103,6 +104,11 @@ def _op_name(target: Any) -> str:
 LIVE: "weakref.WeakSet[Lowered]" = weakref.WeakSet()
 
 
+def _unbuildable_message(message: str) -> bool:
+    """Whether a C core error says this machine cannot build kernels (no C compiler, or no NVRTC)."""
+    return "cannot be built here" in message or "C compiler" in message
+
+
 class Lowered:
     """A lowered FX graph: call it with a list of inputs (boxed), get a list of outputs."""
 
@@ -117,6 +123,11 @@ class Lowered:
         self.graph_module: fx.GraphModule | None = None  # kept by a backward: see keep_graph_for_missing
         self.variants: dict[tuple, "Lowered"] = {}
         self._tangents: tuple = ()  # a backward: the positions of its output-gradient inputs
+        # torch.compile's backend, for a backward whose kernels compile at its first run: where they
+        # cannot be built here, the graph runs as torch's own FX code (with a warning), as a forward
+        # does whose kernels fail at lowering (dynamo._compile_or_fallback)
+        self.uncompiled_if_unbuildable = False
+        self._uncompiled: Callable | None = None
         LIVE.add(self)
 
     def keep_graph_for_missing(self, gm: fx.GraphModule) -> None:
@@ -129,6 +140,8 @@ class Lowered:
                                and n.meta.get("val", 0) is not None)
 
     def __call__(self, args: list) -> list:
+        if self._uncompiled is not None or (self.uncompiled_if_unbuildable and self._unbuildable()):
+            return self._uncompiled(args)
         if self._tangents and any(args[i] is None for i in self._tangents):
             return self._without(args)
         # boxed convention: the program empties the list and drops each input after its last
@@ -144,6 +157,31 @@ class Lowered:
             return list(outs)
         it = iter(outs)
         return [next(it) if t is None else t[0] for t in self._template]
+
+    def _unbuildable(self) -> bool:
+        """Builds the kernels now, before the first run would take the inputs; True (and the graph's
+        FX code kept to run instead) where this machine cannot build them."""
+        self.uncompiled_if_unbuildable = False
+        try:
+            self.program.load_kernels()
+        except _C.Error as e:
+            if not _unbuildable_message(str(e)) or self.graph_module is None:
+                raise
+            warnings.warn(f"aotfuse: a Dynamo graph's backward runs uncompiled: {e}", stacklevel=3)
+            gm, tangents = self.graph_module, self._tangents
+            metas = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+
+            def uncompiled(args: list) -> list:
+                args = list(args)
+                for i in tangents:  # gradients autograd did not make (outputs nobody differentiated)
+                    if args[i] is None and isinstance(metas[i], torch.Tensor):
+                        args[i] = torch.zeros(metas[i].shape, dtype=metas[i].dtype, device=metas[i].device)
+                outs = gm(*args)
+                return list(outs) if isinstance(outs, (tuple, list)) else [outs]
+
+            self._uncompiled = uncompiled
+            return True
+        return False
 
     def _without(self, args: list) -> list:
         """A backward called without some output gradients (autograd did not make zeros for the
@@ -1060,7 +1098,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
                              huge_pages=config.huge_pages(),
                              templates=config.kernel_templates() and not torch.are_deterministic_algorithms_enabled())
     except _C.Error as e:
-        if "cannot be built here" in str(e) or "C compiler" in str(e):
+        if _unbuildable_message(str(e)):
             raise BackendUnavailable(str(e)) from e
         raise
     program.check_inputs = config.check_inputs()
