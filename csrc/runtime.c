@@ -357,6 +357,8 @@ static int build_kernels(af_program *p, const af_program_options *opts) {
     uint32_t devices = opts->device_types ? opts->device_types : AF_FUSE_ALL_DEVICES;
     p->cuda_device = cuda_device_of(p->graph);
     if (p->cuda_device < 0) devices &= ~(1u << AF_DEVICE_CUDA);
+    if (!devices) return AF_OK; /* no device of the graph gets kernels (AOTFUSE_BACKEND=cuda, CPU tensors): 0
+                                 * would read as every device below */
     af_fuse_options fo = {.min_nodes = opts->min_group > 0 ? opts->min_group : 2, .device_types = devices, .no_shifted = opts->no_shifted,
                           .no_merge = opts->no_merge};
     int st = af_fuse_plan_new(p->graph, &fo, &p->plan);
@@ -685,7 +687,9 @@ int af_program_new(af_graph *g, const af_program_options *opts, af_program **out
     uint32_t kernel_devices = o.device_types ? o.device_types : AF_FUSE_ALL_DEVICES;
     if (cuda_device_of(g) < 0) kernel_devices &= ~(1u << AF_DEVICE_CUDA); /* as build_kernels */
     int sink_reads = (o.no_sink_reads ? 0 : AF_SINK_VIEW_READS) | (o.no_sink_broadcasts ? 0 : AF_SINK_BROADCAST_READS);
-    if (o.fuse && !o.no_sink && (st = af_sink_copies(g, kernel_devices, sink_reads, &sunk, &n_sunk, NULL))) return st;
+    if (o.fuse && !o.no_sink && kernel_devices &&
+        (st = af_sink_copies(g, kernel_devices, sink_reads, &sunk, &n_sunk, NULL)))
+        return st;
     if (sunk) g = sunk;
     af_program *p = calloc(1, sizeof *p);
     if (!p) {

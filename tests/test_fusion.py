@@ -571,6 +571,10 @@ def test_norms_are_decomposed_where_kernels_are_generated(monkeypatch, env, deco
     targets = {str(n.target) for gm in graphs.values() for n in gm.graph.nodes if n.op == "call_function"}
     natives = {t for t in targets if "native_layer_norm" in t or "_softmax" in t}
     assert (not natives) == decomposed, natives
+    # a device without generated kernels gets none (AOTFUSE_BACKEND=cuda built C kernels for CPU
+    # tensors before 2026-12-04: the mask of devices left was 0, read as every device)
+    kernels = [low.program.num_kernels for low in compiled._aotfuse_compiled.records[-1].programs.values()]
+    assert (sum(kernels) > 0) == (env.get("AOTFUSE_FUSION") != "0" and env.get("AOTFUSE_BACKEND") != "cuda"), kernels
 
 
 def test_random_numbers_a_later_phase_reads_are_kept_not_drawn_again():
