@@ -379,3 +379,22 @@ def test_program_profiling_times_every_step():
     assert all(sec >= 0 for *_, sec in steps) and sum(sec for *_, sec in steps) > 0
     p.profiling = False
     assert p.profile()[0] == 0
+
+
+@pytest.mark.parametrize("kind", ["sparse_csr", "nested"])
+def test_inputs_without_strides_fall_back_or_say_so(kind):
+    """A sparse CSR or nested tensor argument: computing the call's signature raised torch's own
+    error ('Sparse CSR tensors do not have strides', 'NestedTensorImpl doesn't support sizes'), even
+    under fallback='eager'. Now the capture says what it cannot take, and fallback='eager' runs the
+    function eagerly, with eager's values."""
+    if kind == "sparse_csr":
+        fn, args = (lambda a, b: (a @ b).sin()), (torch.eye(4).to_sparse_csr(), torch.arange(12.0).view(4, 3))
+    else:
+        fn, args = (lambda a: (a * 2).sin()), (torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(3, 3)]),)
+    expected = fn(*args)
+    with pytest.warns(UserWarning, match="could not capture"):
+        got = aotfuse.aot_function(fn, fallback="eager")(*args)
+    for g, e in zip(got.unbind() if kind == "nested" else [got], expected.unbind() if kind == "nested" else [expected]):
+        assert torch.equal(g, e)
+    with pytest.raises(aotfuse.CaptureError):
+        aotfuse.aot_function(fn)(*args)

@@ -211,7 +211,10 @@ def _captures():
 def _leaf_key(x: Any, seen: dict) -> Any:
     if isinstance(x, torch.Tensor):
         first = seen.setdefault(id(x), len(seen))  # the same tensor passed twice is part of the key
-        return (x.dtype, x.device, x.shape, x.stride(), x.requires_grad, x.layout, first)
+        try:
+            return (x.dtype, x.device, x.shape, x.stride(), x.requires_grad, x.layout, first)
+        except RuntimeError:  # no sizes or strides (sparse CSR, nested): its capture will say it is unsupported
+            return (x.dtype, x.device, None, None, x.requires_grad, x.layout, x.is_nested, first)
     try:
         hash(x)
         return (type(x), x)
@@ -270,11 +273,15 @@ def _distinct_storages(tensors: list, skip: int = 0) -> bool:
 def _signature(leaves: list, spec: tuple, extra: tuple, skip: int = 0) -> tuple:
     seen: dict = {}
     keys = []
-    for x in leaves:  # _leaf_key, inlined for tensors (a call per leaf is a tenth of a forward's host time)
-        if isinstance(x, torch.Tensor):
-            keys.append((x.dtype, x.device, x.shape, x.stride(), x.requires_grad, x.layout, seen.setdefault(id(x), len(seen))))
-        else:
-            keys.append(_leaf_key(x, seen))
+    try:
+        for x in leaves:  # _leaf_key, inlined for tensors (a call per leaf is a tenth of a forward's host time)
+            if isinstance(x, torch.Tensor):
+                keys.append((x.dtype, x.device, x.shape, x.stride(), x.requires_grad, x.layout, seen.setdefault(id(x), len(seen))))
+            else:
+                keys.append(_leaf_key(x, seen))
+    except RuntimeError:  # a tensor without strides or sizes (sparse CSR, nested): keyed by _leaf_key
+        seen.clear()
+        keys = [_leaf_key(x, seen) for x in leaves]
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     if len(tensors) > 1 and not _distinct_storages(tensors, skip):
         # inputs that are views of one storage (x and x[2:], say): AOTAutograd traces their aliasing
@@ -692,6 +699,8 @@ class CompiledFunction:
         mode = self._dynamic_mode()
         if mode == "0" or (family is not None and family.failed) or fkey in self._uncaptured:
             return None  # (a shape whose function could not be captured whole: neither can a family)
+        if any(t.is_nested or t.layout != torch.strided for t in tensors):
+            return None  # sizes that are not a shape (nested, sparse): the trace on its own says what it cannot take
         if mode == "1" and family is None:  # every size of the inputs that are not parameters or buffers
             dims = {i: frozenset(range(t.dim())) for i, t in enumerate(tensors)
                     if i >= self.num_params_buffers and t.dim()}
