@@ -284,6 +284,14 @@ def test_cache_bound_warning_names_the_keyword_inputs_whose_shapes_vary():
     assert len(msgs) == 1, msgs
     assert "Shapes that vary: input_ids (2x5, 2x7, 2x9)" in msgs[0] and "pad_to_multiple_of" in msgs[0], msgs[0]
 
+    compiled = aotfuse.memory_efficient_fusion(model, max_cache_size=2, dynamic=False)
+    with warnings.catch_warnings(record=True) as caught:  # positional: counted from the forward's own first
+        warnings.simplefilter("always")
+        for n in (5, 7, 9):
+            compiled(torch.randint(0, 10, (2, n)), 2.0)
+    msgs = [str(w.message) for w in caught if "aotfuse" in str(w.message)]
+    assert "Shapes that vary: argument 0 (2x5, 2x7, 2x9)" in msgs[0], msgs  # not 2 (the parameters, buffers)
+
 
 def test_module_state_dict_optimizer_and_modes():
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 2))

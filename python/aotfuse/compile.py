@@ -222,11 +222,12 @@ def _leaf_key(x: Any, seen: dict) -> Any:
         return (type(x), id(x))
 
 
-def _arg_name(path: tuple) -> str:
-    """A pytree path into (args, kwargs) as a caller reads it: `input_ids`, `argument 0[1]`."""
+def _arg_name(path: tuple, skip: int = 0) -> str:
+    """A pytree path into (args, kwargs) as a caller reads it: `input_ids`, `argument 0[1]`. `skip`:
+    leading arguments the caller did not pass (a compiled module's parameters and buffers)."""
     rest = torch.utils._pytree.keystr(path[2:])
     if path[0].idx == 0:
-        return f"argument {path[1].idx}{rest}"
+        return f"argument {path[1].idx - skip}{rest}"
     return f"{path[1].key}{rest}"
 
 
@@ -673,7 +674,7 @@ class CompiledFunction:
         if not varying:
             return ""
         try:
-            paths = [_arg_name(p) for p, _ in torch.utils._pytree.tree_flatten_with_path(tree)[0]]
+            paths = [_arg_name(p, self.fallback_skip) for p, _ in torch.utils._pytree.tree_flatten_with_path(tree)[0]]
         except Exception:  # a pytree torch's paths do not cover: name leaves by position
             paths = []
         names = []
