@@ -430,7 +430,11 @@ int af_jit_cpu_load(const char *source, af_jit_module **out, int *cache_hit) {
         unlink(m->path); /* missing, truncated, corrupt or stale: rebuild */
         if ((st = compile_to(dir, key, source, m->path)) == AF_OK) {
             m->handle = open_checked(m->path, key);
-            if (!m->handle) st = af_error_set(AF_ERR_RUNTIME, "cannot load %s: %s", m->path, dlerror());
+            if (!m->handle) {
+                const char *why = dlerror();
+                st = af_error_set(AF_ERR_UNSUPPORTED, "cannot load %s, which the C compiler built: %s", m->path,
+                                  why ? why : "not a complete shared object");
+            }
         }
     }
     if (st) {

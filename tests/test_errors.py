@@ -398,3 +398,30 @@ def test_inputs_without_strides_fall_back_or_say_so(kind):
         assert torch.equal(g, e)
     with pytest.raises(aotfuse.CaptureError):
         aotfuse.aot_function(fn)(*args)
+
+
+def test_state_kept_in_python_is_named_in_the_headline():
+    """Old-style spectral_norm (and weight_norm, pruning) sets a module attribute to a tensor in each
+    forward: the CaptureError's cause said so, but its headline blamed data-dependent control flow."""
+    model = torch.nn.utils.spectral_norm(torch.nn.Linear(4, 4))
+    with pytest.raises(aotfuse.CaptureError) as err:
+        aotfuse.memory_efficient_fusion(model)(torch.randn(2, 4))
+    headline = str(err.value).splitlines()[0]
+    assert "keeps tensors in Python state" in headline and "fallback='dynamo'" in headline, headline
+    assert "data-dependent" not in headline, headline
+
+
+def test_a_compiler_that_writes_a_broken_object_is_a_backend_error(tmp_path, monkeypatch):
+    """A compiler whose output is no shared object (a wrapper that writes garbage): the load's error
+    now says the C compiler built it, so the capture blames the backend (and AOTFUSE_BACKEND=aten), not
+    data-dependent control flow."""
+    cc = tmp_path / "garbage-cc"
+    cc.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do [ "$1" = "-o" ] && { echo garbage > "$2"; }; shift; done\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("AOTFUSE_CC", str(cc))
+    monkeypatch.setenv("AOTFUSE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(aotfuse.CaptureError) as err:
+        aotfuse.aot_function(lambda x: (x.sin() * 3.0).exp())(torch.randn(5))
+    headline = str(err.value).splitlines()[0]
+    assert "cannot be built on this machine" in headline and "AOTFUSE_BACKEND=aten" in headline, headline
+    assert "C compiler built" in str(err.value)

@@ -780,8 +780,8 @@ class CompiledFunction:
                 out = fn(*args, **kwargs)
             hooks.check()
             if guard.kept:
-                raise RuntimeError(f"the forward keeps tensors in Python state ({', '.join(guard.kept)}), which a "
-                                   f"compiled graph cannot replay")
+                raise KeptStateError(f"the forward keeps tensors in Python state ({', '.join(guard.kept)}), which a "
+                                     f"compiled graph cannot replay")
             out_leaves, out_spec = tree_flatten(out, objects=True)
             record.out_spec = out_spec
             record.out_consts = [None if isinstance(x, torch.Tensor) else (x,) for x in out_leaves]
@@ -918,6 +918,9 @@ class CompiledFunction:
             self._forget(entry)  # the next call of this signature tries (and explains) again
             hint = ("an argument is an object holding tensors; inference with a KV cache runs with fallback='eager' "
                     "(generate() runs the original module)" if isinstance(e, ObjectInputError) else
+                    "the forward keeps tensors in Python state (an attribute set to a tensor, as old-style "
+                    "spectral_norm, weight_norm and pruning do): fallback='dynamo' replays such side effects, or use "
+                    "torch.nn.utils.parametrizations" if isinstance(e, KeptStateError) else
                     "Python hooks: register them on the compiled module instead (its own hooks run around each "
                     "compiled call), or let fallback='eager' run them as they are (fallback='dynamo' traces them as "
                     "torch.compile does)" if isinstance(e, HooksError) else
@@ -1084,6 +1087,12 @@ class ObjectInputError(RuntimeError):
     """An argument is a Python object holding tensors (transformers' DynamicCache): its tensors would
     be constants of the trace, and what the call does to the object (a cache's update) would happen
     once, while tracing. The signature is not captured: CaptureError, or the function's fallback."""
+
+
+class KeptStateError(RuntimeError):
+    """A capture's forward left a traced tensor in a module attribute (`self.prev = y.detach()`, the
+    old spectral_norm and pruning hooks' weights): a compiled graph cannot replay it. The signature
+    is not captured: CaptureError, or the function's fallback."""
 
 
 class HooksError(RuntimeError):
