@@ -425,3 +425,41 @@ def test_a_compiler_that_writes_a_broken_object_is_a_backend_error(tmp_path, mon
     headline = str(err.value).splitlines()[0]
     assert "cannot be built on this machine" in headline and "AOTFUSE_BACKEND=aten" in headline, headline
     assert "C compiler built" in str(err.value)
+
+
+@pytest.mark.parametrize("name,value,read", [
+    ("AOTFUSE_FUSION", "false", lambda c: c.fusion() is False),
+    ("AOTFUSE_FUSION", "OFF", lambda c: c.fusion() is False),
+    ("AOTFUSE_FUSION", "", lambda c: c.fusion() is True),  # empty: as unset
+    ("AOTFUSE_DISABLE", "no", lambda c: c.disabled() is False),
+    ("AOTFUSE_DISABLE", "true", lambda c: c.disabled() is True),
+    ("AOTFUSE_FALLBACK_RANDOM", "yes", lambda c: c.fallback_random() is True),
+    ("AOTFUSE_DYNAMIC", "off", lambda c: c.dynamic() == "0"),
+    ("AOTFUSE_DYNAMIC", "", lambda c: c.dynamic() == "auto"),
+    ("AOTFUSE_FUSE_ATTENTION", "force", lambda c: c.fuse_attention() == "1"),
+    ("AOTFUSE_CACHE_SIZE", " 3 ", lambda c: c.cache_size() == 3),
+    ("AOTFUSE_SHAPE_PROGRAMS", "2", lambda c: c.shape_programs() == 2),
+])
+def test_switches_take_the_usual_spellings(monkeypatch, name, value, read):
+    monkeypatch.setenv(name, value)
+    assert read(aotfuse.config)
+
+
+@pytest.mark.parametrize("name,value,read", [
+    ("AOTFUSE_FUSION", "nein", "fusion"), ("AOTFUSE_DISABLE", "2", "disabled"),
+    ("AOTFUSE_DYNAMIC", "bogus", "dynamic"), ("AOTFUSE_FUSE_ATTENTION", "maybe", "fuse_attention"),
+    ("AOTFUSE_CACHE_SIZE", "abc", "cache_size"), ("AOTFUSE_CACHE_SIZE", "-1", "cache_size"),
+    ("AOTFUSE_SHAPE_PROGRAMS", "0", "shape_programs"), ("AOTFUSE_BACKEND", "gpu", "backend"),
+])
+def test_a_switch_with_a_value_it_cannot_take_is_an_error(monkeypatch, name, value, read):
+    """Before 2026-12-04 every value but '' and '0' read as on (AOTFUSE_FUSION=false built kernels,
+    AOTFUSE_DISABLE=no turned aotfuse off), and a cache size of 'abc' silently became 8."""
+    monkeypatch.setenv(name, value)
+    with pytest.raises(aotfuse.config.ConfigError, match=name):
+        getattr(aotfuse.config, read)()
+
+
+def test_a_bad_switch_is_raised_at_the_call_not_hidden_by_a_fallback(monkeypatch):
+    monkeypatch.setenv("AOTFUSE_FUSION", "nein")
+    with pytest.raises(aotfuse.config.ConfigError, match="AOTFUSE_FUSION must be 1 or 0"):
+        aotfuse.aot_function(lambda x: x.sin() * 2, fallback="eager")(torch.randn(4))

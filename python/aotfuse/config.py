@@ -61,8 +61,56 @@ class ConfigError(ValueError):
     that a fallback would hide."""
 
 
+_ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+
+def switch(name: str, default: bool) -> bool:
+    """An on/off variable: 1/true/on/yes or 0/false/off/no, in any case; unset or empty, the default;
+    any other value a ConfigError (before 2026-12-04 every value but "" and "0" read as on, so
+    AOTFUSE_FUSION=false built kernels and AOTFUSE_DISABLE=no turned aotfuse off)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    v = raw.strip().lower()
+    if not v:
+        return default
+    if v in _ON:
+        return True
+    if v in _OFF:
+        return False
+    raise ConfigError(f"{name} must be 1 or 0 (or on/off, true/false, yes/no), not {raw!r}")
+
+
+def _count(name: str, default: int) -> int:
+    """A positive integer variable; unset or empty, the default; anything else a ConfigError."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigError(f"{name} must be a positive integer, not {raw!r}")
+    return n
+
+
+def _mode(name: str, extra: dict) -> str:
+    """A variable taking auto, 1/0 (and the switches' synonyms) or the names in `extra` (name -> mode)."""
+    v = os.environ.get(name, "").strip().lower()
+    if v in ("", "auto"):
+        return "auto"
+    if v in _ON:
+        return "1"
+    if v in _OFF:
+        return "0"
+    if v in extra:
+        return extra[v]
+    raise ConfigError(f"{name} must be auto, 1 or 0{''.join(', ' + k for k in extra)}, not {v!r}")
+
+
 def disabled() -> bool:
-    return os.environ.get("AOTFUSE_DISABLE", "0") not in ("", "0")
+    return switch("AOTFUSE_DISABLE", False)
 
 
 def logs(stage: str) -> bool:
@@ -71,16 +119,12 @@ def logs(stage: str) -> bool:
 
 
 def cache_size() -> int:
-    try:
-        return max(1, int(os.environ.get("AOTFUSE_CACHE_SIZE", "8")))
-    except ValueError:
-        return 8
+    return _count("AOTFUSE_CACHE_SIZE", 8)
 
 
 def dynamic() -> str:
     """AOTFUSE_DYNAMIC: "auto" (default), "1" or "0" (shapes.py)."""
-    v = os.environ.get("AOTFUSE_DYNAMIC", "auto").strip().lower()
-    return "0" if v in ("", "0", "off", "false") else "1" if v in ("1", "on", "true") else "auto"
+    return _mode("AOTFUSE_DYNAMIC", {})
 
 
 def ban_materialized() -> int:
@@ -97,22 +141,19 @@ def ban_materialized() -> int:
 
 
 def shape_programs() -> int:
-    try:
-        return max(1, int(os.environ.get("AOTFUSE_SHAPE_PROGRAMS", "64")))
-    except ValueError:
-        return 64
+    return _count("AOTFUSE_SHAPE_PROGRAMS", 64)
 
 
 def check_inputs() -> bool:
-    return os.environ.get("AOTFUSE_CHECK_INPUTS", "1") not in ("", "0")
+    return switch("AOTFUSE_CHECK_INPUTS", True)
 
 
 def fusion() -> bool:
-    return os.environ.get("AOTFUSE_FUSION", "1") not in ("", "0") and backend() != "aten"
+    return switch("AOTFUSE_FUSION", True) and backend() != "aten"
 
 
 def constant_fold() -> bool:
-    return os.environ.get("AOTFUSE_CONSTANT_FOLD", "1") not in ("", "0")
+    return switch("AOTFUSE_CONSTANT_FOLD", True)
 
 
 def huge_pages() -> int:
@@ -128,51 +169,51 @@ def huge_pages() -> int:
 
 
 def lm_grad_chunks() -> bool:
-    return os.environ.get("AOTFUSE_LM_GRAD_CHUNKS", "1") not in ("", "0")
+    return switch("AOTFUSE_LM_GRAD_CHUNKS", True)
 
 
 def one_hot_picks() -> bool:
-    return os.environ.get("AOTFUSE_ONE_HOT_PICKS", "1") not in ("", "0")
+    return switch("AOTFUSE_ONE_HOT_PICKS", True)
 
 
 def reuse_buffers() -> bool:
-    return os.environ.get("AOTFUSE_REUSE_BUFFERS", "1") not in ("", "0")
+    return switch("AOTFUSE_REUSE_BUFFERS", True)
 
 
 def sink_copies() -> bool:
-    return os.environ.get("AOTFUSE_SINK_COPIES", "1") not in ("", "0")
+    return switch("AOTFUSE_SINK_COPIES", True)
 
 
 def sink_reads() -> bool:
-    return os.environ.get("AOTFUSE_SINK_READS", "1") not in ("", "0")
+    return switch("AOTFUSE_SINK_READS", True)
 
 
 def sink_broadcasts() -> bool:
-    return os.environ.get("AOTFUSE_SINK_BROADCASTS", "1") not in ("", "0")
+    return switch("AOTFUSE_SINK_BROADCASTS", True)
 
 
 def window_sources() -> bool:
-    return os.environ.get("AOTFUSE_WINDOW_SOURCES", "1") not in ("", "0")
+    return switch("AOTFUSE_WINDOW_SOURCES", True)
 
 
 def merge_kernels() -> bool:
-    return os.environ.get("AOTFUSE_MERGE_KERNELS", "1") not in ("", "0")
+    return switch("AOTFUSE_MERGE_KERNELS", True)
 
 
 def kernel_templates() -> bool:
-    return os.environ.get("AOTFUSE_KERNEL_TEMPLATES", "1") not in ("", "0")
+    return switch("AOTFUSE_KERNEL_TEMPLATES", True)
 
 
 def overlap_sums() -> bool:
-    return os.environ.get("AOTFUSE_OVERLAP_SUMS", "1") not in ("", "0")
+    return switch("AOTFUSE_OVERLAP_SUMS", True)
 
 
 def embedding_grads() -> bool:
-    return os.environ.get("AOTFUSE_EMBEDDING_GRADS", "1") not in ("", "0")
+    return switch("AOTFUSE_EMBEDDING_GRADS", True)
 
 
 def drop_clones() -> bool:
-    return os.environ.get("AOTFUSE_DROP_CLONES", "1") not in ("", "0")
+    return switch("AOTFUSE_DROP_CLONES", True)
 
 
 def memory_budget() -> float:
@@ -198,23 +239,22 @@ def ddp_overlap() -> bool:
     """AOTFUSE_DDP_OVERLAP: memory_efficient_fusion(DDP(model))'s backward all-reduces the gradients
     bucket by bucket as it makes them (default 1, ddp.py); 0 leaves it to DDP's reducer, after the
     compiled backward."""
-    return os.environ.get("AOTFUSE_DDP_OVERLAP", "1") not in ("", "0")
+    return switch("AOTFUSE_DDP_OVERLAP", True)
 
 
 def checkpoint_regions() -> bool:
     """AOTFUSE_CHECKPOINT_REGIONS: torch.utils.checkpoint regions recomputed in the backward (default 1);
     0 traces through them and lets the partitioner save what it likes (as before 2026-12-04)."""
-    return os.environ.get("AOTFUSE_CHECKPOINT_REGIONS", "1") not in ("", "0")
+    return switch("AOTFUSE_CHECKPOINT_REGIONS", True)
 
 
 def fuse_attention() -> str:
     """AOTFUSE_FUSE_ATTENTION: "auto" (default), "1" (also CPU attention with dropout), "0" (never)."""
-    v = os.environ.get("AOTFUSE_FUSE_ATTENTION", "auto").strip().lower()
-    return "0" if v in ("", "0", "off", "false") else "1" if v in ("1", "on", "true", "force") else "auto"
+    return _mode("AOTFUSE_FUSE_ATTENTION", {"force": "1"})
 
 
 def fallback_random() -> bool:
-    return os.environ.get("AOTFUSE_FALLBACK_RANDOM", "0") not in ("", "0")
+    return switch("AOTFUSE_FALLBACK_RANDOM", False)
 
 
 def kernels_for(device) -> bool:
@@ -229,7 +269,7 @@ def backend() -> str:
     """AOTFUSE_BACKEND, checked: auto, c, cuda or aten."""
     name = os.environ.get("AOTFUSE_BACKEND", "auto").strip().lower() or "auto"
     if name not in _BACKENDS:
-        raise ValueError(f"AOTFUSE_BACKEND={name!r}: expected one of auto, c, cuda, aten")
+        raise ConfigError(f"AOTFUSE_BACKEND={name!r}: expected one of auto, c, cuda, aten")
     return "c" if name == "cpu" else name
 
 

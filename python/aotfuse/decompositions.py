@@ -2,8 +2,6 @@
 pointwise primitives plus reductions (so that later stages can fuse them) and which stay whole."""
 from __future__ import annotations
 
-import os
-
 import torch
 from torch._decomp import get_decompositions
 
@@ -258,11 +256,11 @@ def default_decompositions(norms: bool | None = None, random: bool | None = None
     loss: log_softmax and nll_loss (forward and backward) decomposed, so cross entropy is one fused
     row kernel each way (default: on unless AOTFUSE_DECOMPOSE_LOSS=0 or no kernels are generated)."""
     if norms is None:
-        norms = os.environ.get("AOTFUSE_DECOMPOSE_NORMS", "1") not in ("", "0") and config.fusion()
+        norms = config.switch("AOTFUSE_DECOMPOSE_NORMS", True) and config.fusion()
     if random is None:
         random = not config.fallback_random() and config.fusion()
     if loss is None:
-        loss = os.environ.get("AOTFUSE_DECOMPOSE_LOSS", "1") not in ("", "0") and config.fusion()
+        loss = config.switch("AOTFUSE_DECOMPOSE_LOSS", True) and config.fusion()
     table = get_decompositions(_DECOMPOSED)
     if loss:
         table.update(_loss_table())
