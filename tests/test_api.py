@@ -530,6 +530,47 @@ def test_aotfuse_models_leave_other_torch_compile_graphs_alone():
     torch._dynamo.reset()
 
 
+class _Residual(nn.Module):
+    """A block of the user's own class: Dynamo traces its forward (torch.nn's containers it leaves)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return x + torch.nn.functional.gelu(self.lin(x))
+
+
+@pytest.mark.parametrize("inner", ["aotfuse", "inductor"])
+@pytest.mark.parametrize("form", ["compiled-submodule", "compiled-model"])
+def test_memory_efficient_fusion_traces_through_torch_compiled_code(form, inner):
+    """A model holding a torch.compile'd block, or memory_efficient_fusion(torch.compile(model)): the
+    capture's fake tensors reached Dynamo's backend and the capture failed (aotfuse's backend: 'could
+    not read a kernel operand'; inductor's: 'Cannot access data pointer'). Compiled code now runs its
+    original Python while aotfuse traces, so it is captured into aotfuse's own program."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), _Residual(), nn.Linear(32, 4))
+    ref = copy.deepcopy(model)
+    if form == "compiled-submodule":
+        model[1] = torch.compile(model[1], backend=inner)
+        compiled = aotfuse.memory_efficient_fusion(model)
+    else:
+        compiled = aotfuse.memory_efficient_fusion(torch.compile(model, backend=inner))
+    x = torch.randn(8, 16)
+    for step in range(2):
+        out, expected = compiled(x), ref(x)
+        assert_close(out, expected, f"{form} ({inner}) step {step}: output")
+        out.square().mean().backward()
+        expected.square().mean().backward()
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        assert_close(q.grad, p.grad, f"{form} ({inner}): gradient of {name}")
+    cf = compiled._aotfuse_compiled
+    assert cf.compile_count == 1 and all(e.fallback is None for e in cf._cache.values())
+    assert cf.records[-1].programs["forward"].program.num_kernels >= 1  # aotfuse's kernels run the GELU
+    torch._dynamo.reset()
+
+
 def test_torch_compile_backend():
     model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1))
     compiled = torch.compile(copy.deepcopy(model), backend="aotfuse", dynamic=False)

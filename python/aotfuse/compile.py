@@ -180,6 +180,18 @@ def _no_zero_gradients(outs: Any) -> None:
             return
 
 
+def _compiled_code_traced_through() -> Any:
+    """While a capture traces: torch.compile'd code it meets (a compiled submodule, or
+    memory_efficient_fusion(torch.compile(model))) runs its original Python, so the capture gets its
+    ops, as it does an aotfuse-compiled submodule's. Under Dynamo the capture's fake tensors reached
+    the inner backend (aotfuse's: 'could not read a kernel operand'; inductor's: 'Cannot access data
+    pointer')."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:  # pragma: no cover - torch before 2.6
+        return contextlib.nullcontext()
+    return set_stance("force_eager")
+
+
 @contextlib.contextmanager
 def _tracing_flag():
     """Tells libraries that a compiler is tracing (torch.compiler.is_compiling() is True), as
@@ -884,7 +896,7 @@ class CompiledFunction:
         try:
             self.trace_gen += 1  # odd while tracing: the module's tensors are swapped for traced ones
             try:
-                with _tracing_flag(), _captures(), config.lazy_graph_modules():
+                with _tracing_flag(), _captures(), config.lazy_graph_modules(), _compiled_code_traced_through():
                     if entry.traced_fn is not None:
                         _fuse_attention_first(entry, tensors, self.fuse_attention)
                     outs = entry.compiled(*tensors)
