@@ -151,6 +151,32 @@ static int run_compiler(char *const *argv, const char *log_path) {
     return st ? st : wait_compiler(pid, argv[0], log_path);
 }
 
+/* The CPU's identity for -march=native: /proc/cpuinfo's first processor's model and instruction set
+ * lines (x86's "model name" and "flags", ARM's "CPU part" and "Features"), hashed once. A cache
+ * folder shared between machines (a network home, a container image) then never hands one CPU
+ * another's instructions. 0 where there is no /proc/cpuinfo. */
+static uint64_t cpu_identity(void) {
+    static uint64_t id;
+    static int done;
+    if (__atomic_load_n(&done, __ATOMIC_ACQUIRE)) return id;
+    uint64_t h = 0;
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (f) {
+        static const char *const keys[] = {"model name", "flags", "CPU implementer", "CPU part", "Features"};
+        char line[8192];
+        h = 14695981039346656037ull;
+        while (fgets(line, sizeof line, f)) {
+            if (line[0] == '\n') break; /* the first processor's block only */
+            for (size_t k = 0; k < sizeof keys / sizeof keys[0]; k++)
+                if (strncmp(line, keys[k], strlen(keys[k])) == 0) h = af_jit_hash(h, line);
+        }
+        fclose(f);
+    }
+    id = h;
+    __atomic_store_n(&done, 1, __ATOMIC_RELEASE);
+    return id;
+}
+
 /* Chains the compiler's words and the flags into h. */
 static uint64_t config_hash(uint64_t h) {
     char ccbuf[1024], *words[16];
@@ -158,7 +184,9 @@ static uint64_t config_hash(uint64_t h) {
     for (int i = 0; i < n; i++) h = af_jit_hash(h, words[i]);
     for (int i = 0; i < N_BASE_FLAGS; i++) h = af_jit_hash(h, base_flags[i]);
     if (vector_width_flag()) h = af_jit_hash(h, vector_width_flag());
-    return h;
+    char cpu[32];
+    snprintf(cpu, sizeof cpu, "cpu %016" PRIx64, cpu_identity());
+    return af_jit_hash(h, cpu);
 }
 
 uint64_t af_jit_cpu_config(void) { return config_hash(af_jit_hash(14695981039346656037ull, JIT_VERSION)); }
