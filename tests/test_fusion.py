@@ -2085,6 +2085,25 @@ def test_pow_keeps_atens_special_values_for_scalar_and_tensor_exponents():
         same(lower(make_fx(lambda a: torch.pow(a * 1.0, e))(x))([x])[0], torch.pow(x, e), f"pow(x, {e})")
 
 
+@pytest.mark.parametrize("eps", [None, 1e-3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logit_gradient_keeps_nan_like_aten(dtype, eps):
+    """logit's backward with eps: ATen gives 0 outside [eps, 1 - eps] and NaN for a NaN input; torch's
+    decomposition tested `lo <= x <= hi` and gave 0 for NaN (Inductor too). aotfuse's own
+    decomposition keeps ATen's NaN."""
+    x = torch.tensor([float("nan"), float("inf"), float("-inf"), -1.0, 0.0, 0.3, 0.7, 1.0, 2.0, 1e-4], dtype=dtype)
+
+    def f(a):
+        return torch.logit(a * 1.0, eps=eps) * 2.0
+
+    a, ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (g,) = torch.autograd.grad(aotfuse.aot_function(f)(a).sum(), a)
+    (r,) = torch.autograd.grad(f(ref).sum(), ref)
+    assert torch.equal(g.isnan(), r.isnan()), (g, r)
+    keep = ~r.isnan()
+    assert_close(g[keep], r[keep], f"logit gradient ({dtype}, eps {eps})")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_softmax_divides_rows_by_one_reciprocal(dtype):
     """A phased kernel dividing a later phase's elements by a row value (softmax's sum) multiplies by

@@ -36,7 +36,6 @@ _DECOMPOSED = [
     aten.addcdiv,
     aten.clamp_min,
     aten.clamp_max,
-    aten.logit_backward,
     aten.rsub,
     aten.transpose.int,
 ]
@@ -246,6 +245,16 @@ def _native_dropout(input, p, train):
     return aten.mul.Tensor(aten.mul.Tensor(keep, input), float(1.0 / (1.0 - p))), keep
 
 
+def _logit_backward(grad_output, self, eps=None):
+    """ATen's: grad / (x (1 - x)) inside [eps, 1 - eps] and 0 outside where eps is given (not negative),
+    NaN outside [0, 1] where it is not. A NaN input's gradient stays NaN: torch's decomposition tests
+    `lo <= x <= hi`, false for NaN, and gave 0 (Inductor gives 0 too)."""
+    grad = aten.div.Tensor(grad_output, aten.mul.Tensor(self, aten.rsub.Scalar(self, 1.0)))
+    lo, hi, fill = (0.0, 1.0, float("nan")) if eps is None or eps < 0 else (eps, 1.0 - eps, 0.0)
+    outside = aten.logical_or(aten.lt.Scalar(self, lo), aten.gt.Scalar(self, hi))
+    return aten.where.self(outside, aten.full_like(grad, fill), grad)
+
+
 def default_decompositions(norms: bool | None = None, random: bool | None = None,
                            loss: bool | None = None) -> dict:
     """The table memory_efficient_fusion and aot_function use when given none (a fresh dict).
@@ -262,6 +271,7 @@ def default_decompositions(norms: bool | None = None, random: bool | None = None
     if loss is None:
         loss = config.switch("AOTFUSE_DECOMPOSE_LOSS", True) and config.fusion()
     table = get_decompositions(_DECOMPOSED)
+    table[aten.logit_backward.default] = _logit_backward
     if loss:
         table.update(_loss_table())
     if norms:
