@@ -58,6 +58,54 @@ def test_gradients_match_eager_whichever_outputs_are_differentiated(which):
         assert not bw.program.kernels_loaded and bw.program.source and not bw.program.cache_hit
 
 
+class SideHead(nn.Module):
+    """A returned value and a head over it; training on the value alone leaves the head's weights
+    without a gradient in eager."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return h, self.head(h)
+
+
+@pytest.mark.parametrize("entry", ["memory_efficient_fusion", "torch.compile"])
+def test_weights_reached_only_through_undifferentiated_outputs_get_no_gradient(entry):
+    """Eager leaves a parameter's .grad None where it reaches only outputs nobody differentiated;
+    the compiled backward gave zeros (as AOTAutograd does under aot_eager), so AdamW's weight decay
+    moved weights eager leaves alone. The variant program's outputs that read none of the gradients
+    given are None now."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = SideHead()
+    x = torch.randn(5, 4)
+    runs = {}
+    for kind in ("eager", "compiled"):
+        model = copy.deepcopy(base)
+        f = model if kind == "eager" else (aotfuse.memory_efficient_fusion(model) if entry == "memory_efficient_fusion"
+                                           else torch.compile(model, backend="aotfuse"))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+        for _ in range(2):
+            opt.zero_grad()
+            h, _y = f(x)
+            h.sum().backward()
+            assert model.head.weight.grad is None and model.head.bias.grad is None, kind
+            opt.step()
+        h, _y = f(x)
+        grads = torch.autograd.grad(h.square().sum(), list(model.parameters()), allow_unused=True)
+        runs[kind] = (model, grads)
+    (eager, eager_grads), (compiled, compiled_grads) = runs["eager"], runs["compiled"]
+    for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
+        assert_close(p, q, f"{entry}: {name} after two AdamW steps")
+    for name, g, r in zip(dict(eager.named_parameters()), compiled_grads, eager_grads):
+        assert (g is None) == (r is None), name
+        if r is not None:
+            assert_close(g, r, f"{entry}: autograd.grad of {name}")
+    torch._dynamo.reset()
+
+
 def test_the_zero_gradient_add_is_folded_away():
     torch.manual_seed(0)
     compiled = aotfuse.memory_efficient_fusion(TwoHeads())

@@ -104,6 +104,21 @@ def _op_name(target: Any) -> str:
 LIVE: "weakref.WeakSet[Lowered]" = weakref.WeakSet()
 
 
+def _unreached_outputs(gm: fx.GraphModule, present: list) -> tuple:
+    """The outputs of a backward graph that read none of the placeholders at positions `present` (the
+    output gradients a call has): gradients of inputs reached only through outputs nobody
+    differentiated, which eager leaves None (`h, y = m(x); h.sum().backward()`: the weights making y
+    only). AOTAutograd's backward gave zeros (aot_eager does too), so AdamW's weight decay moved them."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    reached = {placeholders[i] for i in present}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" and any(a in reached for a in node.all_input_nodes):
+            reached.add(node)
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    values = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    return tuple(i for i, v in enumerate(values) if isinstance(v, fx.Node) and v not in reached)
+
+
 def _unbuildable_message(message: str) -> bool:
     """Whether a C core error says this machine cannot build kernels (no C compiler, or no NVRTC)."""
     return "cannot be built here" in message or "C compiler" in message
@@ -128,6 +143,7 @@ class Lowered:
         # does whose kernels fail at lowering (dynamo._compile_or_fallback)
         self.uncompiled_if_unbuildable = False
         self._uncompiled: Callable | None = None
+        self.unreached: tuple = ()  # a variant without some output gradients: outputs given as None
         LIVE.add(self)
 
     def keep_graph_for_missing(self, gm: fx.GraphModule) -> None:
@@ -193,12 +209,16 @@ class Lowered:
             with config.lazy_graph_modules():
                 variant = lower(missing_gradients(self.graph_module, missing))
             variant.program.set_plain_outputs(0)
+            variant.unreached = _unreached_outputs(self.graph_module, [i for i in self._tangents if i not in missing])
             self.variants[missing] = variant
         gone = set(missing)
         rest = [a for i, a in enumerate(args) if i not in gone]
         if isinstance(args, list):
             args.clear()
-        return variant(rest)
+        outs = variant(rest)
+        for i in variant.unreached:  # no gradient in eager: None, not zeros (an optimizer's weight decay skips it)
+            outs[i] = None
+        return outs
 
     def __str__(self) -> str:
         return str(self.program)
