@@ -186,14 +186,22 @@ class Lowered:
             warnings.warn(f"aotfuse: a Dynamo graph's backward runs uncompiled: {e}", stacklevel=3)
             gm, tangents = self.graph_module, self._tangents
             metas = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+            unreached: dict[tuple, tuple] = {}  # as _without's variants: per set of missing gradients
 
             def uncompiled(args: list) -> list:
                 args = list(args)
-                for i in tangents:  # gradients autograd did not make (outputs nobody differentiated)
-                    if args[i] is None and isinstance(metas[i], torch.Tensor):
+                missing = tuple(i for i in tangents if args[i] is None)
+                for i in missing:  # gradients autograd did not make (outputs nobody differentiated)
+                    if isinstance(metas[i], torch.Tensor):
                         args[i] = torch.zeros(metas[i].shape, dtype=metas[i].dtype, device=metas[i].device)
                 outs = gm(*args)
-                return list(outs) if isinstance(outs, (tuple, list)) else [outs]
+                outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+                if missing:
+                    if missing not in unreached:
+                        unreached[missing] = _unreached_outputs(gm, [i for i in tangents if i not in missing])
+                    for i in unreached[missing]:
+                        outs[i] = None
+                return outs
 
             self._uncompiled = uncompiled
             return True
