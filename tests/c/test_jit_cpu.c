@@ -225,8 +225,6 @@ static void test_a_missing_compiler_waits_for_no_other_child(void **state) {
     sandbox_free(&s);
 }
 
-/* A compiler that refuses the parts: the module is built as one file all the same, and the next
- * large module does not try the parts again (this process's split stays off: the last test). */
 /* A cached object cut short (its header and its start intact, the rest lost: a crash during a copy
  * of the cache) is rebuilt: dlopen mapped it and the process died of SIGBUS on the missing pages.
  * So is a FIFO at its name (dlopen blocked on it), and a file of zeros. */
@@ -279,6 +277,8 @@ static void test_a_truncated_or_odd_cache_entry_is_rebuilt(void **state) {
     sandbox_free(&s);
 }
 
+/* A compiler that refuses the parts: the module is built as one file all the same, and the next
+ * large module does not try the parts again (this process's split stays off: the last test). */
 static void test_a_failed_split_falls_back_to_one_file(void **state) {
     (void)state;
     sandbox s;
