@@ -351,14 +351,21 @@ static int plan_c_kernels(af_program *p) {
     return st;
 }
 
+/* The devices whose tensors get kernels in graph g (options' device_types, 0 = every device; CUDA
+ * only where g has a CUDA device). 0 here means none (AOTFUSE_BACKEND=cuda over CPU tensors): the
+ * callers build no kernels then, since fuse.c and sink.c read a mask of 0 as every device. */
+static uint32_t kernel_device_mask(const af_program_options *opts, const af_graph *g) {
+    uint32_t devices = opts->device_types ? opts->device_types : AF_FUSE_ALL_DEVICES;
+    if (cuda_device_of(g) < 0) devices &= ~(1u << AF_DEVICE_CUDA);
+    return devices;
+}
+
 /* Plans fusion groups and generates their kernels (C for CPU groups, CUDA for CUDA groups);
  * compiles and loads them now, or at the first run with opts->lazy_jit. */
 static int build_kernels(af_program *p, const af_program_options *opts) {
-    uint32_t devices = opts->device_types ? opts->device_types : AF_FUSE_ALL_DEVICES;
+    uint32_t devices = kernel_device_mask(opts, p->graph);
     p->cuda_device = cuda_device_of(p->graph);
-    if (p->cuda_device < 0) devices &= ~(1u << AF_DEVICE_CUDA);
-    if (!devices) return AF_OK; /* no device of the graph gets kernels (AOTFUSE_BACKEND=cuda, CPU tensors): 0
-                                 * would read as every device below */
+    if (!devices) return AF_OK;
     af_fuse_options fo = {.min_nodes = opts->min_group > 0 ? opts->min_group : 2, .device_types = devices, .no_shifted = opts->no_shifted,
                           .no_merge = opts->no_merge};
     int st = af_fuse_plan_new(p->graph, &fo, &p->plan);
@@ -684,8 +691,7 @@ int af_program_new(af_graph *g, const af_program_options *opts, af_program **out
     if ((st = af_bridge_init())) return st;
     af_graph *given = g, *sunk = NULL;
     int32_t n_sunk = 0;
-    uint32_t kernel_devices = o.device_types ? o.device_types : AF_FUSE_ALL_DEVICES;
-    if (cuda_device_of(g) < 0) kernel_devices &= ~(1u << AF_DEVICE_CUDA); /* as build_kernels */
+    uint32_t kernel_devices = kernel_device_mask(&o, g);
     int sink_reads = (o.no_sink_reads ? 0 : AF_SINK_VIEW_READS) | (o.no_sink_broadcasts ? 0 : AF_SINK_BROADCAST_READS);
     if (o.fuse && !o.no_sink && kernel_devices &&
         (st = af_sink_copies(g, kernel_devices, sink_reads, &sunk, &n_sunk, NULL)))
@@ -1323,6 +1329,15 @@ static int check_view(af_program *p, int32_t i) {
  * another. Seen: CPU batch norm over a transposed input returns a contiguous tensor where its meta
  * function keeps the input's strides, so the view after it failed. Not a base an ATen call may
  * return aliased to its input (a copy would break the alias); inputs are checked on entry. */
+/* Marks value r for pin_layout (checked after the step making it); AF_ERR_NOMEM, set, on failure. */
+static int pin_root(af_program *p, int32_t r) {
+    if (!p->pin_state && !(p->pin_state = calloc((size_t)af_graph_num_values(p->graph) + 1, 1)))
+        return af_error_set(AF_ERR_NOMEM, "out of memory planning a program");
+    p->n_pinned += p->pin_state[r] == 0;
+    p->pin_state[r] = 1;
+    return AF_OK;
+}
+
 static int plan_pins(af_program *p) {
     const af_graph *g = p->graph;
     int32_t nn = af_graph_num_nodes(g);
@@ -1333,10 +1348,8 @@ static int plan_pins(af_program *p) {
         int32_t r = af_graph_view_root(g, n->args[0].u.value), prod = af_graph_value(g, r)->producer;
         if (prod < 0 || af_graph_value(g, r)->meta.type != AF_VALUE_TENSOR) continue; /* inputs: checked */
         if (viewing && af_extern_may_alias(p->externs[prod])) continue;
-        if (!p->pin_state && !(p->pin_state = calloc((size_t)af_graph_num_values(g) + 1, 1)))
-            return af_error_set(AF_ERR_NOMEM, "out of memory planning a program");
-        p->n_pinned += p->pin_state[r] == 0;
-        p->pin_state[r] = 1;
+        int st = pin_root(p, r);
+        if (st) return st;
     }
     /* The program's outputs too: a forward's saved tensors reach the backward's program, whose input
      * check holds them to their metadata. Seen: log_sigmoid_forward's buffer over a transposed input
@@ -1347,10 +1360,8 @@ static int plan_pins(af_program *p) {
         int32_t r = af_graph_view_root(g, o), prod = af_graph_value(g, r)->producer;
         if (prod < 0 || af_graph_value(g, r)->meta.type != AF_VALUE_TENSOR) continue;
         if (p->externs[prod] && af_extern_may_alias(p->externs[prod])) continue;
-        if (!p->pin_state && !(p->pin_state = calloc((size_t)af_graph_num_values(g) + 1, 1)))
-            return af_error_set(AF_ERR_NOMEM, "out of memory planning a program");
-        p->n_pinned += p->pin_state[r] == 0;
-        p->pin_state[r] = 1;
+        int st = pin_root(p, r);
+        if (st) return st;
     }
     return AF_OK;
 }
