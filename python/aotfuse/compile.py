@@ -339,6 +339,8 @@ class _LastCall:
         tensors = [leaves[i] for i in entry.tensor_idx]
         if _TensorGuards is None or not _distinct_storages(tensors, skip):
             return None  # tensors sharing a storage: their alias pattern is part of the key, left to it
+        if any(t.layout is not torch.strided or t.is_nested for t in tensors):
+            return None  # sparse and nested tensors have no strides: torch's check aborts the process
         try:
             return _LastCall(entry, leaves, spec, extra, skip)
         except Exception:  # a tensor torch's guard cannot describe: every call takes the key path
@@ -543,6 +545,17 @@ class _Capturing(threading.local):
 
 
 _capturing = _Capturing()
+
+
+def _dense_only(tensors: list) -> None:
+    """Programs take dense (strided) tensors: a sparse or nested argument is said as what it is (the
+    trace failed on it with torch's internal errors, read as a global tensor or control flow)."""
+    for t in tensors:
+        if t.layout is not torch.strided or t.is_nested:
+            kind = "nested" if t.is_nested else str(t.layout).replace("torch.", "")
+            raise UnsupportedError(f"an argument is a {kind} tensor: aotfuse compiles dense (strided) tensors "
+                                   f"only; pass its .to_dense() (or .to_padded_tensor()), or let fallback='eager' run "
+                                   f"the function eagerly")
 
 
 def _reads_outside_tensor(e: BaseException) -> bool:
@@ -894,6 +907,7 @@ class CompiledFunction:
         ready (other threads run it without the lock) once this returns."""
         tensors = [leaves[i] for i in entry.tensor_idx]
         try:
+            _dense_only(tensors)
             self.trace_gen += 1  # odd while tracing: the module's tensors are swapped for traced ones
             try:
                 with _tracing_flag(), _captures(), config.lazy_graph_modules(), _compiled_code_traced_through():
