@@ -711,3 +711,36 @@ def test_a_fallback_signature_takes_every_later_shape_without_capturing_again(fa
         assert all(k > 0 for k in made[-4:]), made  # still compiling at lengths 10-13
     else:
         assert made == [0] * 12, made
+
+
+@pytest.mark.parametrize("how", ["memory_efficient_fusion", "torch.compile"])
+def test_lazily_negated_and_conjugated_inputs_give_their_values(how):
+    """`z.conj().imag` is a view whose data are the negatives of its values (torch's neg bit): the
+    kernels read the data and gave the values negated, silently, after a plain call of the same
+    signature too (torch.compile with Inductor still does, torch 2.13). Such inputs (and conjugated
+    complex ones) are now resolved before the program takes them: values and gradients as eager's."""
+    import torch._dynamo
+
+    def fn(x, w, c):
+        return (x.sin() * w).sum() + (x * 3).exp().mean(), (c * 2).abs()
+
+    g = torch.Generator().manual_seed(4)
+    z0, w0, c0 = torch.randn(3, 5, dtype=torch.cfloat, generator=g), torch.randn(3, 5, generator=g), \
+        torch.randn(4, dtype=torch.cfloat, generator=g)
+    if how == "torch.compile":
+        torch._dynamo.reset()
+    cf = aotfuse.memory_efficient_fusion(fn) if how == "memory_efficient_fusion" else torch.compile(fn, backend="aotfuse")
+    cf(torch.randn(3, 5), w0, c0)  # a plain call of the same shapes first: its guard must not take the lazy one
+    for _ in range(2):
+        z, ze = (z0.clone().requires_grad_() for _ in range(2))
+        w, we = (w0.clone().requires_grad_() for _ in range(2))
+        x, xe = z.conj().imag, ze.conj().imag
+        assert x.is_neg()
+        out, mag = cf(x, w, c0.conj())
+        ref, mag_ref = fn(xe, we, c0.conj())
+        out.backward()
+        ref.backward()
+        assert_close(out, ref, f"{how}: value")
+        assert_close(mag, mag_ref, f"{how}: conjugated input's value")
+        assert_close(z.grad, ze.grad, f"{how}: grad of z")
+        assert_close(w.grad, we.grad, f"{how}: grad of w")

@@ -381,26 +381,44 @@ def test_program_profiling_times_every_step():
     assert p.profile()[0] == 0
 
 
-@pytest.mark.parametrize("kind", ["sparse_csr", "nested"])
-def test_inputs_without_strides_fall_back_or_say_so(kind):
+class _Tagged(torch.Tensor):
+    """A subclass that only overrides __torch_function__ (what `as_subclass` makes)."""
+
+
+@pytest.mark.parametrize("kind", ["sparse_csr", "sparse_coo", "nested", "quantized", "subclass"])
+def test_inputs_programs_cannot_take_fall_back_or_say_so(kind):
     """A sparse CSR or nested tensor argument: computing the call's signature raised torch's own
     error ('Sparse CSR tensors do not have strides', 'NestedTensorImpl doesn't support sizes'), even
-    under fallback='eager'. Now the capture says what it cannot take, and fallback='eager' runs the
-    function eagerly, with eager's values; its second call (the last call's guard) aborted the process
-    in torch's C++ tensor check ('Sparse CSR tensors do not have strides', uncaught)."""
+    under fallback='eager'; its second call (the last call's guard) aborted the process in torch's
+    C++ tensor check ('Sparse CSR tensors do not have strides', uncaught). A quantized one and a
+    `as_subclass` one failed with headlines blaming control flow, the subclass even under
+    fallback='eager' (its program's ATen call refused it at run time, as torch's aot_eager does).
+    Now the capture says what it cannot take, and fallback='eager' runs the function eagerly, with
+    eager's values, on every call."""
+    a, b = torch.eye(4), torch.arange(12.0).view(4, 3)
+    fn = lambda a, b: (a @ b).sin()  # noqa: E731
     if kind == "sparse_csr":
-        fn, args = (lambda a, b: (a @ b).sin()), (torch.eye(4).to_sparse_csr(), torch.arange(12.0).view(4, 3))
+        args, what = (a.to_sparse_csr(), b), "a sparse_csr tensor"
+    elif kind == "sparse_coo":
+        args, what = (a.to_sparse(), b), "a sparse_coo tensor"
+    elif kind == "quantized":
+        fn = lambda a, b: (a.dequantize() @ b).sin()  # noqa: E731
+        args, what = (torch.quantize_per_tensor(a, 0.5, 0, torch.qint8), b), "a quantized tensor"
+    elif kind == "subclass":
+        args, what = (a.as_subclass(_Tagged), b), "a _Tagged, a tensor subclass without __torch_dispatch__"
     else:
-        fn, args = (lambda a: (a * 2).sin()), (torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(3, 3)]),)
+        fn, what = (lambda a: (a * 2).sin()), "a nested tensor"
+        args = (torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(3, 3)]),)
     expected = fn(*args)
     compiled = aotfuse.aot_function(fn, fallback="eager")
     with pytest.warns(UserWarning, match="could not capture"):
         got = compiled(*args)
     again = compiled(*args)
     for out in (got, again):
+        assert type(out) is type(expected)
         for g, e in zip(out.unbind() if kind == "nested" else [out], expected.unbind() if kind == "nested" else [expected]):
             assert torch.equal(g, e)
-    with pytest.raises(aotfuse.CaptureError, match=f"an argument is a {kind} tensor: aotfuse compiles dense"):
+    with pytest.raises(aotfuse.CaptureError, match=f"an argument is {what}"):
         aotfuse.aot_function(fn)(*args)  # said as what it is, not as a global tensor or control flow
 
 

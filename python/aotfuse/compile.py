@@ -547,15 +547,32 @@ class _Capturing(threading.local):
 _capturing = _Capturing()
 
 
+def resolved(x: Any) -> Any:
+    """A tensor with its lazy negation or conjugation done (`x.conj().imag` is a view whose data are
+    the negatives of its values: the kernels read data as values, and gave them negated); other
+    values as they are."""
+    if isinstance(x, torch.Tensor) and (x.is_neg() or x.is_conj()):
+        return x.resolve_conj().resolve_neg()
+    return x
+
+
 def _dense_only(tensors: list) -> None:
-    """Programs take dense (strided) tensors: a sparse or nested argument is said as what it is (the
-    trace failed on it with torch's internal errors, read as a global tensor or control flow)."""
+    """Programs take dense (strided) tensors: a sparse, nested or quantized argument is said as what
+    it is (the trace failed on it with torch's internal errors, read as a global tensor or control
+    flow), and so is a subclass that only overrides __torch_function__ (`x.as_subclass(S)`: traced,
+    but its program's ATen calls then refuse it, as torch's aot_eager does). Parameters and subclasses
+    with their own __torch_dispatch__ (wrapper subclasses, which AOTAutograd takes apart) pass."""
     for t in tensors:
-        if t.layout is not torch.strided or t.is_nested:
-            kind = "nested" if t.is_nested else str(t.layout).replace("torch.", "")
+        if t.layout is not torch.strided or t.is_nested or t.is_quantized:
+            kind = "nested" if t.is_nested else "quantized" if t.is_quantized else str(t.layout).replace("torch.", "")
             raise UnsupportedError(f"an argument is a {kind} tensor: aotfuse compiles dense (strided) tensors "
-                                   f"only; pass its .to_dense() (or .to_padded_tensor()), or let fallback='eager' run "
-                                   f"the function eagerly")
+                                   f"only; pass its .to_dense() (.to_padded_tensor(), .dequantize()), or let "
+                                   f"fallback='eager' run the function eagerly")
+        if type(t) is not torch.Tensor and not isinstance(t, nn.Parameter) and \
+                type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__:
+            raise UnsupportedError(f"an argument is a {type(t).__name__}, a tensor subclass without "
+                                   f"__torch_dispatch__ (`as_subclass`): pass it as .as_subclass(torch.Tensor), or "
+                                   f"let fallback='eager' run the function eagerly")
 
 
 def _reads_outside_tensor(e: BaseException) -> bool:
@@ -656,6 +673,9 @@ class CompiledFunction:
         if last is not None and last.matches(leaves, spec, extra):
             entry = last.entry
         else:
+            if any(isinstance(x, torch.Tensor) and (x.is_neg() or x.is_conj()) for x in leaves):
+                leaves = [resolved(x) for x in leaves]  # (a call with such a tensor fails the guard above)
+                tree = tree_unflatten(leaves, spec)
             key = _signature(leaves, spec, extra, self.num_params_buffers)
             entry = self._cache.get(key)
             if entry is not None and entry.ready:
