@@ -929,13 +929,21 @@ static int launch_cuda(af_program *p, int32_t gi) {
     return st;
 }
 
-/* Makes folded view v (and the folded views it reads) with ATen, for a kernel's fallback. */
+/* Makes folded view v (and the folded views it reads) with ATen, for a kernel's fallback; an
+ * as_strided view by reinterpreting its base, as its step does (run_view). */
 static int materialize_view(af_program *p, int32_t v) {
     if (p->values[v]) return AF_OK;
-    const af_node *n = af_graph_node(p->graph, af_graph_value(p->graph, v)->producer);
+    int32_t i = af_graph_value(p->graph, v)->producer;
+    const af_node *n = af_graph_node(p->graph, i);
     int32_t b = n->args[0].u.value;
     int st = p->fold_root[b] >= 0 ? materialize_view(p, b) : AF_OK;
-    return st ? st : af_extern_call(p->externs[af_graph_value(p->graph, v)->producer], p->values, &p->values[v]);
+    if (st) return st;
+    if (n->op_id == AF_OP_AS_STRIDED && af_bridge_can_reinterpret()) {
+        const af_tensor_meta *m = &af_graph_value(p->graph, v)->meta;
+        return af_bridge_reinterpret(p->values[b], m, m->storage_offset - af_graph_value(p->graph, b)->meta.storage_offset,
+                                     &p->values[v]);
+    }
+    return af_extern_call(p->externs[i], p->values, &p->values[v]);
 }
 
 static void drop_folded_views(af_program *p, const af_fusion_group *grp) {
@@ -1231,7 +1239,11 @@ static int run_kernel(af_program *p, int32_t gi) {
     return AF_OK;
 }
 
-/* A checked view step: torch's reinterpretation of its input with the graph's layout, no dispatch. */
+/* A checked view step: torch's reinterpretation of its input with the graph's layout, no dispatch.
+ * An as_strided step is one from its first run: ATen's offset is the storage's, the graph's is
+ * the one from its base as traced, and a program input may come at another offset than traced
+ * (AOTAutograd gives a tangent traced at offset 1, the gradient of an imaginary part, at offset
+ * 0: ATen's view overran the storage). */
 static int run_view(af_program *p, int32_t i) {
     const af_node *n = af_graph_node(p->graph, i);
     int32_t b = n->args[0].u.value, v = n->first_output, root = p->hold_root ? p->hold_root[b] : b;
@@ -1452,8 +1464,9 @@ static int run_program(af_program *p, af_obj *const *inputs, int32_t n_inputs, a
             } else if (p->huge_state && n->n_outputs == 1 && p->huge_state[n->first_output] > 0) {
                 st = run_extern_huge(p, i);
             } else {
-                st = p->view_state[i] > 0 && p->check_inputs ? run_view(p, i)
-                                                             : af_extern_call(p->externs[i], p->values, &p->values[n->first_output]);
+                /* an as_strided step reinterprets from its first run (run_view) */
+                int relative = p->check_inputs && (p->view_state[i] > 0 || (p->view_state[i] == 0 && n->op_id == AF_OP_AS_STRIDED));
+                st = relative ? run_view(p, i) : af_extern_call(p->externs[i], p->values, &p->values[n->first_output]);
                 if (!st && p->view_state[i] == 0) st = check_view(p, i);
             }
         } else {

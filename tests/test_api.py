@@ -744,3 +744,40 @@ def test_lazily_negated_and_conjugated_inputs_give_their_values(how):
         assert_close(mag, mag_ref, f"{how}: conjugated input's value")
         assert_close(z.grad, ze.grad, f"{how}: grad of z")
         assert_close(w.grad, we.grad, f"{how}: grad of w")
+
+
+_LAZY_VIEW_FNS = {
+    # `z.conj().imag` traces to _conj and _neg_view: views whose values are the conjugate or the
+    # negation of their data; the kernels read the data
+    "imag_of_conj": lambda z, w: (z.conj().imag.sin() * w).sum(),
+    "real_times_imag": lambda z, w: (z.conj().real * z.conj().imag * w).exp().sum(),
+    # the resolve_conj vanished from the graph's meaning: view_as_real refused the unresolved conjugate
+    "view_as_real": lambda z, w: (torch.view_as_real(z.conj().resolve_conj()).sum(-1) * w).sum(),
+    # an output at storage offset 1 (an imaginary part): its gradient, traced at offset 1, comes at
+    # offset 0, and the backward's as_strided of it overran the storage ('setStorage: ... out of bounds')
+    "imag_output": lambda z, w: ((z * w).conj().imag, w.neg()),
+}
+
+
+@pytest.mark.parametrize("how", ["memory_efficient_fusion", "torch.compile"])
+@pytest.mark.parametrize("name", sorted(_LAZY_VIEW_FNS))
+def test_conjugate_and_imaginary_views_inside_graphs_give_eagers_values(name, how):
+    import torch._dynamo
+
+    fn = _LAZY_VIEW_FNS[name]
+    g = torch.Generator().manual_seed(5)
+    z0, w0 = torch.randn(3, 4, dtype=torch.cfloat, generator=g), torch.randn(3, 4, generator=g)
+    if how == "torch.compile":
+        torch._dynamo.reset()
+    cf = aotfuse.memory_efficient_fusion(fn) if how == "memory_efficient_fusion" else torch.compile(fn, backend="aotfuse")
+    for _ in range(2):
+        z, ze = (z0.clone().requires_grad_() for _ in range(2))
+        w, we = (w0.clone().requires_grad_() for _ in range(2))
+        out, ref = cf(z, w), fn(ze, we)
+        out, ref = (out if isinstance(out, tuple) else (out,)), (ref if isinstance(ref, tuple) else (ref,))
+        sum((o * torch.arange(o.numel()).view(o.shape)).sum() for o in out).backward()
+        sum((r * torch.arange(r.numel()).view(r.shape)).sum() for r in ref).backward()
+        for k, (o, r) in enumerate(zip(out, ref)):
+            assert_close(o.resolve_neg(), r.resolve_neg(), f"{name} {how}: output {k}")
+        assert_close(z.grad, ze.grad, f"{name} {how}: grad of z")
+        assert_close(w.grad, we.grad, f"{name} {how}: grad of w")

@@ -826,6 +826,24 @@ def separate_aliased_gradients(gm: fx.GraphModule) -> int:
     return copied
 
 
+_LAZY_VIEWS = {torch.ops.aten._neg_view.default: torch.ops.aten.neg.default,
+               torch.ops.aten._conj.default: torch.ops.aten.conj_physical.default}
+
+
+def resolve_lazy_views(gm: fx.GraphModule) -> None:
+    """`_neg_view` and `_conj` (what `z.conj().imag` traces to) are views whose values are the
+    negation or conjugate of their data (a bit torch keeps on the tensor): kernels and reinterpreted
+    views read data, so these become the copies `neg` and `conj_physical`, the same values. The
+    graphs are functional: no node depends on them aliasing their input."""
+    changed = False
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in _LAZY_VIEWS:
+            n.target = _LAZY_VIEWS[n.target]
+            changed = True
+    if changed:
+        gm.recompile()
+
+
 def unwrap_effects(gm: fx.GraphModule) -> int:
     """AOTAutograd threads an effect token through ops that only check or report (linalg's
     `_linalg_check_errors`, which raises for a singular matrix): `with_effects(token, op, *args)`
@@ -1107,6 +1125,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
 
     unwrap_effects(gm)  # an inference graph's (a training graph's were unwrapped in its joint graph)
     share_seeds(gm)  # an inference graph's dropouts (a training graph's were shared in its joint graph)
+    resolve_lazy_views(gm)
     rewrite_overlap_sums(gm)  # before folding, which would make the scatters' indices opaque constants
     rewrite_embedding_grad_sums(gm)
     rewrite_lm_grad_chunks(gm)
