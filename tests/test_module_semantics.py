@@ -9,6 +9,7 @@ other like a branch it cannot capture (HooksError: CaptureError, or the fallback
 of each signature: one registered or removed later makes another."""
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -529,3 +530,35 @@ def test_gradients_that_are_views_of_one_value_are_separate_tensors(how):
         assert_close(p.grad, q.grad.float(), f"{how}: accumulated, clipped grad of {name} against float64",
                      atol=1e-5, rtol=1e-4)
     assert_grads_match(twin, model, f"{how}: accumulated, clipped")
+
+
+def test_lazy_modules_initialize_at_the_first_call_then_compile():
+    """LazyLinear and LazyBatchNorm size their parameters at their first call: the signature of a call
+    over uninitialized parameters raised torch's 'Can't access the shape of an uninitialized
+    parameter'. The first call now runs eagerly (one warning) and initializes them, as eager's would;
+    later calls compile, with eager's values, gradients and running statistics."""
+    def make():
+        return nn.Sequential(nn.LazyLinear(5), nn.LazyBatchNorm1d(), nn.Tanh(), nn.LazyLinear(2))
+
+    torch.manual_seed(0)
+    model, ref = make(), make()
+    compiled = aotfuse.memory_efficient_fusion(model)
+    g = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(8, 3, generator=g)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.manual_seed(7)  # the lazy initializations draw the same numbers
+            out = compiled(x)
+        torch.manual_seed(7)
+        expected = ref(x)
+        lazy_warnings = [w for w in caught if "lazy modules" in str(w.message)]
+        assert len(lazy_warnings) == (1 if step == 0 else 0), [str(w.message) for w in caught]
+        out.sum().backward()
+        expected.sum().backward()
+        assert_close(out, expected, f"step {step}: output")
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad, f"step {step}: grad of {name}")
+        for (name, b), c in zip(model.named_buffers(), ref.buffers()):
+            assert_close(b, c, f"step {step}: buffer {name}")
+    assert compiled._aotfuse_compiled.compile_count == 1

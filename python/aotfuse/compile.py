@@ -638,6 +638,7 @@ class CompiledFunction:
         self._first_shapes: dict[tuple, list[tuple]] = {}
         self._uncaptured: set[tuple] = set()  # family keys of signatures that fell back: no family tried
         self._warned_full = False
+        self._warned_lazy = False
         self._dynamo_fn: Callable | None = None
         self._last: _LastCall | None = None
         self.compile_count = 0
@@ -673,7 +674,23 @@ class CompiledFunction:
         if last is not None and last.matches(leaves, spec, extra):
             entry = last.entry
         else:
-            if any(isinstance(x, torch.Tensor) and (x.is_neg() or x.is_conj()) for x in leaves):
+            lazy = negated = False
+            for x in leaves:
+                if isinstance(x, torch.Tensor):
+                    if isinstance(x, nn.parameter.UninitializedTensorMixin):
+                        lazy = True
+                        break
+                    negated = negated or x.is_neg() or x.is_conj()
+            if lazy:  # a lazy module (LazyLinear) sizes its parameters at its first call: eager's to make
+                if not self._warned_lazy:
+                    warnings.warn(f"aotfuse: {self.name} holds lazy modules whose parameters are not initialized "
+                                  f"yet: this call runs eagerly and initializes them; later calls are compiled",
+                                  stacklevel=4)
+                    self._warned_lazy = True
+                args, kwargs = tree
+                self.last_entry = None
+                return self.fn(*args, **kwargs), None
+            if negated:
                 leaves = [resolved(x) for x in leaves]  # (a call with such a tensor fails the guard above)
                 tree = tree_unflatten(leaves, spec)
             key = _signature(leaves, spec, extra, self.num_params_buffers)
