@@ -562,3 +562,33 @@ def test_lazy_modules_initialize_at_the_first_call_then_compile():
         for (name, b), c in zip(model.named_buffers(), ref.buffers()):
             assert_close(b, c, f"step {step}: buffer {name}")
     assert compiled._aotfuse_compiled.compile_count == 1
+
+
+def test_parametrizations_under_their_cache_compile_and_leave_it_clean():
+    """Inside torch.nn.utils.parametrize.cached(), tracing a parametrized weight (weight_norm) kept
+    the first tracing pass's fake weight in torch's cache, and the next pass failed ('Mixing fake
+    modes', a CaptureError blaming control flow). The trace now runs with the cache off: the program
+    computes the weight from its parameters at each call, eager's values and gradients, and the
+    cache holds only real tensors afterwards."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(parametrizations.weight_norm(nn.Linear(4, 4)), nn.Tanh())
+
+    model, ref = make(), make()
+    compiled = aotfuse.memory_efficient_fusion(model)
+    g = torch.Generator().manual_seed(2)
+    for step in range(2):
+        x = torch.randn(5, 4, generator=g)
+        with parametrize.cached():
+            out = compiled(x)
+            weight = model[0].weight  # from the cache: a real tensor, the parametrization's value
+            expected = ref(x)
+            assert not isinstance(weight, torch._subclasses.FakeTensor)
+            assert_close(weight, ref[0].weight, f"step {step}: cached weight")
+        out.sum().backward()
+        expected.sum().backward()
+        assert_close(out, expected, f"step {step}: output")
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert_close(p.grad, q.grad, f"step {step}: grad of {name}")

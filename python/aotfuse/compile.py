@@ -465,6 +465,22 @@ _LSTM_FIX = _fixed_one_layer_lstm()
 
 
 @contextlib.contextmanager
+def _parametrizations_uncached():
+    """torch.nn.utils.parametrize.cached() off for a tracing pass: its cache would keep the pass's
+    traced weight (the next pass, in another fake mode, failed on it: 'Mixing fake modes', and the
+    cache outlived the trace). The program computes the weight from its parameters at each call,
+    which is what the cache holds."""
+    from torch.nn.utils import parametrize
+
+    was = parametrize._cache_enabled
+    parametrize._cache_enabled = 0
+    try:
+        yield
+    finally:
+        parametrize._cache_enabled = was
+
+
+@contextlib.contextmanager
 def _onednn_off():
     """oneDNN off for a tracing pass (torch.backends.mkldnn.flags would also warn about TF32), and
     torch's LSTM decomposition with its final states' shape mended (_fixed_one_layer_lstm)."""
@@ -837,8 +853,8 @@ class CompiledFunction:
             # decomposition would otherwise record mkldnn_rnn_layer, whose inference-mode workspace
             # ATen returns as None at run time (the graph expects a tensor); without it the LSTM
             # traces as matmuls and pointwise ops
-            with _ModuleStateGuard(module, tensors) as guard, _onednn_off(), _HookProbe(self.name, module) as hooks, \
-                    checkpoint.regions():
+            with _ModuleStateGuard(module, tensors) as guard, _onednn_off(), _parametrizations_uncached(), \
+                    _HookProbe(self.name, module) as hooks, checkpoint.regions():
                 out = fn(*args, **kwargs)
             hooks.check()
             if guard.kept:
