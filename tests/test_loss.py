@@ -268,3 +268,34 @@ def test_a_target_out_of_bounds_is_an_error_as_in_eager(bad):
         Head()(x, y)
     with pytest.raises(RuntimeError, match="out of bounds"):
         m(x, y)
+
+
+@pytest.mark.parametrize("how", ["memory_efficient_fusion", "torch.compile"])
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_multilabel_margin_loss_stops_at_the_first_minus_one(reduction, how):
+    """multilabel_margin_loss's targets end at their first -1 (the padding of rows with fewer labels).
+    torch's decomposition, which every trace under the Python dispatcher takes (torch's own
+    aot_function and Inductor too, torch 2.13), counted the slots after it as labels of class 0:
+    silently wrong losses and gradients (2.05 for eager's 0.85). aotfuse traces its own."""
+    import torch._dynamo
+
+    g = torch.Generator().manual_seed(6)
+    x0 = torch.randint(-4, 5, (6, 5), generator=g).double() / 4  # ties: margins of exactly 0 too
+    target = torch.randint(0, 5, (6, 5), generator=g)
+    ends = torch.tensor([0, 1, 2, 4, 5, 3])  # row i's labels end at slot ends[i] (5: no -1)
+    target[torch.arange(5) >= ends.unsqueeze(1)] = -1
+    target[5, 4] = 2  # a label after the -1: ignored
+    target[3, 1] = target[3, 0]  # a repeated label: counted twice, as eager does
+    fn = lambda x, t: F.multilabel_margin_loss(x, t, reduction=reduction)  # noqa: E731
+    if how == "torch.compile":
+        torch._dynamo.reset()
+    compiled = aotfuse.memory_efficient_fusion(fn) if how == "memory_efficient_fusion" else torch.compile(fn, backend="aotfuse")
+    for x_in, t_in in ((x0, target), (x0[2], target[2])):  # a matrix, then one row
+        x, xe = (x_in.clone().requires_grad_() for _ in range(2))
+        out, ref = compiled(x, t_in), fn(xe, t_in)
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        w = torch.arange(1.0, ref.numel() + 1, dtype=torch.float64).reshape(ref.shape)
+        (out * w).sum().backward()
+        (ref * w).sum().backward()
+        torch.testing.assert_close(x.grad, xe.grad, rtol=1e-12, atol=1e-12)

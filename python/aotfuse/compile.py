@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint, config, ddp, shapes
 from ._pytree import _holds_tensor, tree_flatten, tree_unflatten
-from .decompositions import default_decompositions
+from .decompositions import default_decompositions, upstream_fixes
 from .lower import BackendUnavailable, Lowered, UnsupportedError, lower, separate_aliased_gradients
 from .partition import default_partition, min_cut_rematerialization_partition
 
@@ -854,7 +854,7 @@ class CompiledFunction:
             # ATen returns as None at run time (the graph expects a tensor); without it the LSTM
             # traces as matmuls and pointwise ops
             with _ModuleStateGuard(module, tensors) as guard, _onednn_off(), _parametrizations_uncached(), \
-                    _HookProbe(self.name, module) as hooks, checkpoint.regions():
+                    upstream_fixes(), _HookProbe(self.name, module) as hooks, checkpoint.regions():
                 out = fn(*args, **kwargs)
             hooks.check()
             if guard.kept:

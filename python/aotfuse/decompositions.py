@@ -2,6 +2,8 @@
 pointwise primitives plus reductions (so that later stages can fuse them) and which stay whole."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch._decomp import get_decompositions
 
@@ -280,3 +282,55 @@ def default_decompositions(norms: bool | None = None, random: bool | None = None
     if random:
         table[aten.native_dropout.default] = _native_dropout
     return table
+
+
+# ---- upstream decompositions that give wrong values, replaced while aotfuse traces ----
+
+def _multilabel_margin_loss_forward(input: torch.Tensor, target: torch.Tensor, reduction: int):
+    """multilabel_margin_loss (and its is_target), as ATen's kernel defines it: row i's loss is the
+    sum over its labels j (target[i, :], up to the first -1) and the classes k that are none of its
+    labels of max(0, 1 - x[i, label j] + x[i, k]), over the number of classes. torch's decomposition
+    (a Python kernel at the Autograd key, which every trace under the Python dispatcher takes: torch
+    2.11-2.14) also counts the slots after the -1, as if they held class 0: a row [3, 0, -1, 1]
+    gave 2.05 where eager gives 0.85. The margin's gradient is taken where it is positive, as eager's."""
+    x = input if input.dim() == 2 else input.reshape(1, -1)
+    labels = target.reshape(x.shape)
+    classes = x.shape[1]
+    valid = (labels == -1).cumsum(-1) == 0  # the label slots before the first -1
+    picked = torch.gather(x, 1, torch.where(valid, labels, 0))  # x[i, label j] (class 0 where unused)
+    k = torch.arange(classes, device=x.device)
+    is_target = ((labels.unsqueeze(-1) == k) & valid.unsqueeze(-1)).any(1)  # [rows, classes]
+    margin = 1 - picked.unsqueeze(-1) + x.unsqueeze(1)  # [rows, label slot j, class k]
+    counted = valid.unsqueeze(-1) & ~is_target.unsqueeze(1) & (margin > 0)
+    per_row = torch.where(counted, margin, 0).sum((1, 2)) / classes
+    if reduction == 1:  # mean
+        loss = per_row.mean()
+    elif reduction == 2:  # sum
+        loss = per_row.sum()
+    else:
+        loss = per_row if input.dim() == 2 else per_row.reshape(())
+    return loss, is_target.to(input.dtype).reshape(target.shape)
+
+
+_UPSTREAM_FIXES = ((aten.multilabel_margin_loss_forward.default, torch._C.DispatchKey.Autograd,
+                    _multilabel_margin_loss_forward),)
+
+
+@contextlib.contextmanager
+def upstream_fixes():
+    """While aotfuse traces (memory_efficient_fusion's passes, a Dynamo graph's aot_module_simplified):
+    torch's Python kernels that give wrong values replaced by aotfuse's own (_UPSTREAM_FIXES), put
+    back afterwards. Tracing holds aotfuse's compile lock; a trace elsewhere meanwhile (another
+    thread's torch.compile) would take the fixed kernel too."""
+    saved = []
+    try:
+        for op, key, fn in _UPSTREAM_FIXES:
+            if key in op.py_kernels:
+                saved.append((op, key, op.py_kernels[key]))
+                op.py_kernels[key] = fn
+                op._dispatch_cache.clear()
+        yield
+    finally:
+        for op, key, fn in saved:
+            op.py_kernels[key] = fn
+            op._dispatch_cache.clear()

@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch._functorch.aot_autograd import aot_module_simplified
 from .compile import _no_zero_gradients, resolved
-from .decompositions import default_decompositions
+from .decompositions import default_decompositions, upstream_fixes
 from . import shapes
 from .lower import Lowered, UnsupportedError, lower, separate_aliased_gradients
 from .partition import min_cut_rematerialization_partition
@@ -270,7 +270,8 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
     # pair each bucket's lazily compiled backward with its forward's metadata
     counters["aot_autograd"]["total"] += 1
     try:
-        with config.lazy_graph_modules():  # the graphs made while tracing write their code only if read
+        # (the graphs made while tracing write their code only if read)
+        with config.lazy_graph_modules(), upstream_fixes():
             compiled = aot_module_simplified(
                 traced,
                 example_inputs,
