@@ -722,6 +722,12 @@ static int reads_dependent_of(const af_node *n, const int32_t *value_group, cons
  * a pointwise group joins a reduction group (whose kernel parallelizes over the reduction's kept
  * dims only: one row, or few columns, run on one thread) only over a small loop (AF_MERGE_MIXED). */
 
+/* Most nodes a group takes by joining (windows' absorbed sources and a reduction's row members
+ * aside): the code generators' per-kernel passes grow with its size squared, and a chain with
+ * nothing in between (a residual stream recomputed for the backward from its saved matmul outputs,
+ * 100 layers of it) made one kernel of 1700 nodes whose program took 100 s to plan. The seed
+ * models' largest kernels hold 28. */
+#define AF_GROUP_NODES_MAX 256
 #define AF_MERGE_LOOKBACK 16 /* earlier groups a group may join */
 #define AF_MERGE_OPERANDS 32 /* most inputs + outputs of a merged kernel (CUDA parameter space) */
 #define AF_MERGE_SPAN 48     /* most nodes a kernel moves: values stay where they were just written */
@@ -1076,7 +1082,7 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
                     int32_t cand = pass == 0 ? value_group[v] : last_reader[v];
                     if (cand < 0) continue;
                     cand = find_root(parent, cand);
-                    if (closed[cand] || !same_shape(gshape[cand], shape)) continue;
+                    if (closed[cand] || !same_shape(gshape[cand], shape) || prov_size[cand] >= AF_GROUP_NODES_MAX) continue;
                     if (window && (cand == src_group || gmask[cand] || (pass == 0 && a == win.source_arg))) continue;
                     if (kind == 2 && gwin[cand]) continue; /* a group with a window has no reductions */
                     /* a random node starts its own group: its seed's index space is its own shape */
@@ -1094,6 +1100,7 @@ int af_fuse_plan_new(const af_graph *g, const af_fuse_options *opts, af_fusion_p
                     if (join < 0) join = cand;
                     else if (cand != join) { /* merge: both open, so no outsider read either yet */
                         if (gmask[cand] && gmask[join] && gmask[cand] != gmask[join]) continue;
+                        if (prov_size[cand] + prov_size[join] >= AF_GROUP_NODES_MAX) continue;
                         if ((gwin[cand] || gwin[join]) && (gmask[cand] || gmask[join] || kind == 2)) continue;
                         if (dep[cand] >= 0 || dep[join] >= 0) continue; /* a group running after another stays apart */
                         gwin[join] |= gwin[cand];

@@ -929,8 +929,21 @@ static int launch_cuda(af_program *p, int32_t gi) {
     return st;
 }
 
-/* Makes folded view v (and the folded views it reads) with ATen, for a kernel's fallback; an
- * as_strided view by reinterpreting its base, as its step does (run_view). */
+/* The sink's as_strided views of a source (sink.c, add_source_view, the offset passed by name):
+ * their offset is the one from the source as traced, where ATen's as_strided takes the storage's,
+ * and a program input may come at another storage offset than traced (the entry check holds sizes
+ * and strides): AOTAutograd gives the gradient of an output traced at offset 1 (an imaginary part)
+ * at offset 0, and ATen's view of it overran the storage. Such a view is made by reinterpreting its
+ * base from its first run (run_view), also for a kernel's fallback (materialize_view). The graph's
+ * own as_strided calls keep ATen's meaning: as_strided_scatter's backward takes its gradient's
+ * storage from offset 0 where the gradient was traced at offset 1 (made relative, it read the
+ * element before the storage). */
+static int relative_view(const af_node *n) {
+    return n->op_id == AF_OP_AS_STRIDED && n->n_args == 4 && n->args[3].name && !strcmp(n->args[3].name, "storage_offset");
+}
+
+/* Makes folded view v (and the folded views it reads) with ATen, for a kernel's fallback; a
+ * relative_view by reinterpreting its base, as its step does. */
 static int materialize_view(af_program *p, int32_t v) {
     if (p->values[v]) return AF_OK;
     int32_t i = af_graph_value(p->graph, v)->producer;
@@ -938,7 +951,7 @@ static int materialize_view(af_program *p, int32_t v) {
     int32_t b = n->args[0].u.value;
     int st = p->fold_root[b] >= 0 ? materialize_view(p, b) : AF_OK;
     if (st) return st;
-    if (n->op_id == AF_OP_AS_STRIDED && af_bridge_can_reinterpret()) {
+    if (relative_view(n) && af_bridge_can_reinterpret()) {
         const af_tensor_meta *m = &af_graph_value(p->graph, v)->meta;
         return af_bridge_reinterpret(p->values[b], m, m->storage_offset - af_graph_value(p->graph, b)->meta.storage_offset,
                                      &p->values[v]);
@@ -1239,11 +1252,8 @@ static int run_kernel(af_program *p, int32_t gi) {
     return AF_OK;
 }
 
-/* A checked view step: torch's reinterpretation of its input with the graph's layout, no dispatch.
- * An as_strided step is one from its first run: ATen's offset is the storage's, the graph's is
- * the one from its base as traced, and a program input may come at another offset than traced
- * (AOTAutograd gives a tangent traced at offset 1, the gradient of an imaginary part, at offset
- * 0: ATen's view overran the storage). */
+/* A checked view step: torch's reinterpretation of its input with the graph's layout, no dispatch
+ * (a relative_view's from its first run). */
 static int run_view(af_program *p, int32_t i) {
     const af_node *n = af_graph_node(p->graph, i);
     int32_t b = n->args[0].u.value, v = n->first_output, root = p->hold_root ? p->hold_root[b] : b;
@@ -1464,8 +1474,7 @@ static int run_program(af_program *p, af_obj *const *inputs, int32_t n_inputs, a
             } else if (p->huge_state && n->n_outputs == 1 && p->huge_state[n->first_output] > 0) {
                 st = run_extern_huge(p, i);
             } else {
-                /* an as_strided step reinterprets from its first run (run_view) */
-                int relative = p->check_inputs && (p->view_state[i] > 0 || (p->view_state[i] == 0 && n->op_id == AF_OP_AS_STRIDED));
+                int relative = p->check_inputs && (p->view_state[i] > 0 || (p->view_state[i] == 0 && relative_view(n)));
                 st = relative ? run_view(p, i) : af_extern_call(p->externs[i], p->values, &p->values[n->first_output]);
                 if (!st && p->view_state[i] == 0) st = check_view(p, i);
             }

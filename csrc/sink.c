@@ -663,8 +663,10 @@ static int add_source_view(af_graph *out, const af_graph *g, int32_t v, const in
         return AF_OK;
     }
     af_arg items[2][AF_MAX_DIMS];
+    /* the offset by name: the runtime makes such a view relative to its base as traced (runtime.c,
+     * relative_view), where ATen's as_strided takes the storage's */
     af_arg args[4] = {{.kind = AF_ARG_VALUE, .u.value = map[v]}, int_list(items[0], sizes, nd), int_list(items[1], strides, nd),
-                      {.kind = AF_ARG_INT, .u.i = offset}};
+                      {.kind = AF_ARG_INT, .name = "storage_offset", .u.i = offset}};
     int st = add_node1(out, "aten::as_strided.default", args, 4, &vm, view);
     return st ? st : add_origin(origins, *view, v);
 }

@@ -716,9 +716,12 @@ def test_a_fallback_signature_takes_every_later_shape_without_capturing_again(fa
 @pytest.mark.parametrize("how", ["memory_efficient_fusion", "torch.compile"])
 def test_lazily_negated_and_conjugated_inputs_give_their_values(how):
     """`z.conj().imag` is a view whose data are the negatives of its values (torch's neg bit): the
-    kernels read the data and gave the values negated, silently, after a plain call of the same
-    signature too (torch.compile with Inductor still does, torch 2.13). Such inputs (and conjugated
-    complex ones) are now resolved before the program takes them: values and gradients as eager's."""
+    kernels read the data and gave the values negated, silently (torch.compile with Inductor still
+    does, torch 2.13). Such inputs (and conjugated complex ones) are now read through resolve_neg /
+    resolve_conj inside the program, and the signature tells them from plain tensors: values and
+    gradients as eager's, and an in-place update of one reaches the caller's tensor. (Under
+    torch.compile a graph compiled for plain tensors serves a negated one too: Dynamo's guards do not
+    tell them apart, so there the negated call comes first, then a plain one.)"""
     import torch._dynamo
 
     def fn(x, w, c):
@@ -730,20 +733,74 @@ def test_lazily_negated_and_conjugated_inputs_give_their_values(how):
     if how == "torch.compile":
         torch._dynamo.reset()
     cf = aotfuse.memory_efficient_fusion(fn) if how == "memory_efficient_fusion" else torch.compile(fn, backend="aotfuse")
-    cf(torch.randn(3, 5), w0, c0)  # a plain call of the same shapes first: its guard must not take the lazy one
-    for _ in range(2):
+    if how == "memory_efficient_fusion":
+        cf(torch.randn(3, 10)[:, ::2], w0, c0)  # a plain call of the same shapes and strides first
+    for lazy in (True, True, False):
         z, ze = (z0.clone().requires_grad_() for _ in range(2))
         w, we = (w0.clone().requires_grad_() for _ in range(2))
-        x, xe = z.conj().imag, ze.conj().imag
-        assert x.is_neg()
-        out, mag = cf(x, w, c0.conj())
-        ref, mag_ref = fn(xe, we, c0.conj())
+        x, xe = (z.conj().imag, ze.conj().imag) if lazy else (z.imag, ze.imag)
+        assert x.is_neg() == lazy
+        out, mag = cf(x, w, c0.conj() if lazy else c0)
+        ref, mag_ref = fn(xe, we, c0.conj() if lazy else c0)
         out.backward()
         ref.backward()
         assert_close(out, ref, f"{how}: value")
         assert_close(mag, mag_ref, f"{how}: conjugated input's value")
         assert_close(z.grad, ze.grad, f"{how}: grad of z")
         assert_close(w.grad, we.grad, f"{how}: grad of w")
+
+
+@pytest.mark.parametrize("how", ["memory_efficient_fusion", "torch.compile"])
+def test_in_place_updates_of_conjugated_inputs_reach_the_caller(how):
+    """A function updating a conjugated input in place (`v.mul_(2)` on `base.conj()`): the update must
+    land in `base` (conjugated), as eager's does."""
+    import torch._dynamo
+
+    def fn(v, y):
+        v.mul_(2)
+        v.add_(y)
+        return v.abs().sum()
+
+    if how == "torch.compile":
+        torch._dynamo.reset()
+    cf = aotfuse.memory_efficient_fusion(fn) if how == "memory_efficient_fusion" else torch.compile(fn, backend="aotfuse")
+    y = torch.tensor([1j, 2 + 1j])
+    for _ in range(2):
+        base, base_e = (torch.tensor([1 + 1j, 3 - 1j]) for _ in range(2))
+        out, ref = cf(base.conj(), y), fn(base_e.conj(), y)
+        assert_close(out, ref, f"{how}: value")
+        assert torch.equal(base, base_e), (base, base_e)
+
+
+@pytest.mark.parametrize("how", ["memory_efficient_fusion", "torch.compile"])
+def test_as_strided_scatter_reads_its_gradient_from_the_storage_offset_it_names(how):
+    """as_strided_scatter(x, src, (), (), storage_offset=0) over x at storage offset 1: its backward's
+    as_strided(gradient, (), (), 0) means offset 0 of the gradient's storage, which AOTAutograd gives
+    at offset 0 where it was traced at 1. A helper's sweep found a change of this session reading it
+    relative to the traced offset (offset -1: garbage gradients); the graph's own as_strided calls keep
+    ATen's meaning, only the sink's views of sources are relative."""
+    import torch._dynamo
+
+    def fn(x, src):
+        return torch.as_strided_scatter(x, src, (), (), storage_offset=0) * torch.tensor([3.0], dtype=torch.float64)
+
+    if how == "torch.compile":
+        torch._dynamo.reset()
+    cf = aotfuse.memory_efficient_fusion(fn) if how == "memory_efficient_fusion" else torch.compile(fn, backend="aotfuse")
+
+    def run(f):
+        bx, bs = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+        x, s = bx[1:].view(1, 2)[..., 0], bs[1:2].view(())  # x: [1], stride 2, offset 1; s: 0-dim, offset 1
+        x.copy_(torch.tensor([-4.8]))
+        s.copy_(torch.tensor(-0.6))
+        x.requires_grad_()
+        s.requires_grad_()
+        out = f(x, s)
+        return (out,) + torch.autograd.grad((out * 0.25).sum(), (x, s))
+
+    for _ in range(2):
+        for got, want, what in zip(run(cf), run(fn), ("value", "grad of x", "grad of src")):
+            assert_close(got, want, f"{how}: {what}")
 
 
 _LAZY_VIEW_FNS = {
@@ -781,3 +838,23 @@ def test_conjugate_and_imaginary_views_inside_graphs_give_eagers_values(name, ho
             assert_close(o.resolve_neg(), r.resolve_neg(), f"{name} {how}: output {k}")
         assert_close(z.grad, ze.grad, f"{name} {how}: grad of z")
         assert_close(w.grad, we.grad, f"{name} {how}: grad of w")
+
+
+def test_complex_variance_is_atens():
+    """aotfuse's var_mean decomposition squared complex deviations as complex numbers: a complex
+    variance came out complex and wrong under no_grad, and failed its capture with gradients on. Complex
+    inputs now keep ATen's var_mean (the real mean of |x - mean|^2)."""
+    g = torch.Generator().manual_seed(8)
+    z0 = torch.randn(3, 5, dtype=torch.complex128, generator=g)
+    fn = lambda z: torch.var_mean(z, 1)  # noqa: E731
+    with torch.no_grad():
+        var, mean = aotfuse.memory_efficient_fusion(fn)(z0)
+    assert var.dtype == torch.float64
+    assert_close(var, fn(z0)[0], "variance, no_grad")
+    assert_close(mean, fn(z0)[1], "mean, no_grad")
+    z, ze = (z0.clone().requires_grad_() for _ in range(2))
+    out, ref = aotfuse.memory_efficient_fusion(fn)(z), fn(ze)
+    (out[0].sum() + out[1].abs().sum()).backward()
+    (ref[0].sum() + ref[1].abs().sum()).backward()
+    assert_close(out[0], ref[0], "variance")
+    assert_close(z.grad, ze.grad, "gradient")

@@ -1,5 +1,7 @@
 """Fused CPU kernels against ATen: every op-table expression on broadcast and non-contiguous inputs
 in fp32 and bf16, backward chains, seeded random graphs, the disk cache, and fallbacks."""
+import collections
+import copy
 import os
 import platform
 import random
@@ -10,6 +12,7 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -2363,3 +2366,37 @@ def test_layers_whose_guards_are_chosen_after_their_loads_share_a_body(tmp_path,
     assert lowered.program.num_kernels == 3 and src.count("chosen after its loads") == 1, src
     assert src.count("AF_BODY void af_body_") == 1 and src.count("the body of group 0") == 2, src
     assert_close(lowered([x, *ws])[0], fn(x, *ws), "padded layers", atol=1e-5, rtol=1e-5)
+
+
+def test_a_long_pointwise_chain_makes_kernels_of_bounded_size():
+    """A residual stream with nothing between its layers but pointwise work (each layer's matmul output
+    saved, the stream recomputed for the backward's weight gradients) made one kernel of every layer's
+    nodes: 421 nodes at 25 layers, about 1700 at 100, and the code generators' per-kernel passes grow
+    with a kernel's size squared (a 100-layer model's first step took 128 s, 100 s of it planning).
+    Groups now stop taking nodes at 256 (the seed models' largest kernels hold 28): values and
+    gradients as eager's."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.norm = nn.Linear(16, 16), nn.LayerNorm(16)
+
+        def forward(self, x):
+            return x + torch.nn.functional.gelu(self.norm(self.lin(x)))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(40)])
+    ref = copy.deepcopy(model)
+    compiled = aotfuse.memory_efficient_fusion(model)
+    x = torch.randn(8, 16)
+    out, expected = compiled(x), ref(x)
+    out.sum().backward()
+    expected.sum().backward()
+    assert_close(out, expected, "output")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert_close(p.grad, q.grad, f"grad of {name}")
+    sizes = []
+    for low in compiled._aotfuse_compiled.records[-1].programs.values():
+        groups = collections.Counter(grp for _op, _k, grp in low.program.node_groups() if grp >= 0)
+        sizes += groups.values()
+    assert max(sizes) <= 256, sorted(sizes)[-5:]
+    assert max(sizes) > 100  # the chain still fuses: a kernel takes many layers' nodes

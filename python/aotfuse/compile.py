@@ -224,7 +224,9 @@ def _leaf_key(x: Any, seen: dict) -> Any:
     if isinstance(x, torch.Tensor):
         first = seen.setdefault(id(x), len(seen))  # the same tensor passed twice is part of the key
         try:
-            return (x.dtype, x.device, x.shape, x.stride(), x.requires_grad, x.layout, first)
+            # a lazy negation or conjugation (`z.conj().imag`) is in the program (lower.resolve_lazy_views)
+            layout = x.layout if not (x.is_neg() or x.is_conj()) else (x.layout, x.is_neg(), x.is_conj())
+            return (x.dtype, x.device, x.shape, x.stride(), x.requires_grad, layout, first)
         except RuntimeError:  # no sizes or strides (sparse CSR, nested): its capture will say it is unsupported
             return (x.dtype, x.device, None, None, x.requires_grad, x.layout, x.is_nested, first)
     try:
@@ -289,7 +291,8 @@ def _signature(leaves: list, spec: tuple, extra: tuple, skip: int = 0) -> tuple:
     try:
         for x in leaves:  # _leaf_key, inlined for tensors (a call per leaf is a tenth of a forward's host time)
             if isinstance(x, torch.Tensor):
-                keys.append((x.dtype, x.device, x.shape, x.stride(), x.requires_grad, x.layout, seen.setdefault(id(x), len(seen))))
+                layout = x.layout if not (x.is_neg() or x.is_conj()) else (x.layout, x.is_neg(), x.is_conj())
+                keys.append((x.dtype, x.device, x.shape, x.stride(), x.requires_grad, layout, seen.setdefault(id(x), len(seen))))
             else:
                 keys.append(_leaf_key(x, seen))
     except RuntimeError:  # a tensor without strides or sizes (sparse CSR, nested): keyed by _leaf_key
@@ -563,15 +566,6 @@ class _Capturing(threading.local):
 _capturing = _Capturing()
 
 
-def resolved(x: Any) -> Any:
-    """A tensor with its lazy negation or conjugation done (`x.conj().imag` is a view whose data are
-    the negatives of its values: the kernels read data as values, and gave them negated); other
-    values as they are."""
-    if isinstance(x, torch.Tensor) and (x.is_neg() or x.is_conj()):
-        return x.resolve_conj().resolve_neg()
-    return x
-
-
 def _dense_only(tensors: list) -> None:
     """Programs take dense (strided) tensors: a sparse, nested or quantized argument is said as what
     it is (the trace failed on it with torch's internal errors, read as a global tensor or control
@@ -690,14 +684,7 @@ class CompiledFunction:
         if last is not None and last.matches(leaves, spec, extra):
             entry = last.entry
         else:
-            lazy = negated = False
-            for x in leaves:
-                if isinstance(x, torch.Tensor):
-                    if isinstance(x, nn.parameter.UninitializedTensorMixin):
-                        lazy = True
-                        break
-                    negated = negated or x.is_neg() or x.is_conj()
-            if lazy:  # a lazy module (LazyLinear) sizes its parameters at its first call: eager's to make
+            if any(isinstance(x, nn.parameter.UninitializedTensorMixin) for x in leaves):  # a lazy module (LazyLinear) sizes its parameters at its first call: eager's to make
                 if not self._warned_lazy:
                     warnings.warn(f"aotfuse: {self.name} holds lazy modules whose parameters are not initialized "
                                   f"yet: this call runs eagerly and initializes them; later calls are compiled",
@@ -706,9 +693,6 @@ class CompiledFunction:
                 args, kwargs = tree
                 self.last_entry = None
                 return self.fn(*args, **kwargs), None
-            if negated:
-                leaves = [resolved(x) for x in leaves]  # (a call with such a tensor fails the guard above)
-                tree = tree_unflatten(leaves, spec)
             key = _signature(leaves, spec, extra, self.num_params_buffers)
             entry = self._cache.get(key)
             if entry is not None and entry.ready:

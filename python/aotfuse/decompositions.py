@@ -164,7 +164,11 @@ def _nll_loss_backward(grad_output, self, target, weight, reduction, ignore_inde
 def _var_mean(x, dim=None, *, correction=None, keepdim=False):
     """var_mean as two reductions (mean, then the mean square deviation): the C backend runs both,
     and whatever normalizes with them, as phases of one kernel; two passes are numerically sound
-    where E[x^2] - E[x]^2 is not. Low-precision inputs are computed in float32, as ATen does."""
+    where E[x^2] - E[x]^2 is not. Low-precision inputs are computed in float32, as ATen does.
+    Complex inputs stay ATen's (their variance is the real mean of |x - mean|^2, which this squares
+    as complex numbers: silently wrong values)."""
+    if x.dtype.is_complex:
+        return NotImplemented
     dims = list(range(x.dim())) if dim is None else ([dim] if isinstance(dim, int) else list(dim))
     dims = [d % max(x.dim(), 1) for d in dims] or list(range(x.dim()))
     n = 1

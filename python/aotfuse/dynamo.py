@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import torch
 from torch._dynamo.utils import counters
 from torch._functorch.aot_autograd import aot_module_simplified
-from .compile import _no_zero_gradients, resolved
+from .compile import _no_zero_gradients
 from .decompositions import default_decompositions, upstream_fixes
 from . import shapes
 from .lower import Lowered, UnsupportedError, lower, separate_aliased_gradients
@@ -207,23 +207,6 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
     partition_kw = _backend_options(mode, options)
     if config.disabled():
         return gm.forward
-    lazy = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor) and (x.is_neg() or x.is_conj())]
-    if lazy:  # a graph for tensors with a lazy negation or conjugation (Dynamo guards on it): compiled for
-        # their resolved values, which each call passes
-        inner = aotfuse_backend(gm, [resolved(x) for x in example_inputs], collect, mode, options)
-
-        @functools.wraps(inner)  # same calling convention: a boxed call passes one list (never a graph input)
-        def run_resolved(*args: Any) -> Any:
-            boxed = len(args) == 1 and isinstance(args[0], list)
-            flat = list(args[0] if boxed else args)
-            for i in lazy:
-                flat[i] = resolved(flat[i])
-            if boxed:
-                args[0].clear()
-                return inner(flat)
-            return inner(*flat)
-
-        return run_resolved
     symbolic = _symbolic(example_inputs)
     if symbolic and (config.dynamic() == "0" or _scalar_inputs(gm)):
         return _per_shape(gm, example_inputs, collect, options)

@@ -348,6 +348,13 @@ def _call(node: fx.Node, env: dict, where: str, dev: tuple | None, first: tuple 
     aten._to_copy(x, dtype=...): the prim is implemented in Python, 50 us a call on the CPU where
     ATen's takes 9."""
     args = [first if first is not None and i == 0 else _encode(a, env, where, dev) for i, a in enumerate(node.args)]
+    if node.target is torch.ops.aten.as_strided.default and len(args) == 3 and "storage_offset" in node.kwargs:
+        # positional: an as_strided whose offset comes by name is the sink's, relative to its base
+        # as traced (runtime.c, relative_view); the graph's own keep ATen's meaning
+        offset = node.kwargs["storage_offset"]
+        args.append(_encode(0 if offset is None else offset, env, where, dev))
+        return _op_name(node.target), args, [(k, _encode(v, env, where, dev)) for k, v in node.kwargs.items()
+                                             if k != "storage_offset"]
     if node.target is torch.ops.prims.convert_element_type.default and len(args) == 2 and not node.kwargs:
         src = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
         if isinstance(src, torch.Tensor) and src.dtype not in _KERNEL_DTYPES:
@@ -834,12 +841,33 @@ def resolve_lazy_views(gm: fx.GraphModule) -> None:
     """`_neg_view` and `_conj` (what `z.conj().imag` traces to) are views whose values are the
     negation or conjugate of their data (a bit torch keeps on the tensor): kernels and reinterpreted
     views read data, so these become the copies `neg` and `conj_physical`, the same values. The
-    graphs are functional: no node depends on them aliasing their input."""
+    graphs are functional: no node depends on them aliasing their input. An input with such a bit
+    (the signature holds it) is read through `resolve_conj`/`resolve_neg`, ATen calls making its
+    values plain; the input itself stays the caller's (a mutation of it is copied back into it)."""
     changed = False
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target in _LAZY_VIEWS:
             n.target = _LAZY_VIEWS[n.target]
             changed = True
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n in places:
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not (val.is_neg() or val.is_conj()):
+            continue
+        readers = [r for r in n.users if r.op != "output"]  # an output (saved for backward) stays the input
+        if not readers:
+            continue
+        src = n
+        with gm.graph.inserting_after(places[-1]):
+            for op, flagged in ((torch.ops.aten.resolve_conj.default, val.is_conj()),
+                                (torch.ops.aten.resolve_neg.default, val.is_neg())):
+                if flagged:
+                    src = gm.graph.call_function(op, (src,))
+                    val = op(val)
+                    src.meta["val"] = val
+        for r in readers:
+            r.replace_input_with(n, src)
+        changed = True
     if changed:
         gm.recompile()
 
