@@ -258,6 +258,7 @@ static PyObject *arg_to_py(const af_arg *a, af_obj *const *values) {
     case AF_ARG_BOOL: return PyBool_FromLong((long)a->u.i);
     case AF_ARG_INT: return PyLong_FromLongLong(a->u.i);
     case AF_ARG_FLOAT: return PyFloat_FromDouble(a->u.f);
+    case AF_ARG_COMPLEX: return PyComplex_FromDoubles(a->u.c.re, a->u.c.im);
     case AF_ARG_STR: return PyUnicode_FromString(a->u.s);
     case AF_ARG_DTYPE: Py_INCREF(py.dtypes[a->u.dtype]); return py.dtypes[a->u.dtype];
     case AF_ARG_DEVICE:

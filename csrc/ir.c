@@ -264,7 +264,7 @@ static int arg_check(const af_graph *g, const af_arg *arg, int depth, int32_t li
             return af_error_set(AF_ERR_INVALID, "argument refers to value %d, but only %d are defined before it",
                                 (int)arg->u.value, (int)limit);
         return AF_OK;
-    case AF_ARG_NONE: case AF_ARG_BOOL: case AF_ARG_INT: case AF_ARG_FLOAT:
+    case AF_ARG_NONE: case AF_ARG_BOOL: case AF_ARG_INT: case AF_ARG_FLOAT: case AF_ARG_COMPLEX:
         return AF_OK;
     case AF_ARG_STR: case AF_ARG_LAYOUT: case AF_ARG_MEMORY_FORMAT:
         return arg->u.s ? AF_OK : af_error_set(AF_ERR_INVALID, "string argument is NULL");
@@ -465,6 +465,7 @@ static void print_arg(af_strbuf *sb, const af_graph *g, const af_arg *a) {
     case AF_ARG_BOOL: af_strbuf_printf(sb, "%s", a->u.i ? "True" : "False"); break;
     case AF_ARG_INT: af_strbuf_printf(sb, "%" PRId64, a->u.i); break;
     case AF_ARG_FLOAT: af_strbuf_printf(sb, "%.9g", a->u.f); break;
+    case AF_ARG_COMPLEX: af_strbuf_printf(sb, "(%.9g%+.9gj)", a->u.c.re, a->u.c.im); break;
     case AF_ARG_STR: af_strbuf_printf(sb, "'%s'", a->u.s); break;
     case AF_ARG_DTYPE: af_strbuf_printf(sb, "torch.%s", af_dtype_name(a->u.dtype)); break;
     case AF_ARG_DEVICE:

@@ -145,6 +145,11 @@ static int decode_arg(PyObject *t, af_arg *a, int depth) {
         a->kind = AF_ARG_FLOAT;
         a->u.f = PyFloat_AsDouble(x);
         if (a->u.f == -1.0 && PyErr_Occurred()) return -1;
+    } else if (strcmp(tag, "complex") == 0) {
+        a->kind = AF_ARG_COMPLEX;
+        Py_complex c = PyComplex_AsCComplex(x);
+        if (c.real == -1.0 && PyErr_Occurred()) return -1;
+        a->u.c.re = c.real, a->u.c.im = c.imag;
     } else if (strcmp(tag, "str") == 0 || strcmp(tag, "layout") == 0 || strcmp(tag, "memory_format") == 0) {
         a->kind = tag[0] == 's' ? AF_ARG_STR : tag[0] == 'l' ? AF_ARG_LAYOUT : AF_ARG_MEMORY_FORMAT;
         if (!(a->u.s = PyUnicode_AsUTF8(x))) return -1;

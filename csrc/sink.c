@@ -230,8 +230,12 @@ static int view_link_ok(const af_node *n, const af_tensor_meta *in, const af_ten
         if (n->n_args < 3 || n->args[1].kind != AF_ARG_LIST || n->args[2].kind != AF_ARG_LIST || n->args[1].u.list.n != out->ndim ||
             n->args[2].u.list.n != out->ndim)
             return 0;
-        int64_t offset;
-        if (!int_arg(n, 3, in->storage_offset, &offset) || offset != out->storage_offset) return 0;
+        int64_t offset = in->storage_offset; /* the sink's own pass it by name (add_source_view) */
+        if (n->n_args > 3 && n->args[3].kind != AF_ARG_NONE) {
+            if (n->args[3].kind != AF_ARG_INT || (n->args[3].name && strcmp(n->args[3].name, "storage_offset") != 0)) return 0;
+            offset = n->args[3].u.i;
+        }
+        if (offset != out->storage_offset) return 0;
         for (int32_t d = 0; d < out->ndim; d++) {
             const af_arg *a = &n->args[1].u.list.items[d], *b = &n->args[2].u.list.items[d];
             if (a->kind != AF_ARG_INT || b->kind != AF_ARG_INT || a->u.i != out->sizes[d] ||

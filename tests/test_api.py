@@ -858,3 +858,37 @@ def test_complex_variance_is_atens():
     (ref[0].sum() + ref[1].abs().sum()).backward()
     assert_close(out[0], ref[0], "variance")
     assert_close(z.grad, ze.grad, "gradient")
+
+
+_COMPLEX_SCALAR_FNS = {
+    "times_1j": lambda z, w: (z * 1j + (2 - 1j)).abs() * w,
+    "masked_fill": lambda z, w: z.masked_fill(z.real > 0, 1 + 2j).abs() * w,
+    "vector_norm": lambda z, w: torch.linalg.vector_norm(z, dim=1, keepdim=True) * w,
+    "conv1d": lambda z, w: torch.nn.functional.conv1d(z.unsqueeze(0), (w[:2, :3].unsqueeze(-1) + 0.5j).expand(2, 3, 2))
+    .abs().sum() * w,
+}
+
+
+@pytest.mark.parametrize("how", ["memory_efficient_fusion", "torch.compile"])
+@pytest.mark.parametrize("name", sorted(_COMPLEX_SCALAR_FNS))
+def test_complex_python_scalars_pass_to_aten_calls(name, how):
+    """A Python complex in a graph (`z * 1j`, a complex fill, the norm's and complex convolution's
+    own constants) had no encoding for the C core: a CaptureError where torch's aot_function runs.
+    Such arguments now reach the ATen calls (no kernel takes complex numbers)."""
+    import torch._dynamo
+
+    fn = _COMPLEX_SCALAR_FNS[name]
+    g = torch.Generator().manual_seed(9)
+    z0, w0 = torch.randn(3, 5, dtype=torch.complex128, generator=g), torch.randn(3, 5, dtype=torch.float64, generator=g)
+    if how == "torch.compile":
+        torch._dynamo.reset()
+    cf = aotfuse.memory_efficient_fusion(fn) if how == "memory_efficient_fusion" else torch.compile(fn, backend="aotfuse")
+    for _ in range(2):
+        z, ze = (z0.clone().requires_grad_() for _ in range(2))
+        w, we = (w0.clone().requires_grad_() for _ in range(2))
+        out, ref = cf(z, w), fn(ze, we)
+        out.sum().backward()
+        ref.sum().backward()
+        assert_close(out, ref, f"{name} {how}: value")
+        assert_close(z.grad, ze.grad, f"{name} {how}: grad of z")
+        assert_close(w.grad, we.grad, f"{name} {how}: grad of w")

@@ -77,6 +77,7 @@ typedef enum {
     AF_ARG_LAYOUT,        /* enum name in `s`: "strided", ... */
     AF_ARG_MEMORY_FORMAT, /* enum name in `s`: "contiguous_format", ... */
     AF_ARG_LIST,          /* items, possibly nested or mixed (Tensor?[]) */
+    AF_ARG_COMPLEX,       /* a Python complex (`z * 1j`, a complex fill): ATen calls only */
     AF_ARG_COUNT
 } af_arg_kind;
 
@@ -87,6 +88,9 @@ typedef struct af_arg {
         int32_t value;  /* AF_ARG_VALUE */
         int64_t i;      /* AF_ARG_INT, AF_ARG_BOOL */
         double f;       /* AF_ARG_FLOAT */
+        struct {
+            double re, im;
+        } c;            /* AF_ARG_COMPLEX */
         const char *s;  /* AF_ARG_STR, AF_ARG_LAYOUT, AF_ARG_MEMORY_FORMAT */
         af_dtype dtype; /* AF_ARG_DTYPE */
         af_device device;

@@ -76,6 +76,8 @@ def _encode(a: Any, env: dict, where: str, device: tuple | None = None) -> tuple
         return ("int", a)
     if isinstance(a, float):
         return ("float", a)
+    if isinstance(a, complex):  # ATen calls only: no kernel takes complex numbers
+        return ("complex", a)
     if isinstance(a, str):
         return ("str", a)
     if isinstance(a, torch.dtype):
@@ -846,7 +848,7 @@ def resolve_lazy_views(gm: fx.GraphModule) -> None:
     values plain; the input itself stays the caller's (a mutation of it is copied back into it)."""
     changed = False
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in _LAZY_VIEWS:
+        if n.op == "call_function" and n.target in _LAZY_VIEWS and n.args and isinstance(n.args[0], fx.Node):
             n.target = _LAZY_VIEWS[n.target]
             changed = True
     places = [n for n in gm.graph.nodes if n.op == "placeholder"]
