@@ -270,3 +270,21 @@ def test_gpu_micro_runs_its_parts_on_the_cpu():
     assert any(l.startswith("attn  eager fwd+bwd") for l in lines), res.stdout
     assert sum(l.startswith("lm ") for l in lines) == 4, res.stdout
     assert sum(l.startswith("rng ") for l in lines) == 5, res.stdout
+
+
+def test_deep_chain_reports_each_depth(tmp_path):
+    """benchmarks/deep_chain.py (the planning time of a deep pointwise chain): one row per depth, the
+    largest kernel within the fuser's bound."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "deep.md"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "deep_chain.py"), "--layers", "2,20", "--steps", "2",
+                          "--out", str(out)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "python")})
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [r for r in _table_rows(out.read_text()) if r[0].isdigit()]
+    assert [r[0] for r in rows] == ["2", "20"], out.read_text()
+    for r in rows:
+        first, lowering, largest = float(r[1]), float(r[2]), int(r[3])
+        assert 0 < lowering < first and 0 < largest <= 256, r

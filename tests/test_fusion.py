@@ -2372,7 +2372,8 @@ def test_a_long_pointwise_chain_makes_kernels_of_bounded_size():
     """A residual stream with nothing between its layers but pointwise work (each layer's matmul output
     saved, the stream recomputed for the backward's weight gradients) made one kernel of every layer's
     nodes: 421 nodes at 25 layers, about 1700 at 100, and the code generators' per-kernel passes grow
-    with a kernel's size squared (a 100-layer model's first step took 128 s, 100 s of it planning).
+    with a kernel's size squared (a 100-layer model's first step took 116 s, 104 of it lowering:
+    benchmarks/deep_chain.py).
     Groups now stop taking nodes at 256 (the seed models' largest kernels hold 28): values and
     gradients as eager's."""
     class Block(nn.Module):
