@@ -803,6 +803,27 @@ def test_as_strided_scatter_reads_its_gradient_from_the_storage_offset_it_names(
             assert_close(got, want, f"{how}: {what}")
 
 
+def _matches_eager_twice(fn, how: str, z0: torch.Tensor, w0: torch.Tensor, what: str) -> None:
+    """fn(z, w) compiled (memory_efficient_fusion or torch.compile with aotfuse), called twice: its
+    outputs (one or a tuple, real) and the gradients of z and w through a weighted sum as eager's."""
+    import torch._dynamo
+
+    if how == "torch.compile":
+        torch._dynamo.reset()
+    cf = aotfuse.memory_efficient_fusion(fn) if how == "memory_efficient_fusion" else torch.compile(fn, backend="aotfuse")
+    for _ in range(2):
+        z, ze = (z0.clone().requires_grad_() for _ in range(2))
+        w, we = (w0.clone().requires_grad_() for _ in range(2))
+        out, ref = cf(z, w), fn(ze, we)
+        out, ref = (out if isinstance(out, tuple) else (out,)), (ref if isinstance(ref, tuple) else (ref,))
+        sum((o * torch.arange(o.numel()).view(o.shape)).sum() for o in out).backward()
+        sum((r * torch.arange(r.numel()).view(r.shape)).sum() for r in ref).backward()
+        for k, (o, r) in enumerate(zip(out, ref)):
+            assert_close(o.resolve_neg(), r.resolve_neg(), f"{what} {how}: output {k}")
+        assert_close(z.grad, ze.grad, f"{what} {how}: grad of z")
+        assert_close(w.grad, we.grad, f"{what} {how}: grad of w")
+
+
 _LAZY_VIEW_FNS = {
     # `z.conj().imag` traces to _conj and _neg_view: views whose values are the conjugate or the
     # negation of their data; the kernels read the data
@@ -819,25 +840,9 @@ _LAZY_VIEW_FNS = {
 @pytest.mark.parametrize("how", ["memory_efficient_fusion", "torch.compile"])
 @pytest.mark.parametrize("name", sorted(_LAZY_VIEW_FNS))
 def test_conjugate_and_imaginary_views_inside_graphs_give_eagers_values(name, how):
-    import torch._dynamo
-
-    fn = _LAZY_VIEW_FNS[name]
     g = torch.Generator().manual_seed(5)
     z0, w0 = torch.randn(3, 4, dtype=torch.cfloat, generator=g), torch.randn(3, 4, generator=g)
-    if how == "torch.compile":
-        torch._dynamo.reset()
-    cf = aotfuse.memory_efficient_fusion(fn) if how == "memory_efficient_fusion" else torch.compile(fn, backend="aotfuse")
-    for _ in range(2):
-        z, ze = (z0.clone().requires_grad_() for _ in range(2))
-        w, we = (w0.clone().requires_grad_() for _ in range(2))
-        out, ref = cf(z, w), fn(ze, we)
-        out, ref = (out if isinstance(out, tuple) else (out,)), (ref if isinstance(ref, tuple) else (ref,))
-        sum((o * torch.arange(o.numel()).view(o.shape)).sum() for o in out).backward()
-        sum((r * torch.arange(r.numel()).view(r.shape)).sum() for r in ref).backward()
-        for k, (o, r) in enumerate(zip(out, ref)):
-            assert_close(o.resolve_neg(), r.resolve_neg(), f"{name} {how}: output {k}")
-        assert_close(z.grad, ze.grad, f"{name} {how}: grad of z")
-        assert_close(w.grad, we.grad, f"{name} {how}: grad of w")
+    _matches_eager_twice(_LAZY_VIEW_FNS[name], how, z0, w0, name)
 
 
 def test_complex_variance_is_atens():
@@ -875,20 +880,6 @@ def test_complex_python_scalars_pass_to_aten_calls(name, how):
     """A Python complex in a graph (`z * 1j`, a complex fill, the norm's and complex convolution's
     own constants) had no encoding for the C core: a CaptureError where torch's aot_function runs.
     Such arguments now reach the ATen calls (no kernel takes complex numbers)."""
-    import torch._dynamo
-
-    fn = _COMPLEX_SCALAR_FNS[name]
     g = torch.Generator().manual_seed(9)
     z0, w0 = torch.randn(3, 5, dtype=torch.complex128, generator=g), torch.randn(3, 5, dtype=torch.float64, generator=g)
-    if how == "torch.compile":
-        torch._dynamo.reset()
-    cf = aotfuse.memory_efficient_fusion(fn) if how == "memory_efficient_fusion" else torch.compile(fn, backend="aotfuse")
-    for _ in range(2):
-        z, ze = (z0.clone().requires_grad_() for _ in range(2))
-        w, we = (w0.clone().requires_grad_() for _ in range(2))
-        out, ref = cf(z, w), fn(ze, we)
-        out.sum().backward()
-        ref.sum().backward()
-        assert_close(out, ref, f"{name} {how}: value")
-        assert_close(z.grad, ze.grad, f"{name} {how}: grad of z")
-        assert_close(w.grad, we.grad, f"{name} {how}: grad of w")
+    _matches_eager_twice(_COMPLEX_SCALAR_FNS[name], how, z0, w0, name)
