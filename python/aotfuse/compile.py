@@ -227,7 +227,8 @@ def _leaf_key(x: Any, seen: dict) -> Any:
             # a lazy negation or conjugation (`z.conj().imag`) is in the program (lower.resolve_lazy_views)
             layout = x.layout if not (x.is_neg() or x.is_conj()) else (x.layout, x.is_neg(), x.is_conj())
             return (x.dtype, x.device, x.shape, x.stride(), x.requires_grad, layout, first)
-        except RuntimeError:  # no sizes or strides (sparse CSR, nested): its capture will say it is unsupported
+        except (RuntimeError, ValueError):  # no sizes or strides (sparse CSR, nested, a lazy module's
+            # uninitialized parameter): its capture will say it is unsupported, or initialize it
             return (x.dtype, x.device, None, None, x.requires_grad, x.layout, x.is_nested, first)
     try:
         hash(x)
@@ -295,7 +296,7 @@ def _signature(leaves: list, spec: tuple, extra: tuple, skip: int = 0) -> tuple:
                 keys.append((x.dtype, x.device, x.shape, x.stride(), x.requires_grad, layout, seen.setdefault(id(x), len(seen))))
             else:
                 keys.append(_leaf_key(x, seen))
-    except RuntimeError:  # a tensor without strides or sizes (sparse CSR, nested): keyed by _leaf_key
+    except (RuntimeError, ValueError):  # a tensor without strides or sizes (sparse CSR, nested, uninitialized)
         seen.clear()
         keys = [_leaf_key(x, seen) for x in leaves]
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -684,15 +685,6 @@ class CompiledFunction:
         if last is not None and last.matches(leaves, spec, extra):
             entry = last.entry
         else:
-            if any(isinstance(x, nn.parameter.UninitializedTensorMixin) for x in leaves):  # a lazy module (LazyLinear) sizes its parameters at its first call: eager's to make
-                if not self._warned_lazy:
-                    warnings.warn(f"aotfuse: {self.name} holds lazy modules whose parameters are not initialized "
-                                  f"yet: this call runs eagerly and initializes them; later calls are compiled",
-                                  stacklevel=4)
-                    self._warned_lazy = True
-                args, kwargs = tree
-                self.last_entry = None
-                return self.fn(*args, **kwargs), None
             key = _signature(leaves, spec, extra, self.num_params_buffers)
             entry = self._cache.get(key)
             if entry is not None and entry.ready:
@@ -700,6 +692,8 @@ class CompiledFunction:
         if entry is None or not entry.ready:
             with config.compile_lock():
                 entry = self._cache.get(key)  # compiled meanwhile by another thread
+                if entry is None and any(isinstance(x, nn.parameter.UninitializedTensorMixin) for x in leaves):
+                    return self._initialize_lazy(tree), None
                 if entry is None:
                     self._check_call(tree)
                     entry = self._compile(key, leaves, spec, tree)
@@ -718,6 +712,18 @@ class CompiledFunction:
         if self.bw_compiler is None:
             _no_zero_gradients(outs)
         return self._rebuild(entry.record, outs), entry
+
+    def _initialize_lazy(self, tree: Any) -> Any:
+        """A call over a lazy module's uninitialized parameters (LazyLinear sizes them at its first call;
+        the signature keys them without sizes): runs eagerly, which initializes them, with one warning.
+        Only on a cache miss: the next call's signature has their sizes."""
+        if not self._warned_lazy:
+            warnings.warn(f"aotfuse: {self.name} holds lazy modules whose parameters are not initialized yet: "
+                          f"this call runs eagerly and initializes them; later calls are compiled", stacklevel=5)
+            self._warned_lazy = True
+        args, kwargs = tree
+        self.last_entry = None
+        return self.fn(*args, **kwargs)
 
     @staticmethod
     def _rebuild(record: _Record, outs: Any) -> Any:
