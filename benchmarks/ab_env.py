@@ -42,11 +42,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=200, help="timed steps per side")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dropout", type=float, default=1e-8,
+                    help="every dropout probability of the config (default aotfuse.bench's 1e-8: drawn, nearly no effect)")
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="the model checkpoints each layer (gradient_checkpointing_enable, non-reentrant)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, inputs, desc = build_model(args.model, args.size, DTYPES[args.dtype], "cpu",
+    model, inputs, desc = build_model(args.model, args.size, DTYPES[args.dtype], "cpu", dropout=args.dropout,
                                       gradient_checkpointing=args.gradient_checkpointing)
     saved = os.environ.get(args.env)
     sides = {}
@@ -97,6 +99,7 @@ def main(argv: list[str] | None = None) -> None:
 
         peaks[side] = _cpu_peak(step)
     gc = ", gradient checkpointing" if args.gradient_checkpointing else ""
+    gc += f", dropout {args.dropout:g}"
     print(f"{desc}{gc} | {args.dtype} | torch {torch.__version__} | {args.repeats} steps a side, {args.threads} thread(s)")
     for side, value in (("A", args.a), ("B", args.b)):
         print(f"  {args.env}={value}: step median {statistics.median(times[side]) * 1e3:.3f} ms, peak "

@@ -3,7 +3,10 @@
 A stack of residual blocks x + gelu(layer_norm(linear(x))): the backward recomputes the residual
 stream from the saved linear outputs, a pointwise chain through every layer. Before kernels were
 bounded at 256 nodes (fuse.c, AF_GROUP_NODES_MAX) that chain was one kernel, and the code
-generators' per-kernel passes grow with its size squared.
+generators' per-kernel passes grow with its size squared. Since 2026-12-05 the default partition
+saves every other stream value (csrc/partition.c, ban_chained_materialized), so its kernels are small;
+`AOTFUSE_RECOMPUTE_CHAINS=1 python benchmarks/deep_chain.py` brings the chain back (the case the bound
+is for, with the old cut's memory); benchmarks/chain_models.py compares both cuts in one process.
 
 For each depth, in a fresh process with an empty kernel cache: the first training step (trace,
 partition, lowering, C compile, run), the seconds spent lowering (the C core's planning and code

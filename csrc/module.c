@@ -828,21 +828,24 @@ static PyObject *op_kind(PyObject *m, PyObject *arg) {
 }
 
 /* partition(graph, roles, num_fwd_outputs, min_cut=True, max_dist_from_bw=.., reduction_ratio=..,
- *           ban_materialized_bw=.., ban_chained_random=.., node_policy=None, memory_budget=1.0) -> dict(saved=[value ids], forward=[node idx], backward=[node idx in
+ *           ban_materialized_bw=.., ban_chained_random=.., ban_chained_materialized=..,
+ *           node_policy=None, memory_budget=1.0) -> dict(saved=[value ids], forward=[node idx], backward=[node idx in
  *           run order], recomputed=int, saved_bytes=int, cut_value=int) */
 static PyObject *partition(PyObject *m, PyObject *args, PyObject *kwds) {
     (void)m;
     static char *kwlist[] = {"graph", "roles", "num_fwd_outputs", "min_cut", "max_dist_from_bw", "reduction_ratio",
-                             "ban_materialized_bw", "ban_chained_random", "node_policy", "memory_budget", NULL};
+                             "ban_materialized_bw", "ban_chained_random", "ban_chained_materialized", "node_policy",
+                             "memory_budget", NULL};
     GraphObject *graph;
     Py_buffer roles, policy = {0};
     int nfwd, min_cut = 1;
     af_partition_options o = af_partition_default_options();
     long long max_dist = o.max_dist_from_bw;
     int ratio = o.reduction_ratio, ban_bw = o.ban_materialized_bw, ban_random = o.ban_chained_random;
+    int ban_chain = o.ban_chained_materialized;
     double budget = o.memory_budget;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!y*i|pLiipz*d", kwlist, &GraphType, &graph, &roles, &nfwd, &min_cut,
-                                     &max_dist, &ratio, &ban_bw, &ban_random, &policy, &budget))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!y*i|pLiiipz*d", kwlist, &GraphType, &graph, &roles, &nfwd, &min_cut,
+                                     &max_dist, &ratio, &ban_bw, &ban_random, &ban_chain, &policy, &budget))
         return NULL;
     PyObject *result = NULL;
     af_partition *p = NULL;
@@ -870,6 +873,7 @@ static PyObject *partition(PyObject *m, PyObject *args, PyObject *kwds) {
     o.reduction_ratio = ratio;
     o.ban_materialized_bw = ban_bw;
     o.ban_chained_random = ban_random;
+    o.ban_chained_materialized = ban_chain;
     int st = min_cut ? af_partition_min_cut(graph->g, roles.buf, nfwd, &o, &p)
                      : af_partition_default_policy(graph->g, roles.buf, nfwd, o.node_policy, &p);
     if (!st) st = af_partition_check(graph->g, roles.buf, nfwd, p);

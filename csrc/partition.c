@@ -25,6 +25,7 @@ typedef struct {
     uint8_t *tangent;     /* per value: depends on a tangent (must be computed in the backward) */
     uint8_t *bw_required; /* per value: tangent closure and backward outputs */
     int64_t *dist;        /* per value: distance from the backward along users */
+    uint8_t *mat_bw;      /* per value: the backward writes it out anyway (materialized_backward) */
 } joint_ctx;
 
 static void ctx_free(joint_ctx *c) {
@@ -38,6 +39,7 @@ static void ctx_free(joint_ctx *c) {
     free(c->tangent);
     free(c->bw_required);
     free(c->dist);
+    free(c->mat_bw);
 }
 
 static void count_arg_values(const af_arg *a, int32_t *n) {
@@ -65,6 +67,8 @@ static int kind_fusible(af_op_kind k) { return k == AF_KIND_POINTWISE || k == AF
 static int fusible(const joint_ctx *c, int32_t v, int32_t n) {
     return af_graph_value(c->g, v)->producer >= 0 && kind_fusible(value_kind(c, v)) && kind_fusible(node_kind(c, n));
 }
+
+static int materialized_backward(const joint_ctx *c, int32_t v, int32_t *stack, uint8_t *mark);
 
 static int ctx_build(joint_ctx *c, const af_graph *g, const uint8_t *roles, int32_t num_fwd_outputs) {
     memset(c, 0, sizeof *c);
@@ -152,7 +156,14 @@ static int ctx_build(joint_ctx *c, const af_graph *g, const uint8_t *roles, int3
         }
         c->dist[v] = d;
     }
-    return AF_OK;
+    c->mat_bw = calloc(nv, 1);
+    int32_t *stack = malloc(2 * nv * sizeof(int32_t));
+    uint8_t *mark = calloc(nv, 1);
+    int ok = c->mat_bw && stack && mark;
+    for (int32_t v = 0; ok && v < c->nv; v++) c->mat_bw[v] = (uint8_t)materialized_backward(c, v, stack, mark);
+    free(stack);
+    free(mark);
+    return ok ? AF_OK : af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
 }
 
 /* ---- min-cut heuristics ---- */
@@ -230,8 +241,30 @@ static void node_draws(const joint_ctx *c, int32_t n, int32_t *draws) {
     }
 }
 
-static int should_ban(const joint_ctx *c, const af_partition_options *o, int32_t v, int32_t *stack, uint8_t *mark,
-                      const int32_t *draws) {
+/* A value the backward writes out anyway (c->mat_bw), recomputed, is made where the backward first
+ * needs it and held until its own use. A recompute that needs another such value made first holds
+ * that one longer: a stack of residual blocks x' = x + gelu(norm(linear(x))), each x a linear
+ * layer's input, recomputed its whole stream from the saved linear outputs at the backward's start,
+ * every x' held from there until its own layer's weight gradient (24 layers of width 256 peaked at
+ * 60 MB, eager's 38); so did a post-norm model's norm outputs without dropout (Bert). chain[v]: the
+ * bytes of the largest such value a recompute of v makes, v itself included (0: none): the largest
+ * its recomputable producer's arguments make, none past a never-recomputed value. node_chained
+ * answers it for node n's arguments, in node order, before n's ban is decided. Under
+ * AF_BAN_MATERIALIZED_RANDOM with ban_chained_materialized, a value the backward writes out whose
+ * recompute would make another at least a quarter its size is saved: the stream is then saved every
+ * other layer, and each recompute makes one such value. A small one held longer costs little: GPT2's
+ * causal mask, which SDPA's backward reads, is still recomputed from the position ids the
+ * embedding's backward reads. */
+static int64_t node_chained(const joint_ctx *c, int32_t n, const int64_t *chain) {
+    if (!kind_fusible(node_kind(c, n))) return 0;
+    int64_t most = 0;
+    for (int32_t k = c->arg_start[n]; k < c->arg_start[n + 1]; k++)
+        if (chain[c->args_flat[k]] > most) most = chain[c->args_flat[k]];
+    return most;
+}
+
+static int should_ban(const joint_ctx *c, const af_partition_options *o, int32_t v, const int32_t *draws,
+                      int64_t chained) {
     int32_t p = af_graph_value(c->g, v)->producer;
     if (p < 0) return 1;
     af_op_kind kind = node_kind(c, p);
@@ -243,8 +276,10 @@ static int should_ban(const joint_ctx *c, const af_partition_options *o, int32_t
      * drawing random numbers again (a Threefry hash an element) saved, unless the option says always
      * or never. */
     int ban_bw = o->ban_materialized_bw == AF_BAN_MATERIALIZED_ALL ||
-                 (o->ban_materialized_bw == AF_BAN_MATERIALIZED_RANDOM && draws[2 * v] >= 0);
-    if (ban_bw && materialized_backward(c, v, stack, mark)) return 1;
+                 (o->ban_materialized_bw == AF_BAN_MATERIALIZED_RANDOM &&
+                  (draws[2 * v] >= 0 || (o->ban_chained_materialized && chained > 0 &&
+                                          chained * 4 >= af_tensor_meta_nbytes(&af_graph_value(c->g, v)->meta))));
+    if (ban_bw && c->mat_bw[v]) return 1;
     if (o->max_dist_from_bw > 0 && c->dist[v] > o->max_dist_from_bw && c->dist[v] < DIST_INF) return 1;
     if (o->reduction_ratio > 0) {
         int64_t in_bytes = 0;
@@ -502,6 +537,7 @@ done:
 af_partition_options af_partition_default_options(void) {
     af_partition_options o = {.max_dist_from_bw = 1000, .reduction_ratio = 4,
                               .ban_materialized_bw = AF_BAN_MATERIALIZED_RANDOM, .ban_chained_random = 1,
+                              .ban_chained_materialized = 1,
                               .memory_budget = 1.0};
     return o;
 }
@@ -567,7 +603,7 @@ done:
  * banned for its kind (compute, extern) may be recomputed after all (the memory budget's choice).
  * node_ban and draws are the caller's scratch (nn + 1 and 2 nv + 2 entries). */
 static int solve_cut(const joint_ctx *c, const af_partition_options *o, const uint8_t *lift, uint8_t *node_ban,
-                     int32_t *draws, uint8_t *side, uint8_t *stop, uint8_t *mark, int32_t *scratch,
+                     int32_t *draws, int64_t *chain, uint8_t *side, uint8_t *stop,
                      int64_t *cut_value) {
     const af_graph *g = c->g;
     int32_t nv = c->nv, source = 2 * nv, sink = 2 * nv + 1;
@@ -581,12 +617,18 @@ static int solve_cut(const joint_ctx *c, const af_partition_options *o, const ui
         const af_node *node = af_graph_node(g, n);
         uint8_t policy = o->node_policy ? o->node_policy[n] : AF_POLICY_NONE;
         node_draws(c, n, draws);
-        if (!node_fw_required(c, n) || policy == AF_POLICY_RECOMPUTE || (lift && lift[n])) continue;
-        if (policy == AF_POLICY_SAVE) node_ban[n] = 1;
-        for (int32_t k = 0; k < node->n_outputs && !node_ban[n]; k++)
-            node_ban[n] = (uint8_t)should_ban(c, o, node->first_output + k, scratch, mark, draws);
-        for (int32_t k = 0; node_ban[n] && k < node->n_outputs; k++) /* never drawn again through it */
-            draws[2 * (node->first_output + k)] = draws[2 * (node->first_output + k) + 1] = -1;
+        int64_t chained = node_chained(c, n, chain);
+        if (node_fw_required(c, n) && policy != AF_POLICY_RECOMPUTE && !(lift && lift[n])) {
+            if (policy == AF_POLICY_SAVE) node_ban[n] = 1;
+            for (int32_t k = 0; k < node->n_outputs && !node_ban[n]; k++)
+                node_ban[n] = (uint8_t)should_ban(c, o, node->first_output + k, draws, chained);
+        }
+        for (int32_t k = 0; k < node->n_outputs; k++) {
+            int32_t v = node->first_output + k;
+            int64_t own = c->mat_bw[v] ? af_tensor_meta_nbytes(&af_graph_value(g, v)->meta) : 0;
+            chain[v] = node_ban[n] ? 0 : chained > own ? chained : own;
+            if (node_ban[n]) draws[2 * v] = draws[2 * v + 1] = -1; /* never drawn again through it */
+        }
     }
     if ((st = af_flow_new(2 * nv + 2, &f))) return st;
 #define EDGE(a, b, w)                                        \
@@ -610,7 +652,7 @@ static int solve_cut(const joint_ctx *c, const af_partition_options *o, const ui
             EDGE(source, vin, AF_FLOW_INF);
         else if (role < 0 && node_ban[prod])
             EDGE(source, vin, AF_FLOW_INF);
-        int mat_bw = prod >= 0 && node_fw_required(c, prod) && materialized_backward(c, v, scratch, mark);
+        int mat_bw = prod >= 0 && node_fw_required(c, prod) && c->mat_bw[v];
         EDGE(vin, vout, save_weight(c, v, mat_bw));
         for (int32_t k = c->user_start[v]; k < c->user_start[v + 1]; k++) {
             const af_node *u = af_graph_node(g, c->users[k]);
@@ -707,8 +749,9 @@ static int by_cost(const void *a, const void *b) {
 
 /* The scratch one cut needs (solve_cut's arrays), allocated once for all the cuts of a call. */
 typedef struct {
-    uint8_t *node_ban, *side, *stop, *mark;
-    int32_t *draws, *scratch;
+    uint8_t *node_ban, *side, *stop;
+    int32_t *draws;
+    int64_t *chain;
 } cut_space;
 
 /* A whole partition for these lifted nodes (NULL: none): the cut, then the programs' split. */
@@ -716,7 +759,7 @@ static int cut_with(const joint_ctx *c, const af_partition_options *o, const uin
                     af_partition **out) {
     af_partition *p = NULL;
     int st = fresh(&p);
-    if (!st) st = solve_cut(c, o, lift, ws->node_ban, ws->draws, ws->side, ws->stop, ws->mark, ws->scratch, &p->cut_value);
+    if (!st) st = solve_cut(c, o, lift, ws->node_ban, ws->draws, ws->chain, ws->side, ws->stop, &p->cut_value);
     if (!st) st = finish(c, ws->stop, p);
     if (st) af_partition_free(p);
     else *out = p;
@@ -750,11 +793,10 @@ int af_partition_min_cut(const af_graph *g, const uint8_t *roles, int32_t num_fw
     int32_t nv = c.nv;
     ws.side = calloc((size_t)2 * nv + 2, 1);
     ws.stop = calloc((size_t)nv + 1, 1);
-    ws.mark = calloc((size_t)nv + 1, 1);
-    ws.scratch = malloc(((size_t)2 * nv + 2) * sizeof(int32_t));
+    ws.chain = calloc((size_t)nv + 1, sizeof(int64_t));
     ws.node_ban = calloc((size_t)c.nn + 1, 1);
     ws.draws = malloc(((size_t)2 * nv + 2) * sizeof(int32_t));
-    if (!ws.side || !ws.stop || !ws.mark || !ws.scratch || !ws.node_ban || !ws.draws) {
+    if (!ws.side || !ws.stop || !ws.chain || !ws.node_ban || !ws.draws) {
         st = af_error_set(AF_ERR_NOMEM, "out of memory partitioning");
         goto done;
     }
@@ -807,8 +849,7 @@ int af_partition_min_cut(const af_graph *g, const uint8_t *roles, int32_t num_fw
 done:
     free(ws.side);
     free(ws.stop);
-    free(ws.mark);
-    free(ws.scratch);
+    free(ws.chain);
     free(ws.node_ban);
     free(ws.draws);
     free(lift);

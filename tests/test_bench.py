@@ -288,3 +288,42 @@ def test_deep_chain_reports_each_depth(tmp_path):
     for r in rows:
         first, lowering, largest = float(r[1]), float(r[2]), int(r[3])
         assert 0 < lowering < first and 0 < largest <= 256, r
+
+
+def test_cpu_peak_does_not_depend_on_what_was_profiled_before():
+    """The profiler reports the free of a block allocated before any profiling began without its
+    size, and one allocated under an earlier profile with it: a step that frees the last step's
+    gradients, then allocates, measured 4 MB or 0 by whether that last step ran under the profiler.
+    Now the running total never goes below zero: 4 MB beyond the base either way."""
+    mb4 = 1 << 20  # float32 elements
+
+    def step(holder):
+        holder[0] = None  # frees the previous step's tensor (4 MB)
+        holder[0] = torch.ones(mb4)  # allocates a new one (4 MB)
+
+    for profiled_before in (False, True):
+        holder = [None]
+        if profiled_before:
+            bench._cpu_peak(lambda: step(holder))  # holder[0] allocated under a profile
+        else:
+            step(holder)
+        assert bench._cpu_peak(lambda: step(holder)) == 4 * mb4, profiled_before
+
+
+def test_chain_models_compares_both_cuts_with_eager(capsys):
+    """benchmarks/chain_models.py: eager, aotfuse and AOTFUSE_RECOMPUTE_CHAINS=1 side by side, one row
+    per model with steps, peaks and ratios; the variable put back after."""
+    spec = importlib.util.spec_from_file_location("chain_models", ROOT / "benchmarks" / "chain_models.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    before = os.environ.get("AOTFUSE_RECOMPUTE_CHAINS")
+    mod.main(["--models", "stack,bert", "--layers", "4", "--steps", "2"])
+    assert os.environ.get("AOTFUSE_RECOMPUTE_CHAINS") == before
+    rows = {r[0]: r for r in _table_rows(capsys.readouterr().out)}
+    assert set(rows) == {"stack", "bert"}, rows
+    for r in rows.values():
+        values = [float(c) for c in r[1:]]
+        assert len(values) == 8 and all(v > 0 for v in values), r
+        assert abs(values[6] - values[4] / values[3]) < 2e-3 and abs(values[7] - values[5] / values[3]) < 2e-3, r
+    stack = [float(c) for c in rows["stack"][1:]]
+    assert stack[4] < stack[5], rows["stack"]  # 4 layers: a chain the default cut saves in part

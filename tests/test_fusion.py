@@ -2368,14 +2368,16 @@ def test_layers_whose_guards_are_chosen_after_their_loads_share_a_body(tmp_path,
     assert_close(lowered([x, *ws])[0], fn(x, *ws), "padded layers", atol=1e-5, rtol=1e-5)
 
 
-def test_a_long_pointwise_chain_makes_kernels_of_bounded_size():
+def test_a_long_pointwise_chain_makes_kernels_of_bounded_size(monkeypatch):
     """A residual stream with nothing between its layers but pointwise work (each layer's matmul output
     saved, the stream recomputed for the backward's weight gradients) made one kernel of every layer's
     nodes: 421 nodes at 25 layers, about 1700 at 100, and the code generators' per-kernel passes grow
     with a kernel's size squared (a 100-layer model's first step took 116 s, 104 of it lowering:
     benchmarks/deep_chain.py).
     Groups now stop taking nodes at 256 (the seed models' largest kernels hold 28): values and
-    gradients as eager's."""
+    gradients as eager's. The default partition now saves every other stream value
+    (ban_chained_materialized); AOTFUSE_RECOMPUTE_CHAINS=1 keeps the cut that recomputes the chain."""
+    monkeypatch.setenv("AOTFUSE_RECOMPUTE_CHAINS", "1")
     class Block(nn.Module):
         def __init__(self):
             super().__init__()

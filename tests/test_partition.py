@@ -1,6 +1,7 @@
 """The C core's partitioners against torch's, on the same joint graphs: saved bytes no more
 than torch's min-cut, gradients equal to eager (through torch's aot_function and ours)."""
 import copy
+import re
 
 import pytest
 import torch
@@ -220,6 +221,51 @@ def test_a_gelus_output_is_recomputed_in_its_gradients_kernel(monkeypatch):
     for fallback in ("eager", "error"):  # a setting it cannot take is an error, not a reason to fall back
         with pytest.raises(aotfuse.config.ConfigError, match="AOTFUSE_RECOMPUTE_MATERIALIZED must be auto, 0 or 1"):
             aotfuse.memory_efficient_fusion(copy.deepcopy(model), fallback=fallback)(x)
+
+
+class _ResidualBlock(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.lin, self.norm = nn.Linear(width, width), nn.LayerNorm(width)
+
+    def forward(self, x):
+        return x + torch.nn.functional.gelu(self.norm(self.lin(x)))
+
+
+def test_a_residual_stream_is_not_rebuilt_whole_at_the_backwards_start(monkeypatch):
+    """Blocks x + gelu(norm(linear(x))), no dropout: every stream value is a linear layer's input,
+    written out by the backward anyway for its weight gradient. Recomputing the last one needs all
+    before it, so the min cut that saved only the linear outputs rebuilt the whole stream at the
+    backward's start and held each value until its own layer's gradient: the step peaked above
+    eager's (AOTFUSE_RECOMPUTE_CHAINS=1 keeps that cut). By default a recompute makes one stream value:
+    every other one is saved, and the peak is below eager's; eager's gradients either way."""
+    from aotfuse.bench import _cpu_peak
+
+    torch.manual_seed(0)
+    layers, width = 12, 128
+    model = nn.Sequential(*[_ResidualBlock(width) for _ in range(layers)])
+    x = torch.randn(256, width)
+
+    def step(m):
+        for p in m.parameters():
+            p.grad = None
+        m(x).sum().backward()
+
+    peaks, saved_streams = {}, {}
+    for mode in ("eager", "0", "1"):
+        if mode == "eager":
+            m = copy.deepcopy(model)
+        else:
+            monkeypatch.setenv("AOTFUSE_RECOMPUTE_CHAINS", mode)
+            # one step: the sum's gradients (up to ~500) at SGD's lr 0.1 make a second step chaotic,
+            # eager's own float32 rounding then as far from float64's as aotfuse's from eager's
+            m = check_module(copy.deepcopy(model), x)
+            report = aotfuse.explain(m, x)
+            saved_streams[mode] = [s[0] for s in report.saved if re.fullmatch(r"add(_\d+)?", s[0])]
+        step(m)
+        peaks[mode] = _cpu_peak(lambda: step(m))
+    assert len(saved_streams["0"]) == layers // 2 - 1 and not saved_streams["1"], saved_streams
+    assert peaks["0"] < peaks["eager"] < peaks["1"], peaks
 
 
 def test_default_partition_never_reruns_a_forward_node():

@@ -58,6 +58,11 @@ typedef struct {
                                      the cut prefers (AF_BAN_MATERIALIZED_NONE) */
     int32_t ban_chained_random;   /* ban recomputing values that need two or more random nodes
                                      (aotfuse::rng_uniform) recomputed with them (1) */
+    int32_t ban_chained_materialized; /* under AF_BAN_MATERIALIZED_RANDOM, also ban recomputing a
+                                     value the backward materializes anyway whose recompute would
+                                     make another such value, at least a quarter its size, first
+                                     (1: a residual stream of pointwise adds is saved every other
+                                     layer, not rebuilt whole at the backward's start) */
     const uint8_t *node_policy;   /* NULL, or one af_node_policy per node (activation checkpointing) */
     double memory_budget;         /* 1 (default): the cut above. Below 1, compute nodes (matmuls,
                                      convolutions, attention; not ones marked to save) may be

@@ -41,6 +41,10 @@ AOTFUSE_RECOMPUTE_MATERIALIZED=auto  values the backward writes out anyway (a ma
                        GELU's output, a norm's) recomputed by the min cut where they draw no random
                        numbers (auto, default); 0 never (functorch's rule: saved); 1 wherever the
                        cut prefers
+AOTFUSE_RECOMPUTE_CHAINS=1  under AOTFUSE_RECOMPUTE_MATERIALIZED=auto, also recompute such a value
+                       where that makes another one first (default 0: saved; a residual stream of
+                       pointwise adds is then saved every other layer, not rebuilt whole at the
+                       backward's start)
 
 The README's Configuration table lists every switch, these and the lowering's own
 (AOTFUSE_DECOMPOSE_LOSS, AOTFUSE_DECOMPOSE_NORMS, AOTFUSE_SINK_COPIES, AOTFUSE_SINK_READS,
@@ -194,6 +198,12 @@ def sink_broadcasts() -> bool:
 
 def window_sources() -> bool:
     return switch("AOTFUSE_WINDOW_SOURCES", True)
+
+
+def recompute_chains() -> bool:
+    """AOTFUSE_RECOMPUTE_CHAINS=1: the min cut may recompute a value the backward writes out anyway
+    by making another such value first (default 0: such a value is saved)."""
+    return switch("AOTFUSE_RECOMPUTE_CHAINS", False)
 
 
 def merge_kernels() -> bool:

@@ -471,6 +471,69 @@ static void test_materialized_values_are_recomputed_unless_they_draw(void **stat
     af_graph_free(g);
 }
 
+/* A residual stream of pointwise adds, x_i = x_{i-1} + exp(mm(x_{i-1}, w_i)), each x_i read by the
+ * next layer's weight gradient mm(t, x_i): the backward writes every x out anyway. Recomputing x_3
+ * needs x_2, and x_2 needs x_1: without ban_chained_materialized the min cut saves the mm outputs
+ * only and the backward rebuilds the whole stream before the last layer's gradient, holding x_1 from
+ * there on. With it (the default) a recompute makes no x but its own: x_2 is saved, x_1 and x_3 are
+ * recomputed, each from a saved or input value. With x_0 a sixteenth of the others' size (s0 = 4),
+ * x_1 made first for x_2 costs little: only x_3 is saved. */
+static void test_chained_materialized_values_are_saved(void **state) {
+    (void)state;
+    assert_int_equal(af_partition_default_options().ban_chained_materialized, 1);
+    enum { L = 4 };
+    for (int variant = 0; variant < 3; variant++) {
+        int ban = variant > 0, s0 = variant == 2 ? 4 : 64; /* x_1 and the rest: s0 elements, then 64 */
+        af_graph *g = NULL;
+        assert_int_equal(af_graph_new(&g), AF_OK);
+        int32_t x[L + 1], h[L + 1], w[L + 1];
+        x[0] = input(g, "x", s0);
+        for (int i = 1; i <= L; i++) w[i] = input(g, "w", i == 1 ? s0 : 64);
+        int32_t t = input(g, "t", 64);
+        for (int i = 1; i <= L; i++) {
+            int64_t n = i == 1 ? s0 : 64;
+            h[i] = add(g, "aten::mm.default", x[i - 1], w[i], n);
+            x[i] = add(g, "aten::add.Tensor", x[i - 1], add(g, "aten::exp.default", h[i], -1, n), n);
+        }
+        int32_t outs[2 * L + 1], n_out = 0;
+        outs[n_out++] = x[L];
+        for (int i = L; i >= 1; i--) {
+            int64_t n = i == 1 ? s0 : 64;
+            outs[n_out++] = add(g, "aten::mm.default", t, x[i - 1], n); /* w_i's gradient */
+            outs[n_out++] = add(g, "aten::mul.Tensor", t, add(g, "aten::exp.default", h[i], -1, n), n);
+        }
+        assert_int_equal(af_graph_set_outputs(g, outs, n_out), AF_OK);
+        uint8_t roles[L + 2];
+        roles[0] = AF_ROLE_PRIMAL;
+        for (int i = 1; i <= L; i++) roles[i] = AF_ROLE_PARAM;
+        roles[L + 1] = AF_ROLE_TANGENT;
+        af_partition_options o = af_partition_default_options();
+        o.ban_chained_materialized = ban;
+        af_partition *p = NULL;
+        assert_int_equal(af_partition_min_cut(g, roles, 1, &o, &p), AF_OK);
+        check_partition(g, roles, 1, p);
+        int saved[L + 1] = {0}, run = 0, longest = 0; /* the most x's one recompute makes */
+        for (int32_t k = 0; k < p->n_saved; k++)
+            for (int i = 1; i < L; i++) saved[i] |= p->saved[k] == x[i];
+        for (int i = 1; i < L; i++) {
+            run = p->in_backward[af_graph_value(g, x[i])->producer] ? run + 1 : 0;
+            if (run > longest) longest = run;
+        }
+        if (variant == 1) {
+            assert_int_equal(longest, 1); /* its own x only */
+            for (int i = 1; i < L; i++) assert_int_equal(saved[i], i == 2);
+        } else if (variant == 2) {
+            assert_int_equal(longest, 2); /* x_2's recompute makes the small x_1 */
+            for (int i = 1; i < L; i++) assert_int_equal(saved[i], i == 3);
+        } else {
+            assert_int_equal(longest, L - 1); /* the failure the ban prevents: the whole stream */
+            assert_true(!saved[1] && !saved[2] && !saved[3]);
+        }
+        af_partition_free(p);
+        af_graph_free(g);
+    }
+}
+
 static int32_t position(const af_partition *p, const af_graph *g, int32_t value) {
     int32_t node = af_graph_value(g, value)->producer;
     for (int32_t i = 0; i < p->n_backward_order; i++)
@@ -577,6 +640,7 @@ int main(void) {
         cmocka_unit_test(test_values_after_a_saved_chain_are_still_recomputed),
         cmocka_unit_test(test_multi_output_compute_node_is_not_rerun),
         cmocka_unit_test(test_materialized_values_are_recomputed_unless_they_draw),
+        cmocka_unit_test(test_chained_materialized_values_are_saved),
         cmocka_unit_test(test_matmuls_sink_past_pointwise_work),
         cmocka_unit_test(test_matmuls_sink_past_work_sharing_a_saved_value),
         cmocka_unit_test(test_node_policy_checkpointed_region),
