@@ -5,8 +5,11 @@ shape family, after two other shapes)
 gates and grouped-query attention (Llama, Qwen2), an encoder-decoder with relative position
 buckets (T5), a vision transformer (ViT), a convolutional network with batch norms (ResNet),
 ConvBERT (span-based dynamic convolutions: a softmax over the kernel's 9 taps, [rows, 9, 1]), Bert
-with transformers' default attention (SDPA), and DeBERTa-v2 (disentangled attention; its scale is
-a tensor built in the forward, a constant in both graphs)."""
+with transformers' default attention (SDPA), DeBERTa-v2 (disentangled attention; its scale is
+a tensor built in the forward, a constant in both graphs), GPT-NeoX (rotary on half of each head,
+parallel residual), MobileBERT (bottlenecks, its NoNorm, stacked feed-forwards), Swin (shifted
+windows: rolls, window partitions, a relative position bias table) and ConvNeXt (depthwise
+convolutions, a layer norm over channels-last activations, layer scale)."""
 from __future__ import annotations
 
 import pytest
@@ -58,7 +61,24 @@ MODELS = {
     "deberta-v2": (lambda: transformers.DebertaV2ForMaskedLM(transformers.DebertaV2Config(
         vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=64)), _masked),
+    "gpt-neox": (lambda: transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64, rotary_pct=0.5, hidden_dropout=0.0, attention_dropout=0.0)), _masked),
+    "mobilebert": (lambda: transformers.MobileBertForMaskedLM(transformers.MobileBertConfig(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        embedding_size=16, intra_bottleneck_size=16, true_hidden_size=16, num_feedforward_networks=2,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)), _masked),
+    "swin": (lambda: transformers.SwinForImageClassification(transformers.SwinConfig(
+        image_size=16, patch_size=2, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=2, num_labels=3,
+        drop_path_rate=0.0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+        lambda: dict(pixel_values=torch.randn(B, 3, 16, 16, generator=torch.Generator().manual_seed(2)),
+                     labels=torch.tensor([0, 2]))),
+    "convnext": (lambda: transformers.ConvNextForImageClassification(transformers.ConvNextConfig(
+        num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=3, image_size=32)),
+        lambda: dict(pixel_values=torch.randn(B, 3, 32, 32, generator=torch.Generator().manual_seed(2)),
+                     labels=torch.tensor([0, 2]))),
 }
+VISION = {"vit": 16, "resnet": 32, "swin": 16, "convnext": 32}  # image side
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -79,8 +99,8 @@ def _shaped(name: str, n: int) -> dict:
     """Inputs of the model's kind at another size: sequence length n (T5: its labels too), or a
     batch of n images (ViT, ResNet); every tensor its own (as compare_models passes them)."""
     g = torch.Generator().manual_seed(n)
-    if name in ("vit", "resnet"):
-        side = 16 if name == "vit" else 32
+    if name in VISION:
+        side = VISION[name]
         return dict(pixel_values=torch.randn(n, 3, side, side, generator=g), labels=torch.randint(0, 3, (n,), generator=g))
     ids = torch.randint(3, V, (B, n), generator=g)
     if name == "t5":
@@ -96,7 +116,7 @@ def test_model_trains_like_eager_at_a_shape_of_its_family(name, dtype):
     """Shape families (aotfuse/shapes.py): trained at two other sizes first (the second makes the
     family), the model's own inputs then run programs made from the family's graphs, no trace."""
     build, inputs = MODELS[name]
-    sizes = (3, 5) if name in ("vit", "resnet") else (12, 20)
+    sizes = (3, 5) if name in VISION else (12, 20)
     holder = []
 
     def make():
