@@ -601,7 +601,7 @@ done:
 
 /* One min cut: the values to save (stop) for these bans. lift: NULL, or per node 1 where a node
  * banned for its kind (compute, extern) may be recomputed after all (the memory budget's choice).
- * node_ban and draws are the caller's scratch (nn + 1 and 2 nv + 2 entries). */
+ * node_ban, draws and chain are the caller's scratch (nn + 1, 2 nv + 2 and nv + 1 entries). */
 static int solve_cut(const joint_ctx *c, const af_partition_options *o, const uint8_t *lift, uint8_t *node_ban,
                      int32_t *draws, int64_t *chain, uint8_t *side, uint8_t *stop,
                      int64_t *cut_value) {
