@@ -3,6 +3,8 @@ pointwise primitives plus reductions (so that later stages can fuse them) and wh
 from __future__ import annotations
 
 import contextlib
+import threading
+from typing import Any
 
 import torch
 from torch._decomp import get_decompositions
@@ -316,6 +318,37 @@ def _multilabel_margin_loss_forward(input: torch.Tensor, target: torch.Tensor, r
     return loss, is_target.to(input.dtype).reshape(target.shape)
 
 
+_EMBEDDING_BAGS = (aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+_in_bag_fix = threading.local()
+
+
+def _embedding_bag_fake(fake_mode: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+    """FakeTensor's _embedding_bag (and _embedding_bag_forward_only) with a bfloat16 table on the CPU's
+    fast path: ATen's CPU kernel sums its bags by index_select_add, as float's and half's, and leaves
+    offset2bag empty, where torch's meta function (torch 2.13) counts only float and half as fast and
+    gives offset2bag an entry per index. The traced forward held the kernel's empty offset2bag to that
+    size: a bfloat16 EmbeddingBag(mode="sum") with a gradient failed at its first run. The meta's
+    outputs, offset2bag empty."""
+    names = ("weight", "indices", "offsets", "scale_grad_by_freq", "mode", "sparse", "per_sample_weights",
+             "include_last_offset", "padding_idx")
+    a = {"scale_grad_by_freq": False, "mode": 0, "sparse": False, "per_sample_weights": None,
+         "include_last_offset": False, "padding_idx": -1}
+    a.update(zip(names, args))
+    a.update(kwargs)
+    weight, offsets, psw = a["weight"], a["offsets"], a["per_sample_weights"]
+    if getattr(_in_bag_fix, "active", False) or not (
+            weight.dtype == torch.bfloat16 and offsets.device.type == "cpu" and a["mode"] == 0
+            and a["padding_idx"] < 0 and weight.stride(1) == 1 and (psw is None or psw.stride(0) == 1)):
+        return NotImplemented
+    _in_bag_fix.active = True
+    try:
+        with fake_mode:
+            out = func(*args, **kwargs)
+            return (out[0], offsets.new_empty(0), *out[2:]) if out[0].stride(1) == 1 else out
+    finally:
+        _in_bag_fix.active = False
+
+
 _UPSTREAM_FIXES = ((aten.multilabel_margin_loss_forward.default, torch._C.DispatchKey.Autograd,
                     _multilabel_margin_loss_forward),)
 
@@ -323,18 +356,31 @@ _UPSTREAM_FIXES = ((aten.multilabel_margin_loss_forward.default, torch._C.Dispat
 @contextlib.contextmanager
 def upstream_fixes():
     """While aotfuse traces (memory_efficient_fusion's passes, a Dynamo graph's aot_module_simplified):
-    torch's Python kernels that give wrong values replaced by aotfuse's own (_UPSTREAM_FIXES), put
-    back afterwards. Tracing holds aotfuse's compile lock; a trace elsewhere meanwhile (another
+    torch's Python kernels that give wrong values replaced by aotfuse's own (_UPSTREAM_FIXES), and
+    FakeTensor's _embedding_bag corrected (_embedding_bag_fake), put back afterwards. Tracing holds aotfuse's compile lock; a trace elsewhere meanwhile (another
     thread's torch.compile) would take the fixed kernel too."""
+    from torch._subclasses import fake_impls
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def forget_bags() -> None:  # FakeTensor's results cache, shared by every trace: none made without the fix
+        for k in [k for k in FakeTensorMode.cache if k.key and k.key[0] in _EMBEDDING_BAGS]:
+            FakeTensorMode.cache.pop(k, None)
+
     saved = []
+    bag_check = (lambda func: func in _EMBEDDING_BAGS, _embedding_bag_fake)
+    forget_bags()
     try:
         for op, key, fn in _UPSTREAM_FIXES:
             if key in op.py_kernels:
                 saved.append((op, key, op.py_kernels[key]))
                 op.py_kernels[key] = fn
                 op._dispatch_cache.clear()
+        fake_impls.op_implementations_checks.insert(0, bag_check)
         yield
     finally:
+        if bag_check in fake_impls.op_implementations_checks:
+            fake_impls.op_implementations_checks.remove(bag_check)
+        forget_bags()
         for op, key, fn in saved:
             op.py_kernels[key] = fn
             op._dispatch_cache.clear()
