@@ -611,6 +611,34 @@ def _warn_transform(name: str) -> None:
                       f"uncompiled there, as the original function", stacklevel=4)
 
 
+def _self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of t share memory (an unfold's windows), from its sizes and strides; False
+    where they are symbolic (a shape family's trace). Expanded (stride 0) dimensions aside: AOTAutograd's
+    gradient through an expanded view is right, and cloning it would cost its whole size."""
+    sizes, strides = tuple(t.shape), t.stride()
+    if not all(type(v) is int for v in sizes + tuple(strides)):  # int() of a SymInt would pin the family's size
+        return False
+    dims = sorted((st, sz) for sz, st in zip(sizes, strides) if sz > 1 and st != 0)
+    extent = 1  # elements the inner dimensions span
+    for stride, size in dims:
+        if stride < extent:
+            return True
+        extent += stride * (size - 1)
+    return False
+
+
+def _own_if_overlapping(out: torch.Tensor, inputs: tuple) -> torch.Tensor:
+    """An output that is a self-overlapping view of an intermediate (`(x * 2).unfold(0, 3, 1)`), as a
+    tensor of its own. AOTAutograd returns such an output as its base's view, made again outside the
+    compiled function, and the input's gradient through it came out wrong, without an error (torch
+    2.13; torch.compile's Inductor and aot_eager too: 7.0 off on a 5 x 4 input). A view of an input
+    keeps its aliasing (its gradient is right)."""
+    base = out._base
+    if base is None or any(base is t for t in inputs) or not _self_overlapping(out):
+        return out
+    return out.clone()
+
+
 class CompiledFunction:
     """What aot_function returns: call it like the original function."""
 
@@ -853,7 +881,7 @@ class CompiledFunction:
             out_leaves, out_spec = tree_flatten(out, objects=True)
             record.out_spec = out_spec
             record.out_consts = [None if isinstance(x, torch.Tensor) else (x,) for x in out_leaves]
-            return tuple(x for x in out_leaves if isinstance(x, torch.Tensor))
+            return tuple(_own_if_overlapping(x, tensors) for x in out_leaves if isinstance(x, torch.Tensor))
 
         ours = functools.partial(_compile_with_core, record)
         traced_fn = [flat_fn]  # the first run may swap in a graph of it with attention fused

@@ -130,6 +130,35 @@ def _has_active_dropout(gm: torch.fx.GraphModule) -> bool:
     return False
 
 
+def _own_overlapping_outputs(gm: torch.fx.GraphModule) -> None:
+    """Dynamo's graph with each output that is a self-overlapping view of an intermediate cloned, as
+    memory_efficient_fusion's traced function does (compile._own_if_overlapping: AOTAutograd's input
+    gradient through such an output came out wrong, Inductor's too)."""
+    from .compile import _self_overlapping
+
+    def value(node: Any) -> Any:
+        return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
+
+    inputs = [value(n) for n in gm.graph.find_nodes(op="placeholder")]
+    out = next(iter(reversed(gm.graph.nodes)))
+    changed = False
+
+    def own(arg: Any) -> Any:
+        nonlocal changed
+        v = value(arg)
+        if (not isinstance(v, torch.Tensor) or v._base is None or any(v._base is t for t in inputs)
+                or not _self_overlapping(v)):
+            return arg
+        with gm.graph.inserting_before(out):
+            copy = gm.graph.call_method("clone", (arg,))
+        changed = True
+        return copy
+
+    out.args = torch.fx.node.map_arg(out.args, own)
+    if changed:
+        gm.recompile()
+
+
 def _attention_as_sdpa(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[torch.fx.GraphModule, list | None]:
     """gm with its eager attention chains as scaled_dot_product_attention (attention.py), traced at the
     pre-dispatch level, or gm as it is. As memory_efficient_fusion: on CUDA, and on the CPU without
@@ -207,6 +236,7 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
     partition_kw = _backend_options(mode, options)
     if config.disabled():
         return gm.forward
+    _own_overlapping_outputs(gm)
     symbolic = _symbolic(example_inputs)
     if symbolic and (config.dynamic() == "0" or _scalar_inputs(gm)):
         return _per_shape(gm, example_inputs, collect, options)
