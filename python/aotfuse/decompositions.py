@@ -357,14 +357,16 @@ _UPSTREAM_FIXES = ((aten.multilabel_margin_loss_forward.default, torch._C.Dispat
 def upstream_fixes():
     """While aotfuse traces (memory_efficient_fusion's passes, a Dynamo graph's aot_module_simplified):
     torch's Python kernels that give wrong values replaced by aotfuse's own (_UPSTREAM_FIXES), and
-    FakeTensor's _embedding_bag corrected (_embedding_bag_fake), put back afterwards. Tracing holds aotfuse's compile lock; a trace elsewhere meanwhile (another
-    thread's torch.compile) would take the fixed kernel too."""
+    FakeTensor's _embedding_bag corrected (_embedding_bag_fake), put back afterwards. Tracing holds
+    aotfuse's compile lock; a trace elsewhere meanwhile (another thread's torch.compile) would take the
+    fixed kernel too."""
     from torch._subclasses import fake_impls
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     def forget_bags() -> None:  # FakeTensor's results cache, shared by every trace: none made without the fix
-        for k in [k for k in FakeTensorMode.cache if k.key and k.key[0] in _EMBEDDING_BAGS]:
-            FakeTensorMode.cache.pop(k, None)
+        cache = getattr(FakeTensorMode, "cache", {})
+        for k in [k for k in cache if getattr(k, "key", None) and k.key[0] in _EMBEDDING_BAGS]:
+            cache.pop(k, None)
 
     saved = []
     bag_check = (lambda func: func in _EMBEDDING_BAGS, _embedding_bag_fake)
