@@ -18,7 +18,7 @@ import sys
 import threading
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -627,16 +627,19 @@ def _self_overlapping(t: torch.Tensor) -> bool:
     return False
 
 
+def _overlapping_view_of_intermediate(out: Any, inputs: Sequence[Any]) -> bool:
+    """Whether out is a self-overlapping view of an intermediate (`(x * 2).unfold(0, 3, 1)`): AOTAutograd
+    returns such an output as its base's view, made again outside the compiled function, and the
+    input's gradient through it came out wrong, without an error (torch 2.13; torch.compile's Inductor
+    and aot_eager too: 7.0 off on a 5 x 4 input). A view of an input keeps its aliasing (its gradient
+    is right)."""
+    return (isinstance(out, torch.Tensor) and out._base is not None and not any(out._base is t for t in inputs)
+            and _self_overlapping(out))
+
+
 def _own_if_overlapping(out: torch.Tensor, inputs: tuple) -> torch.Tensor:
-    """An output that is a self-overlapping view of an intermediate (`(x * 2).unfold(0, 3, 1)`), as a
-    tensor of its own. AOTAutograd returns such an output as its base's view, made again outside the
-    compiled function, and the input's gradient through it came out wrong, without an error (torch
-    2.13; torch.compile's Inductor and aot_eager too: 7.0 off on a 5 x 4 input). A view of an input
-    keeps its aliasing (its gradient is right)."""
-    base = out._base
-    if base is None or any(base is t for t in inputs) or not _self_overlapping(out):
-        return out
-    return out.clone()
+    """out, or a tensor of its own where it is a self-overlapping view of an intermediate."""
+    return out.clone() if _overlapping_view_of_intermediate(out, inputs) else out
 
 
 class CompiledFunction:

@@ -134,20 +134,18 @@ def _own_overlapping_outputs(gm: torch.fx.GraphModule) -> None:
     """Dynamo's graph with each output that is a self-overlapping view of an intermediate cloned, as
     memory_efficient_fusion's traced function does (compile._own_if_overlapping: AOTAutograd's input
     gradient through such an output came out wrong, Inductor's too)."""
-    from .compile import _self_overlapping
+    from .compile import _overlapping_view_of_intermediate
 
     def value(node: Any) -> Any:
         return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
 
     inputs = [value(n) for n in gm.graph.find_nodes(op="placeholder")]
-    out = next(iter(reversed(gm.graph.nodes)))
+    out = gm.graph.output_node()
     changed = False
 
     def own(arg: Any) -> Any:
         nonlocal changed
-        v = value(arg)
-        if (not isinstance(v, torch.Tensor) or v._base is None or any(v._base is t for t in inputs)
-                or not _self_overlapping(v)):
+        if not _overlapping_view_of_intermediate(value(arg), inputs):
             return arg
         with gm.graph.inserting_before(out):
             copy = gm.graph.call_method("clone", (arg,))
