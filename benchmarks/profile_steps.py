@@ -1,6 +1,7 @@
 """Where a compiled training step spends its host time, step by step (the C runtime's profiler).
 
     python benchmarks/profile_steps.py [--model BertForMaskedLM] [--size reduced] [--dtype fp32] [--steps 5] [--phases]
+    python benchmarks/profile_steps.py --family convnext  # a model of benchmarks/families.py
 
 Longformer (whose `.item()` needs a graph break) runs as `torch.compile(model, backend="aotfuse")`, as the
 seed benchmark's fallback does, and every Dynamo graph's programs are profiled (stages g<k> forward/backward).
@@ -16,6 +17,7 @@ import argparse
 import copy
 import functools
 import itertools
+import os
 import statistics
 import sys
 import time
@@ -23,6 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, "python")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # families.py
 
 import aotfuse  # noqa: E402
 from aotfuse.bench import DTYPES, MODELS, build_model  # noqa: E402
@@ -39,6 +42,9 @@ def _step(call, opt, inputs, device="cpu"):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="BertForMaskedLM", choices=MODELS)
+    ap.add_argument("--family", default=None,
+                    help="profile one of benchmarks/families.py's models (llama, convnext, ...) instead of --model, "
+                         "at that benchmark's size (--size ignored)")
     ap.add_argument("--size", default="reduced", choices=("seed", "reduced", "tiny", "host"))
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     ap.add_argument("--steps", type=int, default=5)
@@ -53,9 +59,17 @@ def main(argv=None) -> None:
                          "(CUDA; on the CPU the top ops by self CPU time): where the GPU time goes")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    model, inputs, desc = build_model(a.model, a.size, DTYPES[a.dtype], a.device)
+    if a.family:
+        import families
+
+        model, inputs = families.build(a.family, DTYPES[a.dtype])
+        model, inputs = model.to(a.device), {k: v.to(a.device) for k, v in inputs.items()}
+        desc = f"{a.family} (benchmarks/families.py's size), {sum(p.numel() for p in model.parameters())} parameters"
+        dynamo = families.FALLBACK.get(a.family) == "dynamo"
+    else:
+        model, inputs, desc = build_model(a.model, a.size, DTYPES[a.dtype], a.device)
+        dynamo = a.model.startswith("Longformer")
     eager = copy.deepcopy(model)
-    dynamo = a.model.startswith("Longformer")
     lowered: list = []
     if dynamo:
         from aotfuse.dynamo import aotfuse_backend

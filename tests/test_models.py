@@ -263,7 +263,7 @@ def test_graph_with_tensor_constants():
 class RNNs(nn.Module):
     """torch's LSTM/GRU decompositions choose oneDNN's mkldnn_rnn_layer on a CPU when oneDNN is on;
     its inference-mode workspace is None at run time though the traced graph expects a tensor, so
-    capture traces with oneDNN off: matmuls and pointwise ops, fused."""
+    capture traces the plain decomposition (oneDNN stays on): matmuls and pointwise ops, fused."""
 
     def __init__(self, kind: str, **kw):
         super().__init__()
@@ -281,6 +281,48 @@ class RNNs(nn.Module):
 def test_recurrent_layers_train_like_eager(kind, kw):
     torch.manual_seed(0)
     compiled = check_module(RNNs(kind, **kw), torch.randn(3, 7, 6), steps=2)
-    assert torch.backends.mkldnn.enabled  # only the capture ran without oneDNN
+    assert torch.backends.mkldnn.enabled
     assert not any("mkldnn" in op for low in compiled._aotfuse_compiled.records[0].programs.values()
                    for op, _k, _g in low.program.node_groups()), "an oneDNN RNN call in the captured programs"
+
+
+class DepthwiseBlock(nn.Module):
+    """ConvNeXt's block: a depthwise 7x7 convolution, channels-last work (norm, linear, GELU, linear),
+    permuted back and added to the block's input, twice."""
+
+    def __init__(self, c: int = 16):
+        super().__init__()
+        self.dw = nn.ModuleList(nn.Conv2d(c, c, 7, padding=3, groups=c) for _ in range(2))
+        self.norm = nn.ModuleList(nn.LayerNorm(c) for _ in range(2))
+        self.fc = nn.ModuleList(nn.Linear(c, c) for _ in range(2))
+
+    def forward(self, x):
+        x = x.permute(0, 3, 1, 2)  # a channels-last input, as after ConvNeXt's downsampling norm
+        for dw, norm, fc in zip(self.dw, self.norm, self.fc):
+            y = fc(norm(dw(x).permute(0, 2, 3, 1))).permute(0, 3, 1, 2)
+            x = x + torch.nn.functional.gelu(y)
+        return x
+
+
+def test_convolutions_of_channels_last_inputs_keep_eagers_layout():
+    """The fake convolution's layout comes from the backend that runs it: with oneDNN off while
+    tracing (as capture once set it, for the LSTM's sake), a depthwise convolution of a channels-last
+    input traced contiguous, so its channels-last result was copied into that layout at every run and
+    the next convolutions read contiguous inputs, oneDNN's slow case (ConvNeXt's step at 147% of
+    eager's). The graph's convolutions, and the output, now have eager's strides."""
+    torch.manual_seed(0)
+    model = DepthwiseBlock()
+    x = torch.randn(16, 8, 8, 16)  # oneDNN off, the fake picked contiguous at batch 16, not at 4
+    compiled = check_module(model, x, steps=1)
+    eager_strides = []
+    hooks = [m.register_forward_hook(lambda m, a, o: eager_strides.append(o.stride())) for m in model.dw]
+    expect = model(x)
+    for h in hooks:
+        h.remove()
+    assert all(s == (1024, 1, 128, 16) for s in eager_strides), eager_strides  # channels-last, as oneDNN runs it
+    graph = compiled._aotfuse_compiled.records[0].graphs["forward"]
+    traced = [n.meta["val"].stride() for n in graph.graph.nodes if n.target == torch.ops.aten.convolution.default]
+    assert traced == eager_strides, traced
+    with torch.no_grad():
+        out = compiled(x)
+    assert out.stride() == expect.stride(), (out.stride(), expect.stride())

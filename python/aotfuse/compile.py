@@ -485,21 +485,31 @@ def _parametrizations_uncached():
 
 
 @contextlib.contextmanager
-def _onednn_off():
-    """oneDNN off for a tracing pass (torch.backends.mkldnn.flags would also warn about TF32), and
-    torch's LSTM decomposition with its final states' shape mended (_fixed_one_layer_lstm)."""
-    was = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
+def _lstm_decomposed_plainly():
+    """torch's LSTM decomposition, for a tracing pass, without its oneDNN form (inference on the CPU
+    recorded mkldnn_rnn_layer, whose workspace ATen returns as None at run time where the graph
+    expects a tensor; traced plainly the LSTM is matmuls and pointwise ops) and with its final
+    states' shape mended (_fixed_one_layer_lstm). oneDNN itself stays on: with it off (the process-wide
+    flag, as this pass once set it) the fake convolution's layout came from another backend than the
+    one that runs (a depthwise convolution of a channels-last input traced contiguous, so the run's
+    channels-last results were copied into that layout and the next convolutions read it: ConvNeXt's
+    step at 147% of eager's)."""
+    from torch._decomp import decompositions as decomp
+
     fixed = _LSTM_FIX
+    orig_layer, orig_select = getattr(decomp, "one_layer_lstm", None), getattr(decomp, "select_one_layer_lstm_function",
+                                                                                None)
     if fixed is not None:
-        from torch._decomp import decompositions as decomp
-        orig, decomp.one_layer_lstm = decomp.one_layer_lstm, fixed
+        decomp.one_layer_lstm = fixed
+    if orig_select is not None:
+        decomp.select_one_layer_lstm_function = lambda input, hx, params: decomp.one_layer_lstm
     try:
         yield
     finally:
-        torch._C._set_mkldnn_enabled(was)
         if fixed is not None:
-            decomp.one_layer_lstm = orig
+            decomp.one_layer_lstm = orig_layer
+        if orig_select is not None:
+            decomp.select_one_layer_lstm_function = orig_select
 
 
 class _ModuleStateGuard:
@@ -870,11 +880,7 @@ class CompiledFunction:
             for i, t in zip(tensor_idx, tensors):
                 vals[i] = t
             args, kwargs = tree_unflatten(vals, spec)
-            # oneDNN off while tracing (a process-wide flag, for the pass only): torch's LSTM
-            # decomposition would otherwise record mkldnn_rnn_layer, whose inference-mode workspace
-            # ATen returns as None at run time (the graph expects a tensor); without it the LSTM
-            # traces as matmuls and pointwise ops
-            with _ModuleStateGuard(module, tensors) as guard, _onednn_off(), _parametrizations_uncached(), \
+            with _ModuleStateGuard(module, tensors) as guard, _lstm_decomposed_plainly(), _parametrizations_uncached(), \
                     upstream_fixes(), _HookProbe(self.name, module) as hooks, checkpoint.regions():
                 out = fn(*args, **kwargs)
             hooks.check()

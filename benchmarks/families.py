@@ -1,0 +1,228 @@
+"""Model families beyond the seed's four: eager, aotfuse and torch.compile training steps side by side in
+one process, on the CPU, with ratios to eager's step time and peak memory.
+
+The seed table (benchmarks/hf_models.py) measures Albert, GPT2, Bert and Longformer. A user brings
+other models: decoder-only ones with rotary embeddings, RMS norm and gated SiLU feed-forwards (Llama,
+Mistral, Qwen2), encoder-decoders (T5, BART), vision transformers and convolutional networks. Each is
+built from its transformers config class with random weights (nothing is downloaded), at one small
+size, every dropout of its config set to 1e-8 (drawn, nearly without effect, so the losses compare),
+eager attention, fp32 or bf16.
+
+For each model and contender: the median of --steps training steps (gradients set to None, forward,
+loss, backward; contenders interleaved, the order rotating), the peak CPU allocation over one step
+beyond its start (`aotfuse.bench._cpu_peak`, as the seed table measures it), the first step's time
+(the compile), and the loss of a step from the same weights against eager's (the numeric check: the
+relative difference must stay below 1e-3 in fp32 and 2e-2 in bf16, else the row says MISMATCH).
+
+    python benchmarks/families.py [--models llama,mistral,...] [--dtype fp32] [--steps 10] [--threads 1]
+                                  [--contenders eager,aotfuse,torch.compile] [--out FILE.md]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+import aotfuse  # noqa: E402
+from aotfuse.bench import _cpu_peak, _quiet_dropout  # noqa: E402
+
+H, LAYERS, HEADS, VOCAB, BATCH, SEQ = 256, 4, 4, 8192, 4, 128
+IMAGE, IMAGES = 64, 16
+
+
+def _text(cfg_cls, model_cls, **kw):
+    return lambda: (cfg_cls(**kw), model_cls, "text")
+
+
+def _configs() -> dict:
+    import transformers as tf
+
+    dec = dict(vocab_size=VOCAB, hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+               intermediate_size=688, max_position_embeddings=256)
+    return {
+        "llama": _text(tf.LlamaConfig, tf.LlamaForCausalLM, num_key_value_heads=HEADS, **dec),
+        "mistral": _text(tf.MistralConfig, tf.MistralForCausalLM, num_key_value_heads=2, **dec),
+        "qwen2": _text(tf.Qwen2Config, tf.Qwen2ForCausalLM, num_key_value_heads=2, **dec),
+        "gpt-neox": _text(tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM, vocab_size=VOCAB, hidden_size=H,
+                          num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=4 * H,
+                          max_position_embeddings=256),
+        "roberta": _text(tf.RobertaConfig, tf.RobertaForMaskedLM, vocab_size=VOCAB, hidden_size=H,
+                         num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=4 * H),
+        "distilbert": _text(tf.DistilBertConfig, tf.DistilBertForMaskedLM, vocab_size=VOCAB, dim=H,
+                            n_layers=LAYERS, n_heads=HEADS, hidden_dim=4 * H),
+        "electra": _text(tf.ElectraConfig, tf.ElectraForMaskedLM, vocab_size=VOCAB, embedding_size=H,
+                         hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                         intermediate_size=4 * H),
+        "deberta-v2": _text(tf.DebertaV2Config, tf.DebertaV2ForMaskedLM, vocab_size=VOCAB, hidden_size=H,
+                            num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=4 * H,
+                            max_position_embeddings=256),
+        "t5": _text(tf.T5Config, tf.T5ForConditionalGeneration, vocab_size=VOCAB, d_model=H, d_kv=H // HEADS,
+                    d_ff=4 * H, num_layers=LAYERS, num_heads=HEADS, decoder_start_token_id=0),
+        "bart": _text(tf.BartConfig, tf.BartForConditionalGeneration, vocab_size=VOCAB, d_model=H,
+                      encoder_layers=LAYERS // 2, decoder_layers=LAYERS // 2, encoder_attention_heads=HEADS,
+                      decoder_attention_heads=HEADS, encoder_ffn_dim=4 * H, decoder_ffn_dim=4 * H,
+                      max_position_embeddings=256),
+        "vit": lambda: (tf.ViTConfig(hidden_size=H, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                     intermediate_size=4 * H, image_size=IMAGE, patch_size=8, num_labels=10),
+                        tf.ViTForImageClassification, "image"),
+        "convnext": lambda: (tf.ConvNextConfig(hidden_sizes=[32, 64, 128, 256], depths=[2, 2, 2, 2],
+                                               num_labels=10, image_size=IMAGE),
+                             tf.ConvNextForImageClassification, "image"),
+        "resnet": lambda: (tf.ResNetConfig(hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 2, 1],
+                                           embedding_size=32, num_labels=10),
+                           tf.ResNetForImageClassification, "image"),
+        "swin": lambda: (tf.SwinConfig(image_size=IMAGE, patch_size=4, embed_dim=32, depths=[2, 2],
+                                       num_heads=[2, 4], window_size=4, num_labels=10),
+                         tf.SwinForImageClassification, "image"),
+    }
+
+
+# BART's forward reads a tensor's value (aten._local_scalar_dense): one graph cannot hold it, so it runs in
+# Dynamo's pieces, as the seed table runs Longformer.
+FALLBACK = {"bart": "dynamo"}
+
+
+def build(name: str, dtype: torch.dtype):
+    """(model, inputs) for one family, seed 0 weights, seed 1 inputs."""
+    cfg, cls, kind = _configs()[name]()
+    _quiet_dropout(cfg, 1e-8)
+    for key in ("drop_path_rate", "layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
+        if hasattr(cfg, key):
+            setattr(cfg, key, 0.0)
+    torch.manual_seed(0)
+    try:
+        model = cls._from_config(cfg, attn_implementation="eager")
+    except (ValueError, TypeError):
+        model = cls._from_config(cfg)
+    model = model.to(dtype).train()
+    gen = torch.Generator().manual_seed(1)
+    if kind == "image":
+        inputs = {"pixel_values": torch.randn(IMAGES, 3, IMAGE, IMAGE, generator=gen).to(dtype),
+                  "labels": torch.randint(0, 10, (IMAGES,), generator=gen)}
+    else:
+        ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
+        inputs = {"input_ids": ids, "labels": torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)}
+    return model, inputs
+
+
+def _compile(name: str, contender: str, model: torch.nn.Module):
+    if contender == "eager":
+        return model
+    if contender == "aotfuse":
+        return aotfuse.memory_efficient_fusion(model, fallback=FALLBACK.get(name, "error"))
+    if contender == "torch.compile":
+        return torch.compile(model)
+    raise ValueError(f"unknown contender {contender!r}")
+
+
+def _step(model, call, inputs) -> float:
+    for p in model.parameters():
+        p.grad = None
+    loss = call(**inputs).loss
+    loss.backward()
+    return loss.item()
+
+
+def run_model(name: str, dtype: torch.dtype, contenders: list[str], steps: int) -> dict:
+    # Dynamo's caches are per code object, and every model runs transformers' shared modules: without a
+    # reset, a later model's torch.compile hits the recompile limit and runs eagerly (first step 0.1 s)
+    torch._dynamo.reset()
+    base, inputs = build(name, dtype)
+    row = {"model": name, "params": sum(p.numel() for p in base.parameters())}
+    models = {c: copy.deepcopy(base) for c in contenders}
+    calls, first, losses = {}, {}, {}
+    for c in contenders:
+        calls[c] = _compile(name, c, models[c])
+        t = time.perf_counter()
+        losses[c] = _step(models[c], calls[c], inputs)  # same weights, same inputs: the numeric check
+        first[c] = time.perf_counter() - t
+    for c in contenders:
+        _step(models[c], calls[c], inputs)
+    times = {c: [] for c in contenders}
+    for r in range(steps):
+        order = contenders[r % len(contenders):] + contenders[:r % len(contenders)]
+        for c in order:
+            t = time.perf_counter()
+            _step(models[c], calls[c], inputs)
+            times[c].append(time.perf_counter() - t)
+    peaks = {c: _cpu_peak(lambda c=c: _step(models[c], calls[c], inputs)) for c in contenders}
+    tol = 1e-3 if dtype == torch.float32 else 2e-2
+    for c in contenders:
+        rel = abs(losses[c] - losses["eager"]) / max(abs(losses["eager"]), 1e-6)
+        row[c] = {"ms": statistics.median(times[c]) * 1e3, "mb": peaks[c] / 1e6, "first_s": first[c],
+                  "loss": losses[c], "ok": rel <= tol, "rel": rel}
+    return row
+
+
+def table(rows: list[dict], contenders: list[str]) -> str:
+    others = [c for c in contenders if c != "eager"]
+    head = ["model", "eager step (ms)", "eager peak (MB)"]
+    for c in others:
+        head += [f"{c} step % of eager", f"{c} peak % of eager", f"{c} first step (s)"]
+    head.append("loss check")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | " + " | ".join(["-"] * (len(head) - 2)) + f" | error: {r['error']} |")
+            continue
+        e = r["eager"]
+        cells = [r["model"], f"{e['ms']:.1f}", f"{e['mb']:.2f}"]
+        for c in others:
+            cells += [f"{100 * r[c]['ms'] / e['ms']:.0f}", f"{100 * r[c]['mb'] / e['mb']:.0f}",
+                      f"{r[c]['first_s']:.1f}"]
+        bad = [f"{c} MISMATCH ({r[c]['rel']:.1e})" for c in others if not r[c]["ok"]]
+        cells.append("; ".join(bad) or "ok")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(_configs()))
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--contenders", default="eager,aotfuse,torch.compile")
+    ap.add_argument("--out", default=None, help="also write the table, with machine and versions, to this file")
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    contenders = args.contenders.split(",")
+    if contenders[0] != "eager":
+        raise SystemExit("the first contender must be eager (the ratios' base)")
+    known = _configs()
+    rows = []
+    for name in args.models.split(","):
+        if name not in known:
+            raise SystemExit(f"unknown model {name!r}; choose from {', '.join(known)}")
+        try:
+            row = run_model(name, dtype, contenders, args.steps)
+        except Exception as exc:  # a contender that cannot run this model: say so and go on
+            row = {"model": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+        rows.append(row)
+        print(table([row], contenders).splitlines()[-1], flush=True)
+    head = (f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch thread(s) | python "
+            f"{platform.python_version()} | torch {torch.__version__} | transformers {transformers.__version__} | "
+            f"{args.dtype} | {args.steps} steps | date {datetime.date.today()}")
+    text = head + "\n\n" + table(rows, contenders) + "\n"
+    print("\n" + text)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(text)
+
+
+if __name__ == "__main__":
+    main()
