@@ -1136,6 +1136,26 @@ void af_cg_space_free(af_cg_space *sp) {
     sp->strides = NULL;
 }
 
+/* The order a kernel's loops take the iteration dims in, outermost first: the dims' own order, but
+ * for a pointwise kernel without windows the memory order of its first output (largest stride
+ * outermost; dims of equal stride, the size-1 ones, in their own order), so that the inner loop
+ * walks memory. A channels-last activation (strides [HWC, 1, WC, C] over [N, C, H, W]) was walked
+ * along W with a stride of C, a gather and a scatter an element: a ReLU and its mask at [16, 64,
+ * 16, 16] took 1.46 ms, now one flat loop. Random numbers are unaffected: their counters are each
+ * element's own index (random_index_strides), in whatever order the loop reaches it. */
+static void loop_order(const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
+                       const af_tensor_meta *iter, uint32_t guards, int32_t *order) {
+    for (int32_t d = 0; d < iter->ndim; d++) order[d] = d;
+    if (grp->n_reductions > 0 || guards || grp->n_outputs < 1 || af_cg_has_window(g, grp)) return;
+    const int64_t *s = ops[grp->n_inputs].strides;
+    for (int32_t j = 1; j < iter->ndim; j++) /* insertion sort: stable */
+        for (int32_t i = j; i > 0 && s[order[i]] > s[order[i - 1]]; i--) {
+            int32_t t = order[i];
+            order[i] = order[i - 1];
+            order[i - 1] = t;
+        }
+}
+
 int af_cg_space_new(const af_graph *g, const af_fusion_group *grp, af_cg_space *sp) {
     memset(sp, 0, sizeof *sp);
     const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
@@ -1183,8 +1203,11 @@ int af_cg_space_new(const af_graph *g, const af_fusion_group *grp, af_cg_space *
     }
     int32_t nops = sp->nops, nd = 0;
     int reducing = grp->n_reductions > 0;
+    int32_t order[AF_MAX_DIMS];
+    loop_order(g, grp, sp->ops, iter, guards, order);
     for (int pass = 0; pass < (reducing ? 2 : 1); pass++)
-        for (int32_t d = 0; d < iter->ndim; d++) {
+        for (int32_t j = 0; j < iter->ndim; j++) {
+            int32_t d = order[j];
             int reduced = reducing ? (int)((grp->reduce_mask >> d) & 1u) : 0;
             if (reduced != pass || iter->sizes[d] == 1) continue;
             int merge = nd > 0 && sp->cls[nd - 1] == reduced;
