@@ -41,6 +41,9 @@ AOTFUSE_RECOMPUTE_MATERIALIZED=auto  values the backward writes out anyway (a ma
                        GELU's output, a norm's) recomputed by the min cut where they draw no random
                        numbers (auto, default); 0 never (functorch's rule: saved); 1 wherever the
                        cut prefers
+AOTFUSE_CHANNELS_LAST_POOLS=0  keep ATen's max pool on a contiguous CPU input (default: one with 16
+                       channels or more runs on a channels-last copy, ATen's vectorized case;
+                       decompositions.py)
 AOTFUSE_RECOMPUTE_CHAINS=1  under AOTFUSE_RECOMPUTE_MATERIALIZED=auto, also recompute such a value
                        where that makes another one first (default 0: saved; a residual stream of
                        pointwise adds is then saved every other layer, not rebuilt whole at the
