@@ -86,6 +86,36 @@ def test_outputs_are_never_shared_constants():
     assert_close(second, torch.arange(4.0) * 2.0, "constant output after the caller wrote the last one", atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("how", ["aot_function", "memory_efficient_fusion", "torch.compile"])
+def test_outputs_that_are_views_of_constants_are_never_shared(how):
+    """An output that is a view of a value no input reaches (`ones_like(a)` updated in place, then
+    sliced; `zeros_like` of an integer input, reshaped) keeps its base a node: folded, the base was
+    one tensor under every call's output, so a caller's in-place update of one call's result showed in
+    the next call's (found by a random aliasing sweep)."""
+    def f(a):
+        v = torch.ones_like(a)
+        v[3].neg_()
+        return v[1:2], a * 2
+
+    def g(a):
+        return (torch.zeros_like(a).reshape(-1),)
+
+    make = {"aot_function": aotfuse.aot_function, "memory_efficient_fusion": aotfuse.memory_efficient_fusion,
+            "torch.compile": lambda fn: torch.compile(fn, backend="aotfuse")}[how]
+    torch._dynamo.reset()
+    cf = make(f)
+    first = cf(torch.randn(4, requires_grad=True))[0]
+    with torch.no_grad():
+        first.add_(10.0)
+    second = cf(torch.randn(4, requires_grad=True))[0]
+    assert second.tolist() == [1.0] and first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
+    cg = make(g)
+    first = cg(torch.ones(4, 3, dtype=torch.int64))[0]
+    first.add_(5)
+    second = cg(torch.ones(4, 3, dtype=torch.int64))[0]
+    assert torch.equal(second, torch.zeros(12, dtype=torch.int64))
+
+
 def test_random_and_input_dependent_values_are_not_folded():
     def f(x):
         noise = aten.rand.default([4], dtype=torch.float32, device=torch.device("cpu"), pin_memory=False)

@@ -11,8 +11,9 @@ What stays a node:
   - anything reading a graph input's data (a `_like` fill reads only its input's shape, dtype
     and layout: it folds), random ops (`nondeterministic_seeded`), ops that write an argument or
     return no tensor (asserts), uninitialized allocations (`empty*`);
-  - graph outputs: a constant is one tensor shared by every call, which a caller could write to
-    (a forward's outputs saved for its backward excepted: the backward only reads them);
+  - graph outputs, and the bases of outputs that are views: a constant is one tensor shared by every
+    call, which a caller could write to (a forward's outputs saved for its backward excepted: the
+    backward only reads them);
   - contiguous `_like` fills and `full` read by other nodes: lowering makes them `aten.full` members
     that read nothing, cheaper than a constant read from memory (`zeros`, `ones`, `scalar_tensor`
     fold, and become such members below);
@@ -120,6 +121,17 @@ def fold(gm: fx.GraphModule, saved_from: int | None = None) -> fx.GraphModule:
             outs = node.args[0] if isinstance(node.args[0], (list, tuple)) else (node.args[0],)
             cut = len(outs) if saved_from is None else saved_from
             visible.update(o for o in outs[:cut] if isinstance(o, fx.Node))
+    # a visible view makes its base visible: the output shares the base's memory, so a folded base
+    # would be one tensor under every call's output (a caller's in-place update of one call's
+    # `ones_like(x)[1:2]` showed in the next call's)
+    stack = list(visible)
+    while stack:
+        node = stack.pop()
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and _is_view(node):
+            for base in node.all_input_nodes:
+                if base not in visible:
+                    visible.add(base)
+                    stack.append(base)
     computable: set = set()  # reads no graph input's data
     for node in nodes:
         if node.op == "get_attr":
