@@ -923,6 +923,17 @@ int af_bridge_data_ptrs(af_obj *const *objs, int32_t n, void **ptrs) {
     return AF_OK;
 }
 
+int af_bridge_storage_offset(af_obj *t, int64_t *out) {
+    static PyObject *name;
+    if (!t || !out) return af_error_set(AF_ERR_INVALID, "af_bridge_storage_offset: NULL argument");
+    if (!name && !(name = PyUnicode_InternFromString("storage_offset"))) return bridge_fail("reading a storage offset");
+    PyObject *r = PyObject_CallMethodNoArgs((PyObject *)t, name);
+    *out = r ? PyLong_AsLongLong(r) : -1;
+    Py_XDECREF(r);
+    if (!r || (*out == -1 && PyErr_Occurred())) return bridge_fail("Tensor.storage_offset()");
+    return AF_OK;
+}
+
 /* (args, kwargs, (sizes, strides, dtype)) for torch.empty_strided(sizes, strides, dtype=...,
  * device=...) and for the fast allocators, or NULL with a Python error set. */
 static PyObject *empty_call(const af_tensor_meta *m) {

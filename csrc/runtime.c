@@ -1055,6 +1055,13 @@ static int check_donor_layout(af_program *p, int32_t v, af_obj *t, const af_tens
     if (p->reuse_state[v] != 0) return AF_OK;
     void *ptr = NULL;
     int st = af_bridge_tensor_data(&t, &dm, 1, &ptr);
+    /* its storage offset too: the taker's views count from its storage's start as its metadata says
+     * (an as_strided of it at offset 1). ATen's functional copy keeps its argument's offset where
+     * the trace says 0 (copy(v, v) of a view at offset 4): a kernel output that took it was read
+     * back 4 elements off */
+    int64_t offset = 0;
+    if (st == AF_OK && (st = af_bridge_storage_offset(t, &offset)) == AF_OK && offset != dm->storage_offset)
+        st = AF_BRIDGE_LAYOUT_MISMATCH;
     if (st == AF_BRIDGE_LAYOUT_MISMATCH) p->reuse_state[v] = -1, st = AF_OK;
     else if (st == AF_OK) p->reuse_state[v] = 1;
     return st;

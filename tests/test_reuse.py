@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import aotfuse
 from aotfuse import _C
 from aotfuse.bench import _cpu_peak
 from aotfuse.lower import build_graph, lower
@@ -446,3 +447,27 @@ def test_retain_graph_with_a_hook_keeping_the_storage_gives_the_same_second_back
     g1, = torch.autograd.grad(loss, w, retain_graph=True)
     g2, = torch.autograd.grad(loss, w)
     assert torch.equal(g1, g2)
+
+
+@pytest.mark.parametrize("how", ["aot_function", "memory_efficient_fusion", "torch.compile"])
+def test_a_donor_at_another_storage_offset_than_traced_is_not_taken(how):
+    """ATen's functional copy keeps its argument's storage offset (copy(v, v) of a view at offset 4
+    of a 20-element base: a fresh 20-element storage, offset 4) where the trace says 0. A kernel
+    output that took that tensor as its donor then sat at offset 4, and an output viewing it with
+    as_strided(..., storage_offset=1) read the copy of the base, [1, 2], not the kernel's zeros
+    (inputs overlapping views of one base, one updated in place by a self-copy: found by a random
+    aliasing sweep). A donor is now taken only at its traced storage offset."""
+    def fn(a0, a1):
+        a1.copy_(a1)
+        m = a0 * 0
+        return m.as_strided((2,), (1,), 1), m + 1
+
+    make = {"aot_function": aotfuse.aot_function, "memory_efficient_fusion": aotfuse.memory_efficient_fusion,
+            "torch.compile": lambda f: torch.compile(f, backend="aotfuse")}[how]
+    torch._dynamo.reset()
+    cf = make(fn)
+    for _ in range(2):
+        b = torch.arange(20.0)
+        out, plus = cf(b[:16].view(4, 4), b[4:].view(4, 4))
+        assert out.tolist() == [0.0, 0.0] and torch.equal(plus, torch.ones(4, 4))
+        assert torch.equal(b, torch.arange(20.0))

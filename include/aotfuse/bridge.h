@@ -79,6 +79,8 @@ int af_bridge_tensor_data(af_obj *const *objs, const af_tensor_meta *const *meta
 /* Data pointers of n tensors without checking their layouts (Tensor.data_ptr()): for operands
  * whose layouts an earlier run checked and that cannot change (see runtime.c). */
 int af_bridge_data_ptrs(af_obj *const *objs, int32_t n, void **ptrs);
+/* t's storage offset, in elements (Tensor.storage_offset()). */
+int af_bridge_storage_offset(af_obj *t, int64_t *out);
 
 /* A new uninitialized tensor with meta's sizes, strides, dtype and device, from torch's
  * allocator (so torch's memory statistics see it). */
