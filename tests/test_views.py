@@ -368,3 +368,35 @@ def test_an_output_of_overlapping_windows_over_an_intermediate_has_eagers_gradie
     x = torch.randn(5, 4, requires_grad=True)
     outs = compiled(x)
     assert outs[1]._base is x  # the windows over the input still view it
+
+
+def test_a_mutation_of_an_input_that_overlaps_itself_is_refused_or_run_as_eager():
+    """`a[:, 2] = -1.5` on `b.as_strided((3, 4), (2, 1))`: the column's elements are also the next
+    rows' first ones. ATen's functional scatter keeps that overlap in a storage of its own, so the
+    write shows in every element sharing the memory; aotfuse's kernels computed each element on its
+    own, and the caller's b came back with one write of three (found by a random aliasing sweep). The
+    capture is refused with the reason (the fallbacks run it: eager's values), and under
+    torch.compile the graph runs as Dynamo traced it."""
+    def fn(a):
+        a[:, 2] = -1.5
+        return a + 1
+
+    def call(f):
+        b = torch.arange(10.0)
+        out = f(b.as_strided((3, 4), (2, 1)))
+        return b, out
+
+    want_b, want_out = call(fn)
+    with pytest.raises(aotfuse.CaptureError, match="overlaps itself"):
+        call(aotfuse.aot_function(fn))
+    with pytest.warns(UserWarning, match="aotfuse"):
+        got_b, got_out = call(aotfuse.memory_efficient_fusion(fn, fallback="eager"))
+    assert torch.equal(got_b, want_b) and torch.equal(got_out, want_out)
+    torch._dynamo.reset()
+    got_b, got_out = call(torch.compile(fn, backend="aotfuse"))
+    assert torch.equal(got_b, want_b) and torch.equal(got_out, want_out)
+    # reading an input that overlaps itself stays compiled
+    cf = aotfuse.aot_function(lambda a: a * 2 + 1)
+    b = torch.arange(10.0)
+    assert torch.equal(cf(b.as_strided((3, 4), (2, 1))), b.as_strided((3, 4), (2, 1)) * 2 + 1)
+    assert cf.records and cf.records[-1].programs

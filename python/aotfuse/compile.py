@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from . import checkpoint, config, ddp, shapes
 from ._pytree import _holds_tensor, tree_flatten, tree_unflatten
 from .decompositions import default_decompositions, upstream_fixes
-from .lower import BackendUnavailable, Lowered, UnsupportedError, lower, separate_aliased_gradients
+from .lower import BackendUnavailable, Lowered, UnsupportedError, lower, self_overlapping, separate_aliased_gradients
 from .partition import default_partition, min_cut_rematerialization_partition
 
 __all__ = ["aot_function", "aot_module", "memory_efficient_fusion", "CaptureError", "HooksError", "ObjectInputError",
@@ -621,22 +621,6 @@ def _warn_transform(name: str) -> None:
                       f"uncompiled there, as the original function", stacklevel=4)
 
 
-def _self_overlapping(t: torch.Tensor) -> bool:
-    """Whether two elements of t share memory (an unfold's windows), from its sizes and strides; False
-    where they are symbolic (a shape family's trace). Expanded (stride 0) dimensions aside: AOTAutograd's
-    gradient through an expanded view is right, and cloning it would cost its whole size."""
-    sizes, strides = tuple(t.shape), t.stride()
-    if not all(type(v) is int for v in sizes + tuple(strides)):  # int() of a SymInt would pin the family's size
-        return False
-    dims = sorted((st, sz) for sz, st in zip(sizes, strides) if sz > 1 and st != 0)
-    extent = 1  # elements the inner dimensions span
-    for stride, size in dims:
-        if stride < extent:
-            return True
-        extent += stride * (size - 1)
-    return False
-
-
 def _overlapping_view_of_intermediate(out: Any, inputs: Sequence[Any]) -> bool:
     """Whether out is a self-overlapping view of an intermediate (`(x * 2).unfold(0, 3, 1)`): AOTAutograd
     returns such an output as its base's view, made again outside the compiled function, and the
@@ -644,7 +628,7 @@ def _overlapping_view_of_intermediate(out: Any, inputs: Sequence[Any]) -> bool:
     and aot_eager too: 7.0 off on a 5 x 4 input). A view of an input keeps its aliasing (its gradient
     is right)."""
     return (isinstance(out, torch.Tensor) and out._base is not None and not any(out._base is t for t in inputs)
-            and _self_overlapping(out))
+            and self_overlapping(out))
 
 
 def _own_if_overlapping(out: torch.Tensor, inputs: tuple) -> torch.Tensor:

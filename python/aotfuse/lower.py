@@ -1140,6 +1140,43 @@ def missing_gradients(gm: fx.GraphModule, missing: tuple) -> fx.GraphModule:
     return config.graph_module(gm, graph)
 
 
+def self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of t share memory (an unfold's windows), from its sizes and strides; False
+    where they are symbolic (a shape family's trace). Expanded (stride 0) dimensions aside: AOTAutograd's
+    gradient through an expanded view is right, and cloning it would cost its whole size."""
+    sizes, strides = tuple(t.shape), t.stride()
+    if not all(type(v) is int for v in sizes + tuple(strides)):  # int() of a SymInt would pin the family's size
+        return False
+    dims = sorted((st, sz) for sz, st in zip(sizes, strides) if sz > 1 and st != 0)
+    extent = 1  # elements the inner dimensions span
+    for stride, size in dims:
+        if stride < extent:
+            return True
+        extent += stride * (size - 1)
+    return False
+
+
+
+def _refuse_overlapping_results(gm: fx.GraphModule) -> None:
+    """A node that is not a view but makes a tensor whose elements share memory: ATen's scatters
+    over an input that overlaps itself (`a[:, 2] = -1.5` on `b.as_strided((3, 4), (2, 1))`, as
+    functionalization writes it) keep the overlap in a storage of their own, so a write to one element
+    shows in the others, as in eager. Kernels compute each element on its own: the written column
+    was lost from the rows that share it, and the input came back partly unwritten (found by a random
+    aliasing sweep). Such graphs are refused (the fallbacks run them)."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op != "call_function" or not isinstance(val, torch.Tensor) or val.layout != torch.strided:
+            continue
+        if not isinstance(node.target, torch._ops.OpOverload) or node.target.is_view or \
+                _C.op_kind(_op_name(node.target)) == "view":
+            continue  # views share memory by design: their base is what was written
+        if self_overlapping(val):
+            raise UnsupportedError(f"{node.name} ({_op_name(node.target)}) makes a tensor whose elements share "
+                                   f"memory (sizes {list(val.shape)}, strides {list(val.stride())}): a mutation of an "
+                                   f"input that overlaps itself")
+
+
 def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved_from: int | None = None,
           lazy: bool = False) -> Lowered:
     """Lowers an ATen-level FX graph (as AOTAutograd produces) into a C program. `saved_from`: a
@@ -1154,6 +1191,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
     from .rng import share_seeds
 
     unwrap_effects(gm)  # an inference graph's (a training graph's were unwrapped in its joint graph)
+    _refuse_overlapping_results(gm)
     share_seeds(gm)  # an inference graph's dropouts (a training graph's were shared in its joint graph)
     resolve_lazy_views(gm)
     rewrite_overlap_sums(gm)  # before folding, which would make the scatters' indices opaque constants
