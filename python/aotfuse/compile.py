@@ -512,6 +512,24 @@ def _lstm_decomposed_plainly():
             decomp.select_one_layer_lstm_function = orig_select
 
 
+def _refuse_restrided_offset_inputs(tensors: Sequence[Any], before: list) -> None:
+    """An input at a storage offset whose shape or strides the function changes in place (`t_()`,
+    `as_strided_()`) and whose values it writes: AOTAutograd gives the caller's tensor the new
+    shape, strides and storage offset of the graph's updated value (torch 2.13), which holds the
+    input's offset only where ATen's scatter ops happen to keep it; a kernel's result starts at 0, so
+    the values landed one element before the view of `b[..., 1:5]` (the caller's b corrupted; found
+    by a random aliasing sweep). Refused, naming the input: the fallbacks run the function."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    for k, (t, (shape, stride, offset)) in enumerate(zip(tensors, before)):
+        if not isinstance(t, FunctionalTensor) or offset == 0 or (t.shape == shape and t.stride() == stride):
+            continue
+        if torch._functionalize_has_data_mutation(t.elem):
+            raise UnsupportedError(f"tensor input {k} (a view at storage offset {offset}) has its shape or strides "
+                                   f"changed in place (t_, as_strided_, ...) and its values written: AOTAutograd cannot "
+                                   f"give the caller's tensor both back")
+
+
 class _ModuleStateGuard:
     """Capture runs the module's forward on fake tensors, once per AOTAutograd tracing pass; what the
     forward keeps in Python state would keep a traced tensor, which the next pass reads as a foreign
@@ -864,9 +882,11 @@ class CompiledFunction:
             for i, t in zip(tensor_idx, tensors):
                 vals[i] = t
             args, kwargs = tree_unflatten(vals, spec)
+            before = [(t.shape, t.stride(), t.storage_offset()) for t in tensors]
             with _ModuleStateGuard(module, tensors) as guard, _lstm_decomposed_plainly(), _parametrizations_uncached(), \
                     upstream_fixes(), _HookProbe(self.name, module) as hooks, checkpoint.regions():
                 out = fn(*args, **kwargs)
+            _refuse_restrided_offset_inputs(tensors, before)
             hooks.check()
             if guard.kept:
                 raise KeptStateError(f"the forward keeps tensors in Python state ({', '.join(guard.kept)}), which a "
