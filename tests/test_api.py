@@ -920,3 +920,26 @@ def test_an_input_view_restrided_and_written_in_place_is_refused_not_corrupted(o
     b = torch.arange(18.0).view(3, 6)
     out = cf(b[..., 1:5])
     assert out.storage_offset() == 1 and torch.equal(out, torch.arange(18.0).view(3, 6)[..., 1:5].t())
+
+
+@pytest.mark.parametrize("make", ["aot_function", "memory_efficient_fusion"])
+def test_an_output_gradient_in_another_layout_than_traced_is_copied_into_it(make):
+    """One tensor requiring grad passed twice, written through a view and transposed in place, then
+    returned: AOTAutograd hands the backward its output gradient in the layout the caller's tensor
+    has (strides [4, 1]) where the graph was traced for [1, 3], and the program's input check raised
+    AF_ERR_INVALID where eager gives the gradient (found by a random aliasing sweep). The gradient is
+    copied into the traced layout."""
+    def fn(a0, a1):
+        a1.view(12).clamp_(-0.5, 0.5)
+        a1.t_()
+        return a1
+
+    def grad_of(f):
+        torch.manual_seed(0)
+        leaf = torch.randn(4, 3, requires_grad=True)
+        b = leaf.clone()
+        out = f(b, b)
+        (out * torch.arange(12.0).view(out.shape)).sum().backward()
+        return leaf.grad
+
+    assert torch.equal(grad_of(getattr(aotfuse, make)(fn)), grad_of(fn))

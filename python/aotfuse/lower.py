@@ -140,6 +140,7 @@ class Lowered:
         self.graph_module: fx.GraphModule | None = None  # kept by a backward: see keep_graph_for_missing
         self.variants: dict[tuple, "Lowered"] = {}
         self._tangents: tuple = ()  # a backward: the positions of its output-gradient inputs
+        self._tangent_layouts: tuple = ()  # (position, traced value) of each tensor tangent
         # torch.compile's backend, for a backward whose kernels compile at its first run: where they
         # cannot be built here, the graph runs as torch's own FX code (with a warning), as a forward
         # does whose kernels fail at lowering (dynamo._compile_or_fallback)
@@ -156,12 +157,29 @@ class Lowered:
         # (not an effect token's input, `tangents_token`: None at run time, as traced by unwrap_effects)
         self._tangents = tuple(i for i, n in enumerate(places) if n.name.startswith("tangents")
                                and n.meta.get("val", 0) is not None)
+        self._tangent_layouts = tuple((i, places[i].meta["val"]) for i in self._tangents
+                                      if isinstance(places[i].meta.get("val"), torch.Tensor))
+
+    def _tangents_in_traced_layouts(self, args: list) -> None:
+        """Each output gradient in the layout the backward was traced for, copied where it comes in
+        another: AOTAutograd hands some as they are (the gradient of an output that is an input
+        transposed in place by `t_()`, strides [4, 1] where [1, 3] were traced), and the program's
+        input check refused them (AF_ERR_INVALID) where eager gives the gradient (found by a random
+        aliasing sweep)."""
+        for i, val in self._tangent_layouts:
+            t = args[i]
+            if not isinstance(t, torch.Tensor) or t.shape != val.shape or t.numel() == 0:
+                continue
+            if any(sz > 1 and a != b for sz, a, b in zip(val.shape, t.stride(), val.stride())):
+                args[i] = torch.empty_strided(val.shape, val.stride(), dtype=t.dtype, device=t.device).copy_(t)
 
     def __call__(self, args: list) -> list:
         if self._uncompiled is not None or (self.uncompiled_if_unbuildable and self._unbuildable()):
             return self._uncompiled(args)
         if self._tangents and any(args[i] is None for i in self._tangents):
             return self._without(args)
+        if self._tangent_layouts:
+            self._tangents_in_traced_layouts(args)
         # boxed convention: the program empties the list and drops each input after its last
         # use, so activations saved for backward die mid-run, not when the backward returns
         if self._constants:
