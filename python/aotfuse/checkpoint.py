@@ -231,18 +231,27 @@ def _draws(node: fx.Node) -> bool:
     return True
 
 
-def _reads_mutated_input(graph: fx.Graph) -> set[str]:
-    """Nodes reading (directly or through views) a graph input that the step updates after the
-    forward (AOTAutograd's InputMutationAOTOutput: a batch norm's running statistics). Run again in
-    the backward, such a node would read the input after its update (autograd's version check
-    refuses a saved input modified in place)."""
+def mutated_placeholders(graph: fx.Graph) -> set:
+    """The graph's inputs that the step updates after the forward: AOTAutograd's joint graph names
+    each forward output that is an input's new value (its output `desc`, InputMutationAOTOutput,
+    holding the input's own desc)."""
     output = next((n for n in reversed(graph.nodes) if n.op == "output"), None)
     descs = output.meta.get("desc") if output is not None else None
     mutated = [getattr(d, "mutated_input", None) for d in (descs or ())]
     mutated = [m for m in mutated if m is not None]
     if not mutated:
         return set()
-    held = {n for n in graph.nodes if n.op == "placeholder" and n.meta.get("desc") in mutated}
+    return {n for n in graph.nodes if n.op == "placeholder" and n.meta.get("desc") in mutated}
+
+
+def _reads_mutated_input(graph: fx.Graph) -> set[str]:
+    """Nodes reading (directly or through views) a graph input that the step updates after the
+    forward (AOTAutograd's InputMutationAOTOutput: a batch norm's running statistics). Run again in
+    the backward, such a node would read the input after its update (autograd's version check
+    refuses a saved input modified in place)."""
+    held = mutated_placeholders(graph)
+    if not held:
+        return set()
     readers = set()
     for node in graph.nodes:
         if node.op != "call_function" or not any(a in held for a in node.all_input_nodes):

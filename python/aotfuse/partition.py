@@ -294,22 +294,32 @@ def _mutated_statics(joint_module: fx.GraphModule, params: set, num_fwd_outputs:
 
 
 def _save_copies_of(joint_module: fx.GraphModule, mutated: list, backward_names: set) -> dict:
-    """For each input in `mutated` that the cut saves: a clone of it made at the forward's start,
-    which the backward reads instead (what it was traced with: the input is overwritten by the
+    """For each input in `mutated` that the cut saves (or view of one): a clone of it made at the
+    forward's start (where the view is made), which the backward reads instead (what it was traced with: the input is overwritten by the
     forward's write-back, and autograd would refuse it as modified in place). {input: clone}."""
     graph = joint_module.graph
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     clones = {}
     for p in mutated:
-        with graph.inserting_after(last):
+        with graph.inserting_after(last if p.op == "placeholder" else p):  # a view of one: where it is made
             c = graph.call_function(torch.ops.aten.clone.default, (p,))
         c.meta = dict(p.meta)
         for user in list(p.users):
             if user is not c and user.name in backward_names:
                 user.replace_input_with(p, c)
         clones[p] = c
-        last = c
+        if p.op == "placeholder":
+            last = c
     return clones
+
+
+def _view_of(node: fx.Node, roots: set) -> bool:
+    """Whether node is one of roots or a view (through views) of one."""
+    while node not in roots:
+        if node.op != "call_function" or not getattr(node.target, "is_view", False) or not node.all_input_nodes:
+            return False
+        node = node.all_input_nodes[0]
+    return True
 
 
 def _partition(joint_module: fx.GraphModule, num_fwd_outputs: int, min_cut: bool,
@@ -351,10 +361,15 @@ def _partition(joint_module: fx.GraphModule, num_fwd_outputs: int, min_cut: bool
         if node.op != "get_attr":  # constants are copied into both graphs, never saved
             saved_nodes.append(by_name[node.name] if symbolic else node)
             saved_vals.append(node.meta.get("val"))
-    mutated = _mutated_statics(work, params, num_fwd_outputs)
-    if mutated:
-        names = {n.name for n in mutated}
-        copied = [n for n in saved_nodes if n.op == "placeholder" and n.name in names]
+    # inputs the step updates after the forward, parameters and buffers (found from the graph) and
+    # any other (AOTAutograd's output descs: an input requiring grad written in place, whose saved
+    # value autograd refused in the backward as modified, found by a random aliasing sweep)
+    names = {n.name for n in _mutated_statics(work, params, num_fwd_outputs)}
+    names |= {n.name for n in checkpoint.mutated_placeholders(joint_module.graph)}
+    if names:
+        # the inputs themselves, and views of them (an input unsqueezed in place: the saved view)
+        roots = {n for n in joint_module.graph.nodes if n.op == "placeholder" and n.name in names}
+        copied = [n for n in saved_nodes if _view_of(n, roots)]
         if copied:
             clones = _save_copies_of(joint_module, copied, {build.ir_nodes[i].name for i in res["backward"]})
             saved_nodes = [clones.get(n, n) for n in saved_nodes]
