@@ -15,7 +15,7 @@ beyond its start (`aotfuse.bench._cpu_peak`, as the seed table measures it), the
 relative difference must stay below 1e-3 in fp32 and 2e-2 in bf16, else the row says MISMATCH).
 
     python benchmarks/families.py [--models llama,mistral,...] [--dtype fp32] [--steps 10] [--threads 1]
-                                  [--contenders eager,aotfuse,torch.compile] [--out FILE.md]
+                                  [--contenders eager,aotfuse,torch.compile] [--channels-last] [--out FILE.md]
 """
 from __future__ import annotations
 
@@ -91,8 +91,9 @@ def _configs() -> dict:
 FALLBACK = {"bart": "dynamo"}
 
 
-def build(name: str, dtype: torch.dtype):
-    """(model, inputs) for one family, seed 0 weights, seed 1 inputs."""
+def build(name: str, dtype: torch.dtype, channels_last: bool = False):
+    """(model, inputs) for one family, seed 0 weights, seed 1 inputs; channels_last: an image model and
+    its images in that memory format (what CNN training on a CPU often uses)."""
     cfg, cls, kind = _configs()[name]()
     _quiet_dropout(cfg, 1e-8)
     for key in ("drop_path_rate", "layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
@@ -108,6 +109,9 @@ def build(name: str, dtype: torch.dtype):
     if kind == "image":
         inputs = {"pixel_values": torch.randn(IMAGES, 3, IMAGE, IMAGE, generator=gen).to(dtype),
                   "labels": torch.randint(0, 10, (IMAGES,), generator=gen)}
+        if channels_last:
+            model = model.to(memory_format=torch.channels_last)
+            inputs["pixel_values"] = inputs["pixel_values"].contiguous(memory_format=torch.channels_last)
     else:
         ids = torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)
         inputs = {"input_ids": ids, "labels": torch.randint(3, VOCAB, (BATCH, SEQ), generator=gen)}
@@ -132,11 +136,11 @@ def _step(model, call, inputs) -> float:
     return loss.item()
 
 
-def run_model(name: str, dtype: torch.dtype, contenders: list[str], steps: int) -> dict:
+def run_model(name: str, dtype: torch.dtype, contenders: list[str], steps: int, channels_last: bool = False) -> dict:
     # Dynamo's caches are per code object, and every model runs transformers' shared modules: without a
     # reset, a later model's torch.compile hits the recompile limit and runs eagerly (first step 0.1 s)
     torch._dynamo.reset()
-    base, inputs = build(name, dtype)
+    base, inputs = build(name, dtype, channels_last)
     row = {"model": name, "params": sum(p.numel() for p in base.parameters())}
     models = {c: copy.deepcopy(base) for c in contenders}
     calls, first, losses = {}, {}, {}
@@ -191,6 +195,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--channels-last", action="store_true", help="image models and images in channels_last")
     ap.add_argument("--contenders", default="eager,aotfuse,torch.compile")
     ap.add_argument("--out", default=None, help="also write the table, with machine and versions, to this file")
     args = ap.parse_args(argv)
@@ -209,14 +214,14 @@ def main(argv=None) -> None:
         if name not in known:
             raise SystemExit(f"unknown model {name!r}; choose from {', '.join(known)}")
         try:
-            row = run_model(name, dtype, contenders, args.steps)
+            row = run_model(name, dtype, contenders, args.steps, args.channels_last)
         except Exception as exc:  # a contender that cannot run this model: say so and go on
             row = {"model": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
         rows.append(row)
         print(table([row], contenders).splitlines()[-1], flush=True)
     head = (f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch thread(s) | python "
             f"{platform.python_version()} | torch {torch.__version__} | transformers {transformers.__version__} | "
-            f"{args.dtype} | {args.steps} steps | date {datetime.date.today()}")
+            f"{args.dtype}{' channels_last' if args.channels_last else ''} | {args.steps} steps | date {datetime.date.today()}")
     text = head + "\n\n" + table(rows, contenders) + "\n"
     print("\n" + text)
     if args.out:

@@ -327,3 +327,24 @@ def test_chain_models_compares_both_cuts_with_eager(capsys):
         assert abs(values[6] - values[4] / values[3]) < 2e-3 and abs(values[7] - values[5] / values[3]) < 2e-3, r
     stack = [float(c) for c in rows["stack"][1:]]
     assert stack[4] < stack[5], rows["stack"]  # 4 layers: a chain the default cut saves in part
+
+
+def test_families_compares_eager_and_aotfuse_with_a_loss_check(tmp_path, capsys):
+    """benchmarks/families.py: one row per model with eager's step and peak, aotfuse's ratios and
+    first step, and the loss check against eager's (channels_last images too); the table written to
+    --out with the machine line."""
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location("families", ROOT / "benchmarks" / "families.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "families.md"
+    mod.main(["--models", "resnet", "--steps", "2", "--contenders", "eager,aotfuse", "--channels-last",
+              "--out", str(out)])
+    rows = [r for r in _table_rows(capsys.readouterr().out) if r[0] == "resnet"]
+    assert rows, "no resnet row"
+    r = rows[-1]
+    assert len(r) == 7 and all(float(c) > 0 for c in r[1:6]) and r[6] == "ok", r
+    text = out.read_text()
+    assert "channels_last" in text and "| resnet |" in text and "torch " in text
+    model, inputs = mod.build("resnet", torch.float32, channels_last=True)
+    assert inputs["pixel_values"].is_contiguous(memory_format=torch.channels_last)
