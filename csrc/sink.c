@@ -371,8 +371,10 @@ static int plan_copy(const af_graph *g, int32_t c, const uint8_t *is_output, uin
     /* the copy's index map is its input's metadata: it must be what ATen's views make of x (whose
      * layout, a kernel's output, is its metadata's), else the copy stays a kernel that checks it;
      * and a copy with dims (a 0-dim one would make its sources 0-dim, which promote otherwise) */
+    /* nor an empty one: no element to compute, and the view's index map has none to map (a copy of
+     * `x[3:3]` of a [4, 3] x became a [3] read of x's last row, its [0, 3] reshape then failing) */
     if (x == in || p < 0 || !sinkable(g, p, devices) || out->type != AF_VALUE_TENSOR || !contiguous(out) || out->dtype != inm->dtype ||
-        out->ndim != inm->ndim || inm->ndim == 0 || !af_views_as_declared(g, in, x))
+        out->ndim != inm->ndim || inm->ndim == 0 || af_tensor_meta_numel(inm) == 0 || !af_views_as_declared(g, in, x))
         return 0;
     memset(plan, 0, sizeof *plan);
     plan->clone = c;
@@ -407,7 +409,7 @@ static int plan_read(const af_graph *g, int32_t c, int32_t in, int source, uint3
     const af_tensor_meta *inm = &af_graph_value(g, in)->meta;
     int32_t x = af_graph_view_root(g, in), p = af_graph_value(g, x)->producer;
     if (x == in || p < 0 || !sinkable(g, p, devices) || inm->type != AF_VALUE_TENSOR || inm->ndim == 0 ||
-        (!source && inm->ndim != out->ndim) || !af_views_as_declared(g, in, x))
+        af_tensor_meta_numel(inm) == 0 || (!source && inm->ndim != out->ndim) || !af_views_as_declared(g, in, x))
         return 0;
     for (int32_t d = 0; !source && d < inm->ndim; d++)
         if (inm->sizes[d] != out->sizes[d]) return 0;

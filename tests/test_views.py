@@ -400,3 +400,24 @@ def test_a_mutation_of_an_input_that_overlaps_itself_is_refused_or_run_as_eager(
     b = torch.arange(10.0)
     assert torch.equal(cf(b.as_strided((3, 4), (2, 1))), b.as_strided((3, 4), (2, 1)) * 2 + 1)
     assert cf.records and cf.records[-1].programs
+
+
+@pytest.mark.parametrize("how", ["aot_function", "memory_efficient_fusion", "torch.compile"])
+def test_an_in_place_add_into_an_empty_view_of_an_input_trains(how):
+    """`a0.narrow(0, 3, 0).add_(a2)`: the backward copies an empty slice of a pointwise value, and
+    the sink (computing such copies from the value's sources) made it a [3] read of the last row,
+    whose [0, 3] reshape then failed (found by a random aliasing sweep). Empty views are not sunk;
+    a2 gets eager's zero gradient."""
+    def fn(a0, a2):
+        a0.narrow(0, 3, 0).add_(a2)
+        return a0 * 2
+
+    make = {"aot_function": aotfuse.aot_function, "memory_efficient_fusion": aotfuse.memory_efficient_fusion,
+            "torch.compile": lambda f: torch.compile(f, backend="aotfuse")}[how]
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    a0 = torch.randn(4, 3)
+    l2 = torch.randn(3, requires_grad=True)
+    out = make(fn)(a0.clone(), l2.clone())
+    out.sum().backward()
+    assert torch.equal(l2.grad, torch.zeros(3)) and torch.equal(out, a0 * 2)
