@@ -81,3 +81,22 @@ def check_module(model: torch.nn.Module, *args, steps: int = 1, **kwargs):
         for name, b in compiled_base.named_buffers():
             assert_close(b, be[name], f"step {step} buffer {name}")
     return compiled
+
+
+def assert_refused_but_runs_like_eager(fn, call, match: str) -> None:
+    """A capture aotfuse refuses (CaptureError matching `match`), which fallback="eager" and
+    torch.compile(backend="aotfuse") still run with eager's values: call(f) -> tensors to compare
+    (the caller's inputs after the call among them)."""
+    import pytest
+
+    import aotfuse
+
+    want = call(fn)
+    with pytest.raises(aotfuse.CaptureError, match=match):
+        call(aotfuse.aot_function(fn))
+    with pytest.warns(UserWarning, match="aotfuse"):
+        got = call(aotfuse.memory_efficient_fusion(fn, fallback="eager"))
+    assert all(torch.equal(g, w) for g, w in zip(got, want)), (got, want)
+    torch._dynamo.reset()
+    got = call(torch.compile(fn, backend="aotfuse"))
+    assert all(torch.equal(g, w) for g, w in zip(got, want)), (got, want)
