@@ -1174,7 +1174,6 @@ def self_overlapping(t: torch.Tensor) -> bool:
     return False
 
 
-
 def _refuse_overlapping_results(gm: fx.GraphModule) -> None:
     """A node that is not a view but makes a tensor whose elements share memory: ATen's scatters
     over an input that overlaps itself (`a[:, 2] = -1.5` on `b.as_strided((3, 4), (2, 1))`, as

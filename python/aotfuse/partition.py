@@ -295,8 +295,9 @@ def _mutated_statics(joint_module: fx.GraphModule, params: set, num_fwd_outputs:
 
 def _save_copies_of(joint_module: fx.GraphModule, mutated: list, backward_names: set) -> dict:
     """For each input in `mutated` that the cut saves (or view of one): a clone of it made at the
-    forward's start (where the view is made), which the backward reads instead (what it was traced with: the input is overwritten by the
-    forward's write-back, and autograd would refuse it as modified in place). {input: clone}."""
+    forward's start (where the view is made), which the backward reads instead (what it was traced
+    with: the input is overwritten by the forward's write-back, and autograd would refuse it as
+    modified in place). {input: clone}."""
     graph = joint_module.graph
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     clones = {}
