@@ -413,3 +413,110 @@ def test_an_in_place_add_into_an_empty_view_of_an_input_trains(how):
     out = make(fn)(a0.clone(), l2.clone())
     out.sum().backward()
     assert torch.equal(l2.grad, torch.zeros(3)) and torch.equal(out, a0 * 2)
+
+
+@pytest.mark.parametrize("how", ["aot_function", "memory_efficient_fusion", "torch.compile"])
+def test_an_updated_input_returned_beside_a_synthetic_base_is_the_callers_tensor(how):
+    """`a2.mul_(2); a3.mul_(2); return a2`, with a2 = b1[1:] and a3, a4 two views of one other
+    base (which AOTAutograd merges into one synthetic base): as a graph output, the returned a2 came
+    back at storage offset 0, b1[:3] where eager returns b1[1:] (AOTAutograd's aliasing of it to
+    its input lost the offset; torch's own aot_function gives the same wrong values). An input
+    returned as itself is now no graph output: the call returns the caller's tensor, as eager,
+    which AOTAutograd has updated. Found by a random aliasing sweep; its form with a relu_ on a
+    split of a2 was wrong under aotfuse alone. The gradient through it is eager's."""
+    def fn(a2, a3, a4):
+        a2.mul_(2)
+        a3.mul_(2)
+        return (a2, a4 * 3)
+
+    make = {"aot_function": aotfuse.aot_function, "memory_efficient_fusion": aotfuse.memory_efficient_fusion,
+            "torch.compile": lambda f: torch.compile(f, backend="aotfuse")}[how]
+    torch._dynamo.reset()
+    compiled = make(fn)
+    for call in range(2):
+        runs = []
+        for f in (fn, compiled):
+            leaf = torch.arange(16.0).view(4, 4).requires_grad_()
+            b1 = leaf * 1
+            b2 = torch.arange(8.0).view(2, 4)
+            a2 = b1[1:]
+            out, other = f(a2, b2[0], b2[:, 1:])
+            (out * torch.arange(12.0).view(3, 4)).sum().backward()
+            runs.append((out, other, b1, b2, leaf.grad, out is a2))
+        (e_out, e_other, e_b1, e_b2, e_grad, _), (out, other, b1, b2, grad, same) = runs
+        assert same and out.storage_offset() == 4, (how, call, out.storage_offset())
+        assert torch.equal(out, e_out) and torch.equal(other, e_other), (how, call, out[0].tolist())
+        assert torch.equal(b1, e_b1) and torch.equal(b2, e_b2) and torch.equal(grad, e_grad), (how, call)
+
+
+@pytest.mark.parametrize("how", ["aot_function", "memory_efficient_fusion", "torch.compile"])
+def test_a_detached_output_beside_a_view_of_its_value_needs_no_gradient(how):
+    """`v = -a; return v.expand(2, *v.shape), v.detach()`: the detach came back with
+    requires_grad=True (eager: False). The decomposition table made it an `alias` while AOTAutograd
+    collected its metadata, a differentiable view; and a returned alias is a view of the forward's
+    output, which autograd.Function keeps differentiable. detach is now no decomposition: the traced
+    graphs' detaches become aliases where they are no graph output (a chain through one is still one
+    kernel), and a returned one stays ATen's detach. Found by a random aliasing sweep."""
+    def fn(a):
+        v = -a
+        return v.expand(2, *v.shape), v.detach()
+
+    make = {"aot_function": aotfuse.aot_function, "memory_efficient_fusion": aotfuse.memory_efficient_fusion,
+            "torch.compile": lambda f: torch.compile(f, backend="aotfuse")}[how]
+    torch._dynamo.reset()
+    compiled = make(fn)
+    for call in range(2):
+        runs = []
+        for f in (fn, compiled):
+            leaf = torch.arange(12.0).view(4, 3).requires_grad_()
+            e, d = f(leaf * 1)
+            assert d._base is None and d.untyped_storage().data_ptr() == e.untyped_storage().data_ptr(), (how, call)
+            (e * 2).sum().backward()
+            runs.append((e, d, d.requires_grad, leaf.grad))
+        assert runs[1][2] is False, (how, call)
+        assert all(torch.equal(x, y) for x, y in zip(runs[0][:2] + runs[0][3:], runs[1][:2] + runs[1][3:])), (how, call)
+
+    # a chain through a detach (no graph output) stays one kernel
+    cf = aotfuse.aot_function(lambda x: (x.sin().detach() * 2).exp())
+    x = torch.randn(8, 4)
+    assert_close(cf(x), (x.sin() * 2).exp(), "sin, detach, mul, exp")
+    (low,) = cf.records[-1].programs.values()
+    assert low.program.num_kernels == 1 and not low.extern_counts(), low.extern_counts()
+
+
+@pytest.mark.parametrize("how", ["aot_function", "memory_efficient_fusion", "torch.compile"])
+@pytest.mark.parametrize("view", ["split", "unbind", "narrow"])
+def test_a_view_of_an_input_sharing_its_storage_is_made_from_the_callers_tensor(how, view):
+    """`a0.mul_(2); return a1.split(2)[1]` with a0 = b[0], a1 = b.t(): AOTAutograd merges the two
+    inputs into one synthetic base and replays the output's view ops on it as if on a1; torch 2.13
+    failed an assert where b is a view, and crashed the process (SIGSEGV) where it is not, under its
+    own aot_function and torch.compile's aot_eager too. Such an output is now no graph output: the
+    call makes it from the caller's a1 at its traced place in the storage. Values, aliasing (an
+    in-place add through it reaches b), and the gradients of a leaf b is made from are eager's. Found
+    by a random aliasing sweep."""
+    take = {"split": lambda t: t.split(2)[1], "unbind": lambda t: t.unbind(0)[1],
+            "narrow": lambda t: t.narrow(0, 2, 1)}[view]
+
+    def fn(a0, a1, w):
+        a0.mul_(w)
+        return take(a1), (a1 * w.sum()).sum()
+
+    make = {"aot_function": aotfuse.aot_function, "memory_efficient_fusion": aotfuse.memory_efficient_fusion,
+            "torch.compile": lambda f: torch.compile(f, backend="aotfuse")}[how]
+    torch._dynamo.reset()
+    compiled = make(fn)
+    for call in range(2):
+        runs = []
+        for f in (fn, compiled):
+            leaf = (torch.arange(8.0).view(2, 4) + call).requires_grad_()
+            lw = torch.tensor([2.0, 3.0, 5.0, 7.0], requires_grad=True)
+            b = leaf * 1
+            out, s = f(b[0], b.t(), lw * 1)
+            assert out.untyped_storage().data_ptr() == b.untyped_storage().data_ptr(), (how, view, call)
+            ((out * torch.arange(1.0, out.numel() + 1).view(out.shape)).sum() + s).backward(retain_graph=True)
+            values = (out.detach().clone(), s.detach(), b.detach().clone(), leaf.grad, lw.grad)
+            with torch.no_grad():
+                out.add_(100)  # through the output into b
+            runs.append(values + (b.detach().clone(),))
+        for name, e, c in zip(("output", "sum", "b", "leaf grad", "w grad", "b after out.add_"), *runs):
+            assert torch.equal(e, c), (how, view, call, name, e, c)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import inspect
 import math
@@ -49,6 +50,8 @@ class _Record:
 
     def __init__(self) -> None:
         self.out_spec: Any = None
+        # per output leaf: None (a graph output, in order), (value,) (a constant) or _InputOut (one of
+        # the call's tensors, returned as itself)
         self.out_consts: list = []
         self.programs: dict[str, Lowered] = {}
         self.graphs: dict[str, torch.fx.GraphModule] = {}
@@ -649,6 +652,91 @@ def _overlapping_view_of_intermediate(out: Any, inputs: Sequence[Any]) -> bool:
             and self_overlapping(out))
 
 
+@dataclasses.dataclass(frozen=True)
+class _InputOut:
+    """An output leaf that is one of the call's tensors itself (`x.mul_(2); return x`)."""
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _InputView:
+    """An output leaf that is a view of an input sharing its storage with another input: made by
+    the call from the caller's tensor (`as_strided` at the traced place in their storage)."""
+    index: int
+    size: tuple
+    stride: tuple
+    offset: int
+
+    def of(self, tensors: list) -> torch.Tensor:
+        """The view, made from the input's root base where that spans the whole storage (a view
+        made from the input itself gets no gradient for its elements outside the input's: a1's
+        column of `b` through a0 = b[0] lost b[1]'s share), else from the input."""
+        t = tensors[self.index]
+        root = t._base
+        if root is not None and root.dtype == t.dtype and root.storage_offset() == 0 and root.is_contiguous() \
+                and root.numel() * root.element_size() == root.untyped_storage().nbytes():
+            t = root
+        return t.as_strided(self.size, self.stride, self.offset)
+
+
+def _storage_groups(tensors: Sequence[Any], skip: int = 0) -> set:
+    """The positions of the tensors from `skip` on (a module's parameters and buffers before it, as
+    _distinct_storages) that share their storage with another of them (x and x.t(), or one tensor
+    passed twice)."""
+    by: dict = {}
+    for k, t in enumerate(tensors[skip:], skip):
+        by.setdefault(_storage_of(t), []).append(k)
+    return {k for ks in by.values() if len(ks) > 1 for k in ks}
+
+
+def _span(t: torch.Tensor) -> tuple:
+    """The first and last storage elements t reaches (for an empty t, an empty span)."""
+    if t.numel() == 0:
+        return (t.storage_offset(), t.storage_offset() - 1)
+    low = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st < 0)
+    high = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if st > 0)
+    return (low, high)
+
+
+def _out_kind(x: Any, tensors: tuple, shared: set) -> Any:
+    """record.out_consts' entry for the output leaf x.
+
+    An input returned as itself is no graph output: the call returns the caller's tensor, as eager
+    does, after AOTAutograd has written the input's updates into it (as a graph output, an updated
+    input at a storage offset came back at offset 0 beside inputs AOTAutograd merged into one
+    synthetic base: silently wrong values).
+
+    A view of an input that shares its storage with another input is no graph output either: the
+    call makes it from the caller's tensor (_InputView). AOTAutograd replays such a view's ops on the
+    synthetic base it merges the inputs into where one is updated, as if on the input itself
+    (torch 2.13: `a0.mul_(2); return a1.split(2)[1]` with a0 = b[0], a1 = b.t() failed an assert
+    on a base that is a view, and crashed the process on one that is not). Only where the trace's
+    sizes are numbers, and the view has its input's dtype, conj/neg bits and requires_grad; else
+    AOTAutograd makes it as before (signatures with shared storages are traced without symbolic
+    sizes, so that holds)."""
+    if not isinstance(x, torch.Tensor):
+        return (x,)
+    same = next((_InputOut(k) for k, t in enumerate(tensors) if t is x), None)
+    if same is not None or not shared or not x._is_view():
+        return same
+    try:
+        storage = x.untyped_storage()._cdata
+        ks = [k for k in sorted(shared) if tensors[k].untyped_storage()._cdata == storage]
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    meta = (tuple(x.shape), tuple(x.stride()), x.storage_offset())
+    if not ks or not all(isinstance(v, int) for t in ks for v in (meta[0] + meta[1] + meta[2:] + tuple(tensors[t].shape)
+                                                                + tuple(tensors[t].stride()) + (tensors[t].storage_offset(),))):
+        return None
+    # preferably an input whose span holds the view's (the input a view is made from where the
+    # input's root base does not span the storage: _InputView.of)
+    k = next((k for k in ks if _span(tensors[k])[0] <= _span(x)[0] and _span(x)[1] <= _span(tensors[k])[1]), ks[0])
+    t = tensors[k]
+    if x.dtype != t.dtype or (x.is_conj(), x.is_neg(), x.requires_grad) != (t.is_conj(), t.is_neg(), t.requires_grad):
+        return None
+    return _InputView(k, *meta)
+
+
 def _own_if_overlapping(out: torch.Tensor, inputs: tuple) -> torch.Tensor:
     """out, or a tensor of its own where it is a self-overlapping view of an intermediate."""
     return out.clone() if _overlapping_view_of_intermediate(out, inputs) else out
@@ -751,10 +839,11 @@ class CompiledFunction:
         if entry.fallback is not None:
             args, kwargs = tree
             return entry.fallback(*args, **kwargs), entry
-        outs = entry.compiled(*[leaves[i] for i in entry.tensor_idx])
+        tensors = [leaves[i] for i in entry.tensor_idx]
+        outs = entry.compiled(*tensors)
         if self.bw_compiler is None:
             _no_zero_gradients(outs)
-        return self._rebuild(entry.record, outs), entry
+        return self._rebuild(entry.record, outs, tensors), entry
 
     def _initialize_lazy(self, tree: Any) -> Any:
         """A call over a lazy module's uninitialized parameters (LazyLinear sizes them at its first call;
@@ -769,9 +858,11 @@ class CompiledFunction:
         return self.fn(*args, **kwargs)
 
     @staticmethod
-    def _rebuild(record: _Record, outs: Any) -> Any:
+    def _rebuild(record: _Record, outs: Any, tensors: list) -> Any:
         it = iter(outs)
-        return tree_unflatten([next(it) if c is None else c[0] for c in record.out_consts], record.out_spec)
+        return tree_unflatten([next(it) if c is None else tensors[c.index] if isinstance(c, _InputOut) else
+                               c.of(tensors) if isinstance(c, _InputView) else c[0] for c in record.out_consts],
+                              record.out_spec)
 
     def _varying_shapes(self, key: tuple, tree: Any) -> str:
         """For the cache-full warning: the inputs whose shapes differ between the compiled signatures
@@ -843,7 +934,8 @@ class CompiledFunction:
             config.emit("cache", f"{self.name}: a new shape of a signature that falls back ({self.fallback})")
             return entry
         dims, fkey = None, None
-        if self._dynamic_mode() != "0":
+        shared = _storage_groups([leaves[i] for i in tensor_idx], self.num_params_buffers)  # see _out_kind
+        if self._dynamic_mode() != "0" and not shared:
             tensors = [leaves[i] for i in tensor_idx]
             fkey = _family_key(key)
             family = self._families.get(fkey)
@@ -893,8 +985,8 @@ class CompiledFunction:
                                      f"compiled graph cannot replay")
             out_leaves, out_spec = tree_flatten(out, objects=True)
             record.out_spec = out_spec
-            record.out_consts = [None if isinstance(x, torch.Tensor) else (x,) for x in out_leaves]
-            return tuple(_own_if_overlapping(x, tensors) for x in out_leaves if isinstance(x, torch.Tensor))
+            record.out_consts = [_out_kind(x, tensors, shared) for x in out_leaves]
+            return tuple(_own_if_overlapping(x, tensors) for x, c in zip(out_leaves, record.out_consts) if c is None)
 
         ours = functools.partial(_compile_with_core, record)
         traced_fn = [flat_fn]  # the first run may swap in a graph of it with attention fused
@@ -1053,7 +1145,7 @@ class CompiledFunction:
         entry.ready = True
         if self.bw_compiler is None:
             _no_zero_gradients(outs)
-        return self._rebuild(entry.record, outs), entry
+        return self._rebuild(entry.record, outs, tensors), entry
 
     def _forget(self, entry: _Entry) -> None:
         for k, e in list(self._cache.items()):

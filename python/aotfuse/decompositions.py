@@ -16,9 +16,9 @@ __all__ = ["default_decompositions"]
 aten = torch.ops.aten
 
 # Activations and losses (and their backwards) become pointwise ops and reductions; matmuls,
-# convolutions, embedding and attention stay whole (extern calls).
+# convolutions, embedding and attention stay whole (extern calls). (`detach` becomes `alias` on the
+# traced graphs, lower.detaches_as_aliases: decomposed here it would trace as a differentiable view.)
 _DECOMPOSED = [
-    aten.detach,
     aten.gelu,
     aten.gelu_backward,
     aten.silu,

@@ -157,6 +157,43 @@ def _own_overlapping_outputs(gm: torch.fx.GraphModule) -> None:
         gm.recompile()
 
 
+def _input_views_made_by_the_call(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> dict:
+    """Dynamo's graph without its outputs that are views of an input sharing its storage with
+    another input, which the compiled call makes from the caller's tensor instead, as
+    memory_efficient_fusion does (compile._out_kind: AOTAutograd replays such a view on the synthetic
+    base it merges the inputs into, and torch 2.13 crashed the process there). Returns {output
+    position: compile._InputView}; gm is rewritten only where that is not empty."""
+    from .compile import _InputView, _out_kind
+
+    # Dynamo's fake values (the outputs' are views of the placeholders' fake storages)
+    tensors = [n.meta.get("example_value", n.meta.get("val")) for n in gm.graph.find_nodes(op="placeholder")]
+    tensors = [t if isinstance(t, torch.Tensor) else None for t in tensors]
+    if len(tensors) != len(example_inputs):
+        return {}
+    by: dict = {}
+    for k, t in enumerate(tensors):
+        if t is not None:
+            try:
+                by.setdefault(t.untyped_storage()._cdata, []).append(k)
+            except (RuntimeError, NotImplementedError, TypeError):
+                pass
+    shared = {k for ks in by.values() if len(ks) > 1 for k in ks}
+    out = gm.graph.output_node()
+    if not shared or len(out.args) != 1 or not isinstance(out.args[0], (tuple, list)):
+        return {}
+    views = {}
+    for i, node in enumerate(out.args[0]):
+        val = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
+        kind = _out_kind(val, tensors, shared) if isinstance(val, torch.Tensor) else None
+        if isinstance(kind, _InputView):
+            views[i] = kind
+    if views:
+        # (no dead-code elimination: Dynamo's in-place method calls on inputs would count as dead)
+        out.args = (type(out.args[0])(n for i, n in enumerate(out.args[0]) if i not in views),)
+        gm.recompile()
+    return views
+
+
 def _attention_as_sdpa(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[torch.fx.GraphModule, list | None]:
     """gm with its eager attention chains as scaled_dot_product_attention (attention.py), traced at the
     pre-dispatch level, or gm as it is. As memory_efficient_fusion: on CUDA, and on the CPU without
@@ -235,6 +272,7 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
     if config.disabled():
         return gm.forward
     _own_overlapping_outputs(gm)
+    views = _input_views_made_by_the_call(gm, example_inputs)
     symbolic = _symbolic(example_inputs)
     if symbolic and (config.dynamic() == "0" or _scalar_inputs(gm)):
         return _per_shape(gm, example_inputs, collect, options)
@@ -301,8 +339,13 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
 
     @functools.wraps(compiled)  # same calling convention (boxed or not) and attributes
     def run(*args: Any) -> Any:
+        if views:  # the inputs, boxed (one list, which the call empties) or not (Dynamo calls it so)
+            inputs = list(args[0] if len(args) == 1 and isinstance(args[0], list) else args)
         outs = compiled(*args)
         _no_zero_gradients(outs)  # outputs nobody differentiates get no dense zero gradient
+        if views:
+            it = iter(outs)
+            outs = [views[i].of(inputs) if i in views else next(it) for i in range(len(outs) + len(views))]
         return outs
 
     return run

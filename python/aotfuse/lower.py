@@ -892,6 +892,25 @@ def resolve_lazy_views(gm: fx.GraphModule) -> None:
         gm.recompile()
 
 
+def detaches_as_aliases(gm: fx.GraphModule) -> int:
+    """`aten.detach` nodes that are no graph output become `aten.alias` (the same storage, shape and
+    strides: the C core's identity view, which a pointwise chain reads through). Done on traced
+    graphs, never by the decomposition table: decomposed while AOTAutograd collects its metadata, a
+    detach traced as a differentiable view. A detach the graph returns stays one (ATen's, at run
+    time): an alias output is a view, which autograd.Function keeps differentiable, and a detached
+    output beside a view of the same value came back with requires_grad=True (both found by a random
+    aliasing sweep). Returns how many it rewrote."""
+    done = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.detach.default \
+                and all(u.op != "output" for u in node.users):
+            node.target = torch.ops.aten.alias.default
+            done += 1
+    if done:
+        gm.recompile()
+    return done
+
+
 def unwrap_effects(gm: fx.GraphModule) -> int:
     """AOTAutograd threads an effect token through ops that only check or report (linalg's
     `_linalg_check_errors`, which raises for a singular matrix): `with_effects(token, op, *args)`
@@ -1208,6 +1227,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
     from .rng import share_seeds
 
     unwrap_effects(gm)  # an inference graph's (a training graph's were unwrapped in its joint graph)
+    detaches_as_aliases(gm)  # likewise
     _refuse_overlapping_results(gm)
     share_seeds(gm)  # an inference graph's dropouts (a training graph's were shared in its joint graph)
     resolve_lazy_views(gm)

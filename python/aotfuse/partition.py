@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from . import _C, checkpoint, config, shapes
-from .lower import build_graph, set_real_dtypes, unwrap_effects
+from .lower import build_graph, detaches_as_aliases, set_real_dtypes, unwrap_effects
 from .rng import share_seeds
 from .shapes import same
 
@@ -327,6 +327,7 @@ def _partition(joint_module: fx.GraphModule, num_fwd_outputs: int, min_cut: bool
                static_lifetime_input_nodes: Any = None, static_inputs: Any = None,
                **options: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
     unwrap_effects(joint_module)  # before dead-code elimination, which keeps the effectful calls
+    detaches_as_aliases(joint_module)
     joint_module.graph.eliminate_dead_code()
     if min_cut:
         _cse(joint_module.graph)
