@@ -340,9 +340,12 @@ def test_an_output_of_overlapping_windows_over_an_intermediate_has_eagers_gradie
     """An output whose elements share memory (an unfold's windows) viewing an intermediate: AOTAutograd
     returns it as its base's view, made again outside the compiled function, and the input's gradient
     through it came out wrong without an error (torch 2.13: its own aot_function, aot_eager and
-    Inductor too; 7.0 off on a 5 x 4 input). aotfuse returns such an output as a tensor of its own
-    (compile._own_if_overlapping, dynamo._own_overlapping_outputs). The windows over an input stay a
-    view of it, and a plain view of an intermediate stays a view: their gradients were right."""
+    Inductor too; 7.0 off on a 5 x 4 input). aotfuse's graph returns the base, and the call makes the
+    view of it (compile._BaseView, dynamo._own_overlapping_outputs), so the gradient is eager's and so
+    is the aliasing: an in-place add on the output adds twice where two windows share an element, as
+    eager's (until 2026-12-05 such an output was a copy, which added once; found by a random aliasing
+    sweep). The windows over an input stay a view of it, and a plain view of an intermediate stays a
+    view: their gradients were right."""
     f = _WINDOWS[name]
     compiled = {"memory_efficient_fusion": aotfuse.memory_efficient_fusion, "aot_function": aotfuse.aot_function,
                 "torch.compile": lambda fn: torch.compile(fn, backend="aotfuse")}[how](
@@ -368,6 +371,12 @@ def test_an_output_of_overlapping_windows_over_an_intermediate_has_eagers_gradie
     x = torch.randn(5, 4, requires_grad=True)
     outs = compiled(x)
     assert outs[1]._base is x  # the windows over the input still view it
+    eager_outs = f(x.detach())
+    assert outs[0]._base is not None and outs[0].stride() == eager_outs.stride(), (name, how, outs[0].stride())
+    with torch.no_grad():
+        outs[0].add_(1.0)
+        eager_outs.add_(1.0)
+    assert_close(outs[0], eager_outs, f"{name} {how}: the output after an in-place add (windows sharing elements)")
 
 
 def test_a_mutation_of_an_input_that_overlaps_itself_is_refused_or_run_as_eager():

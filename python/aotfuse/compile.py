@@ -679,6 +679,21 @@ class _InputView:
         return t.as_strided(self.size, self.stride, self.offset)
 
 
+@dataclasses.dataclass(frozen=True)
+class _BaseView:
+    """An output leaf that is a self-overlapping view of an intermediate (`v.as_strided((2, 2), (1,
+    1))`, `(x * 2).unfold(0, 3, 1)`): the graph returns its base, and the call makes the view of it
+    (`as_strided`, `offset` elements past the base's start), so its gradient is eager's (AOTAutograd's
+    view of its base gave a wrong one, compile._overlapping_view_of_intermediate) and so are its
+    aliasing and the in-place ops a caller does on it."""
+    size: tuple
+    stride: tuple
+    offset: int
+
+    def of(self, base: torch.Tensor) -> torch.Tensor:
+        return base.as_strided(self.size, self.stride, base.storage_offset() + self.offset)
+
+
 def _storage_groups(tensors: Sequence[Any], skip: int = 0) -> set:
     """The positions of the tensors from `skip` on (a module's parameters and buffers before it, as
     _distinct_storages) that share their storage with another of them (x and x.t(), or one tensor
@@ -717,6 +732,11 @@ def _out_kind(x: Any, tensors: tuple, shared: set) -> Any:
     if not isinstance(x, torch.Tensor):
         return (x,)
     same = next((_InputOut(k) for k, t in enumerate(tensors) if t is x), None)
+    if same is None and _overlapping_view_of_intermediate(x, tensors):
+        meta = (tuple(x.shape), tuple(x.stride()), x.storage_offset() - x._base.storage_offset())
+        if all(isinstance(v, int) for v in meta[0] + meta[1] + meta[2:]):
+            return _BaseView(*meta)
+        return None  # symbolic sizes (a shape family's): returned as a copy (_own_if_overlapping)
     if same is not None or not shared or not x._is_view():
         return same
     try:
@@ -860,7 +880,8 @@ class CompiledFunction:
     @staticmethod
     def _rebuild(record: _Record, outs: Any, tensors: list) -> Any:
         it = iter(outs)
-        return tree_unflatten([next(it) if c is None else tensors[c.index] if isinstance(c, _InputOut) else
+        return tree_unflatten([next(it) if c is None else c.of(next(it)) if isinstance(c, _BaseView) else
+                               tensors[c.index] if isinstance(c, _InputOut) else
                                c.of(tensors) if isinstance(c, _InputView) else c[0] for c in record.out_consts],
                               record.out_spec)
 
@@ -986,7 +1007,8 @@ class CompiledFunction:
             out_leaves, out_spec = tree_flatten(out, objects=True)
             record.out_spec = out_spec
             record.out_consts = [_out_kind(x, tensors, shared) for x in out_leaves]
-            return tuple(_own_if_overlapping(x, tensors) for x, c in zip(out_leaves, record.out_consts) if c is None)
+            return tuple(x._base if isinstance(c, _BaseView) else _own_if_overlapping(x, tensors)
+                         for x, c in zip(out_leaves, record.out_consts) if c is None or isinstance(c, _BaseView))
 
         ours = functools.partial(_compile_with_core, record)
         traced_fn = [flat_fn]  # the first run may swap in a graph of it with attention fused

@@ -130,31 +130,44 @@ def _has_active_dropout(gm: torch.fx.GraphModule) -> bool:
     return False
 
 
-def _own_overlapping_outputs(gm: torch.fx.GraphModule) -> None:
-    """Dynamo's graph with each output that is a self-overlapping view of an intermediate cloned, as
-    memory_efficient_fusion's traced function does (compile._own_if_overlapping: AOTAutograd's input
-    gradient through such an output came out wrong, Inductor's too)."""
-    from .compile import _overlapping_view_of_intermediate
+def _own_overlapping_outputs(gm: torch.fx.GraphModule) -> dict:
+    """Dynamo's graph with each output that is a self-overlapping view of an intermediate replaced by
+    its base, which the compiled call makes the view of, as memory_efficient_fusion's traced function
+    does (compile._BaseView: AOTAutograd's view of the base gave the input a wrong gradient, Inductor's
+    too); cloned where the base is no value of the graph or the sizes are symbolic. Returns {output
+    position: compile._BaseView}."""
+    from .compile import _BaseView, _out_kind, _overlapping_view_of_intermediate
 
     def value(node: Any) -> Any:
         return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
 
     inputs = [value(n) for n in gm.graph.find_nodes(op="placeholder")]
     out = gm.graph.output_node()
+    flat = len(out.args) == 1 and isinstance(out.args[0], (tuple, list))
+    bases: dict = {}
     changed = False
 
-    def own(arg: Any) -> Any:
+    def own(arg: Any, i: int | None) -> Any:
         nonlocal changed
-        if not _overlapping_view_of_intermediate(value(arg), inputs):
+        val = value(arg)
+        if not _overlapping_view_of_intermediate(val, inputs):
             return arg
-        with gm.graph.inserting_before(out):
-            copy = gm.graph.call_method("clone", (arg,))
+        kind = _out_kind(val, inputs, set()) if i is not None else None
+        base = next((n for n in gm.graph.nodes if value(n) is val._base), None) if isinstance(kind, _BaseView) else None
         changed = True
-        return copy
+        if base is not None:
+            bases[i] = kind
+            return base
+        with gm.graph.inserting_before(out):
+            return gm.graph.call_method("clone", (arg,))
 
-    out.args = torch.fx.node.map_arg(out.args, own)
+    if flat:
+        out.args = (type(out.args[0])(own(a, i) for i, a in enumerate(out.args[0])),)
+    else:
+        out.args = torch.fx.node.map_arg(out.args, lambda a: own(a, None))
     if changed:
         gm.recompile()
+    return bases
 
 
 def _input_views_made_by_the_call(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> dict:
@@ -271,7 +284,7 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
     partition_kw = _backend_options(mode, options)
     if config.disabled():
         return gm.forward
-    _own_overlapping_outputs(gm)
+    bases = _own_overlapping_outputs(gm)
     views = _input_views_made_by_the_call(gm, example_inputs)
     symbolic = _symbolic(example_inputs)
     if symbolic and (config.dynamic() == "0" or _scalar_inputs(gm)):
@@ -346,6 +359,8 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
         if views:
             it = iter(outs)
             outs = [views[i].of(inputs) if i in views else next(it) for i in range(len(outs) + len(views))]
+        if bases:  # (positions in Dynamo's outputs, as the input views')
+            outs = [bases[i].of(o) if i in bases else o for i, o in enumerate(outs)]
         return outs
 
     return run
