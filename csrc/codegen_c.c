@@ -404,6 +404,175 @@ static int emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_
     return AF_OK;
 }
 
+/* AOTFUSE_COLUMN_PHASED=0 keeps every reduction group a row kernel (an A/B of the layouts below). */
+static int config_column_phased(void) {
+    const char *e = getenv("AOTFUSE_COLUMN_PHASED");
+    return !(e && e[0] == '0' && e[1] == '\0');
+}
+
+/* Columns a block of a column-phased kernel holds at most (its per-column accumulators and row
+ * values are arrays of this length on each thread's stack); fewer where that gives every thread a
+ * block. */
+#define AF_COLUMN_PHASED_BLOCK 64
+#define AF_COLUMN_PHASED_BLOCK_MIN 16
+
+/* The kept dim of a reduction group's space to run its kernel column-phased along
+ * (emit_column_phased_kernel), or -1 to run it as rows. A row kernel's inner loop walks the
+ * innermost reduced dim, a column-phased one a kept dim; an operand that is not contiguous along
+ * the inner loop is read (or written) one element at a time. Each full-size operand (a stride on
+ * every dim) not contiguous along a mode's inner loop costs that mode its passes over it (an input
+ * is read in each phase, an output written once); the cheaper mode wins, rows on a tie. A layer
+ * norm over the channels of a transposed or channels-last tensor (Swin's patch embedding, [16, 256,
+ * 32] reduced over its 32 at a stride of 256: its forward 1.70 -> 0.45 ms) or a batch norm of a
+ * channels-last one run column-phased. Not for groups with windows or guards, nor a plain column
+ * reduction (emit_column_reduction takes it). */
+static int32_t phased_column_dim(const af_fusion_group *grp, const af_cg_space *sp, int phased, int32_t last_phase) {
+    if (sp->n_kept < 1 || sp->n_kept >= sp->nd || sp->nops != grp->n_inputs + grp->n_outputs || (sp->column && !phased))
+        return -1;
+    int32_t best = -1;
+    int64_t best_cost = 0, row_cost = 0;
+    for (int32_t d = -1; d < sp->n_kept; d++) { /* d = -1: rows */
+        if (d >= 0 && sp->sizes[d] < 8) continue;
+        int64_t cost = 0;
+        for (int32_t k = 0; k < sp->nops; k++) {
+            if (sp->ops[k].window_only || sp->ops[k].dtype == AF_DTYPE_INT64) continue;
+            int full = 1;
+            for (int32_t e = 0; e < sp->nd; e++) full &= sp->strides[k][e] != 0;
+            if (full && sp->strides[k][d < 0 ? sp->nd - 1 : d] != 1) cost += k < grp->n_inputs ? last_phase + 1 : 1;
+        }
+        if (d < 0) row_cost = cost;
+        else if (cost < row_cost && (best < 0 || cost < best_cost)) best = d, best_cost = cost;
+    }
+    return best;
+}
+
+/* A reduction group (phased or not) whose rows run along a strided dim while kept dim `kc` is
+ * contiguous (phased_column_dim): blocks of up to AF_COLUMN_PHASED_BLOCK columns of kc, one per
+ * task (with the other kept dims); per phase, the reduced elements outside and the block's columns
+ * inside (a contiguous, vectorizing loop), each column with its own accumulators; after a phase, each
+ * column's phase end as a row kernel's (af_cg_emit_phase_end: its reductions rounded, stored, its row
+ * members), its row values kept in arrays (cv<id>, reciprocals cr<id>) that later phases read.
+ * Members of earlier phases are recomputed (no per-row cache), dropout masks from each element's
+ * own counter as before. Sums add in float over AF_COLUMN_CHUNK rows, then in double. */
+static int emit_column_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp,
+                                     const int32_t *phases, int32_t last_phase, int32_t kc, int32_t index) {
+    const af_cg_operand *ops = sp->ops;
+    int32_t nops = sp->nops, nd = sp->nd, n_kept = sp->n_kept;
+    int64_t columns = sp->sizes[kc], rows = sp->inner, outer = sp->outer / columns;
+    int parallel = sp->outer * sp->inner >= 32768;
+    af_strbuf_printf(sb, "\n/* group %d: %d nodes (%d reductions, %d phases), %d inputs, %d outputs, %" PRId64 " x %" PRId64
+                     " columns x %" PRId64 " rows, column-phased */\n", (int)index, (int)grp->n_nodes, (int)grp->n_reductions,
+                     (int)last_phase + 1, (int)grp->n_inputs, (int)grp->n_outputs, outer, columns, rows);
+    af_strbuf_printf(sb, "void af_kernel_%d(char *const *p) {\n", (int)index);
+    af_strbuf_printf(sb, "  typedef %s af_idx; /* index math: 32-bit where every offset fits */\n", af_cg_narrow_index(sp) ? "int32_t" : "int64_t");
+    af_cg_emit_pointers(sb, g, grp, ops);
+    /* columns per block: as many as give each thread a block, within [MIN, BLOCK] */
+    af_strbuf_printf(sb, "  af_idx bs = (%" PRId64 " + af_num_threads - 1) / af_num_threads;\n", columns * outer);
+    af_strbuf_printf(sb, "  bs = bs < %d ? %d : bs > %d ? %d : bs;\n", AF_COLUMN_PHASED_BLOCK_MIN, AF_COLUMN_PHASED_BLOCK_MIN,
+                     AF_COLUMN_PHASED_BLOCK, AF_COLUMN_PHASED_BLOCK);
+    af_strbuf_printf(sb, "  const af_idx nb = (%" PRId64 " + bs - 1) / bs;\n", columns);
+    af_strbuf_printf(sb, "  %s\n  for (af_idx t = 0; t < nb * %" PRId64 "; t++) {\n",
+                     parallel ? "#pragma omp parallel for schedule(static) num_threads(af_num_threads)" : "", outer);
+    af_strbuf_printf(sb, "    const af_idx c0 = (t %% nb) * bs, c1 = c0 + bs < %" PRId64 " ? c0 + bs : %" PRId64 ";\n", columns, columns);
+    for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    af_idx b%d = 0;\n", (int)k);
+    af_strbuf_printf(sb, "    af_idx r = t / nb;\n");
+    for (int32_t d = n_kept - 1; d >= 0; d--) { /* the other kept dims: the block's row base */
+        if (d == kc) continue;
+        af_strbuf_printf(sb, "    { af_idx x = r %% %" PRId64 "; r /= %" PRId64 ";", sp->sizes[d], sp->sizes[d]);
+        for (int32_t k = 0; k < nops; k++)
+            if (sp->strides[k][d]) af_strbuf_printf(sb, " b%d += x * %" PRId64 ";", (int)k, sp->strides[k][d]);
+        af_strbuf_printf(sb, " }\n");
+    }
+    af_strbuf_printf(sb, "    (void)r;\n");
+    /* row values (each phase's reductions and row members) and reciprocals, per column of the block */
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        const af_node *n = af_graph_node(g, grp->nodes[m]);
+        int red = af_op_get(n->op_id)->kind == AF_KIND_REDUCTION;
+        if (!red && !(phases[m] & AF_CG_ROW)) continue;
+        int v = (int)n->first_output;
+        af_strbuf_printf(sb, "    float cv%d[%d];\n", v, AF_COLUMN_PHASED_BLOCK);
+        if (af_cg_has_row_reciprocal(g, grp, phases, v)) af_strbuf_printf(sb, "    float cr%d[%d];\n", v, AF_COLUMN_PHASED_BLOCK);
+    }
+    const char *simd = in_place_same_index(g, grp, sp) ? "      AF_IVDEP\n" : "";
+    for (int32_t ph = 0; ph <= last_phase; ph++) {
+        af_strbuf flush = {0};
+        for (int32_t m = 0; m < grp->n_nodes; m++) {
+            const af_node *n = af_graph_node(g, grp->nodes[m]);
+            if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION || phases[m] != ph) continue;
+            int v = (int)n->first_output;
+            af_strbuf_printf(sb, "    double acc%d[%d];\n    for (af_idx c = 0; c < c1 - c0; c++) acc%d[c] = %s;\n", v,
+                             AF_COLUMN_PHASED_BLOCK, v, af_cg_acc_init(n));
+            if (n->op_id == AF_OP_SUM || n->op_id == AF_OP_MEAN) {
+                af_strbuf_printf(sb, "    float accf%d[%d];\n    for (af_idx c = 0; c < c1 - c0; c++) accf%d[c] = 0.0f;\n", v,
+                                 AF_COLUMN_PHASED_BLOCK, v);
+                af_strbuf_printf(&flush, "        for (af_idx c = 0; c < c1 - c0; c++) { acc%d[c] += (double)accf%d[c]; accf%d[c] = 0.0f; }\n",
+                                 v, v, v);
+            }
+        }
+        af_strbuf_printf(sb, "    for (af_idx i = 0; i < %" PRId64 "; i++) { /* phase %d */\n      af_idx s = i;\n", rows, (int)ph);
+        for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      af_idx r%d = b%d;\n", (int)k, (int)k);
+        af_cg_emit_unflatten(sb, "      ", "af_idx", "s", "r", n_kept, nd - 1, sp->sizes, sp->strides, nops);
+        af_strbuf_printf(sb, "      (void)s;\n%s      for (af_idx c = c0; c < c1; c++) {\n", simd);
+        for (int32_t k = 0; k < nops; k++)
+            af_strbuf_printf(sb, "      af_idx o%d = r%d + c * %" PRId64 ";\n", (int)k, (int)k, sp->strides[k][kc]);
+        for (int32_t m = 0; m < grp->n_nodes; m++) { /* earlier phases' row values of this column */
+            const af_node *n = af_graph_node(g, grp->nodes[m]);
+            int red = af_op_get(n->op_id)->kind == AF_KIND_REDUCTION;
+            int32_t mp = phases[m] & ~AF_CG_ROW;
+            if ((!red && !(phases[m] & AF_CG_ROW)) || mp >= ph) continue;
+            int v = (int)n->first_output;
+            af_strbuf_printf(sb, "      const float v%d = cv%d[c - c0]; (void)v%d;\n", v, v, v);
+            if (af_cg_has_row_reciprocal(g, grp, phases, v))
+                af_strbuf_printf(sb, "      const float rc%d = cr%d[c - c0]; (void)rc%d;\n", v, v, v);
+        }
+        af_cg_emit_loads(sb, grp, ops);
+        af_cg_emit_members_cached(sb, g, grp, "      ", "[c - c0]", phases, ph, AF_CG_FLOAT_SUMS, NULL, "i");
+        af_cg_emit_phase_stores(sb, g, grp, ops, phases, ph, "      ");
+        af_strbuf_printf(sb, "      }\n");
+        if (flush.failed) sb->failed = 1; /* out of memory: the whole source fails (never a kernel without its flush) */
+        else if (flush.len)
+            af_strbuf_printf(sb, "      if ((i + 1) %% %d == 0 || i + 1 == %" PRId64 ") {\n%s      }\n", AF_COLUMN_CHUNK, rows,
+                             flush.buf);
+        free(flush.buf);
+        af_strbuf_printf(sb, "    }\n");
+        /* each column's phase end, as a row kernel's, with its accumulators and row bases as scalars */
+        af_strbuf_printf(sb, "    for (af_idx c = c0; c < c1; c++) {\n");
+        for (int32_t k = 0; k < nops; k++)
+            af_strbuf_printf(sb, "      const af_idx bc%d = b%d + c * %" PRId64 "; (void)bc%d;\n", (int)k, (int)k,
+                             sp->strides[k][kc], (int)k);
+        for (int32_t m = 0; m < grp->n_nodes; m++) {
+            const af_node *n = af_graph_node(g, grp->nodes[m]);
+            int red = af_op_get(n->op_id)->kind == AF_KIND_REDUCTION;
+            int32_t mp = phases[m] & ~AF_CG_ROW;
+            int v = (int)n->first_output;
+            if (red && phases[m] == ph) af_strbuf_printf(sb, "      const double ca%d = acc%d[c - c0];\n", v, v);
+            if ((!red && !(phases[m] & AF_CG_ROW)) || mp >= ph) continue;
+            af_strbuf_printf(sb, "      const float v%d = cv%d[c - c0]; (void)v%d;\n", v, v, v);
+            if (af_cg_has_row_reciprocal(g, grp, phases, v))
+                af_strbuf_printf(sb, "      const float rc%d = cr%d[c - c0]; (void)rc%d;\n", v, v, v);
+        }
+        af_strbuf_printf(sb, "      {\n");
+        for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      const af_idx b%d = bc%d; (void)b%d;\n", (int)k, (int)k, (int)k);
+        for (int32_t m = 0; m < grp->n_nodes; m++) {
+            const af_node *n = af_graph_node(g, grp->nodes[m]);
+            if (af_op_get(n->op_id)->kind == AF_KIND_REDUCTION && phases[m] == ph)
+                af_strbuf_printf(sb, "      const double acc%d = ca%d;\n", (int)n->first_output, (int)n->first_output);
+        }
+        af_cg_emit_phase_end(sb, g, grp, ops, phases, ph, rows, 0, "      ", NULL);
+        for (int32_t m = 0; m < grp->n_nodes; m++) { /* this phase's row values, for later phases */
+            const af_node *n = af_graph_node(g, grp->nodes[m]);
+            int red = af_op_get(n->op_id)->kind == AF_KIND_REDUCTION;
+            if (!(red ? phases[m] == ph : phases[m] == (ph | AF_CG_ROW)) || ph == last_phase) continue;
+            int v = (int)n->first_output;
+            af_strbuf_printf(sb, "      cv%d[c - c0] = v%d;\n", v, v);
+            if (af_cg_has_row_reciprocal(g, grp, phases, v)) af_strbuf_printf(sb, "      cr%d[c - c0] = rc%d;\n", v, v);
+        }
+        af_strbuf_printf(sb, "      }\n    }\n");
+    }
+    af_strbuf_printf(sb, "  }\n}\n");
+    return AF_OK;
+}
+
 /* Kernels with reductions: kept dims outside (threads), reduced dims inside, accumulators in double. */
 static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, int32_t index) {
     af_cg_space sp;
@@ -415,7 +584,15 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
         af_cg_space_free(&sp);
         return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
     }
-    if (af_cg_is_phased(phases, grp->n_nodes, last_phase)) {
+    int phased = af_cg_is_phased(phases, grp->n_nodes, last_phase);
+    int32_t kc = config_column_phased() ? phased_column_dim(grp, &sp, phased, last_phase) : -1;
+    if (kc >= 0) {
+        st = emit_column_phased_kernel(sb, g, grp, &sp, phases, last_phase, kc, index);
+        free(phases);
+        af_cg_space_free(&sp);
+        return st;
+    }
+    if (phased) {
         st = emit_phased_kernel(sb, g, grp, &sp, phases, last_phase, index);
         free(phases);
         af_cg_space_free(&sp);

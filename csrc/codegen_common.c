@@ -171,6 +171,12 @@ static void emit_row_reciprocal(af_strbuf *sb, const af_graph *g, const af_fusio
         }
 }
 
+int af_cg_has_row_reciprocal(const af_graph *g, const af_fusion_group *grp, const int32_t *phases, int32_t v) {
+    for (int32_t m = 0; m < grp->n_nodes; m++)
+        if (row_divisor(g, grp, phases, m) == v) return 1;
+    return 0;
+}
+
 /* Whether scalar x is a value of 16-bit float type d (bf16: 8 significant bits and float's range;
  * f16: 11 significant bits, normal from 2^-14 to 65504, subnormal down to 2^-24). */
 static int scalar_exact_16(double x, af_dtype d) {
@@ -1317,10 +1323,12 @@ static int ident_char(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c 
 /* Locals named by node ids: v<id> values, c<id> phase caches, acc<id>/accf<id>/nan<id> and CUDA's
  * sacc<id>/saccf<id>/sh<id> accumulators, sv<id>/iv<id> random seeds and indices, s<id>_<dim> and
  * u<id>_<dim> a window's coordinates, g<id> a guard chosen after its loads, rc<id> a row value's
- * reciprocal. (A prefix missing here keeps a model's layers from sharing a body: the guards' g<id>
+ * reciprocal; a column-phased kernel's ca<id> (a column's accumulator), cv<id> and cr<id> (its
+ * block's row values and reciprocals). (A prefix missing here keeps a model's layers from sharing a body: the guards' g<id>
  * did, Longformer at host size 60 -> 170 bodies, its C compile 1.6 -> 3.3 s, until listed.) */
 static int local_prefix(const char *t, size_t letters) {
-    static const char *const prefixes[] = {"v", "c", "acc", "accf", "nan", "sv", "iv", "s", "u", "g", "sacc", "saccf", "sh", "rc"};
+    static const char *const prefixes[] = {"v",  "c",     "acc", "accf", "nan", "sv", "iv", "s",  "u",
+                                           "g",  "sacc",  "saccf", "sh", "rc",  "ca", "cv", "cr"};
     for (size_t k = 0; k < sizeof prefixes / sizeof *prefixes; k++)
         if (strlen(prefixes[k]) == letters && !strncmp(t, prefixes[k], letters)) return 1;
     return 0;

@@ -108,6 +108,9 @@ void af_cg_emit_phase_stores(af_strbuf *sb, const af_graph *g, const af_fusion_g
  * (one thread of a row's several). */
 void af_cg_emit_phase_end(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
                           const int32_t *phases, int32_t ph, int64_t inner, int nan_flags, const char *indent, const char *guard);
+/* Whether some member of grp divides by row value v (then its phase end emits `rc<v>`, v's
+ * reciprocal, which the member multiplies by). */
+int af_cg_has_row_reciprocal(const af_graph *g, const af_fusion_group *grp, const int32_t *phases, int32_t v);
 /* `T *restrict q<k> = (T *)p[k];` for every operand (not restrict: an in-place pair's two). */
 void af_cg_emit_pointers(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops);
 /* The input whose tensor output k may be written into (the runtime decides: the input dies at this

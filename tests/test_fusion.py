@@ -2465,3 +2465,71 @@ def test_dropout_over_a_channels_last_activation_draws_each_elements_own_numbers
     assert outs[1].stride() != outs[0].stride()
     assert torch.equal(outs[0], outs[1])
     assert 0.3 < (outs[0] != 0).float().mean() < 0.7
+
+
+def _column_phased_cases():
+    def channels_first_norm(x):  # ConvNeXt's channels-first layer norm: mean and variance over dim 1
+        u = x.mean(1, keepdim=True)
+        s = (x - u).pow(2).mean(1, keepdim=True)
+        return (x - u) / torch.sqrt(s + 1e-6) * 1.5 + 0.25
+
+    return {
+        # Swin's patch embedding: a layer norm over the 32 channels of a [16, 32, 16, 16] image, read
+        # as [16, 256, 32] at a stride of 256
+        "layer-norm-transposed": (lambda x: F.layer_norm(x.flatten(2).transpose(1, 2), (32,)) * 1.5 + 0.25,
+                                  (16, 32, 16, 16)),
+        "softmax-dim1": (lambda x: torch.softmax(x * 2.0, dim=1), (8, 32, 64)),
+        "channels-first-norm": (channels_first_norm, (4, 16, 8, 8)),
+        "mean-dim1": (lambda x: x.mean(1) * 3.0, (4, 16, 8, 8)),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(_column_phased_cases()))
+def test_reductions_over_a_strided_dim_run_column_phased(case, dtype, monkeypatch):
+    """A reduction group whose rows run along a strided dim while a kept dim is contiguous (a layer
+    norm over the channels of a transposed tensor, a softmax or mean over dim 1) runs its phases
+    column-phased: blocks of columns in the inner, contiguous loop, each with its own accumulators
+    and row values (codegen_c.c, emit_column_phased_kernel). A row kernel read each row's elements at
+    the stride, one at a time: Swin's patch-embedding layer norm forward 1.70 -> 0.45 ms in bf16, the
+    bf16 Swin step 105 -> 87% of eager's. Forward and backward values against eager and a float64
+    reference; AOTFUSE_COLUMN_PHASED=0 keeps row kernels, with the same values."""
+    fn, shape = _column_phased_cases()[case]
+    g = torch.Generator().manual_seed(0)
+    x64 = torch.randn(shape, dtype=torch.float64, generator=g)
+    w64 = torch.randn(fn(x64).shape, dtype=torch.float64, generator=g)
+
+    def run(f, dt):
+        x = x64.to(dt).requires_grad_()
+        out = f(x)
+        (gx,) = torch.autograd.grad((out * w64.to(dt)).sum(), x)
+        return out.detach(), gx
+
+    ref = run(fn, torch.float64)
+    eager = run(fn, dtype)
+    sources = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("AOTFUSE_COLUMN_PHASED", switch)
+        compiled = aotfuse.aot_function(fn)
+        got = run(compiled, dtype)
+        for what, a, e, r in zip(("output", "input gradient"), got, eager, ref):
+            assert_close(a, e, f"{case} {dtype} AOTFUSE_COLUMN_PHASED={switch}: {what} against eager",
+                         atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+            err, eager_err = (a.double() - r).abs().max().item(), (e.double() - r).abs().max().item()
+            assert err <= 2 * eager_err + (1e-2 if dtype == torch.bfloat16 else 1e-5), (case, dtype, switch, what, err, eager_err)
+        sources[switch] = "".join(low.program.source for low in compiled.records[-1].programs.values())
+    assert "column-phased" in sources["1"] and "column-phased" not in sources["0"], case
+
+
+def test_a_column_phased_softmax_keeps_eagers_nans_and_infinities():
+    """A column-phased max takes the double path (af_maxd, NaN-propagating): a NaN makes its
+    column NaN, a column of -inf is NaN, an inf is the column's only weight, as eager's softmax."""
+    f = lambda x: torch.softmax(x * 2.0, dim=1)  # noqa: E731
+    x = torch.randn(8, 32, 64, generator=torch.Generator().manual_seed(0))
+    x[2, 5, 7], x[4, 3, 11] = float("nan"), float("inf")
+    x[3, :, 9] = float("-inf")
+    compiled = aotfuse.aot_function(f)
+    got, ref = compiled(x), f(x)
+    assert "column-phased" in compiled.records[-1].programs["inference"].program.source
+    assert torch.equal(got.isnan(), ref.isnan()) and got[2, :, 7].isnan().all() and got[3, :, 9].isnan().all()
+    assert_close(got.nan_to_num(), ref.nan_to_num(), "softmax over dim 1 with NaN and inf", atol=1e-6, rtol=1e-5)

@@ -3,7 +3,9 @@
  * kernel drops AF_GUARDED_LOADS and ends each row with AF_ROW_END; a guard on a dim before the
  * row is chosen after its loads (offset 0 where it fails); an empty input keeps the branch. The
  * values are checked against eager by tests/test_fusion.py; here the shape of the source, under
- * ASan+UBSan and valgrind like the other C tests. */
+ * ASan+UBSan and valgrind like the other C tests. Also: a reduction over a strided dim runs
+ * column-phased. */
+#define _POSIX_C_SOURCE 200112L /* setenv */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -144,8 +146,64 @@ static void test_a_16_bit_selection_of_16_bit_values_is_not_rounded_again(void *
     check_where_rounding(AF_DTYPE_FLOAT16, h, h_exact, 6);
 }
 
+/* exp(x) / sum(exp(x), -1, keepdim) over x[8, 64, 32] laid out with the given strides: a softmax over
+ * the last dim, which fuse.c makes one phased kernel (the division an epilogue). Returns the C. */
+static char *softmax_source(const int64_t *strides) {
+    static const int64_t sizes[3] = {8, 64, 32}, rsizes[3] = {8, 64, 1}, rstrides[3] = {64, 1, 1};
+    af_tensor_meta mx = f32_cpu_meta(3, sizes, strides), mr = f32_cpu_meta(3, rsizes, rstrides);
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    int32_t x, e, sum, out;
+    assert_int_equal(af_graph_add_input(g, "x", &mx, &x), AF_OK);
+    af_arg one = {.kind = AF_ARG_VALUE, .u.value = x};
+    assert_int_equal(af_graph_add_node(g, "aten::exp.default", &one, 1, &mx, 1, &e), AF_OK);
+    af_arg d = {.kind = AF_ARG_INT, .u.i = -1};
+    af_arg args[3] = {{.kind = AF_ARG_VALUE, .u.value = e},
+                      {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = &d}},
+                      {.kind = AF_ARG_BOOL, .u.i = 1}};
+    assert_int_equal(af_graph_add_node(g, "aten::sum.dim_IntList", args, 3, &mr, 1, &sum), AF_OK);
+    af_arg div[2] = {{.kind = AF_ARG_VALUE, .u.value = e}, {.kind = AF_ARG_VALUE, .u.value = sum}};
+    assert_int_equal(af_graph_add_node(g, "aten::div.Tensor", div, 2, &mx, 1, &out), AF_OK);
+    assert_int_equal(af_graph_set_outputs(g, &out, 1), AF_OK);
+    assert_int_equal(af_graph_verify(g), AF_OK);
+    af_fusion_plan *plan;
+    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+    assert_int_equal(plan->n_groups, 1); /* one phased kernel: the sum, then the division */
+    char *src = NULL;
+    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
+    af_fuse_plan_free(plan);
+    af_graph_free(g);
+    return src;
+}
+
+/* A phased kernel whose operands are contiguous along a kept dim (dim 1) and strided along the
+ * reduced one (a transposed input: Swin's patch-embedding layer norm) runs column-phased: the block's
+ * columns in the inner loop at stride 1, each column's row sum in an array its phase end fills and
+ * the division's phase reads (cv<id>); with the reduced dim contiguous it stays a row kernel, and so it
+ * does under AOTFUSE_COLUMN_PHASED=0. */
+static void test_a_softmax_over_a_strided_dim_runs_column_phased(void **state) {
+    (void)state;
+    static const int64_t transposed[3] = {2048, 1, 64}, contiguous[3] = {2048, 32, 1};
+    char *src = softmax_source(transposed);
+    assert_non_null(strstr(src, "column-phased"));
+    assert_non_null(strstr(src, "af_idx o0 = r0 + c * 1;"));
+    assert_non_null(strstr(src, "/* phase 1 */"));
+    assert_non_null(strstr(src, "float cv"));
+    free(src);
+    src = softmax_source(contiguous);
+    assert_null(strstr(src, "column-phased"));
+    assert_non_null(strstr(src, "/* phase 1 */"));
+    free(src);
+    setenv("AOTFUSE_COLUMN_PHASED", "0", 1);
+    src = softmax_source(transposed);
+    unsetenv("AOTFUSE_COLUMN_PHASED");
+    assert_null(strstr(src, "column-phased"));
+    free(src);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_a_softmax_over_a_strided_dim_runs_column_phased),
         cmocka_unit_test(test_a_padded_row_is_split_where_its_guard_changes),
         cmocka_unit_test(test_a_guard_the_row_does_not_move_is_chosen_after_its_loads),
         cmocka_unit_test(test_both_dims_padded_split_the_row_and_choose_the_rows),
