@@ -3,6 +3,7 @@ of a seed model, one lowered with the variable at its A value and one at its B v
 alternating steps (the order flips each repetition), so that the machine's drift hits both alike.
 
     python benchmarks/ab_env.py --env AOTFUSE_SINK_COPIES --model LongformerForMaskedLM --size host
+    python benchmarks/ab_env.py --env AOTFUSE_COLUMN_PHASED --family swin --dtype bf16 --repeats 20
 
 prints each side's median step time, their ratio, each side's peak CPU allocation over one step
 (torch's allocation events, as `python -m aotfuse.bench` measures it), each side's loss after the
@@ -25,6 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # families.py
 import aotfuse  # noqa: E402
 from aotfuse.bench import DTYPES, SIZES, _cpu_peak, build_model  # noqa: E402
 from aotfuse.dynamo import aotfuse_backend  # noqa: E402
@@ -37,6 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--a", default="1", help="its value for side A (default 1)")
     ap.add_argument("--b", default="0", help="its value for side B (default 0)")
     ap.add_argument("--model", default="BertForMaskedLM")
+    ap.add_argument("--family", default=None,
+                    help="one of benchmarks/families.py's models (llama, swin, ...) instead of --model, at that "
+                         "benchmark's size (--size and --dropout ignored)")
     ap.add_argument("--size", default="host", choices=SIZES)
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     ap.add_argument("--repeats", type=int, default=200, help="timed steps per side")
@@ -48,8 +53,16 @@ def main(argv: list[str] | None = None) -> None:
                     help="the model checkpoints each layer (gradient_checkpointing_enable, non-reentrant)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, inputs, desc = build_model(args.model, args.size, DTYPES[args.dtype], "cpu", dropout=args.dropout,
-                                      gradient_checkpointing=args.gradient_checkpointing)
+    if args.family:
+        import families
+
+        model, inputs = families.build(args.family, DTYPES[args.dtype])
+        if args.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        desc = f"{args.family} (benchmarks/families.py's size)"
+    else:
+        model, inputs, desc = build_model(args.model, args.size, DTYPES[args.dtype], "cpu", dropout=args.dropout,
+                                          gradient_checkpointing=args.gradient_checkpointing)
     saved = os.environ.get(args.env)
     sides = {}
     programs = {}

@@ -330,6 +330,69 @@ static void close_row_chunks(af_strbuf *sb, const char *flush) {
     af_strbuf_printf(sb, "    }\n");
 }
 
+/* AOTFUSE_COLUMN_PHASED=0 keeps every reduction group a row kernel and reads strided row inputs in the row's loop (an A/B of
+ * emit_column_phased_kernel and row_gathers). */
+static int config_column_phased(void) {
+    const char *e = getenv("AOTFUSE_COLUMN_PHASED");
+    return !(e && e[0] == '0' && e[1] == '\0');
+}
+
+/* Per row, the inputs a row kernel gathers first (row_gathers): at most this many bytes of them. */
+#define AF_ROW_GATHER_BYTES (64 * 1024)
+
+/* A row kernel's inputs that are read across the row at a stride (a transposed or channels-last
+ * input beside row-major ones: a layer norm's backward reads its output gradient along the channels
+ * and its input, [16, 32, 256] transposed, at a stride of 256). Such a load is one element at a time
+ * (no 16-bit gather), and one in the row's loop kept the whole loop scalar: that backward took 2.1 ms
+ * against 0.38 ms for a contiguous input. Each such input's row is gathered first into ga<k>[inner]
+ * (a loop of its own), which every phase then reads contiguously, so the row's loops vectorize.
+ * Marks them in gathered[k] (window_only, so af_cg_emit_loads skips them) and returns how many; none
+ * where their arrays would pass AF_ROW_GATHER_BYTES or AOTFUSE_COLUMN_PHASED=0 (the same A/B). */
+static int row_gathers(const af_fusion_group *grp, const af_cg_space *sp, af_cg_operand *gathered) {
+    int n = 0;
+    memcpy(gathered, sp->ops, (size_t)sp->nops * sizeof *gathered);
+    if (!config_column_phased() || sp->n_kept >= sp->nd || sp->nops != grp->n_inputs + grp->n_outputs) return 0;
+    for (int32_t k = 0; k < grp->n_inputs; k++) {
+        int64_t st = sp->strides[k][sp->nd - 1];
+        if (sp->ops[k].window_only || sp->ops[k].dtype == AF_DTYPE_INT64 || st == 0 || st == 1) continue;
+        gathered[k].window_only = 1;
+        n++;
+    }
+    if (n == 0 || (int64_t)n * sp->inner * (int64_t)sizeof(float) > AF_ROW_GATHER_BYTES) {
+        memcpy(gathered, sp->ops, (size_t)sp->nops * sizeof *gathered);
+        return 0;
+    }
+    return n;
+}
+
+/* Each gathered input's row into ga<k> (row_gathers), at the row's base b<k>. */
+static void emit_row_gather_loops(af_strbuf *sb, const af_fusion_group *grp, const af_cg_space *sp,
+                                  const af_cg_operand *gathered) {
+    for (int32_t k = 0; k < grp->n_inputs; k++) {
+        if (!gathered[k].window_only || sp->ops[k].window_only) continue;
+        af_strbuf_printf(sb, "    float ga%d[%" PRId64 "]; /* the row of an input read at a stride, gathered once */\n", (int)k,
+                         sp->inner);
+        af_strbuf_printf(sb, "    for (af_idx i = 0; i < %" PRId64 "; i++) {\n      af_idx s = i, o = b%d;\n", sp->inner, (int)k);
+        for (int32_t d = sp->nd - 1; d >= sp->n_kept; d--)
+            af_strbuf_printf(sb, "      { af_idx x = s %% %" PRId64 "; s /= %" PRId64 "; o += x * %" PRId64 "; }\n", sp->sizes[d],
+                             sp->sizes[d], sp->strides[k][d]);
+        char ptr[16];
+        snprintf(ptr, sizeof ptr, "q%d", (int)k);
+        af_strbuf_printf(sb, "      (void)s;\n      ga%d[i] = ", (int)k);
+        af_cg_emit_load(sb, sp->ops[k].dtype, ptr, "o");
+        af_strbuf_printf(sb, ";\n    }\n");
+    }
+}
+
+/* The loads of one element of a row kernel: gathered inputs from their arrays, the others as usual. */
+static void emit_row_loads(af_strbuf *sb, const af_fusion_group *grp, const af_cg_space *sp, const af_cg_operand *gathered) {
+    for (int32_t k = 0; k < grp->n_inputs; k++)
+        if (gathered[k].window_only && !sp->ops[k].window_only)
+            af_strbuf_printf(sb, "      const float v%d = ga%d[i]; (void)v%d;\n", (int)sp->ops[k].value, (int)k,
+                             (int)sp->ops[k].value);
+    af_cg_emit_loads(sb, grp, gathered);
+}
+
 /* Per row, the arrays of members kept from one phase for later ones (af_cg_phase_cache): on each
  * OpenMP thread's stack, so bounded. */
 #define AF_PHASE_CACHE_BYTES (256 * 1024)
@@ -357,6 +420,12 @@ static int emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    af_idx b%d = 0;\n", (int)k);
     af_strbuf_printf(sb, "    af_idx r = c;\n");
     af_cg_emit_unflatten(sb, "    ", "af_idx", "r", "b", 0, n_kept - 1, sp->sizes, sp->strides, nops);
+    af_cg_operand *gathered = malloc((size_t)nops * sizeof *gathered);
+    if (!gathered) {
+        free(cached);
+        return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
+    }
+    if (row_gathers(grp, sp, gathered)) emit_row_gather_loops(sb, grp, sp, gathered);
     for (int32_t m = 0; m < grp->n_nodes; m++)
         if (cached[m])
             /* an array length, which af_cg_share never lifts: a kernel keeping values per row (the
@@ -390,7 +459,7 @@ static int emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_
         for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      af_idx o%d = b%d;\n", (int)k, (int)k);
         af_cg_emit_unflatten(sb, "      ", "af_idx", "s", "o", n_kept, nd - 1, sp->sizes, sp->strides, nops);
         af_strbuf_printf(sb, "      (void)s;\n");
-        af_cg_emit_loads(sb, grp, ops);
+        emit_row_loads(sb, grp, sp, gathered);
         af_cg_emit_members_cached(sb, g, grp, "      ", "", phases, ph, AF_CG_NAN_FLAGS | AF_CG_FLOAT_SUMS, cached, "i");
         af_cg_emit_phase_stores(sb, g, grp, ops, phases, ph, "      ");
         close_row_chunks(sb, flush.buf ? flush.buf : "");
@@ -401,13 +470,8 @@ static int emit_phased_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_
     }
     af_strbuf_printf(sb, "  }\n}\n");
     free(cached);
+    free(gathered);
     return AF_OK;
-}
-
-/* AOTFUSE_COLUMN_PHASED=0 keeps every reduction group a row kernel (an A/B of the layouts below). */
-static int config_column_phased(void) {
-    const char *e = getenv("AOTFUSE_COLUMN_PHASED");
-    return !(e && e[0] == '0' && e[1] == '\0');
 }
 
 /* Columns a block of a column-phased kernel holds at most (its per-column accumulators and row
@@ -622,6 +686,13 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    af_idx b%d = 0;\n", (int)k);
     af_strbuf_printf(sb, "    af_idx r = c;\n");
     af_cg_emit_unflatten(sb, "    ", "af_idx", "r", "b", 0, n_kept - 1, sizes, strides, nops);
+    af_cg_operand *gathered = malloc((size_t)nops * sizeof *gathered);
+    if (!gathered) {
+        af_cg_space_free(&sp);
+        return af_error_set(AF_ERR_NOMEM, "out of memory generating code");
+    }
+    int n_gathered = row_gathers(grp, &sp, gathered);
+    if (n_gathered) emit_row_gather_loops(sb, grp, &sp, gathered);
     af_cg_emit_acc_decls(sb, g, grp, "double", "    ");
     /* sums may be reassociated within the row: float partial sums a chunk (a vectorized loop), their
      * totals into the double accumulators; with a max or min, every accumulator is a double */
@@ -638,7 +709,11 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      af_idx o%d = b%d;\n", (int)k, (int)k);
     af_cg_emit_unflatten(sb, "      ", "af_idx", "s", "o", n_kept, nd - 1, sizes, strides, nops);
     af_strbuf_printf(sb, "      (void)s;\n");
-    af_cg_emit_body(sb, g, grp, ops, "", only_sums ? AF_CG_FLOAT_SUMS : 0);
+    for (int32_t k = 0; k < grp->n_inputs && n_gathered; k++) /* (af_cg_emit_body skips them) */
+        if (gathered[k].window_only && !ops[k].window_only)
+            af_strbuf_printf(sb, "      const float v%d = ga%d[i]; (void)v%d;\n", (int)ops[k].value, (int)k, (int)ops[k].value);
+    af_cg_emit_body(sb, g, grp, gathered, "", only_sums ? AF_CG_FLOAT_SUMS : 0);
+    free(gathered);
     close_row_chunks(sb, flush.buf ? flush.buf : "");
     free(decl.buf);
     free(flush.buf);

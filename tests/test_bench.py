@@ -206,6 +206,23 @@ def test_ab_env_times_both_sides_of_a_switch(capsys, monkeypatch):
     assert "AOTFUSE_SINK_COPIES" not in os.environ
 
 
+def test_ab_env_takes_a_model_of_the_families_benchmark(capsys, monkeypatch):
+    """--family NAME builds benchmarks/families.py's model (Swin here): each side lowers its own
+    programs (AOTFUSE_COLUMN_PHASED=1 runs its patch embedding's layer norm column-phased), both
+    train alike."""
+    ab_env = _ab_env()
+    monkeypatch.delenv("AOTFUSE_COLUMN_PHASED", raising=False)
+    ab_env.main(["--env", "AOTFUSE_COLUMN_PHASED", "--family", "swin", "--dtype", "fp32", "--repeats", "1",
+                 "--warmup", "1"])
+    out = capsys.readouterr().out
+    lines = {v: line for line in out.splitlines() for v in ("=1:", "=0:") if v in line}
+    assert set(lines) == {"=1:", "=0:"} and "swin (benchmarks/families.py's size)" in out, out
+    losses = {v: float(line.rsplit("last loss ", 1)[1].split(",")[0]) for v, line in lines.items()}
+    assert losses["=1:"] == pytest.approx(losses["=0:"], rel=1e-4), out
+    assert all(int(re.search(r"(\d+) fused kernels", line).group(1)) > 0 for line in lines.values()), out
+    assert "AOTFUSE_COLUMN_PHASED" not in os.environ
+
+
 def test_ab_env_lowers_each_side_of_a_dynamo_fallback_model(capsys, monkeypatch):
     """Longformer runs through Dynamo (fallback="dynamo"), which keeps compiled graphs per code
     object, guarded on the backend: with one backend for both, side B ran side A's programs (both sides alike, every
