@@ -713,6 +713,15 @@ def _span(t: torch.Tensor) -> tuple:
     return (low, high)
 
 
+def _shares_an_input_storage(x: torch.Tensor, tensors: Sequence[Any]) -> bool:
+    """Whether x's elements live in one of the tensors' storages (True where that cannot be told)."""
+    try:
+        storage = x.untyped_storage()._cdata
+        return any(isinstance(t, torch.Tensor) and t.untyped_storage()._cdata == storage for t in tensors)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return True
+
+
 def _out_kind(x: Any, tensors: tuple, shared: set) -> Any:
     """record.out_consts' entry for the output leaf x.
 
@@ -732,7 +741,9 @@ def _out_kind(x: Any, tensors: tuple, shared: set) -> Any:
     if not isinstance(x, torch.Tensor):
         return (x,)
     same = next((_InputOut(k) for k, t in enumerate(tensors) if t is x), None)
-    if same is None and _overlapping_view_of_intermediate(x, tensors):
+    # (a view of an input, which a synthetic base makes look like an intermediate's: `_base` is the
+    # synthetic base there and the input itself in AOTAutograd's other pass, which must agree)
+    if same is None and _overlapping_view_of_intermediate(x, tensors) and not _shares_an_input_storage(x, tensors):
         meta = (tuple(x.shape), tuple(x.stride()), x.storage_offset() - x._base.storage_offset())
         if all(isinstance(v, int) for v in meta[0] + meta[1] + meta[2:]):
             return _BaseView(*meta)

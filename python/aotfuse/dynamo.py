@@ -136,7 +136,7 @@ def _own_overlapping_outputs(gm: torch.fx.GraphModule) -> dict:
     does (compile._BaseView: AOTAutograd's view of the base gave the input a wrong gradient, Inductor's
     too); cloned where the base is no value of the graph or the sizes are symbolic. Returns {output
     position: compile._BaseView}."""
-    from .compile import _BaseView, _out_kind, _overlapping_view_of_intermediate
+    from .compile import _BaseView, _out_kind, _overlapping_view_of_intermediate, _shares_an_input_storage
 
     def value(node: Any) -> Any:
         return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
@@ -150,8 +150,8 @@ def _own_overlapping_outputs(gm: torch.fx.GraphModule) -> dict:
     def own(arg: Any, i: int | None) -> Any:
         nonlocal changed
         val = value(arg)
-        if not _overlapping_view_of_intermediate(val, inputs):
-            return arg
+        if not _overlapping_view_of_intermediate(val, inputs) or _shares_an_input_storage(val, inputs):
+            return arg  # (a view of an input: its own, or _input_views_made_by_the_call's)
         kind = _out_kind(val, inputs, set()) if i is not None else None
         base = next((n for n in gm.graph.nodes if value(n) is val._base), None) if isinstance(kind, _BaseView) else None
         changed = True
