@@ -215,6 +215,35 @@ static const char *const prelude =
  * longer than this many terms. */
 #define AF_COLUMN_CHUNK 32
 
+/* A column kernel's per-column accumulators, arrays of `block` (each reduction's, or phase ph's when
+ * phases is given): acc<v> in double, and for sums accf<v>, float partial sums over AF_COLUMN_CHUNK
+ * rows whose flush into acc<v> goes into *flush (emit_column_flush). */
+static void emit_column_accumulators(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const int32_t *phases,
+                                     int32_t ph, int block, af_strbuf *flush) {
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        const af_node *n = af_graph_node(g, grp->nodes[m]);
+        if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION || (phases && phases[m] != ph)) continue;
+        int v = (int)n->first_output;
+        af_strbuf_printf(sb, "    double acc%d[%d];\n    for (af_idx c = 0; c < c1 - c0; c++) acc%d[c] = %s;\n", v, block, v,
+                         af_cg_acc_init(n));
+        if (n->op_id == AF_OP_SUM || n->op_id == AF_OP_MEAN) {
+            af_strbuf_printf(sb, "    float accf%d[%d];\n    for (af_idx c = 0; c < c1 - c0; c++) accf%d[c] = 0.0f;\n", v, block, v);
+            af_strbuf_printf(flush, "        for (af_idx c = 0; c < c1 - c0; c++) { acc%d[c] += (double)accf%d[c]; accf%d[c] = 0.0f; }\n",
+                             v, v, v);
+        }
+    }
+}
+
+/* After a column kernel's row i: every AF_COLUMN_CHUNK rows (and after the last), the float partial
+ * sums into the double accumulators; frees *flush. */
+static void emit_column_flush(af_strbuf *sb, af_strbuf *flush, int64_t rows) {
+    if (flush->failed) sb->failed = 1; /* out of memory: the whole source fails (never a kernel without its flush) */
+    else if (flush->len)
+        af_strbuf_printf(sb, "      if ((i + 1) %% %d == 0 || i + 1 == %" PRId64 ") {\n%s      }\n", AF_COLUMN_CHUNK, rows,
+                         flush->buf);
+    free(flush->buf);
+}
+
 static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
                                   int32_t index, const int64_t *sizes, int64_t (*strides)[AF_MAX_DIMS], int32_t nd,
                                   int64_t columns, int64_t rows, int narrow) {
@@ -235,20 +264,7 @@ static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fus
                      parallel ? "#pragma omp parallel for schedule(static) num_threads(af_num_threads)" : "");
     af_strbuf_printf(sb, "    const af_idx c0 = cb * bs, c1 = c0 + bs < %" PRId64 " ? c0 + bs : %" PRId64 ";\n", columns, columns);
     af_strbuf flush = {0}; /* float partial sums of AF_COLUMN_CHUNK rows into the double accumulators */
-    for (int32_t m = 0; m < grp->n_nodes; m++) {
-        const af_node *n = af_graph_node(g, grp->nodes[m]);
-        if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION) continue;
-        const char *init = af_cg_acc_init(n);
-        int v = (int)n->first_output;
-        af_strbuf_printf(sb, "    double acc%d[%d];\n    for (af_idx c = 0; c < c1 - c0; c++) acc%d[c] = %s;\n", v,
-                         AF_COLUMN_BLOCK, v, init);
-        if (n->op_id == AF_OP_SUM || n->op_id == AF_OP_MEAN) {
-            af_strbuf_printf(sb, "    float accf%d[%d];\n    for (af_idx c = 0; c < c1 - c0; c++) accf%d[c] = 0.0f;\n", v,
-                             AF_COLUMN_BLOCK, v);
-            af_strbuf_printf(&flush, "        for (af_idx c = 0; c < c1 - c0; c++) { acc%d[c] += (double)accf%d[c]; accf%d[c] = 0.0f; }\n",
-                             v, v, v);
-        }
-    }
+    emit_column_accumulators(sb, g, grp, NULL, 0, AF_COLUMN_BLOCK, &flush);
     af_strbuf_printf(sb, "    for (af_idx i = 0; i < %" PRId64 "; i++) {\n      af_idx s = i;\n", rows);
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      af_idx r%d = 0;\n", (int)k);
     af_cg_emit_unflatten(sb, "      ", "af_idx", "s", "r", 1, nd - 1, sizes, strides, nops);
@@ -257,11 +273,7 @@ static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fus
         af_strbuf_printf(sb, "      af_idx o%d = r%d + c * %" PRId64 ";\n", (int)k, (int)k, strides[k][0]);
     af_cg_emit_body(sb, g, grp, ops, "[c - c0]", AF_CG_FLOAT_SUMS);
     af_strbuf_printf(sb, "      }\n");
-    if (flush.failed) sb->failed = 1; /* out of memory: the whole source fails (never a kernel without its flush) */
-    else if (flush.len)
-        af_strbuf_printf(sb, "      if ((i + 1) %% %d == 0 || i + 1 == %" PRId64 ") {\n%s      }\n", AF_COLUMN_CHUNK, rows,
-                         flush.buf);
-    free(flush.buf);
+    emit_column_flush(sb, &flush, rows);
     af_strbuf_printf(sb, "    }\n    for (af_idx c = c0; c < c1; c++) {\n");
     af_cg_emit_reduction_stores(sb, g, grp, ops, rows, strides, "      ");
     af_strbuf_printf(sb, "    }\n  }\n}\n");
@@ -510,6 +522,21 @@ static int32_t phased_column_dim(const af_fusion_group *grp, const af_cg_space *
     return best;
 }
 
+/* In a column-phased kernel, column c's row values (reductions, row members) of the phases before
+ * ph, and their reciprocals, from the block's arrays, under the names the members read. */
+static void emit_earlier_row_values(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const int32_t *phases,
+                                    int32_t ph) {
+    for (int32_t m = 0; m < grp->n_nodes; m++) {
+        const af_node *n = af_graph_node(g, grp->nodes[m]);
+        int red = af_op_get(n->op_id)->kind == AF_KIND_REDUCTION;
+        if ((!red && !(phases[m] & AF_CG_ROW)) || (phases[m] & ~AF_CG_ROW) >= ph) continue;
+        int v = (int)n->first_output;
+        af_strbuf_printf(sb, "      const float v%d = cv%d[c - c0]; (void)v%d;\n", v, v, v);
+        if (af_cg_has_row_reciprocal(g, grp, phases, v))
+            af_strbuf_printf(sb, "      const float rc%d = cr%d[c - c0]; (void)rc%d;\n", v, v, v);
+    }
+}
+
 /* A reduction group (phased or not) whose rows run along a strided dim while kept dim `kc` is
  * contiguous (phased_column_dim): blocks of up to AF_COLUMN_PHASED_BLOCK columns of kc, one per
  * task (with the other kept dims); per phase, the reduced elements outside and the block's columns
@@ -560,44 +587,19 @@ static int emit_column_phased_kernel(af_strbuf *sb, const af_graph *g, const af_
     const char *simd = in_place_same_index(g, grp, sp) ? "      AF_IVDEP\n" : "";
     for (int32_t ph = 0; ph <= last_phase; ph++) {
         af_strbuf flush = {0};
-        for (int32_t m = 0; m < grp->n_nodes; m++) {
-            const af_node *n = af_graph_node(g, grp->nodes[m]);
-            if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION || phases[m] != ph) continue;
-            int v = (int)n->first_output;
-            af_strbuf_printf(sb, "    double acc%d[%d];\n    for (af_idx c = 0; c < c1 - c0; c++) acc%d[c] = %s;\n", v,
-                             AF_COLUMN_PHASED_BLOCK, v, af_cg_acc_init(n));
-            if (n->op_id == AF_OP_SUM || n->op_id == AF_OP_MEAN) {
-                af_strbuf_printf(sb, "    float accf%d[%d];\n    for (af_idx c = 0; c < c1 - c0; c++) accf%d[c] = 0.0f;\n", v,
-                                 AF_COLUMN_PHASED_BLOCK, v);
-                af_strbuf_printf(&flush, "        for (af_idx c = 0; c < c1 - c0; c++) { acc%d[c] += (double)accf%d[c]; accf%d[c] = 0.0f; }\n",
-                                 v, v, v);
-            }
-        }
+        emit_column_accumulators(sb, g, grp, phases, ph, AF_COLUMN_PHASED_BLOCK, &flush);
         af_strbuf_printf(sb, "    for (af_idx i = 0; i < %" PRId64 "; i++) { /* phase %d */\n      af_idx s = i;\n", rows, (int)ph);
         for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      af_idx r%d = b%d;\n", (int)k, (int)k);
         af_cg_emit_unflatten(sb, "      ", "af_idx", "s", "r", n_kept, nd - 1, sp->sizes, sp->strides, nops);
         af_strbuf_printf(sb, "      (void)s;\n%s      for (af_idx c = c0; c < c1; c++) {\n", simd);
         for (int32_t k = 0; k < nops; k++)
             af_strbuf_printf(sb, "      af_idx o%d = r%d + c * %" PRId64 ";\n", (int)k, (int)k, sp->strides[k][kc]);
-        for (int32_t m = 0; m < grp->n_nodes; m++) { /* earlier phases' row values of this column */
-            const af_node *n = af_graph_node(g, grp->nodes[m]);
-            int red = af_op_get(n->op_id)->kind == AF_KIND_REDUCTION;
-            int32_t mp = phases[m] & ~AF_CG_ROW;
-            if ((!red && !(phases[m] & AF_CG_ROW)) || mp >= ph) continue;
-            int v = (int)n->first_output;
-            af_strbuf_printf(sb, "      const float v%d = cv%d[c - c0]; (void)v%d;\n", v, v, v);
-            if (af_cg_has_row_reciprocal(g, grp, phases, v))
-                af_strbuf_printf(sb, "      const float rc%d = cr%d[c - c0]; (void)rc%d;\n", v, v, v);
-        }
+        emit_earlier_row_values(sb, g, grp, phases, ph);
         af_cg_emit_loads(sb, grp, ops);
         af_cg_emit_members_cached(sb, g, grp, "      ", "[c - c0]", phases, ph, AF_CG_FLOAT_SUMS, NULL, "i");
         af_cg_emit_phase_stores(sb, g, grp, ops, phases, ph, "      ");
         af_strbuf_printf(sb, "      }\n");
-        if (flush.failed) sb->failed = 1; /* out of memory: the whole source fails (never a kernel without its flush) */
-        else if (flush.len)
-            af_strbuf_printf(sb, "      if ((i + 1) %% %d == 0 || i + 1 == %" PRId64 ") {\n%s      }\n", AF_COLUMN_CHUNK, rows,
-                             flush.buf);
-        free(flush.buf);
+        emit_column_flush(sb, &flush, rows);
         af_strbuf_printf(sb, "    }\n");
         /* each column's phase end, as a row kernel's, with its accumulators and row bases as scalars */
         af_strbuf_printf(sb, "    for (af_idx c = c0; c < c1; c++) {\n");
@@ -606,15 +608,10 @@ static int emit_column_phased_kernel(af_strbuf *sb, const af_graph *g, const af_
                              sp->strides[k][kc], (int)k);
         for (int32_t m = 0; m < grp->n_nodes; m++) {
             const af_node *n = af_graph_node(g, grp->nodes[m]);
-            int red = af_op_get(n->op_id)->kind == AF_KIND_REDUCTION;
-            int32_t mp = phases[m] & ~AF_CG_ROW;
-            int v = (int)n->first_output;
-            if (red && phases[m] == ph) af_strbuf_printf(sb, "      const double ca%d = acc%d[c - c0];\n", v, v);
-            if ((!red && !(phases[m] & AF_CG_ROW)) || mp >= ph) continue;
-            af_strbuf_printf(sb, "      const float v%d = cv%d[c - c0]; (void)v%d;\n", v, v, v);
-            if (af_cg_has_row_reciprocal(g, grp, phases, v))
-                af_strbuf_printf(sb, "      const float rc%d = cr%d[c - c0]; (void)rc%d;\n", v, v, v);
+            if (af_op_get(n->op_id)->kind == AF_KIND_REDUCTION && phases[m] == ph)
+                af_strbuf_printf(sb, "      const double ca%d = acc%d[c - c0];\n", (int)n->first_output, (int)n->first_output);
         }
+        emit_earlier_row_values(sb, g, grp, phases, ph);
         af_strbuf_printf(sb, "      {\n");
         for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      const af_idx b%d = bc%d; (void)b%d;\n", (int)k, (int)k, (int)k);
         for (int32_t m = 0; m < grp->n_nodes; m++) {

@@ -189,6 +189,13 @@ def _ab_env():
     return ab_env
 
 
+def _ab_sides(out: str) -> tuple[dict, dict]:
+    """ab_env.py's printout: each side's line ("=1:", "=0:") and its last loss; both sides present."""
+    lines = {v: line for line in out.splitlines() for v in ("=1:", "=0:") if v in line}
+    assert set(lines) == {"=1:", "=0:"}, out
+    return lines, {v: float(line.rsplit("last loss ", 1)[1].split(",")[0]) for v, line in lines.items()}
+
+
 def test_ab_env_times_both_sides_of_a_switch(capsys, monkeypatch):
     """benchmarks/ab_env.py: two copies lowered with the switch at its two values, trained alike
     (the same loss after the same steps), each side's time and peak printed; the variable is put
@@ -198,9 +205,8 @@ def test_ab_env_times_both_sides_of_a_switch(capsys, monkeypatch):
     ab_env.main(["--env", "AOTFUSE_SINK_COPIES", "--model", "BertForMaskedLM", "--size", "host", "--repeats", "2",
                  "--warmup", "1"])
     out = capsys.readouterr().out
-    lines = {v: line for line in out.splitlines() for v in ("=1:", "=0:") if v in line}
-    assert set(lines) == {"=1:", "=0:"} and "A/B:" in out, out
-    losses = {v: float(line.rsplit("last loss ", 1)[1].split(",")[0]) for v, line in lines.items()}
+    lines, losses = _ab_sides(out)
+    assert "A/B:" in out, out
     assert losses["=1:"] == pytest.approx(losses["=0:"], rel=1e-5), out
     assert all("peak" in line and " ms" in line for line in lines.values()), out
     assert "AOTFUSE_SINK_COPIES" not in os.environ
@@ -215,9 +221,8 @@ def test_ab_env_takes_a_model_of_the_families_benchmark(capsys, monkeypatch):
     ab_env.main(["--env", "AOTFUSE_COLUMN_PHASED", "--family", "swin", "--dtype", "fp32", "--repeats", "1",
                  "--warmup", "1"])
     out = capsys.readouterr().out
-    lines = {v: line for line in out.splitlines() for v in ("=1:", "=0:") if v in line}
-    assert set(lines) == {"=1:", "=0:"} and "swin (benchmarks/families.py's size)" in out, out
-    losses = {v: float(line.rsplit("last loss ", 1)[1].split(",")[0]) for v, line in lines.items()}
+    lines, losses = _ab_sides(out)
+    assert "swin (benchmarks/families.py's size)" in out, out
     assert losses["=1:"] == pytest.approx(losses["=0:"], rel=1e-4), out
     assert all(int(re.search(r"(\d+) fused kernels", line).group(1)) > 0 for line in lines.values()), out
     assert "AOTFUSE_COLUMN_PHASED" not in os.environ

@@ -403,6 +403,14 @@ def test_a_mutation_of_an_input_that_overlaps_itself_is_refused_or_run_as_eager(
     assert cf.records and cf.records[-1].programs
 
 
+def _entry_point(how: str):
+    """The compiler of one entry point (aot_function, memory_efficient_fusion or torch.compile with
+    aotfuse's backend), with Dynamo's caches reset."""
+    torch._dynamo.reset()
+    return {"aot_function": aotfuse.aot_function, "memory_efficient_fusion": aotfuse.memory_efficient_fusion,
+            "torch.compile": lambda f: torch.compile(f, backend="aotfuse")}[how]
+
+
 @pytest.mark.parametrize("how", ["aot_function", "memory_efficient_fusion", "torch.compile"])
 def test_an_in_place_add_into_an_empty_view_of_an_input_trains(how):
     """`a0.narrow(0, 3, 0).add_(a2)`: the backward copies an empty slice of a pointwise value, and
@@ -413,9 +421,7 @@ def test_an_in_place_add_into_an_empty_view_of_an_input_trains(how):
         a0.narrow(0, 3, 0).add_(a2)
         return a0 * 2
 
-    make = {"aot_function": aotfuse.aot_function, "memory_efficient_fusion": aotfuse.memory_efficient_fusion,
-            "torch.compile": lambda f: torch.compile(f, backend="aotfuse")}[how]
-    torch._dynamo.reset()
+    make = _entry_point(how)
     torch.manual_seed(0)
     a0 = torch.randn(4, 3)
     l2 = torch.randn(3, requires_grad=True)
@@ -438,9 +444,7 @@ def test_an_updated_input_returned_beside_a_synthetic_base_is_the_callers_tensor
         a3.mul_(2)
         return (a2, a4 * 3)
 
-    make = {"aot_function": aotfuse.aot_function, "memory_efficient_fusion": aotfuse.memory_efficient_fusion,
-            "torch.compile": lambda f: torch.compile(f, backend="aotfuse")}[how]
-    torch._dynamo.reset()
+    make = _entry_point(how)
     compiled = make(fn)
     for call in range(2):
         runs = []
@@ -470,9 +474,7 @@ def test_a_detached_output_beside_a_view_of_its_value_needs_no_gradient(how):
         v = -a
         return v.expand(2, *v.shape), v.detach()
 
-    make = {"aot_function": aotfuse.aot_function, "memory_efficient_fusion": aotfuse.memory_efficient_fusion,
-            "torch.compile": lambda f: torch.compile(f, backend="aotfuse")}[how]
-    torch._dynamo.reset()
+    make = _entry_point(how)
     compiled = make(fn)
     for call in range(2):
         runs = []
@@ -513,9 +515,7 @@ def test_a_view_of_an_input_sharing_its_storage_is_made_from_the_callers_tensor(
         a0.mul_(w)
         return take(a1), (a1 * w.sum()).sum()
 
-    make = {"aot_function": aotfuse.aot_function, "memory_efficient_fusion": aotfuse.memory_efficient_fusion,
-            "torch.compile": lambda f: torch.compile(f, backend="aotfuse")}[how]
-    torch._dynamo.reset()
+    make = _entry_point(how)
     compiled = make(fn)
     for call in range(2):
         runs = []
