@@ -89,7 +89,7 @@ def test_outputs_are_never_shared_constants():
 @pytest.mark.parametrize("how", ["aot_function", "memory_efficient_fusion", "torch.compile"])
 def test_outputs_that_are_views_of_constants_are_never_shared(how):
     """An output that is a view of a value no input reaches (`ones_like(a)` updated in place, then
-    sliced; `zeros_like` of an integer input, reshaped) keeps its base a node: folded, the base was
+    sliced; `zeros_like` of an integer input, reshaped; an item of `unbind`) keeps its base a node: folded, the base was
     one tensor under every call's output, so a caller's in-place update of one call's result showed in
     the next call's (found by a random aliasing sweep)."""
     def f(a):
@@ -114,6 +114,14 @@ def test_outputs_that_are_views_of_constants_are_never_shared(how):
     first.add_(5)
     second = cg(torch.ones(4, 3, dtype=torch.int64))[0]
     assert torch.equal(second, torch.zeros(12, dtype=torch.int64))
+    # an item of a multi-output view (unbind, split: taken by operator.getitem) is a view too (of a
+    # transposed input: its full_like is no contiguous fill, which would stay a node anyway)
+    ch = make(lambda a: ((torch.full_like(a, 2) * 0.5).unbind(0)[2],))
+    first = ch(torch.randn(4, 3, requires_grad=True).t())[0]
+    with torch.no_grad():
+        first.add_(1.0)
+    second = ch(torch.randn(4, 3, requires_grad=True).t())[0]
+    assert second.tolist() == [1.0] * 4 and first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
 
 
 def test_random_and_input_dependent_values_are_not_folded():

@@ -532,3 +532,29 @@ def test_a_view_of_an_input_sharing_its_storage_is_made_from_the_callers_tensor(
             runs.append(values + (b.detach().clone(),))
         for name, e, c in zip(("output", "sum", "b", "leaf grad", "w grad", "b after out.add_"), *runs):
             assert torch.equal(e, c), (how, view, call, name, e, c)
+
+
+@pytest.mark.parametrize("how", ["aot_function", "memory_efficient_fusion", "torch.compile"])
+def test_a_view_of_an_input_at_a_storage_offset_sharing_its_storage_keeps_its_place(how):
+    """`a1.sin_(); return a1.diagonal(), a1` with a0 = b[0:4], a1 = b[4:8]: the diagonal is made by
+    the call from the caller's a1 (compile._InputView) at its place relative to a1, as traced.
+    Recorded as an absolute storage offset it read b's first rows (offset 0 where eager's is 16):
+    AOTAutograd's last tracing pass held a1 at offset 0. Found by a random aliasing sweep."""
+    def fn(a0, a1, s):
+        a0[3].fill_(s)
+        a1.sin_()
+        return a1.diagonal(), a1, (a0 * a1).sum()
+
+    make = _entry_point(how)
+    compiled = make(fn)
+    for call in range(2):
+        runs = []
+        for f in (fn, compiled):
+            leaf = (torch.arange(32.0).view(8, 4) / 7 + call).double().requires_grad_()
+            b = leaf * 1
+            d, a1, total = f(b[0:4], b[4:8], torch.tensor(0.5, dtype=torch.float64))
+            assert d.storage_offset() == 16 and d.stride() == (5,), (how, call, d.storage_offset(), d.stride())
+            ((d * torch.arange(1.0, 5.0, dtype=torch.float64)).sum() + total).backward()
+            runs.append((d.detach().clone(), b.detach().clone(), total.detach(), leaf.grad))
+        for name, e, c in zip(("diagonal", "b", "sum", "leaf grad"), *runs):
+            assert torch.equal(e, c), (how, call, name, e, c)

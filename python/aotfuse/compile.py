@@ -661,7 +661,9 @@ class _InputOut:
 @dataclasses.dataclass(frozen=True)
 class _InputView:
     """An output leaf that is a view of an input sharing its storage with another input: made by
-    the call from the caller's tensor (`as_strided` at the traced place in their storage)."""
+    the call from the caller's tensor (`as_strided` at the traced place in their storage: `offset`
+    elements past the input's own start, as traced; a tracing pass's inputs need not hold the
+    caller's storage offsets, AOTAutograd's last pass held them at 0)."""
     index: int
     size: tuple
     stride: tuple
@@ -672,11 +674,12 @@ class _InputView:
         made from the input itself gets no gradient for its elements outside the input's: a1's
         column of `b` through a0 = b[0] lost b[1]'s share), else from the input."""
         t = tensors[self.index]
+        offset = t.storage_offset() + self.offset
         root = t._base
         if root is not None and root.dtype == t.dtype and root.storage_offset() == 0 and root.is_contiguous() \
                 and root.numel() * root.element_size() == root.untyped_storage().nbytes():
             t = root
-        return t.as_strided(self.size, self.stride, self.offset)
+        return t.as_strided(self.size, self.stride, offset)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -765,7 +768,7 @@ def _out_kind(x: Any, tensors: tuple, shared: set) -> Any:
     t = tensors[k]
     if x.dtype != t.dtype or (x.is_conj(), x.is_neg(), x.requires_grad) != (t.is_conj(), t.is_neg(), t.requires_grad):
         return None
-    return _InputView(k, *meta)
+    return _InputView(k, meta[0], meta[1], meta[2] - t.storage_offset())
 
 
 def _own_if_overlapping(out: torch.Tensor, inputs: tuple) -> torch.Tensor:

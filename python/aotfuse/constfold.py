@@ -27,6 +27,7 @@ AOTFUSE_CONSTANT_FOLD=0 turns folding off.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -70,6 +71,15 @@ def _is_view(node: fx.Node) -> bool:
     from .lower import _op_name  # lower imports this module
 
     return _C.op_kind(_op_name(node.target)) == "view"
+
+
+def _returns_alias(node: fx.Node) -> bool:
+    """A view (_is_view), or an op whose schema returns an alias of an argument (`unbind`, `split`:
+    their items, taken by operator.getitem, share the argument's memory)."""
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    return _is_view(node) or any(r.alias_info is not None and not r.alias_info.is_write
+                                 for r in node.target._schema.returns)
 
 
 def _fill(node: fx.Node) -> bool:
@@ -127,7 +137,7 @@ def fold(gm: fx.GraphModule, saved_from: int | None = None) -> fx.GraphModule:
     stack = list(visible)
     while stack:
         node = stack.pop()
-        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and _is_view(node):
+        if node.op == "call_function" and (node.target is operator.getitem or _returns_alias(node)):
             for base in node.all_input_nodes:
                 if base not in visible:
                     visible.add(base)
