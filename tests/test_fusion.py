@@ -2082,6 +2082,31 @@ def test_erf_is_accurate_and_keeps_special_values():
     assert torch.equal(torch.signbit(got_s[keep]), torch.signbit(ref_s[keep])), (got_s, ref_s)
 
 
+def test_tanh_is_accurate_and_keeps_special_values():
+    """af_tanh (Taylor below 0.3, 1 - 2 / (exp(2|x|) + 1) above through af_exp_normal, 1 from 9 up):
+    within 2.5e-7 of the exact value relative to it over [-12, 12], both sides of its two joins, the
+    signs of zeros, +-1 at the infinities, NaN for NaN. af_exp_normal (2026-12-05) gave the same bits
+    as the af_exp call it replaced for every float."""
+    sweep = torch.linspace(-12.0, 12.0, 400_001, dtype=torch.float64).float()
+    joins = torch.tensor([0.3, 9.0]).repeat_interleave(5) + torch.tensor([-2, -1, 0, 1, 2]).repeat(2) * torch.tensor(
+        [0.3, 9.0]).repeat_interleave(5) * 2**-23
+    joins = torch.cat([joins, -joins])
+    specials = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-30, -1e-30, 1e30, -1e30])
+    every = torch.cat([sweep, joins, specials])
+    out = lower(make_fx(lambda x: torch.tanh(x * 1.0))(every))([every])[0]
+    got, got_s = out.split([len(sweep) + len(joins), len(specials)])
+    exact = torch.tanh(torch.cat([sweep, joins]).double())
+    nonzero = exact != 0
+    rel = ((got.double() - exact).abs()[nonzero] / exact.abs()[nonzero]).max().item()
+    assert rel <= 2.5e-7, f"tanh: relative error {rel:.3g}"
+    assert got[~nonzero].eq(0).all()
+    ref_s = torch.tanh(specials)
+    assert torch.equal(got_s.isnan(), ref_s.isnan()), (got_s, ref_s)
+    keep = ~ref_s.isnan()
+    assert_close(got_s[keep], ref_s[keep], "tanh of special values", atol=0, rtol=2.5e-7)
+    assert torch.equal(torch.signbit(got_s[keep]), torch.signbit(ref_s[keep])), (got_s, ref_s)
+
+
 def test_pow_keeps_atens_special_values_for_scalar_and_tensor_exponents():
     """ATen takes a scalar exponent's special cases (0.5 as sqrt, -0.5 as rsqrt, -2 as 1/(x*x)) and
     a tensor's exponents through pow itself: pow(-inf, 0.5) is inf for a tensor exponent, NaN for a
