@@ -290,8 +290,8 @@ def test_submodule_state_changed_after_compiling_is_not_ignored():
         out.square().mean().backward()
         expected.square().mean().backward()
         assert_grads_match(model, ref, what)
-        for (name, b), c in zip(model.named_buffers(), ref.buffers()):
-            assert torch.equal(b, c), f"{what}: buffer {name}"
+        for (name, b), c in zip(model.named_buffers(), ref.buffers()):  # batch norm's statistics: aotfuse's
+            torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-7, msg=f"{what}: buffer {name}")  # own kernels' sums
 
     step("all training")
     model[1].eval()

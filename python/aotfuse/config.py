@@ -88,6 +88,22 @@ def switch(name: str, default: bool) -> bool:
     raise ConfigError(f"{name} must be 1 or 0 (or on/off, true/false, yes/no), not {raw!r}")
 
 
+def batch_norm_dtypes() -> tuple:
+    """The input dtypes whose batch norms are decomposed on the CPU (decompositions._batch_norm_table),
+    from AOTFUSE_DECOMPOSE_BATCH_NORM: unset, empty or auto float32 only (ATen's CPU batch norm in
+    bf16 is about 5x its float32 speed, and ResNet's step in bf16 ran 3.5% slower decomposed, where in
+    float32 it ran 14% faster: benchmarks/results/batch-norm-cpu-2026-12-05.md); 1 float16 and bfloat16
+    too; 0 none."""
+    import torch
+
+    raw = os.environ.get("AOTFUSE_DECOMPOSE_BATCH_NORM", "").strip().lower()
+    if raw in ("", "auto"):
+        return (torch.float32,)
+    if switch("AOTFUSE_DECOMPOSE_BATCH_NORM", True):
+        return (torch.float32, torch.float16, torch.bfloat16)
+    return ()
+
+
 def _count(name: str, default: int) -> int:
     """A positive integer variable; unset or empty, the default; anything else a ConfigError."""
     raw = os.environ.get(name, "").strip()

@@ -70,6 +70,21 @@ _NORMS = [
 
 _LOSS = [aten._log_softmax, aten._log_softmax_backward_data]
 
+# Batch norm (training, evaluation and backward: torch's decompositions, statistics over N and the
+# spatial dims through _var_mean's two passes) on the CPU: its statistics become one phased row kernel
+# per channel (nested reduced loops over N and H x W, each run of H x W vectorized), the
+# normalization fuses with the ReLU and residual add around it, and the backward's two sums and input
+# gradient with the ReLU's mask. On CUDA it stays ATen's (cuDNN's): a row per channel is far too few
+# blocks for a GPU. Float32 only by default (config.batch_norm_dtypes: ATen's bf16 batch norm is fast
+# on the CPU); AOTFUSE_DECOMPOSE_BATCH_NORM=1 takes float16 and bfloat16 too, =0 keeps ATen's.
+_BATCH_NORM = [
+    aten._native_batch_norm_legit_functional,
+    aten._native_batch_norm_legit,
+    aten._native_batch_norm_legit_no_training,
+    aten.native_batch_norm,
+    aten.native_batch_norm_backward,
+]
+
 
 def _where_kernels(table: dict) -> dict:
     """The table's decompositions, each used only where kernels are generated for its first
@@ -78,6 +93,25 @@ def _where_kernels(table: dict) -> dict:
     for op, fn in table.items():
         def decomposed(*args, _fn=fn, **kwargs):
             if not config.kernels_for(args[0].device):
+                return NotImplemented
+            return _fn(*args, **kwargs)
+        out[op] = decomposed
+    return out
+
+
+def _batch_norm_table() -> dict:
+    """torch's batch norm decompositions, used where the input is a CPU tensor that gets kernels."""
+    out = {}
+    table = get_decompositions(_BATCH_NORM)
+    table[aten.native_batch_norm_backward.default] = _batch_norm_backward
+    table[aten._native_batch_norm_legit_functional.default] = _batch_norm_functional
+    for op, fn in table.items():
+        if op._overloadname == "out":
+            continue
+
+        def decomposed(*args, _fn=fn, _x=1 if op is aten.native_batch_norm_backward.default else 0, **kwargs):
+            x = args[_x]
+            if x.device.type != "cpu" or x.dtype not in config.batch_norm_dtypes() or not config.kernels_for(x.device):
                 return NotImplemented
             return _fn(*args, **kwargs)
         out[op] = decomposed
@@ -234,6 +268,92 @@ def _layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, 
     return grad_input, grad_weight, grad_bias
 
 
+def _batch_norm_functional(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """Batch norm in training (`_native_batch_norm_legit_functional`): torch's decomposition's values
+    (two-pass statistics in float32, the running ones updated in float32, the saved statistics in
+    the input's dtype on the CPU), with the normalized output, scaled, shifted and converted,
+    computed before the statistics are squeezed to [C]: a view reading a kernel's value closes its
+    group, and torch's order (squeeze, running statistics, then weight and bias) left the scale and
+    shift to a second kernel reading a full-size float32 intermediate."""
+    n = input.numel() // max(input.shape[1], 1) if input.dim() > 1 else 0
+    if not training or n <= 1:
+        return NotImplemented  # torch's (evaluation), or ATen's error for one value per channel
+    axes = [0] + list(range(2, input.dim()))
+    shape = [1, input.shape[1]] + [1] * (input.dim() - 2)
+    f32 = torch.float32
+    low = input.dtype in (torch.float16, torch.bfloat16)
+    x = torch.ops.prims.convert_element_type(input, f32) if low else input
+    mean = aten.mean.dim(x, axes, True)
+    diff = aten.sub.Tensor(x, mean)
+    var = aten.div.Scalar(aten.sum.dim_IntList(aten.mul.Tensor(diff, diff), axes, True), n)
+    rstd = aten.rsqrt.default(aten.add.Tensor(var, eps))
+    out = aten.mul.Tensor(diff, rstd)
+    if weight is not None:
+        out = aten.mul.Tensor(out, aten.reshape.default(weight, shape))
+    if bias is not None:
+        out = aten.add.Tensor(out, aten.reshape.default(bias, shape))
+    if out.dtype != input.dtype:
+        out = torch.ops.prims.convert_element_type(out, input.dtype)
+    save_mean, save_rstd = aten.squeeze.dims(mean, axes), aten.squeeze.dims(rstd, axes)
+    new_mean = aten.add.Tensor(aten.mul.Tensor(save_mean, momentum), aten.mul.Tensor(running_mean, 1 - momentum))
+    unbiased = aten.mul.Tensor(aten.squeeze.dims(var, axes), n / (n - 1))
+    new_var = aten.add.Tensor(aten.mul.Tensor(unbiased, momentum), aten.mul.Tensor(running_var, 1 - momentum))
+    if input.device.type == "cpu" and save_mean.dtype != input.dtype:
+        save_mean = torch.ops.prims.convert_element_type(save_mean, input.dtype)
+        save_rstd = torch.ops.prims.convert_element_type(save_rstd, input.dtype)
+    return out, save_mean, save_rstd, new_mean, new_var
+
+
+def _batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
+                         output_mask):
+    """Batch norm's backward in the form of _layer_norm_backward, its sums over N and the spatial
+    dims kept as [1, C, 1, ...] (keepdim), so that the input gradient is one phased kernel reading
+    them, with the ReLU mask before it. torch's decomposition sums to [C] and reshapes the sums
+    back, a view between a reduction and its readers that split the kernel in two and wrote two
+    full-size float32 tensors between them (ResNet's stem in bf16: 1.2 + 0.4 ms against ATen's
+    0.75). Low-precision tensors are computed in float32, as ATen does."""
+    axes = [0] + list(range(2, input.dim()))
+    shape = [1, input.shape[1]] + [1] * (input.dim() - 2)
+    n = input.numel() // max(input.shape[1], 1)
+    f32 = torch.float32
+    low = input.dtype in (torch.float16, torch.bfloat16)
+
+    def up(t):
+        return torch.ops.prims.convert_element_type(t, f32) if low and t.dtype != f32 else t
+
+    def to(t, dtype):
+        return torch.ops.prims.convert_element_type(t, dtype) if t.dtype != dtype else t
+
+    x, go = up(input), up(grad_out)
+    if train:
+        mean = aten.reshape.default(up(save_mean), shape)
+        rstd = aten.reshape.default(up(save_invstd), shape)
+    else:
+        mean = aten.reshape.default(up(running_mean), shape)
+        rstd = aten.rsqrt.default(aten.add.Tensor(aten.reshape.default(up(running_var), shape), eps))
+    x_hat = aten.mul.Tensor(aten.sub.Tensor(x, mean), rstd)
+    scale = aten.mul.Tensor(rstd, aten.reshape.default(up(weight), shape)) if weight is not None else rstd
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        if train:
+            mean_g = aten.div.Tensor(aten.sum.dim_IntList(go, axes, True), n)
+            mean_gx = aten.div.Tensor(aten.sum.dim_IntList(aten.mul.Tensor(go, x_hat), axes, True), n)
+            d = aten.sub.Tensor(aten.sub.Tensor(go, mean_g), aten.mul.Tensor(x_hat, mean_gx))
+            grad_input = to(aten.mul.Tensor(d, scale), input.dtype)
+        else:
+            grad_input = to(aten.mul.Tensor(go, scale), input.dtype)
+    gw = gb = None
+    if output_mask[1] and weight is not None:
+        gw = aten.sum.dim_IntList(aten.mul.Tensor(go, x_hat), axes, False)
+    if output_mask[2]:
+        gb = aten.sum.dim_IntList(go, axes, False)
+    if gw is not None:
+        grad_weight = to(gw, weight.dtype)
+    if gb is not None:
+        grad_bias = to(gb, weight.dtype if weight is not None else input.dtype)
+    return grad_input, grad_weight, grad_bias
+
+
 _SEED_HIGH = 2**63 - 1
 
 
@@ -286,8 +406,9 @@ def _max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, c
 def default_decompositions(norms: bool | None = None, random: bool | None = None,
                            loss: bool | None = None) -> dict:
     """The table memory_efficient_fusion and aot_function use when given none (a fresh dict).
-    norms: decompose layer norm and softmax too (default: on unless AOTFUSE_DECOMPOSE_NORMS=0 or no
-    kernels are generated).
+    norms: decompose layer norm and softmax too, and on the CPU batch norm (default: on unless
+    AOTFUSE_DECOMPOSE_NORMS=0 or no kernels are generated; AOTFUSE_DECOMPOSE_BATCH_NORM=0 keeps ATen's
+    batch norm alone).
     random: dropout with aotfuse's own generator, fused and recomputed (default: on unless
     AOTFUSE_FALLBACK_RANDOM=1 or no kernels are generated).
     loss: log_softmax and nll_loss (forward and backward) decomposed, so cross entropy is one fused
@@ -309,6 +430,8 @@ def default_decompositions(norms: bool | None = None, random: bool | None = None
                                      aten.native_layer_norm_backward.default: _layer_norm_backward}))
     if random:
         table[aten.native_dropout.default] = _native_dropout
+    if norms and config.batch_norm_dtypes():
+        table.update(_batch_norm_table())
     return table
 
 

@@ -4,7 +4,8 @@
  * row is chosen after its loads (offset 0 where it fails); an empty input keeps the branch. The
  * values are checked against eager by tests/test_fusion.py; here the shape of the source, under
  * ASan+UBSan and valgrind like the other C tests. Also: a reduction over a strided dim runs
- * column-phased. */
+ * column-phased; one over N and the spatial dims nests its loops; a transposing pointwise kernel
+ * walks its input's order. */
 #define _POSIX_C_SOURCE 200112L /* setenv */
 #include <math.h>
 #include <setjmp.h>
@@ -201,9 +202,95 @@ static void test_a_softmax_over_a_strided_dim_runs_column_phased(void **state) {
     free(src);
 }
 
+/* x[n, c, hw] (NCHW flattened) - its mean over dims 0 and 2 (a batch norm's centring): one phased
+ * kernel per channel whose reduced loops are nested where the run (hw) is at least 16, each chunk
+ * inside one run with its offsets unflattened once (`i0 = i1`, `ob0`) and stepped along it; a run
+ * shorter than that keeps the flat loop (a division and remainder per element). */
+static char *centring_source(int64_t n, int64_t c, int64_t hw) {
+    int64_t sizes[3] = {n, c, hw}, strides[3] = {c * hw, hw, 1}, msizes[3] = {1, c, 1}, mstrides[3] = {c, 1, 1};
+    af_tensor_meta mx = f32_cpu_meta(3, sizes, strides), mm = f32_cpu_meta(3, msizes, mstrides);
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    int32_t x, mean, out;
+    assert_int_equal(af_graph_add_input(g, "x", &mx, &x), AF_OK);
+    af_arg dims[2] = {{.kind = AF_ARG_INT, .u.i = 0}, {.kind = AF_ARG_INT, .u.i = 2}};
+    af_arg args[3] = {{.kind = AF_ARG_VALUE, .u.value = x},
+                      {.kind = AF_ARG_LIST, .u.list = {.n = 2, .items = dims}},
+                      {.kind = AF_ARG_BOOL, .u.i = 1}};
+    assert_int_equal(af_graph_add_node(g, "aten::mean.dim", args, 3, &mm, 1, &mean), AF_OK);
+    af_arg sub[2] = {{.kind = AF_ARG_VALUE, .u.value = x}, {.kind = AF_ARG_VALUE, .u.value = mean}};
+    assert_int_equal(af_graph_add_node(g, "aten::sub.Tensor", sub, 2, &mx, 1, &out), AF_OK);
+    assert_int_equal(af_graph_set_outputs(g, &out, 1), AF_OK);
+    assert_int_equal(af_graph_verify(g), AF_OK);
+    af_fusion_plan *plan;
+    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+    assert_int_equal(plan->n_groups, 1);
+    char *src = NULL;
+    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
+    af_fuse_plan_free(plan);
+    af_graph_free(g);
+    return src;
+}
+
+static void test_a_reduction_over_n_and_the_spatial_dims_nests_its_loops(void **state) {
+    (void)state;
+    char *src = centring_source(16, 8, 1024);
+    assert_non_null(strstr(src, "for (af_idx i0 = 0, i1 = 0; i0 < 16384; i0 = i1) {"));
+    assert_non_null(strstr(src, "i1 = i0 + 1024 - i0 % 1024;"));
+    assert_non_null(strstr(src, "af_idx o0 = ob0 + (i - i0) * 1;"));
+    assert_null(strstr(src, "af_idx s = i;"));
+    free(src);
+    src = centring_source(16, 8, 9); /* a 3 x 3 map: flat */
+    assert_null(strstr(src, "i0 = i1"));
+    assert_non_null(strstr(src, "af_idx s = i;"));
+    free(src);
+}
+
+/* relu(x * w) with x [N, C, HW] contiguous, w [1, C, 1] and the output channels-last (strides
+ * [HW C, 1, C]): at HW = 1024 the loops walk x's order (the inner loop reads x at stride 1 and
+ * stores at a stride of C), not the output's (which read x at a far stride, 1024: ResNet's stem);
+ * at HW = 64 (a near stride) they keep the output's. */
+static char *transposing_source(int64_t hw) {
+    int64_t sizes[3] = {4, 32, hw}, xs[3] = {32 * hw, hw, 1}, os[3] = {32 * hw, 1, 32}, ws[3] = {32, 1, 1}, wsz[3] = {1, 32, 1};
+    af_tensor_meta mx = f32_cpu_meta(3, sizes, xs), mo = f32_cpu_meta(3, sizes, os), mw = f32_cpu_meta(3, wsz, ws);
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    int32_t x, w, y, r;
+    assert_int_equal(af_graph_add_input(g, "x", &mx, &x), AF_OK);
+    assert_int_equal(af_graph_add_input(g, "w", &mw, &w), AF_OK);
+    af_arg mul[2] = {{.kind = AF_ARG_VALUE, .u.value = x}, {.kind = AF_ARG_VALUE, .u.value = w}};
+    assert_int_equal(af_graph_add_node(g, "aten::mul.Tensor", mul, 2, &mx, 1, &y), AF_OK);
+    af_arg one = {.kind = AF_ARG_VALUE, .u.value = y};
+    assert_int_equal(af_graph_add_node(g, "aten::relu.default", &one, 1, &mo, 1, &r), AF_OK);
+    assert_int_equal(af_graph_set_outputs(g, &r, 1), AF_OK);
+    assert_int_equal(af_graph_verify(g), AF_OK);
+    af_fusion_plan *plan;
+    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+    assert_int_equal(plan->n_groups, 1);
+    char *src = NULL;
+    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
+    af_fuse_plan_free(plan);
+    af_graph_free(g);
+    return src;
+}
+
+static void test_a_transposing_pointwise_kernel_walks_its_input_where_it_is_far(void **state) {
+    (void)state;
+    char *src = transposing_source(1024);
+    assert_non_null(strstr(src, "af_idx o0 = b0 + i * 1;"));  /* x */
+    assert_non_null(strstr(src, "af_idx o2 = b2 + i * 32;")); /* the channels-last output */
+    free(src);
+    src = transposing_source(64);
+    assert_non_null(strstr(src, "af_idx o0 = b0 + i * 64;"));
+    assert_non_null(strstr(src, "af_idx o2 = b2 + i * 1;"));
+    free(src);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_a_softmax_over_a_strided_dim_runs_column_phased),
+        cmocka_unit_test(test_a_reduction_over_n_and_the_spatial_dims_nests_its_loops),
+        cmocka_unit_test(test_a_transposing_pointwise_kernel_walks_its_input_where_it_is_far),
         cmocka_unit_test(test_a_padded_row_is_split_where_its_guard_changes),
         cmocka_unit_test(test_a_guard_the_row_does_not_move_is_chosen_after_its_loads),
         cmocka_unit_test(test_both_dims_padded_split_the_row_and_choose_the_rows),
