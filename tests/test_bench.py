@@ -370,3 +370,19 @@ def test_families_compares_eager_and_aotfuse_with_a_loss_check(tmp_path, capsys)
     assert "channels_last" in text and "| resnet |" in text and "torch " in text
     model, inputs = mod.build("resnet", torch.float32, channels_last=True)
     assert inputs["pixel_values"].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_copies_times_each_case_against_eager(capsys):
+    """benchmarks/copies.py: every layout-changing copy and the batch norm, in each dtype, checked
+    against eager's values and timed beside it (a small scale)."""
+    spec = importlib.util.spec_from_file_location("copies", ROOT / "benchmarks" / "copies.py")
+    copies = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copies)
+    threads = torch.get_num_threads()
+    try:
+        rows = copies.main(["--scale", "0.1", "--repeats", "2"])
+    finally:
+        torch.set_num_threads(threads)
+    assert len(rows) == 10 and {r[2] for r in rows} == {torch.float32, torch.bfloat16}
+    assert all(ours > 0 and eager > 0 for *_, ours, eager in rows), rows
+    assert capsys.readouterr().out.count("| batch norm, training |") == 2
