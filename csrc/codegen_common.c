@@ -1180,8 +1180,8 @@ static int order_cost(const af_fusion_group *grp, const af_cg_operand *ops, cons
 
 /* The order a kernel's loops take the iteration dims in, outermost first: the dims' own order, but
  * for a pointwise kernel without windows the memory order of one of its operands, so that the inner
- * loop walks memory: its first output's, unless another full-size operand's order costs less
- * (order_cost: an input read at a far stride). A channels-last activation (strides [HWC, 1, WC, C] over [N, C, H, W]) was walked
+ * loop walks memory: its first output's, unless (on the CPU) another full-size operand's order
+ * costs less (order_cost: an input read at a far stride). A channels-last activation (strides [HWC, 1, WC, C] over [N, C, H, W]) was walked
  * along W with a stride of C, a gather and a scatter an element: a ReLU and its mask at [16, 64,
  * 16, 16] took 1.46 ms, now one flat loop. ResNet's stem writes its normalized, ReLU'd activation
  * only as the channels-last copy its max pool reads: walked in that copy's order it read the NCHW
@@ -1193,6 +1193,7 @@ static void loop_order(const af_graph *g, const af_fusion_group *grp, const af_c
     for (int32_t d = 0; d < iter->ndim; d++) order[d] = d;
     if (grp->n_reductions > 0 || guards || grp->n_outputs < 1 || af_cg_has_window(g, grp)) return;
     memory_order(&ops[grp->n_inputs], iter, order);
+    if (iter->device.type != AF_DEVICE_CPU) return; /* CUDA: coalesced stores, as before (unmeasured otherwise) */
     int best = order_cost(grp, ops, iter, order);
     for (int32_t k = 0; k < grp->n_inputs + grp->n_outputs && best > 0; k++) {
         int32_t cand[AF_MAX_DIMS];
