@@ -1155,12 +1155,15 @@ static void memory_order(const af_cg_operand *op, const af_tensor_meta *iter, in
         }
 }
 
-/* What walking the iteration dims in `order` costs a pointwise kernel: 2 for each full-size input (no
- * broadcast dim) read at a far stride along the inner loop (at least AF_FAR_STRIDE elements: each
- * load a new line, past what the cache keeps for the next outer step), 1 for each full-size output
- * not contiguous along it. A transposing copy of [96, 512, 64] reads at a stride of 64 walked in its
- * output's order: 2.5 ms in bf16 against 3.8 walked in its input's (stores at a stride of 512); at
- * strides of 512 and 1024 the input's order won (3.0 -> 2.7 ms, 1.38 -> 0.39 ms). */
+/* What walking the iteration dims in `order` costs a pointwise kernel, counting its full-size
+ * operands (no broadcast dim) not contiguous along the inner loop: 2 for one at a far stride (at
+ * least AF_FAR_STRIDE elements: each access a new line, past what the cache keeps for the next outer
+ * step), load or store; 1 for an output at a nearer stride; 0 for an input at one. Transposing copies
+ * alone, one thread: a ReLU of [16, 32, 32, 32] into channels-last read at a stride of 1024 in the
+ * output's order (1.38 ms fp32), stored at one of 32 in the input's (0.38 ms); the last two dims of
+ * [96, 64, 512] 6.6 -> 3.7-4.6 ms the same way; but [96, 512, 64] (a near load against a far store)
+ * ran 2.5 ms in the output's order against 3.8 in the input's (bf16), and [8, 512, 768] (far both
+ * ways, a tie: the output's order) 3.9-4.5 against 8.9-9.0 (fp32). */
 #define AF_FAR_STRIDE 512
 static int order_cost(const af_fusion_group *grp, const af_cg_operand *ops, const af_tensor_meta *iter, const int32_t *order) {
     int32_t inner = -1;
@@ -1172,7 +1175,7 @@ static int order_cost(const af_fusion_group *grp, const af_cg_operand *ops, cons
         int full = 1;
         for (int32_t d = 0; d < iter->ndim; d++) full &= iter->sizes[d] == 1 || ops[k].strides[d] != 0;
         int64_t st = ops[k].strides[inner] < 0 ? -ops[k].strides[inner] : ops[k].strides[inner];
-        if (full && k < grp->n_inputs && st >= AF_FAR_STRIDE) cost += 2;
+        if (full && st >= AF_FAR_STRIDE) cost += 2;
         else if (full && k >= grp->n_inputs && st != 1) cost += 1;
     }
     return cost;
