@@ -224,6 +224,19 @@ def _var_mean(x, dim=None, *, correction=None, keepdim=False):
     return var, mean
 
 
+def _convert(t, dtype):
+    """t in dtype: a prims conversion where it is in another."""
+    return torch.ops.prims.convert_element_type(t, dtype) if t.dtype != dtype else t
+
+
+def _upcast(input):
+    """What a norm's decomposition applies to the tensors it computes with: a conversion to float32
+    where `input` is float16 or bfloat16 (ATen computes those in float32), else nothing."""
+    if input.dtype in (torch.float16, torch.bfloat16):
+        return lambda t: _convert(t, torch.float32)
+    return lambda t: t
+
+
 def _layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
     """Layer norm's backward with the row's scale applied per element, `(g - sum(g)/N - x_hat *
     sum(g * x_hat)/N) * rstd` (g = grad_out * weight): one phased kernel, its two row sums in the
@@ -235,14 +248,7 @@ def _layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, 
     n = 1
     for size in normalized_shape:
         n *= size
-    f32 = torch.float32
-    low = input.dtype in (torch.float16, torch.bfloat16)
-
-    def up(t):
-        return torch.ops.prims.convert_element_type(t, f32) if low and t.dtype != f32 else t
-
-    def to(t, dtype):
-        return torch.ops.prims.convert_element_type(t, dtype) if t.dtype != dtype else t
+    up, to = _upcast(input), _convert
 
     x, go, mean, rstd = up(input), up(grad_out), up(mean), up(rstd)
     x_hat = aten.mul.Tensor(aten.sub.Tensor(x, mean), rstd)
@@ -280,9 +286,7 @@ def _batch_norm_functional(input, weight, bias, running_mean, running_var, train
         return NotImplemented  # torch's (evaluation), or ATen's error for one value per channel
     axes = [0] + list(range(2, input.dim()))
     shape = [1, input.shape[1]] + [1] * (input.dim() - 2)
-    f32 = torch.float32
-    low = input.dtype in (torch.float16, torch.bfloat16)
-    x = torch.ops.prims.convert_element_type(input, f32) if low else input
+    x = _upcast(input)(input)
     mean = aten.mean.dim(x, axes, True)
     diff = aten.sub.Tensor(x, mean)
     var = aten.div.Scalar(aten.sum.dim_IntList(aten.mul.Tensor(diff, diff), axes, True), n)
@@ -292,15 +296,13 @@ def _batch_norm_functional(input, weight, bias, running_mean, running_var, train
         out = aten.mul.Tensor(out, aten.reshape.default(weight, shape))
     if bias is not None:
         out = aten.add.Tensor(out, aten.reshape.default(bias, shape))
-    if out.dtype != input.dtype:
-        out = torch.ops.prims.convert_element_type(out, input.dtype)
+    out = _convert(out, input.dtype)
     save_mean, save_rstd = aten.squeeze.dims(mean, axes), aten.squeeze.dims(rstd, axes)
     new_mean = aten.add.Tensor(aten.mul.Tensor(save_mean, momentum), aten.mul.Tensor(running_mean, 1 - momentum))
     unbiased = aten.mul.Tensor(aten.squeeze.dims(var, axes), n / (n - 1))
     new_var = aten.add.Tensor(aten.mul.Tensor(unbiased, momentum), aten.mul.Tensor(running_var, 1 - momentum))
-    if input.device.type == "cpu" and save_mean.dtype != input.dtype:
-        save_mean = torch.ops.prims.convert_element_type(save_mean, input.dtype)
-        save_rstd = torch.ops.prims.convert_element_type(save_rstd, input.dtype)
+    if input.device.type == "cpu":
+        save_mean, save_rstd = _convert(save_mean, input.dtype), _convert(save_rstd, input.dtype)
     return out, save_mean, save_rstd, new_mean, new_var
 
 
@@ -315,14 +317,7 @@ def _batch_norm_backward(grad_out, input, weight, running_mean, running_var, sav
     axes = [0] + list(range(2, input.dim()))
     shape = [1, input.shape[1]] + [1] * (input.dim() - 2)
     n = input.numel() // max(input.shape[1], 1)
-    f32 = torch.float32
-    low = input.dtype in (torch.float16, torch.bfloat16)
-
-    def up(t):
-        return torch.ops.prims.convert_element_type(t, f32) if low and t.dtype != f32 else t
-
-    def to(t, dtype):
-        return torch.ops.prims.convert_element_type(t, dtype) if t.dtype != dtype else t
+    up, to = _upcast(input), _convert
 
     x, go = up(input), up(grad_out)
     if train:

@@ -23,6 +23,20 @@
 #include "aotfuse/codegen.h"
 #include "aotfuse/fuse.h"
 
+/* g's C source (verified, fused, generated; g freed), its plan checked for n_groups groups where
+ * n_groups > 0. */
+static char *c_source(af_graph *g, int32_t n_groups) {
+    assert_int_equal(af_graph_verify(g), AF_OK);
+    af_fusion_plan *plan;
+    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
+    if (n_groups > 0) assert_int_equal(plan->n_groups, n_groups);
+    char *src = NULL;
+    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
+    af_fuse_plan_free(plan);
+    af_graph_free(g);
+    return src;
+}
+
 /* x[rows, cols] * 0.5, padded by pads (last dim first: left, right[, top, bottom]) with -1 */
 static char *pad_source(int64_t rows, int64_t cols, const int64_t *pads, int n_pads) {
     int64_t in_sizes[2] = {rows, cols}, in_strides[2] = {cols, 1};
@@ -42,15 +56,7 @@ static char *pad_source(int64_t rows, int64_t cols, const int64_t *pads, int n_p
                      {.kind = AF_ARG_FLOAT, .u.f = -1.0}};
     assert_int_equal(af_graph_add_node(g, "aten::constant_pad_nd.default", pad, 3, &mo, 1, &p), AF_OK);
     assert_int_equal(af_graph_set_outputs(g, &p, 1), AF_OK);
-    assert_int_equal(af_graph_verify(g), AF_OK);
-    af_fusion_plan *plan;
-    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
-    assert_int_equal(plan->n_groups, 1); /* the mul computed inside the pad's guard */
-    char *src = NULL;
-    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
-    af_fuse_plan_free(plan);
-    af_graph_free(g);
-    return src;
+    return c_source(g, 1); /* the mul computed inside the pad's guard */
 }
 
 static void test_a_padded_row_is_split_where_its_guard_changes(void **state) {
@@ -166,15 +172,7 @@ static char *softmax_source(const int64_t *strides) {
     af_arg div[2] = {{.kind = AF_ARG_VALUE, .u.value = e}, {.kind = AF_ARG_VALUE, .u.value = sum}};
     assert_int_equal(af_graph_add_node(g, "aten::div.Tensor", div, 2, &mx, 1, &out), AF_OK);
     assert_int_equal(af_graph_set_outputs(g, &out, 1), AF_OK);
-    assert_int_equal(af_graph_verify(g), AF_OK);
-    af_fusion_plan *plan;
-    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
-    assert_int_equal(plan->n_groups, 1); /* one phased kernel: the sum, then the division */
-    char *src = NULL;
-    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
-    af_fuse_plan_free(plan);
-    af_graph_free(g);
-    return src;
+    return c_source(g, 1); /* one phased kernel: the sum, then the division */
 }
 
 /* A phased kernel whose operands are contiguous along a kept dim (dim 1) and strided along the
@@ -221,15 +219,7 @@ static char *centring_source(int64_t n, int64_t c, int64_t hw) {
     af_arg sub[2] = {{.kind = AF_ARG_VALUE, .u.value = x}, {.kind = AF_ARG_VALUE, .u.value = mean}};
     assert_int_equal(af_graph_add_node(g, "aten::sub.Tensor", sub, 2, &mx, 1, &out), AF_OK);
     assert_int_equal(af_graph_set_outputs(g, &out, 1), AF_OK);
-    assert_int_equal(af_graph_verify(g), AF_OK);
-    af_fusion_plan *plan;
-    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
-    assert_int_equal(plan->n_groups, 1);
-    char *src = NULL;
-    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
-    af_fuse_plan_free(plan);
-    af_graph_free(g);
-    return src;
+    return c_source(g, 1);
 }
 
 static void test_a_reduction_over_n_and_the_spatial_dims_nests_its_loops(void **state) {
@@ -263,15 +253,7 @@ static char *transposing_source(int64_t hw) {
     af_arg one = {.kind = AF_ARG_VALUE, .u.value = y};
     assert_int_equal(af_graph_add_node(g, "aten::relu.default", &one, 1, &mo, 1, &r), AF_OK);
     assert_int_equal(af_graph_set_outputs(g, &r, 1), AF_OK);
-    assert_int_equal(af_graph_verify(g), AF_OK);
-    af_fusion_plan *plan;
-    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
-    assert_int_equal(plan->n_groups, 1);
-    char *src = NULL;
-    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
-    af_fuse_plan_free(plan);
-    af_graph_free(g);
-    return src;
+    return c_source(g, 1);
 }
 
 static void test_a_transposing_pointwise_kernel_walks_its_input_where_it_is_far(void **state) {
@@ -300,13 +282,7 @@ static void test_a_transpose_far_both_ways_keeps_its_outputs_order(void **state)
     af_arg one = {.kind = AF_ARG_VALUE, .u.value = x};
     assert_int_equal(af_graph_add_node(g, "aten::relu.default", &one, 1, &mo, 1, &r), AF_OK);
     assert_int_equal(af_graph_set_outputs(g, &r, 1), AF_OK);
-    assert_int_equal(af_graph_verify(g), AF_OK);
-    af_fusion_plan *plan;
-    assert_int_equal(af_fuse_plan_new(g, NULL, &plan), AF_OK);
-    char *src = NULL;
-    assert_int_equal(af_codegen_c(g, plan, &src), AF_OK);
-    af_fuse_plan_free(plan);
-    af_graph_free(g);
+    char *src = c_source(g, 0);
     assert_non_null(strstr(src, "af_idx o0 = b0 + i * 768;"));
     assert_non_null(strstr(src, "af_idx o1 = b1 + i * 1;"));
     free(src);
