@@ -91,8 +91,8 @@ def switch(name: str, default: bool) -> bool:
 def batch_norm_dtypes() -> tuple:
     """The input dtypes whose batch norms are decomposed on the CPU (decompositions._batch_norm_table),
     from AOTFUSE_DECOMPOSE_BATCH_NORM: unset, empty or auto float32 only (ATen's CPU batch norm in
-    bf16 is about 5x its float32 speed, and ResNet's step in bf16 ran 3.5% slower decomposed, where in
-    float32 it ran 14% faster: benchmarks/results/batch-norm-cpu-2026-12-05.md); 1 float16 and bfloat16
+    bf16 is about 5x its float32 speed, and ResNet's step in bf16 ran 4% slower decomposed, where in
+    float32 it ran 15% faster: benchmarks/results/batch-norm-cpu-2026-12-05.md); 1 float16 and bfloat16
     too; 0 none."""
     import torch
 

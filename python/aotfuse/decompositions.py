@@ -70,8 +70,8 @@ _NORMS = [
 
 _LOSS = [aten._log_softmax, aten._log_softmax_backward_data]
 
-# Batch norm (training, evaluation and backward: torch's decompositions, statistics over N and the
-# spatial dims through _var_mean's two passes) on the CPU: its statistics become one phased row kernel
+# Batch norm on the CPU (training and backward: aotfuse's _batch_norm_functional and
+# _batch_norm_backward, two-pass statistics; evaluation: torch's decomposition): its statistics become one phased row kernel
 # per channel (nested reduced loops over N and H x W, each run of H x W vectorized), the
 # normalization fuses with the ReLU and residual add around it, and the backward's two sums and input
 # gradient with the ReLU's mask. On CUDA it stays ATen's (cuDNN's): a row per channel is far too few
@@ -100,7 +100,9 @@ def _where_kernels(table: dict) -> dict:
 
 
 def _batch_norm_table() -> dict:
-    """torch's batch norm decompositions, used where the input is a CPU tensor that gets kernels."""
+    """Batch norm's decompositions (aotfuse's for training and the backward, torch's for the other
+    overloads), used where the input is a CPU tensor of a config.batch_norm_dtypes dtype that gets
+    kernels."""
     out = {}
     table = get_decompositions(_BATCH_NORM)
     table[aten.native_batch_norm_backward.default] = _batch_norm_backward
