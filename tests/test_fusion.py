@@ -2060,6 +2060,28 @@ def test_exp_is_accurate_and_keeps_special_values():
     assert ((got_f - ref_f).abs() <= torch.maximum(ref_f * 2.5e-7, torch.tensor(1.5e-45))).all(), (got_f, ref_f)
 
 
+def _same_special_values(got, ref, what):
+    """NaN where ref is NaN, elsewhere ref's values within 2.5e-7 relative and its signs (of zeros too)."""
+    assert torch.equal(got.isnan(), ref.isnan()), (what, got, ref)
+    keep = ~ref.isnan()
+    assert_close(got[keep], ref[keep], what, atol=0, rtol=2.5e-7)
+    assert torch.equal(torch.signbit(got[keep]), torch.signbit(ref[keep])), (what, got, ref)
+
+
+def _check_unary_kernel(op, exact_op, sweep, specials, name):
+    """op lowered into a kernel (`op(x * 1.0)`): within 2.5e-7 of exact_op's float64 value relative to
+    it over sweep (0 where that is 0), and op's ATen values at the specials (_same_special_values)."""
+    every = torch.cat([sweep, specials])
+    out = lower(make_fx(lambda x: op(x * 1.0))(every))([every])[0]
+    got, got_s = out.split([len(sweep), len(specials)])
+    exact = exact_op(sweep.double())
+    nonzero = exact != 0
+    rel = ((got.double() - exact).abs()[nonzero] / exact.abs()[nonzero]).max().item()
+    assert rel <= 2.5e-7, f"{name}: relative error {rel:.3g}"
+    assert got[~nonzero].eq(0).all()
+    _same_special_values(got_s, op(specials), f"{name} of special values")
+
+
 def test_erf_is_accurate_and_keeps_special_values():
     """af_erf (Taylor below 0.5, exp(-a^2 - h(a)) with a fitted polynomial h above, no division): within
     2.5e-7 of the exact value relative to it over [-6, 6], the signs of zeros, +-1 at the infinities,
@@ -2067,19 +2089,7 @@ def test_erf_is_accurate_and_keeps_special_values():
     sweep = torch.linspace(-6.0, 6.0, 400_001, dtype=torch.float64).float()
     specials = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 0.5, -0.5, 3.93, -3.93,
                              1e-30, -1e-30, 1e30, -1e30])
-    every = torch.cat([sweep, specials])
-    out = lower(make_fx(lambda x: torch.erf(x * 1.0))(every))([every])[0]
-    got, got_s = out.split([len(sweep), len(specials)])
-    exact = torch.special.erf(sweep.double())
-    nonzero = exact != 0
-    rel = ((got.double() - exact).abs()[nonzero] / exact.abs()[nonzero]).max().item()
-    assert rel <= 2.5e-7, f"erf: relative error {rel:.3g}"
-    assert got[~nonzero].eq(0).all()
-    ref_s = torch.erf(specials)
-    assert torch.equal(got_s.isnan(), ref_s.isnan()), (got_s, ref_s)
-    keep = ~ref_s.isnan()
-    assert_close(got_s[keep], ref_s[keep], "erf of special values", atol=0, rtol=2.5e-7)
-    assert torch.equal(torch.signbit(got_s[keep]), torch.signbit(ref_s[keep])), (got_s, ref_s)
+    _check_unary_kernel(torch.erf, torch.special.erf, sweep, specials, "erf")
 
 
 def test_tanh_is_accurate_and_keeps_special_values():
@@ -2090,21 +2100,8 @@ def test_tanh_is_accurate_and_keeps_special_values():
     sweep = torch.linspace(-12.0, 12.0, 400_001, dtype=torch.float64).float()
     joins = torch.tensor([0.3, 9.0]).repeat_interleave(5) + torch.tensor([-2, -1, 0, 1, 2]).repeat(2) * torch.tensor(
         [0.3, 9.0]).repeat_interleave(5) * 2**-23
-    joins = torch.cat([joins, -joins])
     specials = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-30, -1e-30, 1e30, -1e30])
-    every = torch.cat([sweep, joins, specials])
-    out = lower(make_fx(lambda x: torch.tanh(x * 1.0))(every))([every])[0]
-    got, got_s = out.split([len(sweep) + len(joins), len(specials)])
-    exact = torch.tanh(torch.cat([sweep, joins]).double())
-    nonzero = exact != 0
-    rel = ((got.double() - exact).abs()[nonzero] / exact.abs()[nonzero]).max().item()
-    assert rel <= 2.5e-7, f"tanh: relative error {rel:.3g}"
-    assert got[~nonzero].eq(0).all()
-    ref_s = torch.tanh(specials)
-    assert torch.equal(got_s.isnan(), ref_s.isnan()), (got_s, ref_s)
-    keep = ~ref_s.isnan()
-    assert_close(got_s[keep], ref_s[keep], "tanh of special values", atol=0, rtol=2.5e-7)
-    assert torch.equal(torch.signbit(got_s[keep]), torch.signbit(ref_s[keep])), (got_s, ref_s)
+    _check_unary_kernel(torch.tanh, torch.tanh, torch.cat([sweep, joins, -joins]), specials, "tanh")
 
 
 def test_pow_keeps_atens_special_values_for_scalar_and_tensor_exponents():
@@ -2114,12 +2111,7 @@ def test_pow_keeps_atens_special_values_for_scalar_and_tensor_exponents():
     -0.5 (0 at -inf where rsqrt gives NaN: x.pow(0.5)'s gradient there)."""
     x = torch.tensor([float("-inf"), -0.0, 0.0, 4.0, -4.0, float("inf"), float("nan"), 0.3, -2.5, 7.0])
 
-    def same(got, ref, what):
-        assert torch.equal(got.isnan(), ref.isnan()), (what, got, ref)
-        keep = ~ref.isnan()
-        assert_close(got[keep], ref[keep], what, atol=0, rtol=2.5e-7)
-        assert torch.equal(torch.signbit(got[keep]), torch.signbit(ref[keep])), (what, got, ref)
-
+    same = _same_special_values
     for e in (0.5, -0.5, 2.0, 3.0, -1.0, -2.0, 1.3, 0.0):
         exps = torch.full_like(x, e)
         same(lower(make_fx(lambda a, b: torch.pow(a * 1.0, b))(x, exps))([x, exps])[0], torch.pow(x, exps),
