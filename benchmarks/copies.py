@@ -4,8 +4,9 @@ thread, side by side in one process (medians of --repeats calls, forward only).
     python benchmarks/copies.py [--dtype fp32|bf16|both] [--repeats 50] [--scale 1.0]
 
 The copies are the transposes a pointwise kernel's loop order decides (codegen_common.c,
-loop_order: an input read at a far stride is walked in its own order); the batch norm is the training
-statistics and normalization that decompositions._batch_norm_table makes one nested phased kernel.
+loop_order: the order with the fewest loads and stores off the inner loop, a far one counting most,
+a store more than a load); the batch norm is the training statistics and normalization that
+decompositions._batch_norm_table makes one nested phased kernel.
 --scale shrinks every shape's batch dim (tests run it small).
 """
 from __future__ import annotations
@@ -31,6 +32,13 @@ def _median_ms(f, x, n):
     return sorted(ts)[n // 2] * 1e3
 
 
+def _both_layouts(x):
+    """A channels-first normalization's shape (ConvNeXt's layer norm in its backward): one value
+    stored channels-last and an NCHW product of it, from an NCHW input."""
+    y = x * 0.5 + 1.0
+    return torch.relu(y).contiguous(memory_format=torch.channels_last), y * 2.0
+
+
 def _cases(scale: float):
     def b(n):
         return max(1, int(n * scale))
@@ -41,6 +49,7 @@ def _cases(scale: float):
         ("last two dims, stride 512", (b(96), 64, 512), lambda x: x.transpose(-1, -2).contiguous()),
         ("last two dims, stride 64", (b(96), 512, 64), lambda x: x.transpose(-1, -2).contiguous()),
         ("permute (0, 2, 3, 1)", (b(4), 128, 4, 64), lambda x: x.permute(0, 2, 3, 1).contiguous()),
+        ("NCHW into channels-last and NCHW", (b(16), 32, 16, 16), _both_layouts),
         ("batch norm, training", (b(16), 32, 32, 32), "bn"),
     ]
 

@@ -1156,14 +1156,18 @@ static void memory_order(const af_cg_operand *op, const af_tensor_meta *iter, in
 }
 
 /* What walking the iteration dims in `order` costs a pointwise kernel, counting its full-size
- * operands (no broadcast dim) not contiguous along the inner loop: 2 for one at a far stride (at
+ * operands (no broadcast dim) not contiguous along the inner loop: 4 for one at a far stride (at
  * least AF_FAR_STRIDE elements: each access a new line, past what the cache keeps for the next outer
- * step), load or store; 1 for an output at a nearer stride; 0 for an input at one. Transposing copies
- * alone, one thread: a ReLU of [16, 32, 32, 32] into channels-last read at a stride of 1024 in the
- * output's order (1.38 ms fp32), stored at one of 32 in the input's (0.38 ms); the last two dims of
- * [96, 64, 512] 6.6 -> 3.7-4.6 ms the same way; but [96, 512, 64] (a near load against a far store)
- * ran 2.5 ms in the output's order against 3.8 in the input's (bf16), and [8, 512, 768] (far both
- * ways, a tie: the output's order) 3.9-4.5 against 8.9-9.0 (fp32). */
+ * step), load or store; 2 for an output at a nearer stride (a scatter); 1 for an input at one (a
+ * gather). Transposing copies alone, one thread: a ReLU of [16, 32, 32, 32] into channels-last read
+ * at a stride of 1024 in the output's order (1.38 ms fp32), stored at one of 32 in the input's
+ * (0.38 ms); the last two dims of [96, 64, 512] 6.6 -> 3.7-4.6 ms the same way; but [96, 512, 64]
+ * (a near load against a near store) ran 2.5 ms in the output's order against 3.8 in the input's
+ * (bf16), and [8, 512, 768] (far both ways, a tie: the output's order) 3.9-4.5 against 8.9-9.0
+ * (fp32). A gather and a scatter cost more than one scatter: ConvNeXt's channels-first layer norm
+ * (an NCHW bf16 input, its normalized channels-last copy and an NCHW float32 product, strides of
+ * 256 over 32 channels) walked in the copy's order read and wrote at a stride of 256, in the input's
+ * it stores the copy at a stride of 32 alone. */
 #define AF_FAR_STRIDE 512
 static int order_cost(const af_fusion_group *grp, const af_cg_operand *ops, const af_tensor_meta *iter, const int32_t *order) {
     int32_t inner = -1;
@@ -1175,8 +1179,8 @@ static int order_cost(const af_fusion_group *grp, const af_cg_operand *ops, cons
         int full = 1;
         for (int32_t d = 0; d < iter->ndim; d++) full &= iter->sizes[d] == 1 || ops[k].strides[d] != 0;
         int64_t st = ops[k].strides[inner] < 0 ? -ops[k].strides[inner] : ops[k].strides[inner];
-        if (full && st >= AF_FAR_STRIDE) cost += 2;
-        else if (full && k >= grp->n_inputs && st != 1) cost += 1;
+        if (!full || st == 1) continue;
+        cost += st >= AF_FAR_STRIDE ? 4 : k >= grp->n_inputs ? 2 : 1;
     }
     return cost;
 }
@@ -1184,7 +1188,7 @@ static int order_cost(const af_fusion_group *grp, const af_cg_operand *ops, cons
 /* The order a kernel's loops take the iteration dims in, outermost first: the dims' own order, but
  * for a pointwise kernel without windows the memory order of one of its operands, so that the inner
  * loop walks memory: its first output's, unless (on the CPU) another full-size operand's order
- * costs less (order_cost: an input read at a far stride). A channels-last activation (strides [HWC, 1, WC, C] over [N, C, H, W]) was walked
+ * costs less (order_cost: fewer loads and stores off the inner loop). A channels-last activation (strides [HWC, 1, WC, C] over [N, C, H, W]) was walked
  * along W with a stride of C, a gather and a scatter an element: a ReLU and its mask at [16, 64,
  * 16, 16] took 1.46 ms, now one flat loop. ResNet's stem writes its normalized, ReLU'd activation
  * only as the channels-last copy its max pool reads: walked in that copy's order it read the NCHW

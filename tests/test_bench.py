@@ -383,6 +383,6 @@ def test_copies_times_each_case_against_eager(capsys):
         rows = copies.main(["--scale", "0.1", "--repeats", "2"])
     finally:
         torch.set_num_threads(threads)
-    assert len(rows) == 10 and {r[2] for r in rows} == {torch.float32, torch.bfloat16}
+    assert len(rows) == 12 and {r[2] for r in rows} == {torch.float32, torch.bfloat16}
     assert all(ours > 0 and eager > 0 for *_, ours, eager in rows), rows
     assert capsys.readouterr().out.count("| batch norm, training |") == 2
