@@ -386,3 +386,21 @@ def test_copies_times_each_case_against_eager(capsys):
     assert len(rows) == 12 and {r[2] for r in rows} == {torch.float32, torch.bfloat16}
     assert all(ours > 0 and eager > 0 for *_, ours, eager in rows), rows
     assert capsys.readouterr().out.count("| batch norm, training |") == 2
+
+
+def test_erf_check_measures_the_kernels_erf_against_float64():
+    """benchmarks/erf_check.py builds the prelude's own af_erf (taken from csrc/codegen_c.c): every
+    4099th float within 2.5e-7 of float64's erf, NaN, zeros and infinities right; the same polynomial
+    given by --against differs in no bit, and a cruder one (h cut to its two lowest terms) is caught."""
+    spec = importlib.util.spec_from_file_location("erf_check", ROOT / "benchmarks" / "erf_check.py")
+    erf_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(erf_check)
+    source = (ROOT / "csrc" / "codegen_c.c").read_text()
+    erf = erf_check.prelude_function(source, "af_erf")
+    current = re.findall(r"hq = (?:AF_FMA\(hq, ac, )?([-+0-9.e]+)f", erf)
+    assert len(current) >= 2, erf
+    r = erf_check.main(["--stride", "4099", "--against", " ".join(current)])
+    assert 0 < r["error"] <= 2.5e-7 and r["special_failures"] == 0, r
+    assert r["differ"] == 0 and r["other_error"] == r["error"], r
+    crude = erf_check.main(["--stride", "4099", "--against", " ".join(current[-2:])])
+    assert crude["other_error"] > 1e-4 and crude["differ"] > 0, crude

@@ -1,0 +1,116 @@
+"""The C prelude's erf against float64's, over every float (or every --stride-th), and its speed.
+
+    python benchmarks/erf_check.py [--stride 1] [--against "c6 c5 ... c0"] [--no-fma] [--width 512]
+
+Takes `af_exp_normal` and `af_erf` from csrc/codegen_c.c as the kernels get them, builds a C harness
+with the CPU JIT's flags, and prints erf's largest relative error over the normal floats (subnormal
+inputs round in the Taylor side's product, as they always did) and its time per element over 1M
+inputs in [-5, 5]. --against takes another h polynomial (its coefficients, highest first) for the
+same erf, to compare a refit with the current one: both errors, both times, and how many floats
+differ in their bits. --no-fma builds without FMA (fmaf as a product and a sum), --width 256 with
+256-bit vectors.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import subprocess
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FLAGS = ["-O3", "-march=native", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
+         "-fno-tree-pre", "-w"]
+
+HARNESS = r"""
+__attribute__((noinline)) static void run_a(const float *x, float *y, int n) { for (int i = 0; i < n; i++) y[i] = af_erf(x[i]); }
+__attribute__((noinline)) static void run_b(const float *x, float *y, int n) { for (int i = 0; i < n; i++) y[i] = af_erf_b(x[i]); }
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+static float xs[1 << 16], ya[1 << 16], yb[1 << 16];
+int main(int argc, char **argv) {
+  const uint64_t stride = strtoull(argv[1], NULL, 10), block = 1 << 16;
+  double worst[2] = {0, 0}; float where[2] = {0, 0}; long differ = 0, bad = 0;
+  for (uint64_t base = 0; base < (1ull << 32); base += block * stride) {
+    for (uint64_t i = 0; i < block; i++) { uint32_t u = (uint32_t)(base + i * stride); memcpy(&xs[i], &u, 4); }
+    run_a(xs, ya, (int)block); run_b(xs, yb, (int)block);
+    for (uint64_t i = 0; i < block; i++) {
+      float x = xs[i];
+      if (x != x) { bad += ya[i] == ya[i]; continue; } /* NaN in, NaN out */
+      uint32_t a, b; memcpy(&a, &ya[i], 4); memcpy(&b, &yb[i], 4); differ += a != b;
+      double e = erf((double)x);
+      if (e == 0) { bad += ya[i] != 0 || signbit(ya[i]) != signbit(x); continue; }
+      if (fabsf(x) < 1.17549435e-38f) continue; /* subnormal inputs */
+      float y[2] = {ya[i], yb[i]};
+      for (int k = 0; k < 2; k++) {
+        double r = fabs(y[k] - e) / fabs(e);
+        if (r > worst[k]) { worst[k] = r; where[k] = x; }
+      }
+    }
+  }
+  enum { N = 1 << 20 };
+  float *x = malloc(N * sizeof *x), *y = malloc(N * sizeof *y);
+  if (!x || !y) return 1;
+  for (int i = 0; i < N; i++) x[i] = (float)(((double)rand() / RAND_MAX - 0.5) * 10.0);
+  double t[2] = {1e9, 1e9};
+  for (int r = 0; r < 40; r++) {
+    double t0 = now(); run_a(x, y, N); double t1 = now(); run_b(x, y, N); double t2 = now();
+    if (t1 - t0 < t[0]) t[0] = t1 - t0;
+    if (t2 - t1 < t[1]) t[1] = t2 - t1;
+  }
+  printf("%.4g %.9g %.4g %.9g %ld %ld %.4f %.4f\n", worst[0], where[0], worst[1], where[1], differ, bad,
+         t[0] / N * 1e9, t[1] / N * 1e9);
+  free(x); free(y);
+  return 0;
+}
+"""
+
+
+def prelude_function(source: str, name: str) -> str:
+    """The C text of the prelude's `AF_INLINE float name(float x) { ... }` (a string literal in source)."""
+    start = source.index(f'"AF_INLINE float {name}(float x) {{\\n"')
+    end = source.index('"}\\n"', start) + len('"}\\n"')
+    return "".join(s.encode().decode("unicode_escape") for s in re.findall(r'"((?:[^"\\]|\\.)*)"', source[start:end]))
+
+
+def with_polynomial(erf: str, coefficients: list[str]) -> str:
+    """erf's C text with its h polynomial (`float hq = ...; hq = AF_FMA(hq, ac, ...); ...`) replaced."""
+    old = re.search(r"  float hq = [^\n]*\n(?:  hq = AF_FMA\(hq, ac, [^\n]*\n)+", erf).group(0)
+    new = f"  float hq = {coefficients[0]}f;\n" + "".join(f"  hq = AF_FMA(hq, ac, {c}f);\n" for c in coefficients[1:])
+    return erf.replace(old, new)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stride", type=int, default=1, help="check every stride-th float (1: all 2^32)")
+    ap.add_argument("--against", default=None, help="another h polynomial, coefficients highest first")
+    ap.add_argument("--no-fma", action="store_true")
+    ap.add_argument("--width", choices=["512", "256"], default="512")
+    a = ap.parse_args(argv)
+    source = (ROOT / "csrc" / "codegen_c.c").read_text()
+    exp_normal, erf = prelude_function(source, "af_exp_normal"), prelude_function(source, "af_erf")
+    other = with_polynomial(erf, a.against.split()) if a.against else erf
+    fma = "#define AF_FMA(a, b, c) ((a) * (b) + (c))\n" if a.no_fma else "#define AF_FMA(a, b, c) fmaf(a, b, c)\n"
+    text = ("#define _POSIX_C_SOURCE 200112L\n#include <math.h>\n#include <stdint.h>\n#include <stdio.h>\n"
+            "#include <stdlib.h>\n#include <string.h>\n#include <time.h>\n"
+            "#define AF_INLINE static inline __attribute__((always_inline))\n" + fma + exp_normal + erf
+            + other.replace("af_erf(", "af_erf_b(") + HARNESS)
+    with tempfile.TemporaryDirectory() as tmp:
+        c, exe = os.path.join(tmp, "erf.c"), os.path.join(tmp, "erf")
+        pathlib.Path(c).write_text(text)
+        cc = os.environ.get("AOTFUSE_CC", "cc").split()
+        subprocess.run(cc + FLAGS + [f"-mprefer-vector-width={a.width}", c, "-o", exe, "-lm"], check=True)
+        out = subprocess.run([exe, str(a.stride)], check=True, capture_output=True, text=True).stdout.split()
+    r = {"error": float(out[0]), "at": float(out[1]), "other_error": float(out[2]), "other_at": float(out[3]),
+         "differ": int(out[4]), "special_failures": int(out[5]), "ns": float(out[6]), "other_ns": float(out[7])}
+    what = f"every {a.stride}th float" if a.stride > 1 else "every float"
+    print(f"af_erf, {what}, {a.width}-bit{', no FMA' if a.no_fma else ''}: largest relative error {r['error']:.3g} "
+          f"(at {r['at']:.9g}), {r['ns']:.3f} ns an element; NaN, zeros and infinities wrong: {r['special_failures']}")
+    if a.against:
+        print(f"against h = [{a.against}]: {r['other_error']:.3g} (at {r['other_at']:.9g}), {r['other_ns']:.3f} ns "
+              f"an element; {r['differ']} floats differ in their bits")
+    return r
+
+
+if __name__ == "__main__":
+    main()
