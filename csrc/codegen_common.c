@@ -1162,7 +1162,7 @@ static void memory_order(const af_cg_operand *op, const af_tensor_meta *iter, in
  * gather). Transposing copies alone, one thread: a ReLU of [16, 32, 32, 32] into channels-last read
  * at a stride of 1024 in the output's order (1.38 ms fp32), stored at one of 32 in the input's
  * (0.38 ms); the last two dims of [96, 64, 512] 6.6 -> 3.7-4.6 ms the same way; but [96, 512, 64]
- * (a near load against a near store) ran 2.5 ms in the output's order against 3.8 in the input's
+ * (a near load against a far store) ran 2.5 ms in the output's order against 3.8 in the input's
  * (bf16), and [8, 512, 768] (far both ways, a tie: the output's order) 3.9-4.5 against 8.9-9.0
  * (fp32). A gather and a scatter cost more than one scatter: ConvNeXt's channels-first layer norm
  * (an NCHW bf16 input, its normalized channels-last copy and an NCHW float32 product, strides of
