@@ -15,6 +15,16 @@ pytest.importorskip("transformers")
 from aotfuse import bench  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _benchmark(name: str):
+    """benchmarks/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 MD_COLUMNS = ["model", "dtype", "name", "time (s)", "mem (MB)", "time %", "mem %", "numeric check"]
 
 
@@ -171,22 +181,13 @@ def test_bad_arguments_are_rejected():
 def test_profile_steps_lists_programs_and_kernels(capsys):
     """benchmarks/profile_steps.py: per-op host time of the C programs, then (--kernels) one step of
     each contender under torch.profiler (on the CPU its top ops by self CPU time)."""
-    spec = importlib.util.spec_from_file_location("profile_steps", ROOT / "benchmarks" / "profile_steps.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _benchmark("profile_steps")
     mod.main(["--model", "GPT2LMHeadModel", "--size", "tiny", "--steps", "2", "--kernels", "--top", "3"])
     out = capsys.readouterr().out
     assert "inside the C programs" in out and "fused kernels" in out, out
     assert "aotfuse: one step, self CPU time" in out and "eager: one step, self CPU time" in out, out
 
 
-def _ab_env():
-    """benchmarks/ab_env.py as a module."""
-    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "ab_env.py"
-    spec = importlib.util.spec_from_file_location("ab_env", path)
-    ab_env = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab_env)
-    return ab_env
 
 
 def _ab_sides(out: str) -> tuple[dict, dict]:
@@ -200,7 +201,7 @@ def test_ab_env_times_both_sides_of_a_switch(capsys, monkeypatch):
     """benchmarks/ab_env.py: two copies lowered with the switch at its two values, trained alike
     (the same loss after the same steps), each side's time and peak printed; the variable is put
     back as it was."""
-    ab_env = _ab_env()
+    ab_env = _benchmark("ab_env")
     monkeypatch.delenv("AOTFUSE_SINK_COPIES", raising=False)
     ab_env.main(["--env", "AOTFUSE_SINK_COPIES", "--model", "BertForMaskedLM", "--size", "host", "--repeats", "2",
                  "--warmup", "1"])
@@ -216,7 +217,7 @@ def test_ab_env_takes_a_model_of_the_families_benchmark(capsys, monkeypatch):
     """--family NAME builds benchmarks/families.py's model (Swin here): each side lowers its own
     programs (AOTFUSE_COLUMN_PHASED=1 runs its patch embedding's layer norm column-phased), both
     train alike."""
-    ab_env = _ab_env()
+    ab_env = _benchmark("ab_env")
     monkeypatch.delenv("AOTFUSE_COLUMN_PHASED", raising=False)
     ab_env.main(["--env", "AOTFUSE_COLUMN_PHASED", "--family", "swin", "--dtype", "fp32", "--repeats", "1",
                  "--warmup", "1"])
@@ -232,7 +233,7 @@ def test_ab_env_lowers_each_side_of_a_dynamo_fallback_model(capsys, monkeypatch)
     """Longformer runs through Dynamo (fallback="dynamo"), which keeps compiled graphs per code
     object, guarded on the backend: with one backend for both, side B ran side A's programs (both sides alike, every
     such A/B reading about 1.0). Each side must lower its own: with AOTFUSE_FUSION=0 no kernels."""
-    ab_env = _ab_env()
+    ab_env = _benchmark("ab_env")
     monkeypatch.delenv("AOTFUSE_FUSION", raising=False)
     ab_env.main(["--env", "AOTFUSE_FUSION", "--model", "LongformerForMaskedLM", "--size", "tiny", "--repeats", "1",
                  "--warmup", "1"])
@@ -335,9 +336,7 @@ def test_cpu_peak_does_not_depend_on_what_was_profiled_before():
 def test_chain_models_compares_both_cuts_with_eager(capsys):
     """benchmarks/chain_models.py: eager, aotfuse and AOTFUSE_RECOMPUTE_CHAINS=1 side by side, one row
     per model with steps, peaks and ratios; the variable put back after."""
-    spec = importlib.util.spec_from_file_location("chain_models", ROOT / "benchmarks" / "chain_models.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _benchmark("chain_models")
     before = os.environ.get("AOTFUSE_RECOMPUTE_CHAINS")
     mod.main(["--models", "stack,bert", "--layers", "4", "--steps", "2"])
     assert os.environ.get("AOTFUSE_RECOMPUTE_CHAINS") == before
@@ -356,9 +355,7 @@ def test_families_compares_eager_and_aotfuse_with_a_loss_check(tmp_path, capsys)
     first step, and the loss check against eager's (channels_last images too); the table written to
     --out with the machine line."""
     pytest.importorskip("transformers")
-    spec = importlib.util.spec_from_file_location("families", ROOT / "benchmarks" / "families.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _benchmark("families")
     out = tmp_path / "families.md"
     mod.main(["--models", "resnet", "--steps", "2", "--contenders", "eager,aotfuse", "--channels-last",
               "--out", str(out)])
@@ -375,9 +372,7 @@ def test_families_compares_eager_and_aotfuse_with_a_loss_check(tmp_path, capsys)
 def test_copies_times_each_case_against_eager(capsys):
     """benchmarks/copies.py: every layout-changing copy and the batch norm, in each dtype, checked
     against eager's values and timed beside it (a small scale)."""
-    spec = importlib.util.spec_from_file_location("copies", ROOT / "benchmarks" / "copies.py")
-    copies = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(copies)
+    copies = _benchmark("copies")
     threads = torch.get_num_threads()
     try:
         rows = copies.main(["--scale", "0.1", "--repeats", "2"])
@@ -392,9 +387,7 @@ def test_erf_check_measures_the_kernels_erf_against_float64():
     """benchmarks/erf_check.py builds the prelude's own af_erf (taken from csrc/codegen_c.c): every
     4099th float within 2.5e-7 of float64's erf, NaN, zeros and infinities right; the same polynomial
     given by --against differs in no bit, and a cruder one (h cut to its two lowest terms) is caught."""
-    spec = importlib.util.spec_from_file_location("erf_check", ROOT / "benchmarks" / "erf_check.py")
-    erf_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(erf_check)
+    erf_check = _benchmark("erf_check")
     source = (ROOT / "csrc" / "codegen_c.c").read_text()
     erf = erf_check.prelude_function(source, "af_erf")
     current = re.findall(r"hq = (?:AF_FMA\(hq, ac, )?([-+0-9.e]+)f", erf)
