@@ -3,9 +3,9 @@
     python benchmarks/erf_check.py [--stride 1] [--against "c6 c5 ... c0"] [--no-fma] [--width 512]
 
 Takes `af_exp_normal` and `af_erf` from csrc/codegen_c.c as the kernels get them, builds a C harness
-with the CPU JIT's flags, and prints erf's largest relative error over the normal floats (subnormal
-inputs round in the Taylor side's product, as they always did) and its time per element over 1M
-inputs in [-5, 5]. --against takes another h polynomial (its coefficients, highest first) for the
+with the CPU JIT's flags (csrc/jit_cpu.c's base_flags), and prints erf's largest relative error over
+the normal floats (subnormal inputs round in the Taylor side's product, as they always did) and its
+time per element over 1M inputs in [-5, 5]. --against takes another h polynomial (its coefficients, highest first) for the
 same erf, to compare a refit with the current one: both errors, both times, and how many floats
 differ in their bits. --no-fma builds without FMA (fmaf as a product and a sum), --width 256 with
 256-bit vectors (x86; elsewhere the compiler's own width).
@@ -21,8 +21,6 @@ import subprocess
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-FLAGS = ["-O3", "-march=native", "-std=c11", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
-         "-fno-tree-pre", "-w"]
 
 HARNESS = r"""
 __attribute__((noinline)) static void run_a(const float *x, float *y, int n) { for (int i = 0; i < n; i++) y[i] = af_erf(x[i]); }
@@ -67,6 +65,13 @@ int main(int argc, char **argv) {
 """
 
 
+def jit_flags() -> list[str]:
+    """The CPU JIT's base compiler flags (csrc/jit_cpu.c's base_flags), less those for a shared library."""
+    source = (ROOT / "csrc" / "jit_cpu.c").read_text()
+    body = re.search(r"base_flags\[\] = \{(.*?)\};", source, re.S).group(1)
+    return [f for f in re.findall(r'"([^"]*)"', body) if f not in ("-shared", "-fPIC")]
+
+
 def prelude_function(source: str, name: str) -> str:
     """The C text of the prelude's `AF_INLINE float name(float x) { ... }` (a string literal in source)."""
     start = source.index(f'"AF_INLINE float {name}(float x) {{\\n"')
@@ -102,7 +107,7 @@ def main(argv=None) -> dict:
         cc = os.environ.get("AOTFUSE_CC", "cc").split()
         # the JIT's vector width flag, which it passes on x86 only (jit_cpu.c, vector_width_flag)
         width = [f"-mprefer-vector-width={a.width}"] if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") else []
-        subprocess.run(cc + FLAGS + width + [c, "-o", exe, "-lm"], check=True)
+        subprocess.run(cc + jit_flags() + width + [c, "-o", exe, "-lm"], check=True)
         out = subprocess.run([exe, str(a.stride)], check=True, capture_output=True, text=True).stdout.split()
     r = {"error": float(out[0]), "at": float(out[1]), "other_error": float(out[2]), "other_at": float(out[3]),
          "differ": int(out[4]), "special_failures": int(out[5]), "ns": float(out[6]), "other_ns": float(out[7])}
