@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import checkpoint, config, ddp, shapes
 from ._pytree import _holds_tensor, tree_flatten, tree_unflatten
-from .decompositions import default_decompositions, upstream_fixes
+from .decompositions import LayoutRetry, conv_layout, default_decompositions, keep_layout, layout_class, upstream_fixes
 from .lower import BackendUnavailable, Lowered, UnsupportedError, lower, self_overlapping, separate_aliased_gradients
 from .partition import default_partition, min_cut_rematerialization_partition
 
@@ -66,6 +66,10 @@ class _Record:
         # a DDP-synced signature's (ddp.Sync): its backward all-reduces the gradients bucket by bucket
         self.ddp: ddp.Sync | None = None
         self.ddp_checked = False  # a backward of it has the all-reduces
+        # channels-last convolutions (decompositions.py): each output's layout in a pass that ran
+        # without decompositions (eager's), and whether a pass of this capture changed a layout
+        self.out_layouts: list | None = None
+        self.layout_fired = False
 
 
 def _graph_key(gm: torch.fx.GraphModule) -> tuple:
@@ -776,6 +780,26 @@ def _own_if_overlapping(out: torch.Tensor, inputs: tuple) -> torch.Tensor:
     return out.clone() if _overlapping_view_of_intermediate(out, inputs) else out
 
 
+def _eager_layouts(record: _Record, outs: tuple) -> tuple:
+    """The outputs of a pass whose convolutions ran channels-last, each copied back into the layout
+    eager gave it (record.out_layouts): the same tensor returned twice is one copy; one that is a view
+    in this pass cannot be copied without losing what it aliases (LayoutRetry)."""
+    eager = record.out_layouts
+    if eager is None or len(eager) != len(outs):
+        raise LayoutRetry("no pass without decompositions gave eager's output layouts")
+    copies: dict[int, Any] = {}
+    res = []
+    for x, want in zip(outs, eager):
+        if isinstance(x, torch.Tensor) and layout_class(x) != want:
+            if id(x) not in copies:
+                if x._is_view():
+                    raise LayoutRetry("an output that is a view, in another layout than eager's")
+                copies[id(x)] = keep_layout(x, want)
+            x = copies[id(x)]
+        res.append(x)
+    return tuple(res)
+
+
 class CompiledFunction:
     """What aot_function returns: call it like the original function."""
 
@@ -823,6 +847,7 @@ class CompiledFunction:
         # thread reads them again under the lock when this was odd or moved during its read
         self.trace_gen = 0
         self.fuse_attention: str | None = None  # "auto", "1" or "0" over AOTFUSE_FUSE_ATTENTION (benchmarks)
+        self._layout_off = False  # a capture of it was traced again without channels-last convolutions
         functools.update_wrapper(self, fn, updated=())
 
     def __reduce_ex__(self, protocol: int) -> tuple:
@@ -1028,7 +1053,15 @@ class CompiledFunction:
         traced_fn = [flat_fn]  # the first run may swap in a graph of it with attention fused
 
         def traced(*tensors):
-            return traced_fn[0](*tensors)
+            with conv_layout(not self._layout_off) as layout:
+                try:
+                    outs = traced_fn[0](*tensors)
+                finally:  # a view the layout cannot take raises here: _traced_first traces again
+                    record.layout_fired |= layout.fired
+            if not layout.fired:  # eager's layouts (AOTAutograd's metadata pass, attention's pre-trace)
+                record.out_layouts = [layout_class(x) for x in outs]
+                return outs
+            return _eager_layouts(record, outs)
 
         compiled = _torch_aot_function(
             traced if self.fw_compiler is None else flat_fn,
@@ -1125,7 +1158,7 @@ class CompiledFunction:
                 with _tracing_flag(), _captures(), config.lazy_graph_modules(), _compiled_code_traced_through():
                     if entry.traced_fn is not None:
                         _fuse_attention_first(entry, tensors, self.fuse_attention)
-                    outs = entry.compiled(*tensors)
+                    outs = self._traced_first(entry, tensors)
             finally:
                 self.trace_gen += 1
         except config.ConfigError:
@@ -1182,6 +1215,25 @@ class CompiledFunction:
         if self.bw_compiler is None:
             _no_zero_gradients(outs)
         return self._rebuild(entry.record, outs, tensors), entry
+
+    def _traced_first(self, entry: _Entry, tensors: list) -> Any:
+        """entry.compiled's first call (the trace); a trace that failed where convolutions ran
+        channels-last (a view that layout cannot take, decompositions.LayoutRetry) is done again
+        without, for this signature and the later ones."""
+        try:
+            return entry.compiled(*tensors)
+        except Exception as e:
+            record = entry.record
+            if not record.layout_fired or self._layout_off or isinstance(e, torch.OutOfMemoryError) \
+                    or "inference" in record.programs or "forward" in record.programs:
+                raise
+            config.emit("cache", f"{self.name}: traced again without channels-last convolutions "
+                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+            self._layout_off = True
+            record.layout_fired = False
+            record.programs.clear()
+            record.graphs.clear()
+            return entry.compiled(*tensors)
 
     def _forget(self, entry: _Entry) -> None:
         for k, e in list(self._cache.items()):

@@ -44,6 +44,11 @@ AOTFUSE_RECOMPUTE_MATERIALIZED=auto  values the backward writes out anyway (a ma
 AOTFUSE_CHANNELS_LAST_POOLS=0  keep ATen's max pool on a contiguous CPU input (default: one with 16
                        channels or more runs on a channels-last copy, ATen's vectorized case;
                        decompositions.py)
+AOTFUSE_CHANNELS_LAST_CONVS=0  keep CPU convolutions in the traced layout (default: a 2-d float32 or
+                       bfloat16 convolution of a contiguous NCHW input runs on a channels-last copy
+                       with oneDNN, the layout flowing through the network, outputs given eager's
+                       strides back; a trace the layout would change is done again without;
+                       decompositions.py)
 AOTFUSE_RECOMPUTE_CHAINS=1  under AOTFUSE_RECOMPUTE_MATERIALIZED=auto, also recompute such a value
                        where that makes another one first (default 0: saved; a residual stream of
                        pointwise adds is then saved every other layer, not rebuilt whole at the

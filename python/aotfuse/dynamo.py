@@ -10,8 +10,8 @@ from typing import Any, Sequence
 import torch
 from torch._dynamo.utils import counters
 from torch._functorch.aot_autograd import aot_module_simplified
-from .compile import _no_zero_gradients
-from .decompositions import default_decompositions, upstream_fixes
+from .compile import _eager_layouts, _no_zero_gradients
+from .decompositions import default_decompositions, layout_begin, layout_class, layout_end, upstream_fixes
 from . import shapes
 from .lower import Lowered, UnsupportedError, lower, separate_aliased_gradients
 from .partition import min_cut_rematerialization_partition
@@ -331,10 +331,12 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
     # counts AOTAutograd's invocations by this counter, as torch's own aot_autograd backends bump it, to
     # pair each bucket's lazily compiled backward with its forward's metadata
     counters["aot_autograd"]["total"] += 1
-    try:
+    layouts = _LayoutRecord(traced, symbolic)
+
+    def capture():
         # (the graphs made while tracing write their code only if read)
-        with config.lazy_graph_modules(), upstream_fixes():
-            compiled = aot_module_simplified(
+        with config.lazy_graph_modules(), upstream_fixes(), layouts:
+            return aot_module_simplified(
                 traced,
                 example_inputs,
                 fw_compiler=per_shape(forward),
@@ -343,6 +345,17 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
                 partition_fn=partition,
                 decompositions=default_decompositions(),
             )
+
+    try:
+        try:
+            compiled = capture()
+        except Exception as e:  # noqa: BLE001
+            if not layouts.layout_fired or isinstance(e, torch.OutOfMemoryError):
+                raise
+            config.emit("cache", f"a Dynamo graph is traced again without channels-last convolutions "
+                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+            layouts.on, layouts.layout_fired = False, False
+            compiled = capture()
     except Exception as e:  # noqa: BLE001
         if not symbolic:
             raise
@@ -364,6 +377,54 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
         return outs
 
     return run
+
+
+class _LayoutRecord:
+    """Channels-last convolutions (decompositions.py) in a Dynamo graph's capture: while it is traced
+    (`with` it), the graph runs its nodes between layout_begin and layout_end (AOTAutograd interprets
+    a GraphModule node by node, so they are nodes of it, taken out again afterwards), and a pass
+    that changed a layout gives its outputs the layouts of the pass without decompositions
+    (compile._eager_layouts). Not on symbolic graphs."""
+
+    def __init__(self, gm: torch.fx.GraphModule, symbolic: bool) -> None:
+        self.gm, self.on = gm, not symbolic
+        self.out_layouts: list | None = None
+        self.layout_fired = False
+        self._nodes: tuple | None = None
+
+    def begin(self) -> None:
+        layout_begin(self.on)
+
+    def end(self, outs: Any) -> Any:
+        fired = layout_end()
+        self.layout_fired |= fired
+        if not fired:
+            self.out_layouts = [layout_class(x) for x in outs]
+            return outs
+        fixed = _eager_layouts(self, tuple(outs))
+        return fixed if isinstance(outs, tuple) else type(outs)(fixed)
+
+    def __enter__(self) -> None:
+        g = self.gm.graph
+        out = g.output_node()
+        if not self.on or not isinstance(out.args[0], (tuple, list)):
+            return
+        places = [n for n in g.nodes if n.op == "placeholder"]
+        with g.inserting_after(places[-1]) if places else g.inserting_before(next(iter(g.nodes))):
+            begin = g.call_function(self.begin, ())
+        with g.inserting_before(out):
+            end = g.call_function(self.end, (out.args[0],))
+        self._nodes = (begin, end, out.args)
+        out.args = (end,)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.layout_fired |= layout_end()  # (a trace that raised between the two nodes)
+        if self._nodes is not None:
+            begin, end, args = self._nodes
+            self.gm.graph.output_node().args = args
+            self.gm.graph.erase_node(end)
+            self.gm.graph.erase_node(begin)
+            self._nodes = None
 
 
 def _register() -> None:
