@@ -160,9 +160,20 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("backend", ["memory_efficient_fusion", "torch.compile"])
 @pytest.mark.parametrize("mode", list(_EDGES))
-def test_what_the_layout_would_change_is_traced_again_without_it(mode, backend):
+def test_what_the_layout_would_change_is_traced_again_without_it(mode, backend, monkeypatch):
     """Values and gradients within 4x eager's distance from float64 (+1e-6), and each output's
-    strides, and which outputs share memory, as eager's."""
+    strides, and which outputs share memory, as eager's; the layout was tried (under both backends)."""
+    import aotfuse.decompositions as decompositions
+
+    fired = []
+    conv = decompositions._convolution_channels_last
+
+    def counted(*args):
+        out = conv(*args)
+        fired.append(out is not NotImplemented)
+        return out
+
+    monkeypatch.setattr(decompositions, "_convolution_channels_last", counted)
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _Edge(mode)
@@ -189,5 +200,6 @@ def test_what_the_layout_would_change_is_traced_again_without_it(mode, backend):
     for what, ours, eager, ref in pairs:
         assert ours.stride() == eager.stride() or what.startswith("gradient"), (what, ours.stride(), eager.stride())
         assert _rel(ours, ref.detach()) <= 4 * _rel(eager, ref.detach()) + 1e-6, (mode, what)
+    assert any(fired), mode
     if backend == "memory_efficient_fusion":
         assert compiled._aotfuse_compiled._layout_off == _EDGES[mode], mode
