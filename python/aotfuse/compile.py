@@ -780,10 +780,11 @@ def _own_if_overlapping(out: torch.Tensor, inputs: tuple) -> torch.Tensor:
     return out.clone() if _overlapping_view_of_intermediate(out, inputs) else out
 
 
-def _eager_layouts(record: _Record, outs: tuple) -> tuple:
+def _eager_layouts(record: Any, outs: tuple, bases: Any = ()) -> tuple:
     """The outputs of a pass whose convolutions ran channels-last, each copied back into the layout
     eager gave it (record.out_layouts): the same tensor returned twice is one copy; one that is a view
-    in this pass cannot be copied without losing what it aliases (LayoutRetry)."""
+    in this pass cannot be copied without losing what it aliases, nor can the base of a view the call
+    makes from it (`bases`: positions; its strides were read off this pass's layout): LayoutRetry."""
     eager = record.out_layouts
     if eager is None or len(eager) != len(outs):
         raise LayoutRetry("no pass without decompositions gave eager's output layouts")
@@ -792,7 +793,7 @@ def _eager_layouts(record: _Record, outs: tuple) -> tuple:
     for x, want in zip(outs, eager):
         if isinstance(x, torch.Tensor) and layout_class(x) != want:
             if id(x) not in copies:
-                if x._is_view():
+                if x._is_view() or len(res) in bases:
                     raise LayoutRetry("an output that is a view, in another layout than eager's")
                 copies[id(x)] = keep_layout(x, want)
             x = copies[id(x)]
@@ -1061,7 +1062,8 @@ class CompiledFunction:
             if not layout.fired:  # eager's layouts (AOTAutograd's metadata pass, attention's pre-trace)
                 record.out_layouts = [layout_class(x) for x in outs]
                 return outs
-            return _eager_layouts(record, outs)
+            made = [c for c in record.out_consts if c is None or isinstance(c, _BaseView)]  # flat_fn's outputs
+            return _eager_layouts(record, outs, {i for i, c in enumerate(made) if c is not None})
 
         compiled = _torch_aot_function(
             traced if self.fw_compiler is None else flat_fn,

@@ -331,7 +331,7 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
     # counts AOTAutograd's invocations by this counter, as torch's own aot_autograd backends bump it, to
     # pair each bucket's lazily compiled backward with its forward's metadata
     counters["aot_autograd"]["total"] += 1
-    layouts = _LayoutRecord(traced, symbolic)
+    layouts = _LayoutRecord(traced, symbolic, set(bases))
 
     def capture():
         # (the graphs made while tracing write their code only if read)
@@ -386,8 +386,8 @@ class _LayoutRecord:
     that changed a layout gives its outputs the layouts of the pass without decompositions
     (compile._eager_layouts). Not on symbolic graphs."""
 
-    def __init__(self, gm: torch.fx.GraphModule, symbolic: bool) -> None:
-        self.gm, self.on = gm, not symbolic
+    def __init__(self, gm: torch.fx.GraphModule, symbolic: bool, bases: set) -> None:
+        self.gm, self.on, self.bases = gm, not symbolic, bases  # bases: outputs the call makes views of
         self.out_layouts: list | None = None
         self.layout_fired = False
         self._nodes: tuple | None = None
@@ -401,7 +401,7 @@ class _LayoutRecord:
         if not fired:
             self.out_layouts = [layout_class(x) for x in outs]
             return outs
-        fixed = _eager_layouts(self, tuple(outs))
+        fixed = _eager_layouts(self, tuple(outs), self.bases)
         return fixed if isinstance(outs, tuple) else type(outs)(fixed)
 
     def __enter__(self) -> None:
