@@ -780,11 +780,16 @@ def _own_if_overlapping(out: torch.Tensor, inputs: tuple) -> torch.Tensor:
     return out.clone() if _overlapping_view_of_intermediate(out, inputs) else out
 
 
-def _eager_layouts(record: Any, outs: tuple, bases: Any = ()) -> tuple:
-    """The outputs of a pass whose convolutions ran channels-last, each copied back into the layout
-    eager gave it (record.out_layouts): the same tensor returned twice is one copy; one that is a view
-    in this pass cannot be copied without losing what it aliases, nor can the base of a view the call
-    makes from it (`bases`: positions; its strides were read off this pass's layout): LayoutRetry."""
+def _pass_layouts(record: Any, outs: tuple, fired: bool, bases: Any = ()) -> tuple:
+    """The outputs of one tracing pass of the user's function. A pass where no convolution changed a
+    layout (AOTAutograd's metadata pass runs without decompositions) gives eager's: recorded in
+    record.out_layouts. In a pass whose convolutions ran channels-last each output is copied back into
+    the layout eager gave it: the same tensor returned twice is one copy; one that is a view in this
+    pass cannot be copied without losing what it aliases, nor can the base of a view the call makes
+    from it (`bases`: positions; its strides were read off this pass's layout): LayoutRetry."""
+    if not fired:
+        record.out_layouts = [layout_class(x) for x in outs]
+        return outs
     eager = record.out_layouts
     if eager is None or len(eager) != len(outs):
         raise LayoutRetry("no pass without decompositions gave eager's output layouts")
@@ -1059,11 +1064,8 @@ class CompiledFunction:
                     outs = traced_fn[0](*tensors)
                 finally:  # a view the layout cannot take raises here: _traced_first traces again
                     record.layout_fired |= layout.fired
-            if not layout.fired:  # eager's layouts (AOTAutograd's metadata pass, attention's pre-trace)
-                record.out_layouts = [layout_class(x) for x in outs]
-                return outs
             made = [c for c in record.out_consts if c is None or isinstance(c, _BaseView)]  # flat_fn's outputs
-            return _eager_layouts(record, outs, {i for i, c in enumerate(made) if c is not None})
+            return _pass_layouts(record, outs, layout.fired, {i for i, c in enumerate(made) if c is not None})
 
         compiled = _torch_aot_function(
             traced if self.fw_compiler is None else flat_fn,

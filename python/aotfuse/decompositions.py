@@ -391,8 +391,7 @@ _POOL_MIN_CHANNELS = 16
 
 
 def _max_pool2d_with_indices(x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
-    if (x.device.type != "cpu" or x.dim() != 4 or x.shape[1] < _POOL_MIN_CHANNELS or x.numel() == 0
-            or not x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)):
+    if x.device.type != "cpu" or not _nchw(x) or x.shape[1] < _POOL_MIN_CHANNELS or x.numel() == 0:
         return NotImplemented  # ATen's own (a channels-last input: its fast case already)
     cl = aten.clone.default(x, memory_format=torch.channels_last)
     out, idx = aten.max_pool2d_with_indices.default(cl, kernel_size, stride, padding, dilation, ceil_mode)

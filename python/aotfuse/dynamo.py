@@ -10,8 +10,8 @@ from typing import Any, Sequence
 import torch
 from torch._dynamo.utils import counters
 from torch._functorch.aot_autograd import aot_module_simplified
-from .compile import _eager_layouts, _no_zero_gradients
-from .decompositions import default_decompositions, layout_begin, layout_class, layout_end, upstream_fixes
+from .compile import _no_zero_gradients, _pass_layouts
+from .decompositions import default_decompositions, layout_begin, layout_end, upstream_fixes
 from . import shapes
 from .lower import Lowered, UnsupportedError, lower, separate_aliased_gradients
 from .partition import min_cut_rematerialization_partition
@@ -384,7 +384,7 @@ class _LayoutRecord:
     (`with` it), the graph runs its nodes between layout_begin and layout_end (AOTAutograd interprets
     a GraphModule node by node, so they are nodes of it, taken out again afterwards), and a pass
     that changed a layout gives its outputs the layouts of the pass without decompositions
-    (compile._eager_layouts). Not on symbolic graphs."""
+    (compile._pass_layouts). Not on symbolic graphs."""
 
     def __init__(self, gm: torch.fx.GraphModule, symbolic: bool, bases: set) -> None:
         self.gm, self.on, self.bases = gm, not symbolic, bases  # bases: outputs the call makes views of
@@ -398,10 +398,7 @@ class _LayoutRecord:
     def end(self, outs: Any) -> Any:
         fired = layout_end()
         self.layout_fired |= fired
-        if not fired:
-            self.out_layouts = [layout_class(x) for x in outs]
-            return outs
-        fixed = _eager_layouts(self, tuple(outs), self.bases)
+        fixed = _pass_layouts(self, tuple(outs), fired, self.bases)
         return fixed if isinstance(outs, tuple) else type(outs)(fixed)
 
     def __enter__(self) -> None:
