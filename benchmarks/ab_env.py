@@ -4,6 +4,7 @@ alternating steps (the order flips each repetition), so that the machine's drift
 
     python benchmarks/ab_env.py --env AOTFUSE_SINK_COPIES --model LongformerForMaskedLM --size host
     python benchmarks/ab_env.py --env AOTFUSE_COLUMN_PHASED --family swin --dtype bf16 --repeats 20
+    python benchmarks/ab_env.py --env AOTFUSE_CHANNELS_LAST_CONVS --family resnet --dtype bf16 --torch-compile
 
 prints each side's median step time, their ratio, each side's peak CPU allocation over one step
 (torch's allocation events, as `python -m aotfuse.bench` measures it), each side's loss after the
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dropout", type=float, default=1e-8,
                     help="every dropout probability of the config (default aotfuse.bench's 1e-8: drawn, nearly no effect)")
+    ap.add_argument("--torch-compile", action="store_true",
+                    help="each side is torch.compile(model, backend='aotfuse') instead of memory_efficient_fusion")
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="the model checkpoints each layer (gradient_checkpointing_enable, non-reentrant)")
     args = ap.parse_args(argv)
@@ -69,14 +72,17 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for side, value in (("A", args.a), ("B", args.b)):
             os.environ[args.env] = value
-            m = aotfuse.memory_efficient_fusion(copy.deepcopy(model), fallback="dynamo")
             # Dynamo keeps compiled graphs per code object (the model's forward and the functions it
             # calls after a graph break), guarded on the backend but not on the module instance: with
             # one backend, side B would run the graphs side A lowered (Longformer, which needs
             # fallback="dynamo"). A backend object of its own per side keeps them apart.
-            compiled = m._aotfuse_compiled
-            compiled._dynamo_fn = torch.compile(compiled.fallback_fn, backend=functools.partial(aotfuse_backend),
-                                                dynamic=False)
+            if args.torch_compile:
+                m = torch.compile(copy.deepcopy(model), backend=functools.partial(aotfuse_backend), dynamic=False)
+            else:
+                m = aotfuse.memory_efficient_fusion(copy.deepcopy(model), fallback="dynamo")
+                compiled = m._aotfuse_compiled
+                compiled._dynamo_fn = torch.compile(compiled.fallback_fn, backend=functools.partial(aotfuse_backend),
+                                                    dynamic=False)
             opt = torch.optim.SGD(m.parameters(), lr=1e-4)
             made_before = set(LIVE)
             for _ in range(args.warmup):  # lowers every program with the variable at this value
@@ -112,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
 
         peaks[side] = _cpu_peak(step)
     gc = ", gradient checkpointing" if args.gradient_checkpointing else ""
-    gc += f", dropout {args.dropout:g}"
+    gc += f", dropout {args.dropout:g}" + (", torch.compile(backend='aotfuse')" if args.torch_compile else "")
     print(f"{desc}{gc} | {args.dtype} | torch {torch.__version__} | {args.repeats} steps a side, {args.threads} thread(s)")
     for side, value in (("A", args.a), ("B", args.b)):
         print(f"  {args.env}={value}: step median {statistics.median(times[side]) * 1e3:.3f} ms, peak "

@@ -229,6 +229,23 @@ def test_ab_env_takes_a_model_of_the_families_benchmark(capsys, monkeypatch):
     assert "AOTFUSE_COLUMN_PHASED" not in os.environ
 
 
+def test_ab_env_compiles_each_side_through_torch_compile(capsys, monkeypatch):
+    """--torch-compile: each side is torch.compile(model, backend="aotfuse") with a backend of its own,
+    lowered with the switch at its value (ResNet's channels-last convolutions: the sides' programs
+    differ), both train alike."""
+    ab_env = _benchmark("ab_env")
+    monkeypatch.delenv("AOTFUSE_CHANNELS_LAST_CONVS", raising=False)
+    ab_env.main(["--env", "AOTFUSE_CHANNELS_LAST_CONVS", "--family", "resnet", "--dtype", "fp32", "--repeats", "1",
+                 "--warmup", "1", "--torch-compile"])
+    out = capsys.readouterr().out
+    lines, losses = _ab_sides(out)
+    assert "torch.compile(backend='aotfuse')" in out, out
+    assert losses["=1:"] == pytest.approx(losses["=0:"], rel=1e-4), out
+    kernels = {k: int(re.search(r"(\d+) fused kernels", line).group(1)) for k, line in lines.items()}
+    assert all(n > 0 for n in kernels.values()) and kernels["=1:"] != kernels["=0:"], out
+    assert "AOTFUSE_CHANNELS_LAST_CONVS" not in os.environ
+
+
 def test_ab_env_lowers_each_side_of_a_dynamo_fallback_model(capsys, monkeypatch):
     """Longformer runs through Dynamo (fallback="dynamo"), which keeps compiled graphs per code
     object, guarded on the backend: with one backend for both, side B ran side A's programs (both sides alike, every
