@@ -1,6 +1,6 @@
-"""The C prelude's erf against float64's, over every float (or every --stride-th), and its speed.
+"""The C prelude's erf (or erf1p) against float64's, over every float (or every --stride-th), and its speed.
 
-    python benchmarks/erf_check.py [--stride 1] [--against "c6 c5 ... c0"] [--no-fma] [--width 512]
+    python benchmarks/erf_check.py [--fn erf|erf1p] [--stride 1] [--against "c6 c5 ... c0"] [--no-fma] [--width 512]
 
 Takes `af_exp_normal` and `af_erf` from csrc/codegen_c.c as the kernels get them, builds a C harness
 with the CPU JIT's flags (csrc/jit_cpu.c's base_flags), and prints erf's largest relative error over
@@ -9,6 +9,11 @@ time per element over 1M inputs in [-5, 5]. --against takes another h polynomial
 same erf, to compare a refit with the current one: both errors, both times, and how many floats
 differ in their bits. --no-fma builds without FMA (fmaf as a product and a sum), --width 256 with
 256-bit vectors (x86; elsewhere the compiler's own width).
+
+--fn erf1p checks `af_erf1p` (1 + erf, GELU's; python/aotfuse/erf1p.py) the same way, by what counts
+for it: its largest absolute error against 1 + erf in double over every float, and its largest relative
+one where x < -0.5 and 1 + erf > 1e-6 (the tail, which 1 + erf(x) in float loses to cancellation); the
+two ops it replaces, `1.0f + af_erf(x)`, are measured beside it (or --against's h for erf1p instead).
 """
 from __future__ import annotations
 
@@ -65,6 +70,48 @@ int main(int argc, char **argv) {
 """
 
 
+HARNESS_1P = r"""
+__attribute__((noinline)) static void run_a(const float *x, float *y, int n) { for (int i = 0; i < n; i++) y[i] = af_erf1p(x[i]); }
+__attribute__((noinline)) static void run_b(const float *x, float *y, int n) { for (int i = 0; i < n; i++) y[i] = OTHER(x[i]); }
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+static float xs[1 << 16], ya[1 << 16], yb[1 << 16];
+int main(int argc, char **argv) {
+  const uint64_t stride = strtoull(argv[1], NULL, 10), block = 1 << 16;
+  double worst[2] = {0, 0}, tail[2] = {0, 0}; float where[2] = {0, 0}, twhere[2] = {0, 0}; long differ = 0, bad = 0;
+  for (uint64_t base = 0; base < (1ull << 32); base += block * stride) {
+    for (uint64_t i = 0; i < block; i++) { uint32_t u = (uint32_t)(base + i * stride); memcpy(&xs[i], &u, 4); }
+    run_a(xs, ya, (int)block); run_b(xs, yb, (int)block);
+    for (uint64_t i = 0; i < block; i++) {
+      float x = xs[i];
+      if (x != x) { bad += ya[i] == ya[i]; continue; } /* NaN in, NaN out */
+      uint32_t a, b; memcpy(&a, &ya[i], 4); memcpy(&b, &yb[i], 4); differ += a != b;
+      double e = 1.0 + erf((double)x);
+      float y[2] = {ya[i], yb[i]};
+      for (int k = 0; k < 2; k++) {
+        double d = fabs(y[k] - e);
+        if (d > worst[k]) { worst[k] = d; where[k] = x; }
+        if (x < -0.5f && e > 1e-6 && d / e > tail[k]) { tail[k] = d / e; twhere[k] = x; }
+      }
+    }
+  }
+  enum { N = 1 << 20 };
+  float *x = malloc(N * sizeof *x), *y = malloc(N * sizeof *y);
+  if (!x || !y) return 1;
+  for (int i = 0; i < N; i++) x[i] = (float)(((double)rand() / RAND_MAX - 0.5) * 10.0);
+  double t[2] = {1e9, 1e9};
+  for (int r = 0; r < 40; r++) {
+    double t0 = now(); run_a(x, y, N); double t1 = now(); run_b(x, y, N); double t2 = now();
+    if (t1 - t0 < t[0]) t[0] = t1 - t0;
+    if (t2 - t1 < t[1]) t[1] = t2 - t1;
+  }
+  printf("%.4g %.9g %.4g %.9g %ld %ld %.4f %.4f %.4g %.9g %.4g %.9g\n", worst[0], where[0], worst[1], where[1], differ, bad,
+         t[0] / N * 1e9, t[1] / N * 1e9, tail[0], twhere[0], tail[1], twhere[1]);
+  free(x); free(y);
+  return 0;
+}
+"""
+
+
 def jit_flags() -> list[str]:
     """The CPU JIT's base compiler flags (csrc/jit_cpu.c's base_flags), less those for a shared library."""
     source = (ROOT / "csrc" / "jit_cpu.c").read_text()
@@ -88,6 +135,7 @@ def with_polynomial(erf: str, coefficients: list[str]) -> str:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--fn", choices=["erf", "erf1p"], default="erf")
     ap.add_argument("--stride", type=int, default=1, help="check every stride-th float (1: all 2^32)")
     ap.add_argument("--against", default=None, help="another h polynomial, coefficients highest first")
     ap.add_argument("--no-fma", action="store_true")
@@ -95,12 +143,20 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     source = (ROOT / "csrc" / "codegen_c.c").read_text()
     exp_normal, erf = prelude_function(source, "af_exp_normal"), prelude_function(source, "af_erf")
-    other = with_polynomial(erf, a.against.split()) if a.against else erf
     fma = "#define AF_FMA(a, b, c) ((a) * (b) + (c))\n" if a.no_fma else "#define AF_FMA(a, b, c) fmaf(a, b, c)\n"
-    text = ("#define _POSIX_C_SOURCE 200112L\n#include <math.h>\n#include <stdint.h>\n#include <stdio.h>\n"
+    head = ("#define _POSIX_C_SOURCE 200112L\n#include <math.h>\n#include <stdint.h>\n#include <stdio.h>\n"
             "#include <stdlib.h>\n#include <string.h>\n#include <time.h>\n"
-            "#define AF_INLINE static inline __attribute__((always_inline))\n" + fma + exp_normal + erf
-            + other.replace("af_erf(", "af_erf_b(") + HARNESS)
+            "#define AF_INLINE static inline __attribute__((always_inline))\n" + fma + exp_normal + erf)
+    if a.fn == "erf1p":
+        erf1p = prelude_function(source, "af_erf1p")
+        if a.against:
+            other = with_polynomial(erf1p, a.against.split()).replace("af_erf1p(", "af_erf1p_b(")
+            text = head + erf1p + other + "#define OTHER af_erf1p_b\n" + HARNESS_1P
+        else:
+            text = head + erf1p + "#define OTHER(x) (1.0f + af_erf(x))\n" + HARNESS_1P
+    else:
+        other = with_polynomial(erf, a.against.split()) if a.against else erf
+        text = head + other.replace("af_erf(", "af_erf_b(") + HARNESS
     with tempfile.TemporaryDirectory() as tmp:
         c, exe = os.path.join(tmp, "erf.c"), os.path.join(tmp, "erf")
         pathlib.Path(c).write_text(text)
@@ -112,6 +168,15 @@ def main(argv=None) -> dict:
     r = {"error": float(out[0]), "at": float(out[1]), "other_error": float(out[2]), "other_at": float(out[3]),
          "differ": int(out[4]), "special_failures": int(out[5]), "ns": float(out[6]), "other_ns": float(out[7])}
     what = f"one float in {a.stride}" if a.stride > 1 else "every float"
+    if a.fn == "erf1p":
+        r.update(tail=float(out[8]), tail_at=float(out[9]), other_tail=float(out[10]), other_tail_at=float(out[11]))
+        other = f"h = [{a.against}]" if a.against else "1.0f + af_erf(x)"
+        print(f"af_erf1p, {what}, {a.width}-bit{', no FMA' if a.no_fma else ''}: largest absolute error {r['error']:.3g} "
+              f"(at {r['at']:.9g}), relative below -0.5 where 1 + erf > 1e-6 {r['tail']:.3g} (at {r['tail_at']:.9g}), "
+              f"{r['ns']:.3f} ns an element; NaN wrong: {r['special_failures']}")
+        print(f"{other}: {r['other_error']:.3g} (at {r['other_at']:.9g}), {r['other_tail']:.3g} (at "
+              f"{r['other_tail_at']:.9g}), {r['other_ns']:.3f} ns an element; {r['differ']} floats differ in their bits")
+        return r
     print(f"af_erf, {what}, {a.width}-bit{', no FMA' if a.no_fma else ''}: largest relative error {r['error']:.3g} "
           f"(at {r['at']:.9g}), {r['ns']:.3f} ns an element; NaN, zeros and infinities wrong: {r['special_failures']}")
     if a.against:

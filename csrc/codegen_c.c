@@ -166,7 +166,16 @@ static const char *const prelude =
      * without af_exp's clamps, 2^n added to the exponent's bits at once. With NaN carried by the
      * arithmetic (clamps written to keep it, copysign for the sign) the two functions return the
      * same bits as before for every float (checked over all 2^32, 512- and 256-bit, with and without
-     * FMA) in 40% less time: erf 1.07 -> 0.63 ns an element, tanh 0.79 -> 0.46 (AVX-512 on Zen). */
+     * FMA) in 40% less time: erf 1.07 -> 0.63 ns an element, tanh 0.79 -> 0.46 (AVX-512 on Zen).
+     * erf1p(x) = 1 + erf(x) (GELU's, python/aotfuse/erf1p.py), where an error of 1e-7 against 1 is
+     * what counts, not one relative to erf: no Taylor side, 2 - erfc(a) for x >= 0 and erfc(a) for
+     * x < 0 (which 1 + erf(x) had computed as 1 - (1 - erfc), cancelling), erfc(a) = exp(-a^2 - h(a))
+     * with h of degree 8 fitted on [0, 3.93] to erfc's absolute error (least squares reweighted
+     * toward its minimax: 1.9e-8 with float coefficients), 0 beyond as 1 + erf's float value there.
+     * Over all 2^32 floats against 1 + erf in double: at most 1.42e-7 off (1 + af_erf: 1.40e-7),
+     * NaN for NaN, and where 1 + erf > 1e-6 below -0.5 at most 0.80% relative (1 + af_erf: 3.05%);
+     * the GELU forward kernel at 524288 bf16 elements 0.81 -> 0.70 ns an element (AVX-512 on Zen;
+     * degree 7 gave 0.68 at 1.94e-7). */
     "AF_INLINE float af_exp(float x) {\n"
     "  float xc = x > 89.0f ? 89.0f : x;\n"
     "  xc = xc < -104.0f ? -104.0f : xc; /* exp(-104) rounds to 0, as below it */\n"
@@ -209,6 +218,21 @@ static const char *const prelude =
     "  hq = AF_FMA(hq, ac, -3.641336298e-05f);\n"
     "  float big = copysignf(1.0f - af_exp_normal(AF_FMA(-ac, ac, -hq)), x);\n"
     "  return ax < 0.5f ? small : big;\n"
+    "}\n"
+    "AF_INLINE float af_erf1p(float x) {\n"
+    "  float ax = fabsf(x), ac = 3.93f < ax ? 3.93f : ax;\n"
+    "  float hq = 3.0740538932e-05f;\n"
+    "  hq = AF_FMA(hq, ac, -3.0284564127e-04f);\n"
+    "  hq = AF_FMA(hq, ac, 1.0121896630e-03f);\n"
+    "  hq = AF_FMA(hq, ac, 5.7207874488e-04f);\n"
+    "  hq = AF_FMA(hq, ac, -1.9617481157e-02f);\n"
+    "  hq = AF_FMA(hq, ac, 1.0293702036e-01f);\n"
+    "  hq = AF_FMA(hq, ac, -3.6340683699e-01f);\n"
+    "  hq = AF_FMA(hq, ac, 1.1283807755e+00f);\n"
+    "  hq = AF_FMA(hq, ac, -1.5086300209e-08f);\n"
+    "  float e = af_exp_normal(AF_FMA(-ac, ac, -hq));\n"
+    "  e = ax > 3.93f ? 0.0f : e;\n"
+    "  return x < 0.0f ? e : 2.0f - e;\n"
     "}\n"
     "AF_INLINE float af_tanh(float x) {\n"
     "  float ax = fabsf(x), x2 = x * x;\n"

@@ -414,3 +414,18 @@ def test_erf_check_measures_the_kernels_erf_against_float64():
     assert r["differ"] == 0 and r["other_error"] == r["error"], r
     crude = erf_check.main(["--stride", "4099", "--against", " ".join(current[-2:])])
     assert crude["other_error"] > 1e-4 and crude["differ"] > 0, crude
+
+
+def test_erf_check_measures_erf1p_against_one_plus_erf():
+    """--fn erf1p builds the prelude's af_erf1p: every 4099th float within 1.5e-7 of 1 + erf in
+    double, within 1% of it in the negative tail where `1.0f + af_erf(x)` (measured beside it) is
+    further off, NaN for NaN; a cruder h given by --against is caught."""
+    erf_check = _benchmark("erf_check")
+    source = (ROOT / "csrc" / "codegen_c.c").read_text()
+    current = re.findall(r"hq = (?:AF_FMA\(hq, ac, )?([-+0-9.e]+)f", erf_check.prelude_function(source, "af_erf1p"))
+    assert len(current) >= 2
+    r = erf_check.main(["--fn", "erf1p", "--stride", "4099"])
+    assert 0 < r["error"] <= 1.5e-7 and r["special_failures"] == 0, r
+    assert 0 < r["tail"] <= 0.01 < r["other_tail"], r
+    crude = erf_check.main(["--fn", "erf1p", "--stride", "4099", "--against", " ".join(current[-3:])])
+    assert crude["other_error"] > 1e-4 and crude["differ"] > 0, crude

@@ -20,6 +20,8 @@ AOTFUSE_REUSE_BUFFERS=0  every kernel output freshly allocated (default: a kerne
 AOTFUSE_HUGE_PAGES=N    fresh CPU tensors of N MiB or more that a program allocates (kernel outputs,
                        extern results) get transparent huge pages before their first write
                        (madvise; default 32, where glibc's allocations are their own mmaps; 0: off)
+AOTFUSE_ERF1P=0        keep a float32 `erf(x) + 1` (GELU's) as two ops (default: one, aotfuse::erf1p,
+                       computed as 1 + erf without erf's small-argument series; erf1p.py)
 AOTFUSE_LM_GRAD_CHUNKS=0  make a language-model head's float32 logits gradient whole, as traced
                        (default: in vocabulary chunks, lm_grads.py)
 AOTFUSE_DROP_CLONES=0  keep clones of a value in its own layout (default: dropped before partitioning)
@@ -202,6 +204,10 @@ def lm_grad_chunks() -> bool:
 
 def one_hot_picks() -> bool:
     return switch("AOTFUSE_ONE_HOT_PICKS", True)
+
+
+def erf1p() -> bool:
+    return switch("AOTFUSE_ERF1P", True)
 
 
 def reuse_buffers() -> bool:

@@ -1221,6 +1221,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
     program's first run (a backward: the variant without some output gradients may be the one
     that runs, Lowered._without)."""
     from .embedding_grads import rewrite_embedding_grad_sums
+    from .erf1p import rewrite_erf1p
     from .lm_grads import rewrite_lm_grad_chunks
     from .overlap import rewrite_overlap_sums
     from .picks import rewrite_one_hot_picks
@@ -1235,6 +1236,8 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
     rewrite_embedding_grad_sums(gm)
     rewrite_lm_grad_chunks(gm)
     rewrite_one_hot_picks(gm)
+    if config.fusion():  # one kernel expression; without kernels it would be two ATen calls as before
+        rewrite_erf1p(gm)
     gm = constfold.fold(gm, saved_from)
     b = build_graph(gm)
     fuse = config.fusion()
