@@ -429,3 +429,14 @@ def test_erf_check_measures_erf1p_against_one_plus_erf():
     assert 0 < r["tail"] <= 0.01 < r["other_tail"], r
     crude = erf_check.main(["--fn", "erf1p", "--stride", "4099", "--against", " ".join(current[-3:])])
     assert crude["other_error"] > 1e-4 and crude["differ"] > 0, crude
+
+
+def test_depthwise_benchmark_runs_three_sides_and_measures_their_gradients():
+    """benchmarks/depthwise.py at its tiny shape: eager, aotfuse and aotfuse with ATen's weight gradient
+    each timed, their peaks measured, each weight gradient as near float64's as fp32 allows."""
+    depthwise = _benchmark("depthwise")
+    rows = depthwise.main(["--shapes", "tiny", "--steps", "2"])
+    assert len(rows) == 1
+    for side in ("eager", "aotfuse", "aten"):
+        r = rows[0][side]
+        assert r["ms"] > 0 and r["peak"] > 0 and r["far"] < 1e-4, (side, r["ms"], r["peak"], r["far"])

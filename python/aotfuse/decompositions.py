@@ -538,6 +538,74 @@ def keep_layout(x: Any, eager: Any) -> Any:
         _layout.restriding = False
 
 
+# ---- depthwise convolutions' weight gradient (CPU) ----
+#
+# A depthwise convolution's weight gradient (groups == channels, one filter a channel) is, for each
+# channel and tap (i, j), the sum over images and output positions of the output's gradient times the
+# input at that tap's offset. oneDNN's (ATen's CPU path for channels-last tensors, which ConvNeXt's and
+# MobileNet's blocks make) took 1.7 ms and a 19 MB scratch buffer for a [16, 256, 2, 2] bfloat16 input
+# (7 x 7 taps, 1.6 MFLOP); NCHW's native kernel is slower still. Here it is kh * kw column sums of
+# products of the gradient with strided slices of the padded input: one fused kernel (every sum reads
+# the same loop), one pass over the gradient, the slices read in place; only the padded input is
+# written. A 7x7 depthwise layer's training step (one thread, `python benchmarks/depthwise.py`,
+# ConvNeXt's maps at 16 images and ConvNeXt-T's at 8 of 224 x 224): bf16 1.5-2.5x faster than eager,
+# fp32 1.3-4.9x from 4x4 maps up (0.70x at 2x2, where oneDNN is quick in fp32), the step's peak 1.3-15x
+# lower but fp32's 56x56 (1.1x higher: the padded copy), the gradient as near float64's sums as
+# oneDNN's or nearer (benchmarks/results/depthwise-grads-cpu-2026-12-05.md). The input's gradient
+# stays ATen's convolution_backward (asked for it alone: 0.05-0.3 ms). AOTFUSE_DEPTHWISE_GRADS=0 keeps
+# ATen's.
+
+_DEPTHWISE_MAX_TAPS = 49  # kernels up to 7 x 7: one kernel of at most 256 nodes
+
+
+def _depthwise_backward(grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding,
+                        groups, output_mask):
+    if (transposed or not output_mask[1] or x.dim() != 4 or weight.dim() != 4 or x.device.type != "cpu"
+            or x.dtype not in (torch.float32, torch.bfloat16) or grad.dtype != x.dtype or weight.dtype != x.dtype
+            or not config.kernels_for(x.device)):
+        return NotImplemented
+    sizes = (*x.shape, *weight.shape, *grad.shape, *stride, *padding, *dilation, groups)
+    if not all(isinstance(v, int) for v in sizes) or len(stride) != 2 or len(padding) != 2 or len(dilation) != 2:
+        return NotImplemented
+    n, c, h, w = x.shape
+    kh, kw = weight.shape[2:]
+    if groups == 1 or groups != c or tuple(weight.shape[:2]) != (c, 1) or kh * kw > _DEPTHWISE_MAX_TAPS:
+        return NotImplemented
+    oh, ow = grad.shape[2:]
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    grad_input = None
+    if output_mask[0]:
+        grad_input = aten.convolution_backward.default(grad, x, weight, bias_sizes, stride, padding, dilation,
+                                                       transposed, output_padding, groups, [True, False, False])[0]
+    f32 = torch.float32
+    g = grad if grad.dtype == f32 else aten._to_copy.default(grad, dtype=f32)
+    xp = aten.constant_pad_nd.default(x, [pw, pw, ph, ph], 0.0) if ph or pw else x
+    taps = []
+    for i in range(kh):
+        rows = aten.slice.Tensor(xp, 2, i * dh, i * dh + (oh - 1) * sh + 1, sh)
+        for j in range(kw):
+            win = aten.slice.Tensor(rows, 3, j * dw, j * dw + (ow - 1) * sw + 1, sw)
+            if win.dtype != f32:
+                win = aten._to_copy.default(win, dtype=f32)
+            taps.append(aten.sum.dim_IntList(aten.mul.Tensor(g, win), [0, 2, 3]))
+    grad_weight = aten.view.default(aten.stack.default(taps, 1), [c, 1, kh, kw])
+    grad_bias = aten.sum.dim_IntList(g, [0, 2, 3]) if output_mask[2] else None
+    if x.dtype != f32:
+        grad_weight = aten._to_copy.default(grad_weight, dtype=x.dtype)
+        grad_bias = None if grad_bias is None else aten._to_copy.default(grad_bias, dtype=x.dtype)
+    return grad_input, grad_weight, grad_bias
+
+
+def _chain(first, then):
+    """A decomposition trying `first`, then `then` (None: the op as it is)."""
+    def decomposed(*args, **kwargs):
+        out = first(*args, **kwargs)
+        if out is NotImplemented and then is not None:
+            out = then(*args, **kwargs)
+        return out
+    return decomposed
+
+
 def _layout_table() -> dict:
     if not config.switch("AOTFUSE_CHANNELS_LAST_CONVS", True):
         return {}
@@ -567,6 +635,9 @@ def default_decompositions(norms: bool | None = None, random: bool | None = None
     if config.switch("AOTFUSE_CHANNELS_LAST_POOLS", True):
         table[aten.max_pool2d_with_indices.default] = _max_pool2d_with_indices
     table.update(_layout_table())
+    if config.switch("AOTFUSE_DEPTHWISE_GRADS", True):
+        table[aten.convolution_backward.default] = _chain(_depthwise_backward,
+                                                          table.get(aten.convolution_backward.default))
     if loss:
         table.update(_loss_table())
     if norms:

@@ -1,0 +1,135 @@
+"""Depthwise convolutions' weight gradient on the CPU (decompositions.py, "depthwise convolutions' weight
+gradient"): kh x kw fused column sums over slices of the padded input instead of ATen's (oneDNN's)
+convolution_backward, whose input gradient is still ATen's, asked for alone."""
+import pytest
+import torch
+import torch.nn as nn
+
+import aotfuse
+from aotfuse.testing import compare_models
+
+aten = torch.ops.aten
+
+
+class ConvNeXtish(nn.Module):
+    """ConvNeXt's block shape: a 7x7 depthwise convolution with bias (padding 3), a channels-last layer
+    norm between pointwise linears, GELU, a residual add; a patchify stem and a strided downsample."""
+
+    def __init__(self, c: int = 16, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 4, 4)
+        self.dw1, self.dw2 = nn.Conv2d(c, c, 7, padding=3, groups=c), nn.Conv2d(2 * c, 2 * c, 7, padding=3, groups=2 * c)
+        self.norm1, self.norm2 = nn.LayerNorm(c), nn.LayerNorm(2 * c)
+        self.mlp1 = nn.Sequential(nn.Linear(c, 4 * c), nn.GELU(), nn.Linear(4 * c, c))
+        self.mlp2 = nn.Sequential(nn.Linear(2 * c, 4 * c), nn.GELU(), nn.Linear(4 * c, 2 * c))
+        self.down = nn.Conv2d(c, 2 * c, 2, 2)
+        self.head = nn.Linear(2 * c, classes)
+
+    def block(self, x, dw, norm, mlp):
+        y = dw(x).permute(0, 2, 3, 1)
+        return x + mlp(norm(y)).permute(0, 3, 1, 2)
+
+    def forward(self, x):
+        x = self.block(self.stem(x), self.dw1, self.norm1, self.mlp1)
+        x = self.block(self.down(x), self.dw2, self.norm2, self.mlp2)
+        return self.head(x.mean((2, 3)))
+
+
+class MobileNetish(nn.Module):
+    """MobileNet's depthwise shapes: 3x3 stride 2 without bias, a dilated 3x3, a 3x5 with uneven padding,
+    each between pointwise convolutions, batch norms and ReLU6; the first convolution depthwise too."""
+
+    def __init__(self, c: int = 8, classes: int = 10):
+        super().__init__()
+        self.first = nn.Conv2d(3, 3, 3, padding=1, groups=3)  # depthwise on the network's NCHW input
+        self.expand = nn.Conv2d(3, c, 1)
+        self.dw_s2 = nn.Conv2d(c, c, 3, stride=2, padding=1, groups=c, bias=False)
+        self.bn = nn.BatchNorm2d(c)
+        self.dw_dil = nn.Conv2d(c, c, 3, padding=2, dilation=2, groups=c)
+        self.dw_rect = nn.Conv2d(c, c, (3, 5), padding=(1, 2), groups=c)
+        self.project = nn.Conv2d(c, c, 1)
+        self.head = nn.Linear(c, classes)
+
+    def forward(self, x):
+        x = self.expand(self.first(x))
+        x = nn.functional.relu6(self.bn(self.dw_s2(x)))
+        x = nn.functional.relu6(self.dw_dil(x)) + x
+        x = self.project(self.dw_rect(x))
+        return self.head(x.mean((2, 3)))
+
+
+def _backward_convs(compiled) -> list:
+    gm = compiled._aotfuse_compiled.last_entry.record.graphs["backward"]
+    return [n for n in gm.graph.nodes if n.target == aten.convolution_backward.default]
+
+
+def _depthwise(node) -> bool:
+    w = node.args[2].meta["val"]
+    return node.args[9] > 1 and w.shape[1] == 1 and w.shape[0] == node.args[9]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("model", [ConvNeXtish, MobileNetish], ids=["convnext", "mobilenet"])
+def test_depthwise_weight_gradients_are_fused_sums_and_train_like_eager_and_float64(model, dtype, monkeypatch):
+    kept = {}
+
+    def keep(flag):
+        def compile_fn(m):
+            monkeypatch.setenv("AOTFUSE_DEPTHWISE_GRADS", flag)
+            kept[flag] = aotfuse.memory_efficient_fusion(m)
+            return kept[flag]
+        return compile_fn
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 32, 32)
+    compare_models(model, x, dtype=dtype, steps=2, compile_fn=keep("1")).assert_ok()
+    convs = _backward_convs(kept["1"])
+    depthwise = [n for n in convs if _depthwise(n)]
+    # MobileNetish's first convolution (of the input, which needs no gradient) has no ATen call left
+    assert len(depthwise) == {ConvNeXtish: 2, MobileNetish: 3}[model], [n.args[9] for n in convs]
+    assert all(n.args[9] != 3 for n in convs), [n.args[9] for n in convs]
+    # ATen computes the input's gradient alone (the first convolution's none: the input needs none)
+    assert all(list(n.args[10])[1:] == [False, False] for n in depthwise), [n.args[10] for n in depthwise]
+    assert all(list(n.args[10])[1] for n in convs if not _depthwise(n)), [n.args[10] for n in convs]
+    compare_models(model, x, dtype=dtype, steps=1, compile_fn=keep("0")).assert_ok()
+    assert all(list(n.args[10])[1] for n in _backward_convs(kept["0"])), "AOTFUSE_DEPTHWISE_GRADS=0 kept ATen's"
+
+
+@pytest.mark.parametrize("conv", [
+    nn.Conv2d(8, 8, 3, padding=1),                  # groups 1
+    nn.Conv2d(8, 8, 3, padding=1, groups=2),        # grouped, not depthwise
+    nn.Conv2d(8, 16, 3, padding=1, groups=8),       # two filters a channel
+    nn.Conv2d(8, 8, 9, padding=4, groups=8),        # 81 taps
+], ids=["dense", "grouped", "multiplier-2", "9x9"])
+def test_other_convolutions_keep_atens_backward(conv):
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 12, 12)
+    compiled = aotfuse.memory_efficient_fusion(conv)
+    out = compiled(x)
+    out.square().sum().backward()
+    ref = conv.weight.grad.clone()
+    conv.weight.grad = None
+    conv(x).square().sum().backward()
+    torch.testing.assert_close(ref, conv.weight.grad, rtol=1e-4, atol=1e-4)
+    convs = _backward_convs(compiled)
+    assert len(convs) == 1 and list(convs[0].args[10])[1], [n.args[10] for n in convs]
+
+
+def test_depthwise_weight_gradient_matches_float64_as_well_as_eagers():
+    """The fused sums against float64 (ConvNeXt's last stage, where oneDNN's took 1.7 ms and 19 MB)."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(64, 64, 7, padding=3, groups=64).to(torch.bfloat16).to(memory_format=torch.channels_last)
+    x = torch.randn(8, 64, 2, 2).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    g = torch.randn(8, 64, 2, 2).to(torch.bfloat16)
+    compiled = aotfuse.memory_efficient_fusion(conv)
+    (compiled(x) * g).sum().backward()
+    ours = conv.weight.grad.clone(), conv.bias.grad.clone()
+    conv.weight.grad = conv.bias.grad = None
+    (conv(x) * g).sum().backward()
+    eager = conv.weight.grad, conv.bias.grad
+    c64 = nn.Conv2d(64, 64, 7, padding=3, groups=64).double()
+    c64.load_state_dict({k: v.double() for k, v in conv.state_dict().items()})
+    (c64(x.double()) * g.double()).sum().backward()
+    for got, want, exact, name in zip(ours, eager, (c64.weight.grad, c64.bias.grad), ("weight", "bias")):
+        far, eager_far = (got.double() - exact).abs().max().item(), (want.double() - exact).abs().max().item()
+        assert far <= max(eager_far, 1e-6) * 1.01, (name, far, eager_far)
