@@ -133,3 +133,29 @@ def test_depthwise_weight_gradient_matches_float64_as_well_as_eagers():
     for got, want, exact, name in zip(ours, eager, (c64.weight.grad, c64.bias.grad), ("weight", "bias")):
         far, eager_far = (got.double() - exact).abs().max().item(), (want.double() - exact).abs().max().item()
         assert far <= max(eager_far, 1e-6) * 1.01, (name, far, eager_far)
+
+
+def test_under_torch_compile_the_weight_gradient_is_the_fused_sums_too(monkeypatch):
+    from aotfuse import decompositions
+
+    decomposed = []
+    first = decompositions._depthwise_backward
+
+    def counted(*args):
+        out = first(*args)
+        decomposed.append(out is not NotImplemented)
+        return out
+
+    monkeypatch.setattr(decompositions, "_depthwise_backward", counted)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MobileNetish()
+    ref = MobileNetish()
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(2, 3, 16, 16)
+    compiled = torch.compile(model, backend="aotfuse")
+    compiled(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert decomposed.count(True) == 4, decomposed  # the four depthwise convolutions'
