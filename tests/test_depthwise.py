@@ -159,3 +159,17 @@ def test_under_torch_compile_the_weight_gradient_is_the_fused_sums_too(monkeypat
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
     assert decomposed.count(True) == 4, decomposed  # the four depthwise convolutions'
+
+
+@pytest.mark.parametrize("env", [{"AOTFUSE_FUSION": "0"}, {"AOTFUSE_BACKEND": "cuda"}], ids=["no-kernels", "cuda-only"])
+def test_without_cpu_kernels_the_backward_stays_atens(env, monkeypatch):
+    """Decomposed, the weight gradient would be 49 products and sums as separate ATen calls."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    torch.manual_seed(0)
+    conv = nn.Conv2d(8, 8, 7, padding=3, groups=8)
+    x = torch.randn(2, 8, 6, 6)
+    compiled = aotfuse.memory_efficient_fusion(conv)
+    compiled(x).square().sum().backward()
+    convs = _backward_convs(compiled)
+    assert len(convs) == 1 and list(convs[0].args[10])[1], [n.args[10] for n in convs]
