@@ -2157,6 +2157,17 @@ def test_gelus_erf_plus_one_is_one_kernel_expression(dtype, monkeypatch):
     assert "aten::erf." in ops0 and "aotfuse::erf1p" not in ops0, ops0
 
 
+@pytest.mark.parametrize("env", [{"AOTFUSE_FUSION": "0"}, {"AOTFUSE_BACKEND": "cuda"}], ids=["no-kernels", "cuda-only"])
+def test_erf_plus_one_stays_two_aten_ops_where_no_kernel_computes_it(env, monkeypatch):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    x = torch.randn(64)
+    lowered = lower(make_fx(lambda x: aten.add.Tensor(torch.erf(x * 1.0), 1), tracing_mode="fake")(x))
+    ops = [op for op, _k, _g in lowered.program.node_groups()]
+    assert any(op.startswith("aten::erf") for op in ops) and not any("erf1p" in op for op in ops), ops
+    torch.testing.assert_close(lowered([x])[0], torch.erf(x) + 1)
+
+
 def test_tanh_is_accurate_and_keeps_special_values():
     """af_tanh (Taylor below 0.3, 1 - 2 / (exp(2|x|) + 1) above through af_exp_normal, 1 from 9 up):
     within 2.5e-7 of the exact value relative to it over [-12, 12], both sides of its two joins, the

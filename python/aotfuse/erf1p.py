@@ -11,7 +11,8 @@ forward kernel over 524288 bf16 elements went from 0.81 to 0.70 ns an element on
 (AVX-512). On CUDA af_erf1p is `1.0f + erff(x)`, the values it had.
 
 Rewritten: `aten.add.Tensor(erf(y), 1)` (either operand order, alpha 1) where `erf(y)` is float32 and
-every user of it is such an add; the erf then goes. Float32 only: in a bf16 graph erf's own output is
+every user of it is such an add, on a device whose tensors get generated kernels (elsewhere it would be
+an extern call of Python's, not two of ATen's); the erf then goes. Float32 only: in a bf16 graph erf's own output is
 rounded to bf16 before the add, which one op would skip. AOTFUSE_ERF1P=0 keeps the graph as traced.
 """
 from __future__ import annotations
@@ -61,7 +62,8 @@ def rewrite_erf1p(gm: fx.GraphModule) -> int:
         if e.op != "call_function" or e.target is not aten.erf.default or len(e.args) != 1:
             continue
         val = e.meta.get("val")
-        if not isinstance(val, torch.Tensor) or val.dtype != torch.float32 or not e.users:
+        if (not isinstance(val, torch.Tensor) or val.dtype != torch.float32 or not e.users
+                or not config.kernels_for(val.device)):  # without kernels: two ATen calls, as traced
             continue
         adds = list(e.users)
         if not all(_plus_one(n, e) for n in adds):

@@ -1236,8 +1236,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
     rewrite_embedding_grad_sums(gm)
     rewrite_lm_grad_chunks(gm)
     rewrite_one_hot_picks(gm)
-    if config.fusion():  # one kernel expression; without kernels it would be two ATen calls as before
-        rewrite_erf1p(gm)
+    rewrite_erf1p(gm)
     gm = constfold.fold(gm, saved_from)
     b = build_graph(gm)
     fuse = config.fusion()
