@@ -1,14 +1,15 @@
 """One depthwise convolution's training step on the CPU: eager, aotfuse, and aotfuse with ATen's weight
 gradient (AOTFUSE_DEPTHWISE_GRADS=0), side by side in one process.
 
-    python benchmarks/depthwise.py [--dtype bf16] [--shapes convnext|imagenet] [--steps 20]
+    python benchmarks/depthwise.py [--dtype bf16] [--shapes convnext|imagenet|mobilenet] [--kernel 7] [--steps 20]
 
-Each contender trains its own copy of a 7x7 depthwise `nn.Conv2d` (bias, padding 3, channels-last
-weights and input, as ConvNeXt's blocks make them) for --steps steps of forward, `(y * g).sum()` and
+Each contender trains its own copy of a k x k depthwise `nn.Conv2d` (--kernel, default 7; bias,
+padding k // 2, channels-last weights and input, as ConvNeXt's and MobileNet's blocks make them) for --steps steps of forward, `(y * g).sum()` and
 backward, interleaved, and prints each one's median step time, its peak CPU allocation over one step
 (`aotfuse.bench._cpu_peak`) and the largest difference of its weight gradient from float64's.
 Shapes: `convnext` is benchmarks/families.py's ConvNeXt (16 images, 64 x 64 pixels: 16x16 to 2x2
-maps), `imagenet` ConvNeXt-T's stages at 8 images of 224 x 224 (56x56 to 7x7).
+maps), `imagenet` ConvNeXt-T's stages at 8 images of 224 x 224 (56x56 to 7x7), `mobilenet`
+MobileNetV2's expanded depthwise layers at 16 images of 64 x 64 (96 channels at 32x32 to 576 at 4x4).
 """
 from __future__ import annotations
 
@@ -28,13 +29,14 @@ from aotfuse.bench import DTYPES, _cpu_peak  # noqa: E402
 
 SHAPES = {"convnext": [(16, 32, 16), (16, 64, 8), (16, 128, 4), (16, 256, 2)],
           "imagenet": [(8, 96, 56), (8, 192, 28), (8, 384, 14), (8, 768, 7)],
+          "mobilenet": [(16, 96, 32), (16, 144, 16), (16, 192, 8), (16, 384, 4), (16, 576, 4)],
           "tiny": [(2, 8, 6)]}
 CL = torch.channels_last
 
 
-def run(n: int, c: int, hw: int, dtype: torch.dtype, steps: int) -> list[dict]:
+def run(n: int, c: int, hw: int, dtype: torch.dtype, steps: int, k: int = 7) -> list[dict]:
     torch.manual_seed(0)
-    base = nn.Conv2d(c, c, 7, padding=3, groups=c).to(dtype).to(memory_format=CL)
+    base = nn.Conv2d(c, c, k, padding=k // 2, groups=c).to(dtype).to(memory_format=CL)
     x = torch.randn(n, c, hw, hw).to(dtype).contiguous(memory_format=CL)
     g = torch.randn(n, c, hw, hw).to(dtype).contiguous(memory_format=CL)
     exact = copy.deepcopy(base).double()
@@ -72,16 +74,18 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="convnext")
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--kernel", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    print(f"7x7 depthwise convolution, training step | {a.dtype} | torch {torch.__version__} | {a.threads} thread(s)")
+    print(f"{a.kernel}x{a.kernel} depthwise convolution, training step | {a.dtype} | torch {torch.__version__} | "
+          f"{a.threads} thread(s)")
     print("| input | eager ms | aotfuse ms | aotfuse, ATen's weight grad, ms | peak MB: eager / aotfuse / ATen's "
           "| weight grad's distance from float64: eager / aotfuse |")
     print("|---|---|---|---|---|---|")
     rows = []
     for n, c, hw in SHAPES[a.shapes]:
-        e, ours, aten_side = run(n, c, hw, DTYPES[a.dtype], a.steps)
+        e, ours, aten_side = run(n, c, hw, DTYPES[a.dtype], a.steps, a.kernel)
         print(f"| {n}x{c}x{hw}x{hw} | {e['ms']:.3f} | {ours['ms']:.3f} | {aten_side['ms']:.3f} | "
               f"{e['peak'] / 1e6:.2f} / {ours['peak'] / 1e6:.2f} / {aten_side['peak'] / 1e6:.2f} | "
               f"{e['far']:.3g} / {ours['far']:.3g} |")

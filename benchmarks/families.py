@@ -83,6 +83,12 @@ def _configs() -> dict:
         "swin": lambda: (tf.SwinConfig(image_size=IMAGE, patch_size=4, embed_dim=32, depths=[2, 2],
                                        num_heads=[2, 4], window_size=4, num_labels=10),
                          tf.SwinForImageClassification, "image"),
+        # depthwise convolutions: MobileNetV2's all 3x3, EfficientNet-B0's 3x3 and 5x5 (2026-12-05)
+        "mobilenet-v2": lambda: (tf.MobileNetV2Config(image_size=IMAGE, num_labels=10),
+                                 tf.MobileNetV2ForImageClassification, "image"),
+        "efficientnet": lambda: (tf.EfficientNetConfig(image_size=IMAGE, width_coefficient=1.0, depth_coefficient=1.0,
+                                                       hidden_dim=1280, num_labels=10),
+                                 tf.EfficientNetForImageClassification, "image"),
     }
 
 
@@ -96,7 +102,7 @@ def build(name: str, dtype: torch.dtype, channels_last: bool = False):
     its images in that memory format (what CNN training on a CPU often uses)."""
     cfg, cls, kind = _configs()[name]()
     _quiet_dropout(cfg, 1e-8)
-    for key in ("drop_path_rate", "layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
+    for key in ("drop_path_rate", "drop_connect_rate", "layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
         if hasattr(cfg, key):
             setattr(cfg, key, 0.0)
     torch.manual_seed(0)

@@ -20,8 +20,9 @@ AOTFUSE_REUSE_BUFFERS=0  every kernel output freshly allocated (default: a kerne
 AOTFUSE_HUGE_PAGES=N    fresh CPU tensors of N MiB or more that a program allocates (kernel outputs,
                        extern results) get transparent huge pages before their first write
                        (madvise; default 32, where glibc's allocations are their own mmaps; 0: off)
-AOTFUSE_DEPTHWISE_GRADS=0  keep ATen's weight gradient of a CPU depthwise convolution (default: kh x kw
-                       fused column sums over slices of the padded input; decompositions.py)
+AOTFUSE_DEPTHWISE_GRADS=0  keep ATen's weight gradient of a CPU depthwise convolution (default, for 5x5
+                       to 7x7: kh x kw fused column sums over slices of the padded input;
+                       decompositions.py)
 AOTFUSE_ERF1P=0        keep a float32 `erf(x) + 1` (GELU's) as two ops (default: one, aotfuse::erf1p,
                        computed as 1 + erf without erf's small-argument series; erf1p.py)
 AOTFUSE_LM_GRAD_CHUNKS=0  make a language-model head's float32 logits gradient whole, as traced

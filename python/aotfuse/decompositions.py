@@ -552,10 +552,14 @@ def keep_layout(x: Any, eager: Any) -> Any:
 # fp32 1.3-4.9x from 4x4 maps up (0.70x at 2x2, where oneDNN is quick in fp32), the step's peak 1.3-15x
 # lower but fp32's 56x56 (1.1x higher: the padded copy), the gradient as near float64's sums as
 # oneDNN's or nearer (benchmarks/results/depthwise-grads-cpu-2026-12-05.md). The input's gradient
-# stays ATen's convolution_backward (asked for it alone: 0.05-0.3 ms). AOTFUSE_DEPTHWISE_GRADS=0 keeps
-# ATen's.
+# stays ATen's convolution_backward (asked for it alone: 0.05-0.3 ms). Kernels of 10 to 49 taps (3 x 3
+# stays oneDNN's, below). AOTFUSE_DEPTHWISE_GRADS=0 keeps ATen's.
 
 _DEPTHWISE_MAX_TAPS = 49  # kernels up to 7 x 7: one kernel of at most 256 nodes
+# 3 x 3 and smaller stay oneDNN's: its 3 x 3 depthwise weight gradient is quick and needs no large
+# scratch (MobileNetV2's layers: ATen's step 2-4x faster than the sums', whose padded float copy is the
+# larger buffer); from 5 x 5 on the sums win (bf16 2-4x, fp32 1.0-1.9x on the same layers)
+_DEPTHWISE_MIN_TAPS = 10
 
 
 def _depthwise_backward(grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding,
@@ -569,7 +573,8 @@ def _depthwise_backward(grad, x, weight, bias_sizes, stride, padding, dilation, 
         return NotImplemented
     n, c, h, w = x.shape
     kh, kw = weight.shape[2:]
-    if groups == 1 or groups != c or tuple(weight.shape[:2]) != (c, 1) or kh * kw > _DEPTHWISE_MAX_TAPS:
+    if (groups == 1 or groups != c or tuple(weight.shape[:2]) != (c, 1)
+            or not _DEPTHWISE_MIN_TAPS <= kh * kw <= _DEPTHWISE_MAX_TAPS):
         return NotImplemented
     oh, ow = grad.shape[2:]
     (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
