@@ -44,7 +44,7 @@ class MobileNetish(nn.Module):
         super().__init__()
         self.first = nn.Conv2d(3, 3, 5, padding=2, groups=3)  # depthwise on the network's NCHW input
         self.expand = nn.Conv2d(3, c, 1)
-        self.dw_s2 = nn.Conv2d(c, c, 5, stride=2, padding=2, groups=c, bias=False)
+        self.dw_s2 = nn.Conv2d(c, c, 5, stride=2, padding="valid", groups=c, bias=False)  # as EfficientNet's
         self.bn = nn.BatchNorm2d(c)
         self.dw_dil = nn.Conv2d(c, c, 5, padding=4, dilation=2, groups=c)
         self.dw_rect = nn.Conv2d(c, c, (3, 5), padding=(1, 2), groups=c)

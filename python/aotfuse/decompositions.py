@@ -568,6 +568,8 @@ def _depthwise_backward(grad, x, weight, bias_sizes, stride, padding, dilation, 
             or x.dtype not in (torch.float32, torch.bfloat16) or grad.dtype != x.dtype or weight.dtype != x.dtype
             or not config.kernels_for(x.device)):
         return NotImplemented
+    # ATen takes one value for both dims too (padding="valid" arrives as [0])
+    stride, padding, dilation = (list(v) * 2 if len(v) == 1 else list(v) for v in (stride, padding, dilation))
     sizes = (*x.shape, *weight.shape, *grad.shape, *stride, *padding, *dilation, groups)
     if not all(isinstance(v, int) for v in sizes) or len(stride) != 2 or len(padding) != 2 or len(dilation) != 2:
         return NotImplemented
