@@ -82,6 +82,10 @@ OP_CASES = {
     "aten::logical_and": lambda a, b, c: aten.where.self(aten.logical_and(aten.gt.Scalar(a, 0.0), aten.lt.Scalar(b, 0.3)), b, c),
     "aten::logical_or": lambda a, b, c: aten.where.self(aten.logical_or(aten.gt.Scalar(a, 0.5), aten.lt.Scalar(b, 0.0)), b, c),
     "aten::logical_xor": lambda a, b, c: aten.where.self(aten.logical_xor(aten.gt.Scalar(a, 0.0), aten.gt.Scalar(c, 0.0)), a, b),
+    "aten::bitwise_not": lambda a, b, c: aten.where.self(aten.bitwise_not(aten.gt.Scalar(a, 0.0)), a, b),
+    "aten::bitwise_and": lambda a, b, c: aten.where.self(aten.bitwise_and.Tensor(aten.gt.Scalar(a, 0.0), aten.lt.Scalar(b, 0.5)), c, a),
+    "aten::bitwise_or": lambda a, b, c: aten.where.self(aten.bitwise_or.Tensor(aten.le.Scalar(a, -0.5), aten.ge.Scalar(b, 0.5)), b, c),
+    "aten::bitwise_xor": lambda a, b, c: aten.where.self(aten.bitwise_xor.Tensor(aten.gt.Scalar(b, 0.0), aten.gt.Scalar(c, 0.0)), a, c),
     "aten::isnan": lambda a, b, c: aten.where.self(aten.isnan(aten.log(a)), b, c),
     "aten::threshold_backward": lambda a, b, c: aten.threshold_backward(a, b, 0.0),
     "aten::tanh_backward": lambda a, b, c: aten.tanh_backward(a, aten.tanh(b)),
@@ -162,6 +166,45 @@ def test_activation_forward_and_backward(act, dtype):
     assert_close(x.grad, xr.grad, f"{act} grad x", atol=atol, rtol=rtol)
     assert_close(w.grad, wr.grad, f"{act} grad w", atol=atol * 10, rtol=rtol)
     assert aotfuse.explain(cf, x, w).fused_kernels >= 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_clamps_and_relu6_fuse_forward_and_backward(dtype):
+    """ReLU6, hardtanh and clamp with number bounds become clamp_min/clamp_max kernel members, and
+    their backwards' masks (bitwise_or/and of bool comparisons) fuse too: no ATen call is left, the
+    values and gradients are eager's bits, NaN passes through the forward as in eager. (A NaN's
+    gradient is left out: eager's own hardtanh_backward passes it in its scalar loop and zeroes it in
+    its vectorized one.)"""
+    def f(x, w):
+        y = x * w
+        return (F.relu6(y) + F.hardtanh(y, -2.0, 1.5) + torch.clamp(y, min=-0.25) + torch.clamp(y, max=0.75)
+                + torch.clamp(y, -0.5, 0.5) * w)
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(6, 40, generator=g) * 4).to(dtype)
+    x[0, :4] = torch.tensor([6.0, -2.0, 1.5, 0.75])  # values on the bounds
+    w = torch.randn(40, generator=g).to(dtype)
+    x.requires_grad_(), w.requires_grad_()
+    xr, wr = (t.detach().clone().requires_grad_() for t in (x, w))
+    cf = aotfuse.memory_efficient_fusion(f)
+    out, ref = cf(x, w), f(xr, wr)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True)
+    cot = torch.randn(ref.shape, generator=g).to(dtype)
+    out.backward(cot)
+    ref.backward(cot)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=0, equal_nan=True)
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (2e-2, 2e-2)
+    torch.testing.assert_close(w.grad, wr.grad, rtol=rtol, atol=atol, equal_nan=True)  # a sum: another order
+    ex = aotfuse.explain(cf, x, w)
+    assert not {op for op in ex.extern_ops if any(k in op for k in ("clamp", "hardtanh", "bitwise", "where"))}, ex.extern_ops
+    assert ex.fused_kernels >= 2
+    def each(v):
+        return [F.relu6(v), F.hardtanh(v, -2.0, 1.5), torch.clamp(v, min=-0.25), torch.clamp(v, max=0.75),
+                torch.clamp(v, -0.5, 0.5)]
+
+    special = torch.tensor([float("nan"), float("-inf"), float("inf"), 0.5, 7.0, -3.0], dtype=dtype)
+    for got, want in zip(aotfuse.memory_efficient_fusion(each)(special), each(special)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
 UNARY = [torch.sin, torch.exp, torch.tanh, torch.sigmoid, F.gelu, lambda t: t * t, torch.neg, F.relu]
@@ -1452,6 +1495,45 @@ def test_pads_of_many_small_shapes_match_eager_exactly(dtype, monkeypatch):
     assert lowered.program.num_kernels == 2 * len(cases)
     for i, (got, ref) in enumerate(zip(lowered(list(args)), f(*args))):
         assert_close(got, ref, f"pad of {cases[i][0]} by {cases[i][1]} ({dtype})", atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_channels_last_windows_walk_the_channels(dtype):
+    """Pads and crops of channels-last tensors (MobileNetV2's TF padding and its backward's crop,
+    with the ReLU6 mask's `where`) walk memory: the inner loop runs over the channels (stride 1), not
+    over W at a stride of C (a gather and a scatter an element: 4-5 ns each, the kernels' time
+    tripled). Random shapes and pads, positive, negative and mixed, against eager's bits."""
+    rng = random.Random(5)
+    gen = torch.Generator().manual_seed(5)
+    cases = [((2, 96, 7, 7), [0, 1, 0, 1]), ((2, 96, 8, 8), [0, -1, 0, -1]), ((3, 32, 6, 5), [1, 1, 1, 1]),
+             ((2, 16, 5, 6), [-1, 2, 1, -2])]
+    for _ in range(6):
+        shape = (rng.randint(1, 3), rng.choice([8, 16, 24, 40]), rng.randint(3, 7), rng.randint(3, 7))
+        cases.append((shape, [rng.randint(-2, 2) for _ in range(4)]))
+    xs = [torch.randn(*shape, generator=gen).to(dtype).contiguous(memory_format=torch.channels_last)
+          for shape, _ in cases]
+    masks = [(x > 0.5).contiguous(memory_format=torch.channels_last) for x in xs]
+
+    def f(*args):
+        n = len(args) // 2
+        outs = []
+        for x, m, (_s, pads) in zip(args[:n], args[n:], cases):
+            y = aten.where.self(m, aten.mul.Tensor(x, 0.0), aten.mul.Tensor(x, 3.0))
+            outs.append(aten.constant_pad_nd.default(y, pads, 0.0))
+        return tuple(outs)
+
+    lowered = lower(make_fx(f, tracing_mode="fake")(*xs, *masks))
+    for i, (got, ref) in enumerate(zip(lowered(xs + masks), f(*xs, *masks))):
+        assert got.stride() == ref.stride(), (i, got.stride(), ref.stride())
+        assert_close(got, ref, f"window of {cases[i][0]} by {cases[i][1]} ({dtype}, channels-last)", atol=0, rtol=0)
+    src = lowered.program.source
+    # the first case: [2, 96, 8, 8] written channels-last; its inner loop's stores step by 1
+    body = src[src.index("/* group 0:"):src.index("/* group 1:")] if "/* group 1:" in src else src
+    assert "i < 96" in body and "i * 96" not in body, body
+    # the second, a crop: its loads need no guard, so its loop keeps GCC's if-conversion (the `where`
+    # branch-free; AF_GUARDED_LOADS made it a branch on the mask: 4 ns an element)
+    crop = src[src.index("/* group 1:"):src.index("/* group 2:")]
+    assert "constant_pad_nd" in crop and "AF_GUARDED_LOADS" not in crop, crop
 
 
 def test_fills_are_kernel_members_that_read_no_tensor(monkeypatch):

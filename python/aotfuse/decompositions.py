@@ -38,8 +38,6 @@ _DECOMPOSED = [
     aten.masked_fill,
     aten.addcmul,
     aten.addcdiv,
-    aten.clamp_min,
-    aten.clamp_max,
     aten.rsub,
     aten.transpose.int,
 ]
@@ -370,6 +368,26 @@ def _native_dropout(input, p, train):
     return aten.mul.Tensor(aten.mul.Tensor(keep, input), float(1.0 / (1.0 - p))), keep
 
 
+# clamp and hardtanh (ReLU6) with number bounds: `clamp_min` then `clamp_max`, op-table expressions
+# (af_max/af_min, NaN kept as ATen's clamp keeps it), so they fuse; ATen's clamp has optional bounds no
+# one expression takes, and torch's own decomposition makes eight ops of it (isnan, bitwise_or, where).
+# MobileNetV2's 35 ReLU6 were ATen calls between kernels (2 ms of an 83 ms step).
+def _clamp_bounds_ok(x, *bounds) -> bool:
+    return (x.is_floating_point() and any(b is not None for b in bounds)
+            and all(b is None or (isinstance(b, (int, float)) and not isinstance(b, bool)) for b in bounds))
+
+
+def _clamp(x, min=None, max=None):
+    if not _clamp_bounds_ok(x, min, max):
+        return NotImplemented
+    y = x if min is None else aten.clamp_min.default(x, min)
+    return y if max is None else aten.clamp_max.default(y, max)
+
+
+def _hardtanh(x, min_val=-1.0, max_val=1.0):
+    return _clamp(x, min_val, max_val)
+
+
 def _logit_backward(grad_output, self, eps=None):
     """ATen's: grad / (x (1 - x)) inside [eps, 1 - eps] and 0 outside where eps is given (not negative),
     NaN outside [0, 1] where it is not. A NaN input's gradient stays NaN: torch's decomposition tests
@@ -564,9 +582,9 @@ _DEPTHWISE_MIN_TAPS = 10
 
 def _depthwise_backward(grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding,
                         groups, output_mask):
-    if (transposed or not output_mask[1] or x.dim() != 4 or weight.dim() != 4 or x.device.type != "cpu"
-            or x.dtype not in (torch.float32, torch.bfloat16) or grad.dtype != x.dtype or weight.dtype != x.dtype
-            or not config.kernels_for(x.device)):
+    if (transposed or x.dim() != 4 or weight.dim() != 4 or x.device.type != "cpu"
+            or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or grad.dtype != x.dtype
+            or weight.dtype != x.dtype):
         return NotImplemented
     # ATen takes one value for both dims too (padding="valid" arrives as [0])
     stride, padding, dilation = (list(v) * 2 if len(v) == 1 else list(v) for v in (stride, padding, dilation))
@@ -575,16 +593,33 @@ def _depthwise_backward(grad, x, weight, bias_sizes, stride, padding, dilation, 
         return NotImplemented
     n, c, h, w = x.shape
     kh, kw = weight.shape[2:]
-    if (groups == 1 or groups != c or tuple(weight.shape[:2]) != (c, 1)
-            or not _DEPTHWISE_MIN_TAPS <= kh * kw <= _DEPTHWISE_MAX_TAPS):
+    if groups == 1 or groups != c or tuple(weight.shape[:2]) != (c, 1):
         return NotImplemented
     oh, ow = grad.shape[2:]
     (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
-    grad_input = None
-    if output_mask[0]:
+    f32 = torch.float32
+    sums = (output_mask[1] and x.dtype != torch.float16 and config.kernels_for(x.device)
+            and _DEPTHWISE_MIN_TAPS <= kh * kw <= _DEPTHWISE_MAX_TAPS)
+    # a strided 16-bit input gradient: oneDNN's is 20-50x slower than float32's (below)
+    widened = output_mask[0] and x.dtype != f32 and (sh > 1 or sw > 1)
+    if not sums and not widened:
+        return NotImplemented
+    grad_input = grad_weight = grad_bias = None
+    if widened:  # the transposed convolution of the float32 gradient and weight is the input's gradient
+        out_pad = [size + 2 * p - d * (k - 1) - 1 - (o - 1) * st
+                   for size, p, d, k, o, st in ((h, ph, dh, kh, oh, sh), (w, pw, dw, kw, ow, sw))]
+        grad_input = aten._to_copy.default(
+            aten.convolution.default(aten._to_copy.default(grad, dtype=f32), aten._to_copy.default(weight, dtype=f32),
+                                     None, stride, padding, dilation, True, out_pad, groups), dtype=x.dtype)
+    elif output_mask[0]:
         grad_input = aten.convolution_backward.default(grad, x, weight, bias_sizes, stride, padding, dilation,
                                                        transposed, output_padding, groups, [True, False, False])[0]
-    f32 = torch.float32
+    if not sums:
+        if output_mask[1] or output_mask[2]:
+            _, grad_weight, grad_bias = aten.convolution_backward.default(
+                grad, x, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
+                [False, output_mask[1], output_mask[2]])
+        return grad_input, grad_weight, grad_bias
     g = grad if grad.dtype == f32 else aten._to_copy.default(grad, dtype=f32)
     xp = aten.constant_pad_nd.default(x, [pw, pw, ph, ph], 0.0) if ph or pw else x
     taps = []
@@ -645,6 +680,9 @@ def default_decompositions(norms: bool | None = None, random: bool | None = None
     if config.switch("AOTFUSE_DEPTHWISE_GRADS", True):
         table[aten.convolution_backward.default] = _chain(_depthwise_backward,
                                                           table.get(aten.convolution_backward.default))
+    if config.fusion():
+        table[aten.clamp.default] = _clamp
+        table[aten.hardtanh.default] = _hardtanh
     if loss:
         table.update(_loss_table())
     if norms:
