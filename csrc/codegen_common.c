@@ -1192,9 +1192,10 @@ static int order_cost(const af_fusion_group *grp, const af_cg_operand *ops, cons
  * too on the CPU since 2026-12-05: their guards are coordinate operands, right in any order, and a
  * guard the inner loop does not move is chosen after its loads (emit_window). MobileNetV2's TF pads
  * of channels-last activations, and their backward's crops, were walked along W at a stride of C:
- * the pad of [16, 96, 32, 32] 2.93 -> 1.09 ms, the crop and ReLU6 mask 7.81 -> 1.5 ms, the model's
- * fused kernels 70.8 -> 41.4 ms a step in fp32 (27.1 with af_cg_has_guarded_load's crops).
- * AOTFUSE_WINDOW_ORDER=0 keeps windows in the dims' order (an A/B). A channels-last activation (strides [HWC, 1, WC, C] over [N, C, H, W]) was walked
+ * the pad of [16, 96, 32, 32] 2.93 -> 1.09 ms, the model's fused kernels 70.8 -> 41.4 ms a step in
+ * fp32 (27.1 with af_cg_has_guarded_load's crops), its step 0.605 of the dims' order in fp32 and 0.444
+ * in bf16 (benchmarks/results/mobilenet-cpu-2026-12-05.md). AOTFUSE_WINDOW_ORDER=0 keeps windows in
+ * the dims' order (an A/B). A channels-last activation (strides [HWC, 1, WC, C] over [N, C, H, W]) was walked
  * along W with a stride of C, a gather and a scatter an element: a ReLU and its mask at [16, 64,
  * 16, 16] took 1.46 ms, now one flat loop. ResNet's stem writes its normalized, ReLU'd activation
  * only as the channels-last copy its max pool reads: walked in that copy's order it read the NCHW

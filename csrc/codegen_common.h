@@ -47,7 +47,8 @@ int af_cg_narrow_index(const af_cg_space *sp);
 void af_cg_space_free(af_cg_space *sp);
 /* Whether grp has window members (then its kernels are scalar: no vector variant). */
 int af_cg_has_window(const af_graph *g, const af_fusion_group *grp);
-/* Whether grp loads a window's source under its guard (any window but box_fill, which has none). */
+/* Whether grp loads a window's source under its guard (any window but box_fill, which has none, and a
+ * crop, which guards no dim). */
 int af_cg_has_guarded_load(const af_graph *g, const af_fusion_group *grp);
 /* Whether grp's windows are evaluated in explicit frames (codegen_common.c): a window among the
  * shifted members (nested windows), or a view (remapped members). Then the kernel has a coordinate

@@ -440,3 +440,16 @@ def test_depthwise_benchmark_runs_three_sides_and_measures_their_gradients():
     for side in ("eager", "aotfuse", "aten"):
         r = rows[0][side]
         assert r["ms"] > 0 and r["peak"] > 0 and r["far"] < 1e-4, (side, r["ms"], r["peak"], r["far"])
+
+
+def test_depthwise_benchmark_strided_with_the_input_gradient():
+    """--stride 2 --input-grad in bf16: the input gradient's distance from float64 is measured on every
+    side, and aotfuse's (float32's transposed convolution, rounded once) is no farther than eager's."""
+    depthwise = _benchmark("depthwise")
+    rows = depthwise.main(["--shapes", "tiny", "--steps", "2", "--kernel", "3", "--stride", "2", "--input-grad",
+                           "--dtype", "bf16"])
+    sides = rows[0]
+    for side in ("eager", "aotfuse", "aten"):
+        r = sides[side]
+        assert r["ms"] > 0 and 0 < r["far_in"] < 0.05, (side, r)
+    assert sides["aotfuse"]["far_in"] <= sides["eager"]["far_in"] * 1.01, sides

@@ -20,9 +20,10 @@ AOTFUSE_REUSE_BUFFERS=0  every kernel output freshly allocated (default: a kerne
 AOTFUSE_HUGE_PAGES=N    fresh CPU tensors of N MiB or more that a program allocates (kernel outputs,
                        extern results) get transparent huge pages before their first write
                        (madvise; default 32, where glibc's allocations are their own mmaps; 0: off)
-AOTFUSE_DEPTHWISE_GRADS=0  keep ATen's weight gradient of a CPU depthwise convolution (default, for 5x5
-                       to 7x7: kh x kw fused column sums over slices of the padded input;
-                       decompositions.py)
+AOTFUSE_DEPTHWISE_GRADS=0  keep ATen's gradients of a CPU depthwise convolution (default: for 5x5
+                       to 7x7 the weight's as kh x kw fused column sums over slices of the padded
+                       input; a strided bf16/fp16 one's input gradient as float32's transposed
+                       convolution, rounded once; decompositions.py)
 AOTFUSE_ERF1P=0        keep a float32 `erf(x) + 1` (GELU's) as two ops (default: one, aotfuse::erf1p,
                        computed as 1 + erf without erf's small-argument series; erf1p.py)
 AOTFUSE_LM_GRAD_CHUNKS=0  make a language-model head's float32 logits gradient whole, as traced
@@ -54,6 +55,9 @@ AOTFUSE_CHANNELS_LAST_CONVS=0  keep CPU convolutions in the traced layout (defau
                        with oneDNN, the layout flowing through the network, outputs given eager's
                        strides back; a trace the layout would change is done again without;
                        decompositions.py)
+AOTFUSE_WINDOW_ORDER=0  CPU kernels with windows (pads, crops, slice assignments) loop over the dims
+                       in their own order (default: in memory order, as other pointwise kernels;
+                       codegen_common.c's loop_order; read in C when a program is generated)
 AOTFUSE_RECOMPUTE_CHAINS=1  under AOTFUSE_RECOMPUTE_MATERIALIZED=auto, also recompute such a value
                        where that makes another one first (default 0: saved; a residual stream of
                        pointwise adds is then saved every other layer, not rebuilt whole at the

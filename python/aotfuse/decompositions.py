@@ -571,7 +571,11 @@ def keep_layout(x: Any, eager: Any) -> Any:
 # lower but fp32's 56x56 (1.1x higher: the padded copy), the gradient as near float64's sums as
 # oneDNN's or nearer (benchmarks/results/depthwise-grads-cpu-2026-12-05.md). The input's gradient
 # stays ATen's convolution_backward (asked for it alone: 0.05-0.3 ms). Kernels of 10 to 49 taps (3 x 3
-# stays oneDNN's, below). AOTFUSE_DEPTHWISE_GRADS=0 keeps ATen's.
+# stays oneDNN's, below). A strided bf16/fp16 depthwise convolution, any kernel size, also has its
+# input gradient taken here: oneDNN's 16-bit strided backward-data is a slow path (MobileNetV2's
+# [16, 96, 33, 33] 3x3 stride 2: 14.9 ms; 5x5 35 ms; float32's 0.1-0.8 ms), so it is float32's
+# transposed convolution of the gradient, rounded once (a layer's step 10-19x faster, as near float64
+# as eager's; benchmarks/results/mobilenet-cpu-2026-12-05.md). AOTFUSE_DEPTHWISE_GRADS=0 keeps ATen's.
 
 _DEPTHWISE_MAX_TAPS = 49  # kernels up to 7 x 7: one kernel of at most 256 nodes
 # 3 x 3 and smaller stay oneDNN's: its 3 x 3 depthwise weight gradient is quick and needs no large
