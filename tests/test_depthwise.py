@@ -243,3 +243,32 @@ def test_float32_strided_depthwise_keeps_atens_input_gradient():
     assert not _transposed_f32(compiled)
     convs = _backward_convs(compiled)
     assert len(convs) == 1 and list(convs[0].args[10])[:2] == [True, True], [n.args[10] for n in convs]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_3x3_depthwise_on_a_map_smaller_than_its_kernel_takes_the_sums(dtype):
+    """A 3x3 depthwise convolution on a 2x2 map (EfficientNet's last stage): oneDNN's weight gradient
+    allocated a scratch growing with the channels there (16.6 MB at [16, 1152, 2, 2] bf16); the fused
+    sums take it, as near float64 as eager's. On a 4x4 map oneDNN's stays (quicker, no large scratch)."""
+    torch.manual_seed(0)
+    small = nn.Conv2d(32, 32, 3, padding=1, groups=32).to(dtype).to(memory_format=torch.channels_last)
+    large = nn.Conv2d(32, 32, 3, padding=1, groups=32).to(dtype).to(memory_format=torch.channels_last)
+    for conv, hw, taken in ((small, 2, True), (large, 4, False)):
+        x = torch.randn(4, 32, hw, hw).to(dtype).contiguous(memory_format=torch.channels_last).requires_grad_()
+        g = torch.randn(4, 32, hw, hw).to(dtype)
+        exact = nn.Conv2d(32, 32, 3, padding=1, groups=32).double()
+        exact.load_state_dict({k: v.double() for k, v in conv.state_dict().items()})
+        x64 = x.detach().double().requires_grad_()
+        (exact(x64) * g.double()).sum().backward()
+        compiled = aotfuse.memory_efficient_fusion(conv)
+        (compiled(x) * g).sum().backward()
+        ours = conv.weight.grad.clone(), conv.bias.grad.clone(), x.grad.clone()
+        conv.weight.grad = conv.bias.grad = x.grad = None
+        (conv(x) * g).sum().backward()
+        eager = conv.weight.grad, conv.bias.grad, x.grad
+        for got, want, truth, name in zip(ours, eager, (exact.weight.grad, exact.bias.grad, x64.grad),
+                                          ("weight", "bias", "input")):
+            far, eager_far = (got.double() - truth).abs().max().item(), (want.double() - truth).abs().max().item()
+            assert far <= 4 * eager_far + 4 * torch.finfo(dtype).eps * truth.abs().max().item(), (hw, name, far, eager_far)
+        convs = _backward_convs(compiled)
+        assert len(convs) == 1 and list(convs[0].args[10])[1] != taken, (hw, [n.args[10] for n in convs])

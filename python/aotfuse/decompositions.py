@@ -578,9 +578,12 @@ def keep_layout(x: Any, eager: Any) -> Any:
 # as eager's; benchmarks/results/mobilenet-cpu-2026-12-05.md). AOTFUSE_DEPTHWISE_GRADS=0 keeps ATen's.
 
 _DEPTHWISE_MAX_TAPS = 49  # kernels up to 7 x 7: one kernel of at most 256 nodes
-# 3 x 3 and smaller stay oneDNN's: its 3 x 3 depthwise weight gradient is quick and needs no large
-# scratch (MobileNetV2's layers: ATen's step 2-4x faster than the sums', whose padded float copy is the
-# larger buffer); from 5 x 5 on the sums win (bf16 2-4x, fp32 1.0-1.9x on the same layers)
+# 3 x 3 and smaller stay oneDNN's where the map is at least the kernel's size: its 3 x 3 depthwise weight
+# gradient is quick there and needs no large scratch (MobileNetV2's layers, 4x4 to 32x32 maps: ATen's step
+# 1.3-2.7x faster than the sums' in bf16 and fp32, measured again after window kernels took memory order);
+# on a smaller map (2x2, 1x1) oneDNN's scratch grows with the channels (16.6 MB at [16, 1152, 2, 2] bf16,
+# 11.0 MB fp32) and the sums win (5.9 -> 1.0 ms bf16, 1.7 -> 0.8 fp32); from 5 x 5 on the sums win
+# everywhere (bf16 2-4x, fp32 1.0-1.9x on MobileNetV2's layers)
 _DEPTHWISE_MIN_TAPS = 10
 
 
@@ -602,8 +605,12 @@ def _depthwise_backward(grad, x, weight, bias_sizes, stride, padding, dilation, 
     oh, ow = grad.shape[2:]
     (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
     f32 = torch.float32
+    # below 10 taps only where the map is smaller than the kernel: there oneDNN's weight gradient takes
+    # another path, its scratch growing with the channels (EfficientNet's last 3x3 layer, [16, 1152, 2, 2]
+    # bf16: 16.6 MB, the step's peak; 5.9 ms against the sums' 1.0)
+    small_map = h < kh or w < kw
     sums = (output_mask[1] and x.dtype != torch.float16 and config.kernels_for(x.device)
-            and _DEPTHWISE_MIN_TAPS <= kh * kw <= _DEPTHWISE_MAX_TAPS)
+            and (_DEPTHWISE_MIN_TAPS <= kh * kw or small_map) and kh * kw <= _DEPTHWISE_MAX_TAPS)
     # a strided 16-bit input gradient: oneDNN's is 20-50x slower than float32's (below)
     widened = output_mask[0] and x.dtype != f32 and (sh > 1 or sw > 1)
     if not sums and not widened:
