@@ -21,8 +21,8 @@ AOTFUSE_HUGE_PAGES=N    fresh CPU tensors of N MiB or more that a program alloca
                        extern results) get transparent huge pages before their first write
                        (madvise; default 32, where glibc's allocations are their own mmaps; 0: off)
 AOTFUSE_DEPTHWISE_GRADS=0  keep ATen's gradients of a CPU depthwise convolution (default: for 5x5
-                       to 7x7 the weight's as kh x kw fused column sums over slices of the padded
-                       input; a strided bf16/fp16 one's input gradient as float32's transposed
+                       to 7x7, and 3x3 on a map smaller than the kernel, the weight's as kh x kw
+                       fused column sums over slices of the padded input; a strided bf16/fp16 one's input gradient as float32's transposed
                        convolution, rounded once; decompositions.py)
 AOTFUSE_ERF1P=0        keep a float32 `erf(x) + 1` (GELU's) as two ops (default: one, aotfuse::erf1p,
                        computed as 1 + erf without erf's small-argument series; erf1p.py)
