@@ -1536,6 +1536,58 @@ def test_channels_last_windows_walk_the_channels(dtype):
     assert "constant_pad_nd" in crop and "AF_GUARDED_LOADS" not in crop, crop
 
 
+@pytest.mark.parametrize("channels", [8, 12, 16, 24])
+def test_few_channels_last_channels_stay_a_vectorized_loop(channels, monkeypatch):
+    """A channels-last kernel whose inner loop runs over 4-16 channels (a constant trip count) keeps
+    that loop (AF_NO_UNROLL): GCC unrolled it whole before vectorizing, and the unrolled selects (a
+    ReLU, its backward's mask, a `where`) became branches on random data. ResNet's batch norm
+    backward over [16, 8, 16, 16] took 0.29-0.34 ms a kernel, 0.61 ms at 16 channels, and 0.06-0.11
+    with the loop kept. A column kernel whose columns fit one block loops over constant bounds.
+    Batch norm + ReLU forward and backward, and a pointwise kernel with a per-channel operand,
+    against eager and float64; 24 channels (no longer a small loop) and AOTFUSE_SMALL_LOOPS=0 (an
+    A/B) keep GCC's unrolling, with the same values."""
+    gen = torch.Generator().manual_seed(channels)
+    x64 = torch.randn(4, channels, 6, 5, dtype=torch.float64, generator=gen)
+    w64, b64 = torch.randn(channels, dtype=torch.float64, generator=gen), torch.randn(channels, dtype=torch.float64, generator=gen)
+    cot = torch.randn(4, channels, 6, 5, dtype=torch.float64, generator=gen)
+
+    def norm(x, w, b):
+        return torch.relu(F.batch_norm(x, None, None, w, b, training=True)) * 1.5
+
+    def gate(x, w, b):
+        return torch.where(x > 0.0, x * w.view(1, -1, 1, 1) + b.view(1, -1, 1, 1), x * 0.25)
+
+    def run(f, dtype):
+        x = x64.to(dtype).contiguous(memory_format=torch.channels_last).requires_grad_()
+        w, b = w64.to(dtype).requires_grad_(), b64.to(dtype).requires_grad_()
+        out = f(x, w, b)
+        return (out.detach(), *torch.autograd.grad((out * cot.to(dtype)).sum(), (x, w, b)))
+
+    names = ("output", "x gradient", "weight gradient", "bias gradient")
+    for fn in (norm, gate):
+        ref, eager = run(fn, torch.float64), run(fn, torch.float32)
+        sources = {}
+        for switch in ("1", "0"):
+            monkeypatch.setenv("AOTFUSE_SMALL_LOOPS", switch)
+            compiled = aotfuse.aot_function(fn)
+            got = run(compiled, torch.float32)
+            for what, a, e, r in zip(names, got, eager, ref):
+                what = f"{fn.__name__} over {channels} channels-last channels, AOTFUSE_SMALL_LOOPS={switch}: {what}"
+                assert_close(a, e, what, atol=1e-5, rtol=1e-5)
+                err, eager_err = (a.double() - r).abs().max().item(), (e.double() - r).abs().max().item()
+                assert err <= 2 * eager_err + 1e-6, (what, err, eager_err)
+            sources[switch] = "".join(low.program.source for low in compiled.records[-1].programs.values())
+        assert "AF_NO_UNROLL for" in sources["1"] if channels <= 16 else "AF_NO_UNROLL for" not in sources["1"], fn
+        assert "AF_NO_UNROLL for" not in sources["0"] and f"c0 = 0, c1 = {channels};" not in sources["0"], fn
+        if fn is norm:  # its statistics: column-phased, one block of constant bounds
+            assert "column-phased" in sources["1"], sources["1"]
+            assert (f"c0 = 0, c1 = {channels};" in sources["1"]) == (channels <= 16), channels
+        else:  # its forward: a pointwise kernel looping over the channels inside the rows
+            loop = f"for (af_idx i = 0; i < {channels}; i++)"
+            assert loop in sources["1"] and loop in sources["0"], sources["1"]
+            assert (f"AF_NO_UNROLL {loop}" in sources["1"]) == (channels <= 16), channels
+
+
 def test_fills_are_kernel_members_that_read_no_tensor(monkeypatch):
     """zeros_like / ones_like / full_like / new_zeros / new_ones / new_full of a contiguous result are
     aten.full, a pointwise member without a tensor read: Longformer's zeros assigned into a slice

@@ -58,6 +58,10 @@ AOTFUSE_CHANNELS_LAST_CONVS=0  keep CPU convolutions in the traced layout (defau
 AOTFUSE_WINDOW_ORDER=0  CPU kernels with windows (pads, crops, slice assignments) loop over the dims
                        in their own order (default: in memory order, as other pointwise kernels;
                        codegen_common.c's loop_order; read in C when a program is generated)
+AOTFUSE_SMALL_LOOPS=0  let GCC unroll CPU loops of 4-16 iterations whole, as before (default: kept
+                       loops, `#pragma GCC unroll 1`, so that they vectorize with their selects as
+                       blends; a column kernel whose columns fit one block loops over constant
+                       bounds; codegen_c.c's small_loop; read in C when a program is generated)
 AOTFUSE_RECOMPUTE_CHAINS=1  under AOTFUSE_RECOMPUTE_MATERIALIZED=auto, also recompute such a value
                        where that makes another one first (default 0: saved; a residual stream of
                        pointwise adds is then saved every other layer, not rebuilt whole at the
