@@ -5,6 +5,7 @@
 
 #include <dlfcn.h>
 #include <errno.h>
+#include <pthread.h>
 #include <fcntl.h>
 #include <inttypes.h>
 #include <link.h>
@@ -252,6 +253,76 @@ static int jit_jobs(void) {
     return n < 1 ? 1 : n > 16 ? 16 : (int)n;
 }
 
+/* The OpenMP flag the compiler takes, probed once per compiler (AOTFUSE_CC) in a process: a small
+ * source with `omp parallel for` and `omp simd` built as a shared object with -fopenmp, else with
+ * -fopenmp-simd (a compiler without OpenMP's runtime, Apple's clang, still honours `omp simd` with
+ * it: row sums add one float partial sum per vector lane only through it, and a chunk summed as one
+ * float was 10x less accurate), else with neither. A program's source is then compiled once with
+ * that flag, so that an error in the source is the compiler's own error: it used to be retried
+ * without OpenMP, and a source whose error was in an OpenMP pragma then built, on one thread and
+ * without the per-lane sums, slower and less accurate with nothing said. Returns the flag or NULL
+ * (neither); a compiler that cannot be run gets NULL, and the source's compile says why. */
+static pthread_mutex_t omp_probe_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static const char *omp_flag(const char *dir, long salt) {
+    static const char *const flags[] = {"-fopenmp", "-fopenmp-simd"};
+    static char probed_cc[1024];
+    static int probed = -1; /* index into flags, 2 for neither; -1 before the first probe */
+    const char *cc = getenv("AOTFUSE_CC");
+    if (!cc || !*cc) cc = "cc";
+    pthread_mutex_lock(&omp_probe_lock);
+    if (probed >= 0 && strcmp(probed_cc, cc) == 0) {
+        int k = probed;
+        pthread_mutex_unlock(&omp_probe_lock);
+        return k < 2 ? flags[k] : NULL;
+    }
+    char src[4200], so[4200], log[4200], ccbuf[1024];
+    snprintf(src, sizeof src, "%s/.omp-probe.%ld.c", dir, salt);
+    snprintf(so, sizeof so, "%s/.omp-probe.%ld.so", dir, salt);
+    snprintf(log, sizeof log, "%s/.omp-probe.%ld.log", dir, salt);
+    int found = 2;
+    FILE *f = fopen(src, "w");
+    if (f) {
+        int ok = fputs("void af_probe(float *restrict a, const float *restrict b, int n) {\n"
+                       "  #pragma omp parallel for schedule(static)\n"
+                       "  for (int c = 0; c < n; c++) {\n"
+                       "    float s = 0.0f;\n"
+                       "    #pragma omp simd reduction(+:s)\n"
+                       "    for (int i = 0; i < 64; i++) s += b[c * 64 + i];\n"
+                       "    a[c] = s;\n"
+                       "  }\n"
+                       "}\n", f) >= 0;
+        ok &= fclose(f) == 0;
+        char *argv[32];
+        int n = ok ? compiler_words(ccbuf, sizeof ccbuf, argv, 16) : 0;
+        for (int k = 0; k < 2 && n > 0 && !interrupted; k++) {
+            int m = n;
+            argv[m++] = "-O2";
+            argv[m++] = "-shared";
+            argv[m++] = "-fPIC";
+            argv[m++] = (char *)flags[k];
+            argv[m++] = src;
+            argv[m++] = "-o";
+            argv[m++] = so;
+            argv[m] = NULL;
+            if (run_compiler(argv, log) == AF_OK) {
+                found = k;
+                break;
+            }
+        }
+        af_error_clear();
+    }
+    unlink(src);
+    unlink(so);
+    unlink(log);
+    if (!interrupted) { /* a probe stopped by Ctrl-C says nothing of the compiler */
+        snprintf(probed_cc, sizeof probed_cc, "%s", cc);
+        probed = found;
+    }
+    pthread_mutex_unlock(&omp_probe_lock);
+    return found < 2 ? flags[found] : NULL;
+}
+
 /* Set once a split compile failed where the one-file compile then worked (a compiler that wants
  * other flags, say): later modules go straight to the one-file path. */
 static int split_broken;
@@ -284,7 +355,8 @@ static int write_part(const char *path, const char *source, size_t prelude, cons
  * source is too small to split, jobs is 1, or anything failed (*tried then says it ran a compiler;
  * the caller compiles the source as one file, which reports the compiler's own error). Every file
  * it writes is removed. */
-static int split_compile(const char *dir, const char *key, long salt, const char *source, const char *tmp_so, int *tried) {
+static int split_compile(const char *dir, const char *key, long salt, const char *source, const char *tmp_so, const char *omp,
+                         int *tried) {
     int jobs = jit_jobs();
     if (jobs < 2 || __atomic_load_n(&split_broken, __ATOMIC_RELAXED)) return 0;
     const char *first = strstr(source, AF_C_UNIT_MARK "\n");
@@ -338,7 +410,7 @@ static int split_compile(const char *dir, const char *key, long salt, const char
         for (int i = 0; i < N_BASE_FLAGS; i++)
             if (strcmp(base_flags[i], "-shared") != 0) argv[k++] = (char *)base_flags[i];
         if (vector_width_flag()) argv[k++] = (char *)vector_width_flag();
-        argv[k++] = "-fopenmp";
+        if (omp) argv[k++] = (char *)omp;
         argv[k++] = "-c";
         argv[k++] = paths[started][0];
         argv[k++] = "-o";
@@ -355,7 +427,7 @@ static int split_compile(const char *dir, const char *key, long salt, const char
         int k = n;
         argv[k++] = "-shared";
         argv[k++] = "-fPIC";
-        argv[k++] = "-fopenmp";
+        if (omp) argv[k++] = (char *)omp;
         for (size_t j = 0; j < parts; j++) argv[k++] = paths[j][1];
         argv[k++] = "-o";
         argv[k++] = (char *)tmp_so;
@@ -397,24 +469,19 @@ static int compile_to(const char *dir, const char *key, const char *source, cons
         unlink(tmp_c);
         return af_error_set(AF_ERR_INVALID, "AOTFUSE_CC is empty or too long");
     }
-    int st = AF_OK, tried = 0, split = split_compile(dir, key, salt, source, tmp_so, &tried);
-    /* a compiler without OpenMP's runtime (Apple's clang) still honours `omp simd` with
-     * -fopenmp-simd: row sums add one float partial sum per vector lane only through it (a chunk
-     * summed as one float was 10x less accurate); the last attempt takes neither */
-    static const char *const omp_flags[] = {"-fopenmp", "-fopenmp-simd", NULL};
-    for (int attempt = 0; attempt < 3 && !split && !interrupted; attempt++) {
+    const char *omp = omp_flag(dir, salt); /* -fopenmp, -fopenmp-simd or neither (omp_flag) */
+    int st = AF_OK, tried = 0, split = !interrupted && split_compile(dir, key, salt, source, tmp_so, omp, &tried);
+    if (!split && !interrupted) {
         int k = n;
         for (int i = 0; i < N_BASE_FLAGS; i++) argv[k++] = (char *)base_flags[i];
         if (vector_width_flag()) argv[k++] = (char *)vector_width_flag();
-        if (omp_flags[attempt]) argv[k++] = (char *)omp_flags[attempt];
+        if (omp) argv[k++] = (char *)omp;
         argv[k++] = tmp_c;
         argv[k++] = "-o";
         argv[k++] = tmp_so;
         argv[k++] = "-lm";
         argv[k] = NULL;
         st = run_compiler(argv, log);
-        if (st == AF_OK || interrupted) break;
-        if (strstr(af_error_message(), "not found") || strstr(af_error_message(), "cannot run")) break;
     }
     unlink(log);
     if (interrupted && st == AF_OK) st = af_error_set(AF_ERR_RUNTIME, "interrupted while the C compiler ran");

@@ -2,7 +2,8 @@
  * AF_C_UNIT_MARK lines, large enough, is compiled as several files at once and linked into one
  * shared object whose functions reach each other across the files; AOTFUSE_JIT_JOBS=1 and small
  * sources compile as one file; a compiler that fails on the parts still builds the module, as one
- * file, and later modules skip the split. The compiler is a shell script that logs its arguments
+ * file, and later modules skip the split; the OpenMP flag is probed once per compiler and a source's
+ * error is not retried without it. The compiler is a shell script that logs its arguments
  * and runs `cc`. Under valgrind (AOTFUSE_TEST_NO_RUN=1, set by `make valgrind`) the functions are
  * looked up but not called (-march=native code). The last test leaves the split turned off for
  * the process: keep it last. */
@@ -58,13 +59,26 @@ static void sandbox_free(sandbox *s) {
     unsetenv("AOTFUSE_JIT_JOBS");
 }
 
-/* Compiler calls logged so far: all of them, and those compiling a part (`-c`). */
+/* OpenMP probes logged so far (omp_flag: one per compiler in a process). */
+static int count_probes(const sandbox *s) {
+    int n = 0;
+    FILE *f = fopen(s->log, "r");
+    if (!f) return 0;
+    char line[8192];
+    while (fgets(line, sizeof line, f)) n += strstr(line, "omp-probe") != NULL;
+    fclose(f);
+    return n;
+}
+
+/* Compiler calls logged so far, the OpenMP probes left out: all of them, and those compiling a
+ * part (`-c`). */
 static void count_calls(const sandbox *s, int *calls, int *parts, int *links) {
     *calls = *parts = *links = 0;
     FILE *f = fopen(s->log, "r");
     if (!f) return;
     char line[8192];
     while (fgets(line, sizeof line, f)) {
+        if (strstr(line, "omp-probe")) continue;
         (*calls)++;
         if (strstr(line, " -c ")) (*parts)++;
         if (strstr(line, ".o ") && strstr(line, "-shared")) (*links)++;
@@ -277,6 +291,40 @@ static void test_a_truncated_or_odd_cache_entry_is_rebuilt(void **state) {
     sandbox_free(&s);
 }
 
+/* The OpenMP flag is probed once per compiler, and the source compiled once with it: an error in
+ * an OpenMP pragma of the source is the compiler's error (it was retried without OpenMP, where the
+ * pragma is ignored, and built on one thread without a word). */
+static void test_a_source_error_is_not_retried_without_openmp(void **state) {
+    (void)state;
+    sandbox s;
+    sandbox_new(&s, 0);
+    setenv("AOTFUSE_JIT_JOBS", "1", 1);
+    const char *bad = "float af_body_0(const float *a) {\n"
+                      "  float s = 0.0f;\n"
+                      "  #pragma omp simd reduction(+:not_declared_anywhere)\n"
+                      "  for (int i = 0; i < 64; i++) s += a[i];\n"
+                      "  return s;\n"
+                      "}\n";
+    af_jit_module *m = NULL;
+    int calls, parts, links;
+    assert_int_equal(af_jit_cpu_load(bad, &m, NULL), AF_ERR_UNSUPPORTED);
+    assert_null(m);
+    assert_non_null(strstr(af_error_message(), "not_declared_anywhere"));
+    count_calls(&s, &calls, &parts, &links);
+    assert_int_equal(calls, 1);
+    assert_int_equal(count_probes(&s), 1);
+    char *src = two_unit_source(100, 12); /* the flag is known: no second probe */
+    assert_int_equal(af_jit_cpu_load(src, &m, NULL), AF_OK);
+    check_module(m, 12);
+    count_calls(&s, &calls, &parts, &links);
+    assert_int_equal(calls, 2);
+    assert_int_equal(count_probes(&s), 1);
+    assert_int_equal(leftovers(&s), 0);
+    af_jit_module_free(m);
+    free(src);
+    sandbox_free(&s);
+}
+
 /* A compiler that refuses the parts: the module is built as one file all the same, and the next
  * large module does not try the parts again (this process's split stays off: the last test). */
 static void test_a_failed_split_falls_back_to_one_file(void **state) {
@@ -314,6 +362,7 @@ int main(void) {
         cmocka_unit_test(test_one_job_or_a_small_source_compiles_as_one_file),
         cmocka_unit_test(test_a_missing_compiler_waits_for_no_other_child),
         cmocka_unit_test(test_a_truncated_or_odd_cache_entry_is_rebuilt),
+        cmocka_unit_test(test_a_source_error_is_not_retried_without_openmp),
         cmocka_unit_test(test_a_failed_split_falls_back_to_one_file), /* last: turns the split off */
     };
     return cmocka_run_group_tests_name("jit_cpu", tests, NULL, NULL);
