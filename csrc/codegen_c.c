@@ -284,7 +284,10 @@ static void emit_column_accumulators(af_strbuf *sb, const af_graph *g, const af_
 
 /* Loops of at most AF_SMALL_LOOP iterations, their count a constant, are kept loops (AF_NO_UNROLL)
  * unless AOTFUSE_SMALL_LOOPS=0 (an A/B: GCC then unrolls them whole, as before); a column kernel
- * whose columns fit one block then loops over constant bounds. Read when a program is generated. */
+ * whose columns fit one block then loops over constant bounds. Read when a program is generated.
+ * Kernel templates (templates.c) may lift those bounds into arguments, but only for a kernel whose
+ * own text is of one block too (the general kernel's text, hence its key, differs), so a one-block
+ * body never runs columns past its block's arrays (tests/test_templates.py). */
 #define AF_SMALL_LOOP 16
 static int config_small_loops(void) {
     const char *e = getenv("AOTFUSE_SMALL_LOOPS");

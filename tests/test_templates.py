@@ -192,3 +192,22 @@ def test_another_compiler_finds_no_template(monkeypatch, tmp_path):
     with pytest.raises(Exception, match="C compiler"):
         third(x)
     del first, again
+
+
+def test_a_column_kernel_of_one_block_is_a_template_only_for_one_block_shapes():
+    """A column-phased kernel whose columns fit one block loops over constant bounds (codegen_c.c,
+    small_loop), its arrays a block long: its text differs from the general kernel's, so a body lifted
+    for 8 and 12 columns is never called for 40 or 200 (the key keeps them apart), where its one
+    block would run past its arrays. Softmax over dim 1 (the columns the contiguous last dim) at
+    several widths, each against eager."""
+    f = lambda x: torch.softmax(x * 2.0, dim=1)  # noqa: E731
+    compiled = aotfuse.aot_function(f, dynamic=False)
+    lifted = 0
+    for columns in (8, 12, 200, 40, 16, 8):
+        x = torch.randn(3, 37, columns, generator=torch.Generator().manual_seed(columns))
+        assert_close(compiled(x), f(x), f"softmax over dim 1 of [3, 37, {columns}]", atol=1e-6, rtol=1e-5)
+        p = compiled.records[-1].programs["inference"].program
+        assert "column-phased" in p.source
+        assert ("c0 = 0, c1 = " in p.source) == (columns <= 16), columns
+        lifted += p.bodies_lifted + p.bodies_reused
+    assert lifted > 0  # the widths shared bodies
