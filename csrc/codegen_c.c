@@ -310,7 +310,7 @@ static void emit_column_flush(af_strbuf *sb, af_strbuf *flush, int64_t rows) {
 
 static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_operand *ops,
                                   int32_t index, const int64_t *sizes, int64_t (*strides)[AF_MAX_DIMS], int32_t nd,
-                                  int64_t columns, int64_t rows, int narrow) {
+                                  int64_t columns, int64_t rows, int narrow, int ivdep) {
     int32_t nops = grp->n_inputs + grp->n_outputs;
     int parallel = columns > AF_COLUMN_BLOCK_MIN && columns * rows >= 32768;
     af_strbuf_printf(sb, "\n/* group %d: %d nodes (%d column reductions), %d inputs, %d outputs, %" PRId64 " columns x %" PRId64
@@ -335,7 +335,11 @@ static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fus
     af_strbuf_printf(sb, "    for (af_idx i = 0; i < %" PRId64 "; i++) {\n      af_idx s = i;\n", rows);
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      af_idx r%d = 0;\n", (int)k);
     af_cg_emit_unflatten(sb, "      ", "af_idx", "s", "r", 1, nd - 1, sizes, strides, nops);
-    af_strbuf_printf(sb, "      (void)s;\n      %sfor (af_idx c = c0; c < c1; c++) {\n", unroll);
+    /* AF_IVDEP where an output is written into an input at the same elements (in_place_same_index):
+     * those pointers are not restrict, and GCC then kept the loop scalar, an invariant load in it
+     * having "no vectype" (T5's bf16 residual-gradient kernels, 256 columns of 13 inputs with two
+     * dropout masks: 6.1 ms, 0.41 with the pragma) */
+    af_strbuf_printf(sb, "      (void)s;\n%s      %sfor (af_idx c = c0; c < c1; c++) {\n", ivdep ? "      AF_IVDEP\n" : "", unroll);
     for (int32_t k = 0; k < nops; k++)
         af_strbuf_printf(sb, "      af_idx o%d = r%d + c * %" PRId64 ";\n", (int)k, (int)k, strides[k][0]);
     af_cg_emit_body(sb, g, grp, ops, "[c - c0]", AF_CG_FLOAT_SUMS);
@@ -768,7 +772,8 @@ static int emit_reduction_kernel(af_strbuf *sb, const af_graph *g, const af_fusi
      * time strides through memory, so rows go outside and a block of columns inside, each with its
      * own accumulator; the inner loop is contiguous and vectorizes. */
     if (sp.column) {
-        emit_column_reduction(sb, g, grp, ops, index, sizes, strides, nd, outer, inner, af_cg_narrow_index(&sp));
+        emit_column_reduction(sb, g, grp, ops, index, sizes, strides, nd, outer, inner, af_cg_narrow_index(&sp),
+                              in_place_same_index(g, grp, &sp));
         af_cg_space_free(&sp);
         return AF_OK;
     }

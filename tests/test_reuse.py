@@ -302,6 +302,38 @@ def test_a_phased_kernels_in_place_pass_says_no_iteration_reads_what_another_wri
     assert_close(out, torch.softmax(x, 1), "in-place softmax")
 
 
+def _masked_residual(x, g, mask):
+    out = aten.mul.Tensor(aten.add.Tensor(x, g), mask)
+    return out, aten.sum.dim_IntList(aten.mul.Tensor(out, g), [0])
+
+
+def test_a_column_kernels_in_place_loop_says_no_iteration_reads_what_another_writes():
+    """A column reduction (a bias gradient's sum over rows) whose pointwise output is written into an
+    input's tensor: the pair's pointers are not restrict, and GCC kept its column loop scalar (an
+    invariant load in it had "no vectype"): T5's bf16 residual-gradient kernels with their dropout
+    masks took 2.6-6.1 ms, 0.23-0.47 with AF_IVDEP. Written in place, the values of the kernel writing
+    a fresh tensor, and eager's."""
+    torch.manual_seed(0)
+    x, g = torch.randn(512, 256), torch.randn(512, 256)
+    mask = (torch.rand(512, 256) > 0.1).float()
+    prog = _program(_masked_residual, x, g, mask)
+    assert "column reductions)" in prog.source and "column-phased" not in prog.source, prog.source
+    assert "*restrict q0" not in prog.source, prog.source
+    assert "AF_IVDEP\n      for (af_idx c = c0; c < c1; c++)" in prog.source, prog.source
+    fresh = _program(_masked_residual, x, g, mask, reuse=False)
+    want = fresh.run([x, g, mask])
+    mine = x.clone()
+    ptr = mine.data_ptr()
+    args = [mine, g, mask]
+    del mine
+    out, sums = prog.run(args)
+    assert out.data_ptr() == ptr, "not written in place"
+    assert torch.equal(out, want[0]) and torch.equal(sums, want[1])
+    ref = _masked_residual(x, g, mask)
+    assert_close(out, ref[0], "masked residual, in place")
+    assert_close(sums, ref[1], "its column sums")
+
+
 _HELD = ["the tensor", "a view of it", "its storage through another tensor", "its storage object", "numpy memory"]
 
 
