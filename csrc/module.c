@@ -828,24 +828,24 @@ static PyObject *op_kind(PyObject *m, PyObject *arg) {
 }
 
 /* partition(graph, roles, num_fwd_outputs, min_cut=True, max_dist_from_bw=.., reduction_ratio=..,
- *           ban_materialized_bw=.., ban_chained_random=.., ban_chained_materialized=..,
+ *           ban_materialized_bw=.., ban_chained_random=.., ban_chained_materialized=.., ban_scalar_calls=..,
  *           node_policy=None, memory_budget=1.0) -> dict(saved=[value ids], forward=[node idx], backward=[node idx in
  *           run order], recomputed=int, saved_bytes=int, cut_value=int) */
 static PyObject *partition(PyObject *m, PyObject *args, PyObject *kwds) {
     (void)m;
     static char *kwlist[] = {"graph", "roles", "num_fwd_outputs", "min_cut", "max_dist_from_bw", "reduction_ratio",
                              "ban_materialized_bw", "ban_chained_random", "ban_chained_materialized", "node_policy",
-                             "memory_budget", NULL};
+                             "memory_budget", "ban_scalar_calls", NULL};
     GraphObject *graph;
     Py_buffer roles, policy = {0};
     int nfwd, min_cut = 1;
     af_partition_options o = af_partition_default_options();
     long long max_dist = o.max_dist_from_bw;
     int ratio = o.reduction_ratio, ban_bw = o.ban_materialized_bw, ban_random = o.ban_chained_random;
-    int ban_chain = o.ban_chained_materialized;
+    int ban_chain = o.ban_chained_materialized, ban_calls = o.ban_scalar_calls;
     double budget = o.memory_budget;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!y*i|pLiiipz*d", kwlist, &GraphType, &graph, &roles, &nfwd, &min_cut,
-                                     &max_dist, &ratio, &ban_bw, &ban_random, &ban_chain, &policy, &budget))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!y*i|pLiiipz*di", kwlist, &GraphType, &graph, &roles, &nfwd, &min_cut,
+                                     &max_dist, &ratio, &ban_bw, &ban_random, &ban_chain, &policy, &budget, &ban_calls))
         return NULL;
     PyObject *result = NULL;
     af_partition *p = NULL;
@@ -874,6 +874,7 @@ static PyObject *partition(PyObject *m, PyObject *args, PyObject *kwds) {
     o.ban_materialized_bw = ban_bw;
     o.ban_chained_random = ban_random;
     o.ban_chained_materialized = ban_chain;
+    o.ban_scalar_calls = ban_calls;
     int st = min_cut ? af_partition_min_cut(graph->g, roles.buf, nfwd, &o, &p)
                      : af_partition_default_policy(graph->g, roles.buf, nfwd, o.node_policy, &p);
     if (!st) st = af_partition_check(graph->g, roles.buf, nfwd, p);

@@ -45,6 +45,10 @@ const af_op_info *af_op_get(af_op_id id);
  * and not worth evaluating again per element of a broadcast (sink.c). */
 int af_op_expensive(const af_op_info *info);
 
+/* Whether an op's C expression calls a libm function GCC does not vectorize (logf, sinf, cosf, ...;
+ * not the prelude's af_exp/af_erf/af_tanh, nor sqrt): a CPU loop with such a call runs scalar whole. */
+int af_op_scalar_call(const af_op_info *info);
+
 /* "pointwise", "reduction", ... */
 const char *af_op_kind_name(af_op_kind kind);
 

@@ -62,6 +62,9 @@ AOTFUSE_SMALL_LOOPS=0  let GCC unroll CPU loops of 4-16 iterations whole, as bef
                        loops, `#pragma GCC unroll 1`, so that they vectorize with their selects as
                        blends; a column kernel whose columns fit one block loops over constant
                        bounds; codegen_c.c's small_loop; read in C when a program is generated)
+AOTFUSE_RECOMPUTE_SCALAR_CALLS=1  let the min cut recompute a CPU value whose op calls a libm function
+                       GCC does not vectorize (cos, sin, log, ...; default: saved, since the kernel
+                       recomputing it ran scalar whole: Llama's rotary cos and sin, once per layer)
 AOTFUSE_RECOMPUTE_CHAINS=1  under AOTFUSE_RECOMPUTE_MATERIALIZED=auto, also recompute such a value
                        where that makes another one first (default 0: saved; a residual stream of
                        pointwise adds is then saved every other layer, not rebuilt whole at the
@@ -239,6 +242,13 @@ def sink_broadcasts() -> bool:
 
 def window_sources() -> bool:
     return switch("AOTFUSE_WINDOW_SOURCES", True)
+
+
+def recompute_scalar_calls() -> bool:
+    """AOTFUSE_RECOMPUTE_SCALAR_CALLS=1: the min cut may recompute a CPU value whose op calls a libm
+    function GCC does not vectorize (cos, sin, log, ...; default 0: such a value is saved, since the
+    kernel recomputing it ran scalar whole)."""
+    return switch("AOTFUSE_RECOMPUTE_SCALAR_CALLS", False)
 
 
 def recompute_chains() -> bool:

@@ -348,6 +348,7 @@ def _partition(joint_module: fx.GraphModule, num_fwd_outputs: int, min_cut: bool
     if min_cut:
         options.setdefault("ban_materialized_bw", config.ban_materialized())
         options.setdefault("ban_chained_materialized", 0 if config.recompute_chains() else 1)
+        options.setdefault("ban_scalar_calls", 0 if config.recompute_scalar_calls() else 1)
         options.setdefault("memory_budget", config.memory_budget())
     budget = options.get("memory_budget", 1.0) < 1.0
     policies = checkpoint.node_policies(joint_module.graph, budget)  # activation checkpointing's regions
@@ -410,13 +411,16 @@ def min_cut_rematerialization_partition(joint_module: fx.GraphModule, _joint_inp
     random numbers again (default, from AOTFUSE_RECOMPUTE_MATERIALIZED) or, under that default with
     ban_chained_materialized (default 1; 0 from AOTFUSE_RECOMPUTE_CHAINS=1), makes another such value
     at least a quarter its size first.
+    ban_scalar_calls: a CPU value whose op calls a libm function GCC does not vectorize (cos, sin,
+    log, ...) is never recomputed (default 1; 0 from AOTFUSE_RECOMPUTE_SCALAR_CALLS=1).
     memory_budget: 1 (default, from AOTFUSE_MEMORY_BUDGET or torch._functorch.config.
     activation_memory_budget): the cut above; below 1, matmuls, attention and other extern calls may
     be recomputed too, the fewest and cheapest that bring the saved activations down to
     S_min + budget x (S_max - S_min) bytes (0: as few as recomputing everything allows).
     """
     options = {k: kwargs.pop(k) for k in ("max_dist_from_bw", "reduction_ratio", "ban_materialized_bw", "ban_chained_random",
-                                          "ban_chained_materialized", "memory_budget") if k in kwargs}
+                                          "ban_chained_materialized", "ban_scalar_calls", "memory_budget")
+               if k in kwargs}
     if "memory_budget" in options and not 0.0 <= float(options["memory_budget"]) <= 1.0:
         raise ValueError(f"memory_budget must be in [0, 1], not {options['memory_budget']}")
     return _partition(joint_module, num_fwd_outputs, True, kwargs.get("static_lifetime_input_nodes"),
