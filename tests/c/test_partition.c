@@ -149,6 +149,39 @@ static void test_pointwise_chain_is_recomputed(void **state) {
     af_graph_free(g);
 }
 
+/* The chain above with cos for exp: cosf is a libm call GCC does not vectorize, so its CPU value
+ * is saved, not recomputed (ban_scalar_calls); with the option off the cut recomputes it as exp. */
+static void test_unvectorized_libm_values_are_saved(void **state) {
+    (void)state;
+    for (int ban = 1; ban >= 0; ban--) {
+        af_graph *g = NULL;
+        assert_int_equal(af_graph_new(&g), AF_OK);
+        int32_t x = input(g, "x", 64), w = input(g, "w", 64), t = input(g, "t", 64);
+        int32_t h = add(g, "aten::mm.default", x, w, 64);
+        int32_t e = add(g, "aten::cos.default", h, -1, 64);
+        int32_t y = add(g, "aten::mul.Tensor", e, e, 64);
+        int32_t ge = add(g, "aten::mul.Tensor", t, e, 64);
+        int32_t gh = add(g, "aten::mul.Tensor", ge, e, 64);
+        int32_t gx = add(g, "aten::mm.default", gh, w, 64);
+        int32_t outs[2] = {y, gx};
+        assert_int_equal(af_graph_set_outputs(g, outs, 2), AF_OK);
+        uint8_t roles[3] = {AF_ROLE_PRIMAL, AF_ROLE_PRIMAL, AF_ROLE_TANGENT};
+        af_partition_options o = af_partition_default_options();
+        assert_int_equal(o.ban_scalar_calls, 1);
+        o.ban_scalar_calls = ban;
+        af_partition *mc = NULL;
+        assert_int_equal(af_partition_min_cut(g, roles, 1, &o, &mc), AF_OK);
+        check_partition(g, roles, 1, mc);
+        assert_int_equal(mc->n_saved, 2);
+        assert_true(mc->saved[0] == w || mc->saved[1] == w);
+        int32_t kept = ban ? e : h; /* cos's output, or its input and cos again in the backward */
+        assert_true(mc->saved[0] == kept || mc->saved[1] == kept);
+        assert_int_equal(mc->n_recomputed, ban ? 0 : 1);
+        af_partition_free(mc);
+        af_graph_free(g);
+    }
+}
+
 /* x -> mm(W) -> h -> exp -> e -> mm(W) -> y, the backward reading h and e (the gradient of e through
  * W, of h through exp, of W through e); x has x_size elements, the rest 64. Roles: x primal, W a
  * parameter, t the tangent. */
@@ -634,6 +667,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_random_joint_graphs_are_split_validly),
         cmocka_unit_test(test_pointwise_chain_is_recomputed),
+        cmocka_unit_test(test_unvectorized_libm_values_are_saved),
         cmocka_unit_test(test_parameters_are_free_to_save),
         cmocka_unit_test(test_banned_ops_are_saved),
         cmocka_unit_test(test_chained_random_values_are_saved),
