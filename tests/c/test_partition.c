@@ -115,19 +115,29 @@ static void test_random_joint_graphs_are_split_validly(void **state) {
 
 /* x -> mm(W) -> h -> exp -> e -> mul(e, e) -> y; backward reads e:
  * min cut saves h (or e) once, and recomputes exp in the backward rather than saving both. */
-static void test_pointwise_chain_is_recomputed(void **state) {
-    (void)state;
+/* x -> mm(w) -> h -> op -> e -> e * e, the backward reading e (t * e * e) and w; roles: x and w
+ * primal, t the tangent. */
+static af_graph *unary_chain(const char *op, int32_t *w, int32_t *h, int32_t *e) {
     af_graph *g = NULL;
     assert_int_equal(af_graph_new(&g), AF_OK);
-    int32_t x = input(g, "x", 64), w = input(g, "w", 64), t = input(g, "t", 64);
-    int32_t h = add(g, "aten::mm.default", x, w, 64);
-    int32_t e = add(g, "aten::exp.default", h, -1, 64);
-    int32_t y = add(g, "aten::mul.Tensor", e, e, 64);
-    int32_t ge = add(g, "aten::mul.Tensor", t, e, 64);      /* grad wrt e: t * e (uses e) */
-    int32_t gh = add(g, "aten::mul.Tensor", ge, e, 64);     /* grad wrt h: * exp(h) */
-    int32_t gx = add(g, "aten::mm.default", gh, w, 64);     /* grad wrt x: reads w */
+    int32_t x = input(g, "x", 64), t;
+    *w = input(g, "w", 64);
+    t = input(g, "t", 64);
+    *h = add(g, "aten::mm.default", x, *w, 64);
+    *e = add(g, op, *h, -1, 64);
+    int32_t y = add(g, "aten::mul.Tensor", *e, *e, 64);
+    int32_t ge = add(g, "aten::mul.Tensor", t, *e, 64);     /* grad wrt e: t * e (uses e) */
+    int32_t gh = add(g, "aten::mul.Tensor", ge, *e, 64);    /* grad wrt h: * exp(h) */
+    int32_t gx = add(g, "aten::mm.default", gh, *w, 64);    /* grad wrt x: reads w */
     int32_t outs[2] = {y, gx};
     assert_int_equal(af_graph_set_outputs(g, outs, 2), AF_OK);
+    return g;
+}
+
+static void test_pointwise_chain_is_recomputed(void **state) {
+    (void)state;
+    int32_t w, h, e;
+    af_graph *g = unary_chain("aten::exp.default", &w, &h, &e);
     uint8_t roles[3] = {AF_ROLE_PRIMAL, AF_ROLE_PRIMAL, AF_ROLE_TANGENT};
     af_partition *mc = NULL, *def = NULL;
     assert_int_equal(af_partition_min_cut(g, roles, 1, NULL, &mc), AF_OK);
@@ -149,29 +159,26 @@ static void test_pointwise_chain_is_recomputed(void **state) {
     af_graph_free(g);
 }
 
+/* The min cut of g with options o (one forward output), checked valid. */
+static af_partition *cut_checked(const af_graph *g, const uint8_t *roles, const af_partition_options *o) {
+    af_partition *p = NULL;
+    assert_int_equal(af_partition_min_cut(g, roles, 1, o, &p), AF_OK);
+    check_partition(g, roles, 1, p);
+    return p;
+}
+
 /* The chain above with cos for exp: cosf is a libm call GCC does not vectorize, so its CPU value
  * is saved, not recomputed (ban_scalar_calls); with the option off the cut recomputes it as exp. */
 static void test_unvectorized_libm_values_are_saved(void **state) {
     (void)state;
     for (int ban = 1; ban >= 0; ban--) {
-        af_graph *g = NULL;
-        assert_int_equal(af_graph_new(&g), AF_OK);
-        int32_t x = input(g, "x", 64), w = input(g, "w", 64), t = input(g, "t", 64);
-        int32_t h = add(g, "aten::mm.default", x, w, 64);
-        int32_t e = add(g, "aten::cos.default", h, -1, 64);
-        int32_t y = add(g, "aten::mul.Tensor", e, e, 64);
-        int32_t ge = add(g, "aten::mul.Tensor", t, e, 64);
-        int32_t gh = add(g, "aten::mul.Tensor", ge, e, 64);
-        int32_t gx = add(g, "aten::mm.default", gh, w, 64);
-        int32_t outs[2] = {y, gx};
-        assert_int_equal(af_graph_set_outputs(g, outs, 2), AF_OK);
-        uint8_t roles[3] = {AF_ROLE_PRIMAL, AF_ROLE_PRIMAL, AF_ROLE_TANGENT};
+        int32_t w, h, e;
+        af_graph *g = unary_chain("aten::cos.default", &w, &h, &e);
+        const uint8_t roles[3] = {AF_ROLE_PRIMAL, AF_ROLE_PRIMAL, AF_ROLE_TANGENT};
         af_partition_options o = af_partition_default_options();
-        assert_int_equal(o.ban_scalar_calls, 1);
+        assert_int_equal(o.ban_scalar_calls, 1); /* the default */
         o.ban_scalar_calls = ban;
-        af_partition *mc = NULL;
-        assert_int_equal(af_partition_min_cut(g, roles, 1, &o, &mc), AF_OK);
-        check_partition(g, roles, 1, mc);
+        af_partition *mc = cut_checked(g, roles, &o);
         assert_int_equal(mc->n_saved, 2);
         assert_true(mc->saved[0] == w || mc->saved[1] == w);
         int32_t kept = ban ? e : h; /* cos's output, or its input and cos again in the backward */
