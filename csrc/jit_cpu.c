@@ -5,10 +5,10 @@
 
 #include <dlfcn.h>
 #include <errno.h>
-#include <pthread.h>
 #include <fcntl.h>
 #include <inttypes.h>
 #include <link.h>
+#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <spawn.h>
