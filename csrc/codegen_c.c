@@ -298,6 +298,18 @@ static const char *small_loop(int64_t trip) {
     return trip >= 4 && trip <= AF_SMALL_LOOP && trip % 4 == 0 && config_small_loops() ? "AF_NO_UNROLL " : "";
 }
 
+/* A column kernel's block bounds c0, c1: constants where the columns fit one block (at most
+ * block_min, whatever the threads), else from `first` (the block's first column, C text). Returns the
+ * column loop's prefix (AF_NO_UNROLL for a short constant loop, else ""). */
+static const char *emit_column_bounds(af_strbuf *sb, int64_t columns, int64_t block_min, const char *first) {
+    if (columns <= block_min && config_small_loops()) {
+        af_strbuf_printf(sb, "    const af_idx c0 = 0, c1 = %" PRId64 ";\n", columns);
+        return small_loop(columns);
+    }
+    af_strbuf_printf(sb, "    const af_idx c0 = %s, c1 = c0 + bs < %" PRId64 " ? c0 + bs : %" PRId64 ";\n", first, columns, columns);
+    return "";
+}
+
 /* After a column kernel's row i: every AF_COLUMN_CHUNK rows (and after the last), the float partial
  * sums into the double accumulators; frees *flush. */
 static void emit_column_flush(af_strbuf *sb, af_strbuf *flush, int64_t rows) {
@@ -326,10 +338,7 @@ static void emit_column_reduction(af_strbuf *sb, const af_graph *g, const af_fus
     af_strbuf_printf(sb, "  const af_idx nb = (%" PRId64 " + bs - 1) / bs;\n", columns);
     af_strbuf_printf(sb, "  %s\n  for (af_idx cb = 0; cb < nb; cb++) {\n",
                      parallel ? "#pragma omp parallel for schedule(static) num_threads(af_num_threads)" : "");
-    int one_block = columns <= AF_COLUMN_BLOCK_MIN && config_small_loops(); /* c0 = 0, c1 = columns whatever the threads */
-    if (one_block) af_strbuf_printf(sb, "    const af_idx c0 = 0, c1 = %" PRId64 "; (void)cb;\n", columns);
-    else af_strbuf_printf(sb, "    const af_idx c0 = cb * bs, c1 = c0 + bs < %" PRId64 " ? c0 + bs : %" PRId64 ";\n", columns, columns);
-    const char *unroll = one_block ? small_loop(columns) : "";
+    const char *unroll = emit_column_bounds(sb, columns, AF_COLUMN_BLOCK_MIN, "cb * bs");
     af_strbuf flush = {0}; /* float partial sums of AF_COLUMN_CHUNK rows into the double accumulators */
     emit_column_accumulators(sb, g, grp, NULL, 0, AF_COLUMN_BLOCK, &flush);
     af_strbuf_printf(sb, "    for (af_idx i = 0; i < %" PRId64 "; i++) {\n      af_idx s = i;\n", rows);
@@ -664,10 +673,7 @@ static int emit_column_phased_kernel(af_strbuf *sb, const af_graph *g, const af_
     af_strbuf_printf(sb, "  const af_idx nb = (%" PRId64 " + bs - 1) / bs;\n", columns);
     af_strbuf_printf(sb, "  %s\n  for (af_idx t = 0; t < nb * %" PRId64 "; t++) {\n",
                      parallel ? "#pragma omp parallel for schedule(static) num_threads(af_num_threads)" : "", outer);
-    int one_block = columns <= AF_COLUMN_PHASED_BLOCK_MIN && config_small_loops(); /* c0 = 0, c1 = columns whatever the threads */
-    if (one_block) af_strbuf_printf(sb, "    const af_idx c0 = 0, c1 = %" PRId64 ";\n", columns);
-    else af_strbuf_printf(sb, "    const af_idx c0 = (t %% nb) * bs, c1 = c0 + bs < %" PRId64 " ? c0 + bs : %" PRId64 ";\n", columns, columns);
-    const char *unroll = one_block ? small_loop(columns) : "";
+    const char *unroll = emit_column_bounds(sb, columns, AF_COLUMN_PHASED_BLOCK_MIN, "(t % nb) * bs");
     for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    af_idx b%d = 0;\n", (int)k);
     af_strbuf_printf(sb, "    af_idx r = t / nb;\n");
     for (int32_t d = n_kept - 1; d >= 0; d--) { /* the other kept dims: the block's row base */

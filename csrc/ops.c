@@ -27,26 +27,28 @@ const af_op_info *af_op_get(af_op_id id) {
     return &af_op_table[id];
 }
 
-int af_op_scalar_call(const af_op_info *info) {
-    static const char *const calls[] = {"logf(", "log1pf(", "expm1f(", "exp2f(", "log2f(", "log10f(", "sinf(", "cosf(",
-                                        "tanf(", "atanf(", "erfcf("};
-    if (!info || !info->c_expr) return 0;
-    for (size_t k = 0; k < sizeof calls / sizeof calls[0]; k++)
-        if (strstr(info->c_expr, calls[k])) return 1;
-    return 0;
-}
-
 const char *af_op_kind_name(af_op_kind kind) {
     static const char *const names[AF_KIND_COUNT] = {
         "extern", "pointwise", "reduction", "view", "random", "compute"};
     return (kind >= 0 && kind < AF_KIND_COUNT) ? names[kind] : "invalid";
 }
 
+/* Whether an op's C expression names one of n calls. */
+static int expr_calls(const af_op_info *info, const char *const *calls, size_t n) {
+    if (!info || !info->c_expr) return 0;
+    for (size_t k = 0; k < n; k++)
+        if (strstr(info->c_expr, calls[k])) return 1;
+    return 0;
+}
+
 int af_op_expensive(const af_op_info *info) {
     static const char *const calls[] = {"af_exp", "af_erf", "af_tanh", "logf", "log1pf", "af_pow", "expm1f", "exp2f", "log2f",
                                         "log10f", "sinf", "cosf", "tanf", "atanf", "erfcf", "af_rand"};
-    if (!info || !info->c_expr) return 0;
-    for (size_t k = 0; k < sizeof calls / sizeof calls[0]; k++)
-        if (strstr(info->c_expr, calls[k])) return 1;
-    return 0;
+    return expr_calls(info, calls, sizeof calls / sizeof calls[0]);
+}
+
+int af_op_scalar_call(const af_op_info *info) {
+    static const char *const calls[] = {"logf(", "log1pf(", "expm1f(", "exp2f(", "log2f(", "log10f(", "sinf(", "cosf(",
+                                        "tanf(", "atanf(", "erfcf("};
+    return expr_calls(info, calls, sizeof calls / sizeof calls[0]);
 }
