@@ -2,7 +2,7 @@
 
     python benchmarks/erf_check.py [--fn erf|erf1p] [--stride 1] [--against "c6 c5 ... c0"] [--no-fma] [--width 512]
 
-Takes `af_exp_normal` and `af_erf` from csrc/codegen_c.c as the kernels get them, builds a C harness
+Takes `af_exp_normal` (with `af_exp_poly`) and `af_erf` from csrc/codegen_c.c as the kernels get them, builds a C harness
 with the CPU JIT's flags (csrc/jit_cpu.c's base_flags), and prints erf's largest relative error over
 the normal floats (subnormal inputs round in the Taylor side's product, as they always did) and its
 time per element over 1M inputs in [-5, 5]. --against takes another h polynomial (its coefficients, highest first) for the
@@ -90,7 +90,7 @@ def jit_flags() -> list[str]:
 
 def prelude_function(source: str, name: str) -> str:
     """The C text of the prelude's `AF_INLINE float name(float x) { ... }` (a string literal in source)."""
-    start = source.index(f'"AF_INLINE float {name}(float x) {{\\n"')
+    start = re.search(rf'"AF_INLINE float {name}\(float \w+\) {{\\n"', source).start()
     end = source.index('"}\\n"', start) + len('"}\\n"')
     return "".join(s.encode().decode("unicode_escape") for s in re.findall(r'"((?:[^"\\]|\\.)*)"', source[start:end]))
 
@@ -111,7 +111,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--width", choices=["512", "256"], default="512")
     a = ap.parse_args(argv)
     source = (ROOT / "csrc" / "codegen_c.c").read_text()
-    exp_normal, erf = prelude_function(source, "af_exp_normal"), prelude_function(source, "af_erf")
+    exp_normal = prelude_function(source, "af_exp_poly") + prelude_function(source, "af_exp_normal")
+    erf = prelude_function(source, "af_erf")
     fma = "#define AF_FMA(a, b, c) ((a) * (b) + (c))\n" if a.no_fma else "#define AF_FMA(a, b, c) fmaf(a, b, c)\n"
     head = ("#define _POSIX_C_SOURCE 200112L\n#include <math.h>\n#include <stdint.h>\n#include <stdio.h>\n"
             "#include <stdlib.h>\n#include <string.h>\n#include <time.h>\n"

@@ -188,16 +188,20 @@ static const char *const prelude =
      * NaN for NaN, and where 1 + erf > 1e-6 below -0.5 at most 0.80% relative (1 + af_erf: 3.05%);
      * the GELU forward kernel at 524288 bf16 elements 0.81 -> 0.70 ns an element (AVX-512 on Zen;
      * degree 7 gave 0.68 at 1.94e-7). */
+    /* exp(r) - 1 for r in [-ln2 / 2, ln2 / 2]: Cephes' degree-6 polynomial (af_exp, af_expm1) */
+    "AF_INLINE float af_exp_poly(float r) {\n"
+    "  float q = 1.9875691500e-4f;\n"
+    "  q = AF_FMA(q, r, 1.3981999507e-3f); q = AF_FMA(q, r, 8.3334519073e-3f); q = AF_FMA(q, r, 4.1665795894e-2f);\n"
+    "  q = AF_FMA(q, r, 1.6666665459e-1f); q = AF_FMA(q, r, 5.0000001201e-1f);\n"
+    "  return AF_FMA(q * r, r, r);\n"
+    "}\n"
     "AF_INLINE float af_exp(float x) {\n"
     "  float xc = x > 89.0f ? 89.0f : x;\n"
     "  xc = xc < -104.0f ? -104.0f : xc; /* exp(-104) rounds to 0, as below it */\n"
     "  float n = floorf(AF_FMA(xc, 1.44269504088896341f, 0.5f));\n"
     "  float r = AF_FMA(n, -0.693359375f, xc);\n"
     "  r = AF_FMA(n, 2.12194440e-4f, r);\n"
-    "  float q = 1.9875691500e-4f;\n"
-    "  q = AF_FMA(q, r, 1.3981999507e-3f); q = AF_FMA(q, r, 8.3334519073e-3f); q = AF_FMA(q, r, 4.1665795894e-2f);\n"
-    "  q = AF_FMA(q, r, 1.6666665459e-1f); q = AF_FMA(q, r, 5.0000001201e-1f);\n"
-    "  float y = AF_FMA(q * r, r, r) + 1.0f;\n"
+    "  float y = af_exp_poly(r) + 1.0f;\n"
     "  /* 2^n as two normal factors (n in [-150, 128]): results below 2^-126 come out subnormal, as\n"
     "   * expf's, not 0; a power-of-two product is exact wherever the result is normal */\n"
     "  int32_t k1 = (int32_t)n / 2, k2 = (int32_t)n - k1;\n"
@@ -208,10 +212,7 @@ static const char *const prelude =
     "  float n = floorf(AF_FMA(x, 1.44269504088896341f, 0.5f));\n"
     "  float r = AF_FMA(n, -0.693359375f, x);\n"
     "  r = AF_FMA(n, 2.12194440e-4f, r);\n"
-    "  float q = 1.9875691500e-4f;\n"
-    "  q = AF_FMA(q, r, 1.3981999507e-3f); q = AF_FMA(q, r, 8.3334519073e-3f); q = AF_FMA(q, r, 4.1665795894e-2f);\n"
-    "  q = AF_FMA(q, r, 1.6666665459e-1f); q = AF_FMA(q, r, 5.0000001201e-1f);\n"
-    "  float y = AF_FMA(q * r, r, r) + 1.0f;\n"
+    "  float y = af_exp_poly(r) + 1.0f;\n"
     "  uint32_t u; memcpy(&u, &y, 4); u += (uint32_t)(int32_t)n << 23; memcpy(&y, &u, 4);\n"
     "  return y;\n"
     "}\n"
@@ -254,6 +255,175 @@ static const char *const prelude =
     "  float big = copysignf(ax >= 9.0f ? 1.0f : 1.0f - 2.0f / (e + 1.0f), x);\n"
     "  return ax < 0.3f ? small : big;\n"
     "}\n";
+
+/* log, log2, log10, log1p and expm1 as branch-free polynomials, so that loops calling them vectorize
+ * (libm's logf, log1pf, ... are scalar calls GCC does not vectorize: a kernel with one ran scalar
+ * whole, 3-14 ns an element). log: x = 2^e m, m in [sqrt(1/2), sqrt(2)) (subnormals scaled by 2^23
+ * first), ln(m) by Cephes' degree-8 polynomial in m - 1, e ln2 added in two parts; log2 and log10
+ * from the same ln(m) and e (log2 of a power of two exact); log1p(x) = log(u) + (x - (u - 1)) / u
+ * with u = 1 + x (the correction recovers what rounding 1 + x lost); expm1(x) = 2^n expm1(r) + 2^n - 1
+ * with r = x - n ln2 and expm1(r) af_exp's polynomial, computed as 2 (h expm1(r) + h - 1/2), h = 2^(n-1),
+ * so that 2^n never overflows below the result. Special values as libm's, by selects on x (NaN in,
+ * NaN out; log of 0 -inf, of a negative NaN; log1p(-1) -inf; expm1(-0) -0, expm1(-inf) -1). Over
+ * every float against the double-precision libm function (benchmarks/libm_check.py, AVX-512 on Zen,
+ * FMA): log 0.89 ulp at most, log2 1.67, log10 1.60, log1p 1.44, expm1 1.49 (ATen's are Sleef's,
+ * 1 ulp; without FMA, one float in 16, log10 2.01, the others below 1.82); 0.34-0.61 ns an element
+ * against libm's 3.3-11.3. AOTFUSE_VECTOR_LIBM=0 makes them libm's calls again (scalar_libm). */
+static const char *const vector_log =
+    "AF_INLINE float af_log_m(float x, float *e) {\n"
+    "  uint32_t u; memcpy(&u, &x, 4);\n"
+    "  int32_t sub = u < 0x00800000u;\n"
+    "  float xs = x * (sub ? 8388608.0f : 1.0f);\n"
+    "  memcpy(&u, &xs, 4);\n"
+    "  int32_t k = (int32_t)((u >> 23) & 0xffu) - (sub ? 150 : 127);\n"
+    "  uint32_t mu = (u & 0x007fffffu) | 0x3f800000u;\n"
+    "  float m; memcpy(&m, &mu, 4);\n"
+    "  int32_t big = m > 1.41421356f;\n"
+    "  m *= big ? 0.5f : 1.0f;\n"
+    "  *e = (float)(k + big);\n"
+    "  float f = m - 1.0f, z = f * f;\n"
+    "  float p = 7.0376836292e-2f;\n"
+    "  p = AF_FMA(p, f, -1.1514610310e-1f); p = AF_FMA(p, f, 1.1676998740e-1f); p = AF_FMA(p, f, -1.2420140846e-1f);\n"
+    "  p = AF_FMA(p, f, 1.4249322787e-1f); p = AF_FMA(p, f, -1.6668057665e-1f); p = AF_FMA(p, f, 2.0000714765e-1f);\n"
+    "  p = AF_FMA(p, f, -2.4999993993e-1f); p = AF_FMA(p, f, 3.3333331174e-1f);\n"
+    "  return f + AF_FMA(z, -0.5f, f * z * p);\n"
+    "}\n"
+    "AF_INLINE float af_log_fix(float x, float r) {\n"
+    "  r = x == 0.0f ? -(float)INFINITY : r;\n"
+    "  r = x < 0.0f ? (float)NAN : r;\n"
+    "  return x < (float)INFINITY ? r : x;\n"
+    "}\n"
+    "AF_INLINE float af_log(float x) { float e, l = af_log_m(x, &e); return af_log_fix(x, AF_FMA(e, 0.693359375f, AF_FMA(e, -2.12194440e-4f, l))); }\n"
+    "AF_INLINE float af_log2(float x) { float e, l = af_log_m(x, &e); return af_log_fix(x, e + AF_FMA(l, 1.44269502e+0f, l * 1.92596299e-8f)); }\n"
+    "AF_INLINE float af_log10(float x) {\n"
+    "  float e, l = af_log_m(x, &e);\n"
+    "  return af_log_fix(x, AF_FMA(e, 3.0078125e-1f, AF_FMA(e, 2.48745664e-4f, AF_FMA(l, 4.3359375e-1f, l * 7.00731903e-4f))));\n"
+    "}\n"
+    "AF_INLINE float af_log1p(float x) {\n"
+    "  float u = 1.0f + x, l = af_log(u);\n"
+    "  float r = l + (u > 0.0f ? (x - (u - 1.0f)) / u : 0.0f);\n"
+    "  r = u == 1.0f ? x : r;\n"
+    "  return u < (float)INFINITY ? r : x;\n"
+    "}\n"
+    "AF_INLINE float af_expm1(float x) {\n"
+    "  float xc = x > 89.0f ? 89.0f : x;\n"
+    "  xc = xc < -20.0f ? -20.0f : xc;\n"
+    "  float n = floorf(AF_FMA(xc, 1.44269504088896341f, 0.5f));\n"
+    "  float r = AF_FMA(n, -0.693359375f, xc);\n"
+    "  r = AF_FMA(n, 2.12194440e-4f, r);\n"
+    "  float p = af_exp_poly(r);\n"
+    "  int32_t b = ((int32_t)n + 126) << 23; float h; memcpy(&h, &b, 4);\n"
+    "  float y = 2.0f * AF_FMA(h, p, h - 0.5f);\n"
+    "  return x == 0.0f ? x : y;\n"
+    "}\n";
+
+/* sin and cos, branch-free for every float, so that loops calling them vectorize (libm's sinf and
+ * cosf are scalar calls: Llama's rotary cos and sin ran scalar kernels). The reduction is exact
+ * for every float (Payne and Hanek's, in integers): |x| = k 2^s with k the 24-bit integer
+ * significand, and x 2/pi mod 4 = k W 2^-94 mod 4, where W is the 96 bits of 2/pi that matter at
+ * x's exponent (af_2opi_*: one row a float exponent from 126 up; bits above W add multiples of 4,
+ * bits below it less than 2^-70). Its top 2 bits are the quadrant and the next 64 the fraction,
+ * rounded to the nearest quadrant and scaled by pi/2 in double: r in [-pi/4, pi/4], accurate to a
+ * double's rounding however close x lies to a multiple of pi/2 (the reduction only needs 64-bit
+ * products of 32-bit words, which vectorize; below pi/4 r is x). Then Cephes' float polynomials for
+ * sin and cos on r, chosen and signed by the quadrant; cos is sin a quadrant on. Over every float
+ * against double-precision sin and cos (benchmarks/libm_check.py): at most 1.59 and 1.58 ulp (1.57
+ * without FMA, one float in 16); NaN for infinities and NaN, sin(-0) -0; 1.8 ns an element against
+ * libm's 8-10 (AVX-512 on Zen). Emitted only into programs that call them (the table is 5 KB of C). */
+static const char *const vector_trig =
+    "static const uint32_t af_2opi_w2[129] = {\n"
+    "  0x00000028u, 0x00000051u, 0x000000a2u, 0x00000145u, 0x0000028bu, 0x00000517u, 0x00000a2fu, 0x0000145fu,\n"
+    "  0x000028beu, 0x0000517cu, 0x0000a2f9u, 0x000145f3u, 0x00028be6u, 0x000517ccu, 0x000a2f98u, 0x00145f30u,\n"
+    "  0x0028be60u, 0x00517cc1u, 0x00a2f983u, 0x0145f306u, 0x028be60du, 0x0517cc1bu, 0x0a2f9836u, 0x145f306du,\n"
+    "  0x28be60dbu, 0x517cc1b7u, 0xa2f9836eu, 0x45f306dcu, 0x8be60db9u, 0x17cc1b72u, 0x2f9836e4u, 0x5f306dc9u,\n"
+    "  0xbe60db93u, 0x7cc1b727u, 0xf9836e4eu, 0xf306dc9cu, 0xe60db939u, 0xcc1b7272u, 0x9836e4e4u, 0x306dc9c8u,\n"
+    "  0x60db9391u, 0xc1b72722u, 0x836e4e44u, 0x06dc9c88u, 0x0db93910u, 0x1b727220u, 0x36e4e441u, 0x6dc9c882u,\n"
+    "  0xdb939105u, 0xb727220au, 0x6e4e4415u, 0xdc9c882au, 0xb9391054u, 0x727220a9u, 0xe4e44152u, 0xc9c882a5u,\n"
+    "  0x9391054au, 0x27220a94u, 0x4e441529u, 0x9c882a53u, 0x391054a7u, 0x7220a94fu, 0xe441529fu, 0xc882a53fu,\n"
+    "  0x91054a7fu, 0x220a94feu, 0x441529fcu, 0x882a53f8u, 0x1054a7f0u, 0x20a94fe1u, 0x41529fc2u, 0x82a53f84u,\n"
+    "  0x054a7f09u, 0x0a94fe13u, 0x1529fc27u, 0x2a53f84eu, 0x54a7f09du, 0xa94fe13au, 0x529fc275u, 0xa53f84eau,\n"
+    "  0x4a7f09d5u, 0x94fe13abu, 0x29fc2757u, 0x53f84eafu, 0xa7f09d5fu, 0x4fe13abeu, 0x9fc2757du, 0x3f84eafau,\n"
+    "  0x7f09d5f4u, 0xfe13abe8u, 0xfc2757d1u, 0xf84eafa3u, 0xf09d5f47u, 0xe13abe8fu, 0xc2757d1fu, 0x84eafa3eu,\n"
+    "  0x09d5f47du, 0x13abe8fau, 0x2757d1f5u, 0x4eafa3eau, 0x9d5f47d4u, 0x3abe8fa9u, 0x757d1f53u, 0xeafa3ea6u,\n"
+    "  0xd5f47d4du, 0xabe8fa9au, 0x57d1f534u, 0xafa3ea69u, 0x5f47d4d3u, 0xbe8fa9a6u, 0x7d1f534du, 0xfa3ea69bu,\n"
+    "  0xf47d4d37u, 0xe8fa9a6eu, 0xd1f534ddu, 0xa3ea69bbu, 0x47d4d377u, 0x8fa9a6eeu, 0x1f534ddcu, 0x3ea69bb8u,\n"
+    "  0x7d4d3770u, 0xfa9a6ee0u, 0xf534ddc0u, 0xea69bb81u, 0xd4d37703u, 0xa9a6ee06u, 0x534ddc0du, 0xa69bb81bu,\n"
+    "  0x4d377036u\n"
+    "};\n"
+    "static const uint32_t af_2opi_w1[129] = {\n"
+    "  0xbe60db93u, 0x7cc1b727u, 0xf9836e4eu, 0xf306dc9cu, 0xe60db939u, 0xcc1b7272u, 0x9836e4e4u, 0x306dc9c8u,\n"
+    "  0x60db9391u, 0xc1b72722u, 0x836e4e44u, 0x06dc9c88u, 0x0db93910u, 0x1b727220u, 0x36e4e441u, 0x6dc9c882u,\n"
+    "  0xdb939105u, 0xb727220au, 0x6e4e4415u, 0xdc9c882au, 0xb9391054u, 0x727220a9u, 0xe4e44152u, 0xc9c882a5u,\n"
+    "  0x9391054au, 0x27220a94u, 0x4e441529u, 0x9c882a53u, 0x391054a7u, 0x7220a94fu, 0xe441529fu, 0xc882a53fu,\n"
+    "  0x91054a7fu, 0x220a94feu, 0x441529fcu, 0x882a53f8u, 0x1054a7f0u, 0x20a94fe1u, 0x41529fc2u, 0x82a53f84u,\n"
+    "  0x054a7f09u, 0x0a94fe13u, 0x1529fc27u, 0x2a53f84eu, 0x54a7f09du, 0xa94fe13au, 0x529fc275u, 0xa53f84eau,\n"
+    "  0x4a7f09d5u, 0x94fe13abu, 0x29fc2757u, 0x53f84eafu, 0xa7f09d5fu, 0x4fe13abeu, 0x9fc2757du, 0x3f84eafau,\n"
+    "  0x7f09d5f4u, 0xfe13abe8u, 0xfc2757d1u, 0xf84eafa3u, 0xf09d5f47u, 0xe13abe8fu, 0xc2757d1fu, 0x84eafa3eu,\n"
+    "  0x09d5f47du, 0x13abe8fau, 0x2757d1f5u, 0x4eafa3eau, 0x9d5f47d4u, 0x3abe8fa9u, 0x757d1f53u, 0xeafa3ea6u,\n"
+    "  0xd5f47d4du, 0xabe8fa9au, 0x57d1f534u, 0xafa3ea69u, 0x5f47d4d3u, 0xbe8fa9a6u, 0x7d1f534du, 0xfa3ea69bu,\n"
+    "  0xf47d4d37u, 0xe8fa9a6eu, 0xd1f534ddu, 0xa3ea69bbu, 0x47d4d377u, 0x8fa9a6eeu, 0x1f534ddcu, 0x3ea69bb8u,\n"
+    "  0x7d4d3770u, 0xfa9a6ee0u, 0xf534ddc0u, 0xea69bb81u, 0xd4d37703u, 0xa9a6ee06u, 0x534ddc0du, 0xa69bb81bu,\n"
+    "  0x4d377036u, 0x9a6ee06du, 0x34ddc0dbu, 0x69bb81b6u, 0xd377036du, 0xa6ee06dbu, 0x4ddc0db6u, 0x9bb81b6cu,\n"
+    "  0x377036d8u, 0x6ee06db1u, 0xddc0db62u, 0xbb81b6c5u, 0x77036d8au, 0xee06db14u, 0xdc0db629u, 0xb81b6c52u,\n"
+    "  0x7036d8a5u, 0xe06db14au, 0xc0db6295u, 0x81b6c52bu, 0x036d8a56u, 0x06db14acu, 0x0db62959u, 0x1b6c52b3u,\n"
+    "  0x36d8a566u, 0x6db14accu, 0xdb629599u, 0xb6c52b32u, 0x6d8a5664u, 0xdb14acc9u, 0xb6295993u, 0x6c52b327u,\n"
+    "  0xd8a5664fu\n"
+    "};\n"
+    "static const uint32_t af_2opi_w0[129] = {\n"
+    "  0x91054a7fu, 0x220a94feu, 0x441529fcu, 0x882a53f8u, 0x1054a7f0u, 0x20a94fe1u, 0x41529fc2u, 0x82a53f84u,\n"
+    "  0x054a7f09u, 0x0a94fe13u, 0x1529fc27u, 0x2a53f84eu, 0x54a7f09du, 0xa94fe13au, 0x529fc275u, 0xa53f84eau,\n"
+    "  0x4a7f09d5u, 0x94fe13abu, 0x29fc2757u, 0x53f84eafu, 0xa7f09d5fu, 0x4fe13abeu, 0x9fc2757du, 0x3f84eafau,\n"
+    "  0x7f09d5f4u, 0xfe13abe8u, 0xfc2757d1u, 0xf84eafa3u, 0xf09d5f47u, 0xe13abe8fu, 0xc2757d1fu, 0x84eafa3eu,\n"
+    "  0x09d5f47du, 0x13abe8fau, 0x2757d1f5u, 0x4eafa3eau, 0x9d5f47d4u, 0x3abe8fa9u, 0x757d1f53u, 0xeafa3ea6u,\n"
+    "  0xd5f47d4du, 0xabe8fa9au, 0x57d1f534u, 0xafa3ea69u, 0x5f47d4d3u, 0xbe8fa9a6u, 0x7d1f534du, 0xfa3ea69bu,\n"
+    "  0xf47d4d37u, 0xe8fa9a6eu, 0xd1f534ddu, 0xa3ea69bbu, 0x47d4d377u, 0x8fa9a6eeu, 0x1f534ddcu, 0x3ea69bb8u,\n"
+    "  0x7d4d3770u, 0xfa9a6ee0u, 0xf534ddc0u, 0xea69bb81u, 0xd4d37703u, 0xa9a6ee06u, 0x534ddc0du, 0xa69bb81bu,\n"
+    "  0x4d377036u, 0x9a6ee06du, 0x34ddc0dbu, 0x69bb81b6u, 0xd377036du, 0xa6ee06dbu, 0x4ddc0db6u, 0x9bb81b6cu,\n"
+    "  0x377036d8u, 0x6ee06db1u, 0xddc0db62u, 0xbb81b6c5u, 0x77036d8au, 0xee06db14u, 0xdc0db629u, 0xb81b6c52u,\n"
+    "  0x7036d8a5u, 0xe06db14au, 0xc0db6295u, 0x81b6c52bu, 0x036d8a56u, 0x06db14acu, 0x0db62959u, 0x1b6c52b3u,\n"
+    "  0x36d8a566u, 0x6db14accu, 0xdb629599u, 0xb6c52b32u, 0x6d8a5664u, 0xdb14acc9u, 0xb6295993u, 0x6c52b327u,\n"
+    "  0xd8a5664fu, 0xb14acc9eu, 0x6295993cu, 0xc52b3278u, 0x8a5664f1u, 0x14acc9e2u, 0x295993c4u, 0x52b32788u,\n"
+    "  0xa5664f10u, 0x4acc9e21u, 0x95993c43u, 0x2b327887u, 0x5664f10eu, 0xacc9e21cu, 0x5993c439u, 0xb3278872u,\n"
+    "  0x664f10e4u, 0xcc9e21c8u, 0x993c4390u, 0x32788720u, 0x64f10e41u, 0xc9e21c82u, 0x93c43904u, 0x27887208u,\n"
+    "  0x4f10e410u, 0x9e21c820u, 0x3c439041u, 0x78872083u, 0xf10e4107u, 0xe21c820fu, 0xc439041fu, 0x8872083fu,\n"
+    "  0x10e4107fu\n"
+    "};\n"
+    "AF_INLINE float af_sincos(float x, uint32_t shift) {\n"
+    "  float ax = fabsf(x);\n"
+    "  uint32_t u; memcpy(&u, &ax, 4);\n"
+    "  uint32_t e = u >> 23, i = e < 126u ? 0u : e - 126u;\n"
+    "  i = i > 128u ? 128u : i;\n"
+    "  uint64_t k = (u & 0x007fffffu) | 0x00800000u;\n"
+    "  uint64_t p0 = k * af_2opi_w0[i];\n"
+    "  uint64_t p1 = k * af_2opi_w1[i] + (p0 >> 32);\n"
+    "  uint64_t p2 = k * af_2opi_w2[i] + (p1 >> 32);\n"
+    "  uint64_t fr = ((p2 & 0x3fffffffu) << 34) | ((p1 & 0xffffffffu) << 2) | ((p0 >> 30) & 3u);\n"
+    "  uint32_t q = ((uint32_t)(p2 >> 30) + (uint32_t)(fr >> 63)) & 3u;\n"
+    "  float r = (float)((double)(int64_t)fr * 8.515303950216386e-20);\n"
+    "  int32_t small = ax < 0.785398163f;\n"
+    "  r = small ? ax : r;\n"
+    "  q = (small ? 0u : q) + shift;\n"
+    "  float z = r * r;\n"
+    "  float s = AF_FMA(z, -1.9515295891e-4f, 8.3321608736e-3f);\n"
+    "  s = AF_FMA(s, z, -1.6666654611e-1f); s = AF_FMA(s * z, r, r);\n"
+    "  float c = AF_FMA(z, 2.443315711809948e-5f, -1.388731625493765e-3f);\n"
+    "  c = AF_FMA(c, z, 4.166664568298827e-2f); c = AF_FMA(c * z, z, AF_FMA(z, -0.5f, 1.0f));\n"
+    "  float y = q & 1u ? c : s;\n"
+    "  y = q & 2u ? -y : y;\n"
+    "  return ax <= 3.40282347e38f ? y : x - x;\n"
+    "}\n"
+    "AF_INLINE float af_sin(float x) { float y = af_sincos(x, 0u); y = x < 0.0f ? -y : y; return x == 0.0f ? x : y; }\n"
+    "AF_INLINE float af_cos(float x) { return af_sincos(x, 1u); }\n";
+
+/* AOTFUSE_VECTOR_LIBM=0 (an A/B): the same functions as libm's calls, as before 2026-12-06. */
+static const char *const scalar_libm =
+    "AF_INLINE float af_log(float x) { return logf(x); }\n"
+    "AF_INLINE float af_log2(float x) { return log2f(x); }\n"
+    "AF_INLINE float af_log10(float x) { return log10f(x); }\n"
+    "AF_INLINE float af_log1p(float x) { return log1pf(x); }\n"
+    "AF_INLINE float af_expm1(float x) { return expm1f(x); }\n"
+    "AF_INLINE float af_sin(float x) { return sinf(x); }\n"
+    "AF_INLINE float af_cos(float x) { return cosf(x); }\n";
 
 #define AF_COLUMN_BLOCK 1024
 /* The narrowest block: with many threads the columns split into blocks of at least this many. */
@@ -1030,7 +1200,11 @@ static void render_body(af_strbuf *sb, const af_cg_shared *b, const uint8_t *lif
 int af_c_render(const af_c_kernels *k, const uint8_t *skip, const uint8_t *const *lift, char **source) {
     if (!k || !source) return af_error_set(AF_ERR_INVALID, "af_c_render: NULL argument");
     af_strbuf sb = {0};
-    af_strbuf_printf(&sb, "%s#define AF_FN AF_INLINE\n%s", prelude, af_cg_helpers_text);
+    int vector = af_vector_libm(), trig = 0;
+    for (int32_t b = 0; b < k->n_bodies; b++)
+        if (!(skip && skip[b]) && (strstr(k->bodies[b].text, "af_sin(") || strstr(k->bodies[b].text, "af_cos("))) trig = 1;
+    af_strbuf_printf(&sb, "%s%s%s#define AF_FN AF_INLINE\n%s", prelude, vector ? vector_log : scalar_libm,
+                     vector && trig ? vector_trig : "", af_cg_helpers_text);
     for (int32_t i = 0; i < k->n_groups; i++) {
         int32_t b = k->body_of[i];
         if (b < 0 || (skip && skip[b])) continue;

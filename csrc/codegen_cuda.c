@@ -45,7 +45,14 @@ static const char *const prelude =
     "static __device__ __forceinline__ float af_exp(float x) { return expf(x); }\n"
     "static __device__ __forceinline__ float af_erf(float x) { return erff(x); }\n"
     "static __device__ __forceinline__ float af_erf1p(float x) { return 1.0f + erff(x); }\n"
-    "static __device__ __forceinline__ float af_tanh(float x) { return tanhf(x); }\n";
+    "static __device__ __forceinline__ float af_tanh(float x) { return tanhf(x); }\n"
+    "static __device__ __forceinline__ float af_log(float x) { return logf(x); }\n"
+    "static __device__ __forceinline__ float af_log2(float x) { return log2f(x); }\n"
+    "static __device__ __forceinline__ float af_log10(float x) { return log10f(x); }\n"
+    "static __device__ __forceinline__ float af_log1p(float x) { return log1pf(x); }\n"
+    "static __device__ __forceinline__ float af_expm1(float x) { return expm1f(x); }\n"
+    "static __device__ __forceinline__ float af_sin(float x) { return sinf(x); }\n"
+    "static __device__ __forceinline__ float af_cos(float x) { return cosf(x); }\n";
 
 #define AF_THREADS 256
 #define AF_COLUMN_TILE 32 /* columns per block (one warp wide) */

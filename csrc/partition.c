@@ -270,10 +270,12 @@ static int should_ban(const joint_ctx *c, const af_partition_options *o, int32_t
     af_op_kind kind = node_kind(c, p);
     if (kind == AF_KIND_VIEW) return 0;
     if (!kind_fusible(kind)) return 1; /* compute-heavy, random, extern: never recomputed */
-    /* a libm call GCC does not vectorize (cos, sin, log, ...) keeps the recomputing CPU kernel's loop
-     * scalar whole: Llama's rotary cos recomputed in each layer's backward took 10 ns an element */
+    /* a libm call GCC does not vectorize (tan, atan, ...) keeps the recomputing CPU kernel's loop
+     * scalar whole: Llama's rotary cos as libm's cosf, recomputed in each layer's backward, took 10 ns
+     * an element; the prelude's vectorized sin and cos still cost 5x exp, per element of the broadcast
+     * that reads them (af_op_costly_call) */
     if (o->ban_scalar_calls && af_graph_value(c->g, v)->meta.device.type == AF_DEVICE_CPU &&
-        af_op_scalar_call(af_op_get(af_graph_node(c->g, p)->op_id)))
+        af_op_costly_call(af_op_get(af_graph_node(c->g, p)->op_id)))
         return 1;
     if (o->ban_chained_random && draws[2 * v + 1] >= 0) return 1;
     /* A value the backward writes out anyway costs its bytes to save and one more write to recompute:

@@ -75,6 +75,13 @@ static inline float af_exp(float x) { return expf(x); }
 static inline float af_erf(float x) { return erff(x); }
 static inline float af_erf1p(float x) { return 1.0f + erff(x); }
 static inline float af_tanh(float x) { return tanhf(x); }
+static inline float af_log(float x) { return logf(x); }
+static inline float af_log2(float x) { return log2f(x); }
+static inline float af_log10(float x) { return log10f(x); }
+static inline float af_log1p(float x) { return log1pf(x); }
+static inline float af_expm1(float x) { return expm1f(x); }
+static inline float af_sin(float x) { return sinf(x); }
+static inline float af_cos(float x) { return cosf(x); }
 
 /* ---- launching ---- */
 

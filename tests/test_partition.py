@@ -595,15 +595,19 @@ class _Rotary(nn.Module):
         return x.pow(2).mean()
 
 
-@pytest.mark.parametrize("recompute", ["0", "1"])
-def test_values_of_unvectorized_libm_calls_are_saved_not_recomputed(recompute, monkeypatch):
-    """A CPU value whose op calls a libm function GCC does not vectorize (cos, sin, log, ...) is never
-    recomputed (ban_scalar_calls): the kernel recomputing it ran scalar whole, once per layer (Llama's
-    rotary cos and sin, 8 backward kernels of 1.3 ms each at [4, 128, 4, 64] in bf16, 10 ns an
-    element). The backward then calls no cosf or sinf; AOTFUSE_RECOMPUTE_SCALAR_CALLS=1 lets the cut
-    recompute them as before. Both train like eager and float64."""
+@pytest.mark.parametrize("vector_libm, recompute", [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")])
+def test_values_of_unvectorized_libm_calls_are_saved_not_recomputed(vector_libm, recompute, monkeypatch):
+    """A CPU value whose op calls a costly function is never recomputed (ban_scalar_calls): a libm
+    call GCC does not vectorize ran the kernel recomputing it scalar whole, once per layer (Llama's
+    rotary cos and sin as libm's cosf and sinf, 8 backward kernels of 1.3 ms each at [4, 128, 4, 64]
+    in bf16, 10 ns an element). Since 2026-12-06 cos and sin are the C prelude's vectorized af_cos and
+    af_sin (AOTFUSE_VECTOR_LIBM=0 makes them libm's calls again), still 5x exp's cost and recomputed
+    per element of the broadcast that reads them (Llama bf16's step 3% longer), so still saved:
+    the backward calls neither, unless AOTFUSE_RECOMPUTE_SCALAR_CALLS=1 lets the cut recompute them
+    as other pointwise work. Each way trains like eager and float64."""
     from aotfuse.testing import compare_models
 
+    monkeypatch.setenv("AOTFUSE_VECTOR_LIBM", vector_libm)
     monkeypatch.setenv("AOTFUSE_RECOMPUTE_SCALAR_CALLS", recompute)
     x = torch.randn(4, 64, 32, generator=torch.Generator().manual_seed(1))
     holder = []
@@ -617,9 +621,14 @@ def test_values_of_unvectorized_libm_calls_are_saved_not_recomputed(recompute, m
         torch.manual_seed(0)
         return _Rotary()
 
-    report = compare_models(make, lambda: (x,), steps=2, compile_fn=compile_fn, name=f"rotary, recompute={recompute}")
+    report = compare_models(make, lambda: (x,), steps=2, compile_fn=compile_fn,
+                            name=f"rotary, vector libm={vector_libm}, recompute={recompute}")
     report.assert_ok()
     programs = holder[0]._aotfuse_compiled.records[-1].programs
     backward = "".join(low.program.source for stage, low in programs.items() if stage.startswith("backward"))
-    assert ("cosf(" in backward, "sinf(" in backward) == ((True, True) if recompute == "1" else (False, False))
-    assert "cosf(" in programs["forward"].program.source
+    calls = lambda src: (re.search(r"= af_cos\(v", src) is not None, re.search(r"= af_sin\(v", src) is not None)
+    assert calls(backward) == (recompute == "1", recompute == "1")
+    assert calls(programs["forward"].program.source) == (True, True)
+    # the prelude gives them libm's calls or the vectorized polynomials (with the reduction's table)
+    forward = programs["forward"].program.source
+    assert ("return cosf(x);" in forward, "af_2opi_w0" in forward) == ((vector_libm == "0"), (vector_libm == "1"))

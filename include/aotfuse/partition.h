@@ -63,10 +63,12 @@ typedef struct {
                                      make another such value, at least a quarter its size, first
                                      (1: a residual stream of pointwise adds is saved every other
                                      layer, not rebuilt whole at the backward's start) */
-    int32_t ban_scalar_calls;     /* ban recomputing a CPU value whose op calls a libm function GCC does
-                                     not vectorize (af_op_scalar_call: cos, sin, log, ...; 1): the
-                                     kernel recomputing it ran scalar whole, for every layer that
-                                     needed it (Llama's rotary cos and sin in each layer's backward) */
+    int32_t ban_scalar_calls;     /* ban recomputing a CPU value whose op calls a costly function
+                                     (af_op_costly_call: a libm call GCC does not vectorize, tan,
+                                     atan, ..., or the prelude's sin and cos; 1): the kernel
+                                     recomputing it ran scalar whole, or 5x exp's time, for every
+                                     layer that needed it (Llama's rotary cos and sin in each
+                                     layer's backward) */
     const uint8_t *node_policy;   /* NULL, or one af_node_policy per node (activation checkpointing) */
     double memory_budget;         /* 1 (default): the cut above. Below 1, compute nodes (matmuls,
                                      convolutions, attention; not ones marked to save) may be

@@ -62,9 +62,15 @@ AOTFUSE_SMALL_LOOPS=0  let GCC unroll CPU loops of 4-16 iterations whole, as bef
                        loops, `#pragma GCC unroll 1`, so that they vectorize with their selects as
                        blends; a column kernel whose columns fit one block loops over constant
                        bounds; codegen_c.c's small_loop; read in C when a program is generated)
-AOTFUSE_RECOMPUTE_SCALAR_CALLS=1  let the min cut recompute a CPU value whose op calls a libm function
-                       GCC does not vectorize (cos, sin, log, ...; default: saved, since the kernel
-                       recomputing it ran scalar whole: Llama's rotary cos and sin, once per layer)
+AOTFUSE_RECOMPUTE_SCALAR_CALLS=1  let the min cut recompute a CPU value whose op calls a costly
+                       function (a libm call GCC does not vectorize: tan, atan, exp2, erfc; or the C
+                       prelude's sin and cos, 5x exp's cost; default: saved, since the kernel
+                       recomputing it ran scalar whole, or slowly per element of a broadcast:
+                       Llama's rotary cos and sin, once per layer)
+AOTFUSE_VECTOR_LIBM=0  the C kernels' log, log1p, log2, log10, expm1, sin and cos call libm's scalar
+                       functions, as before 2026-12-06 (an A/B; default: the C prelude's branch-free
+                       polynomials, which vectorize, within 1.7 ulp; codegen_c.c's vector_log and
+                       vector_trig; read in C when a program is generated or partitioned)
 AOTFUSE_RECOMPUTE_CHAINS=1  under AOTFUSE_RECOMPUTE_MATERIALIZED=auto, also recompute such a value
                        where that makes another one first (default 0: saved; a residual stream of
                        pointwise adds is then saved every other layer, not rebuilt whole at the
@@ -245,9 +251,10 @@ def window_sources() -> bool:
 
 
 def recompute_scalar_calls() -> bool:
-    """AOTFUSE_RECOMPUTE_SCALAR_CALLS=1: the min cut may recompute a CPU value whose op calls a libm
-    function GCC does not vectorize (cos, sin, log, ...; default 0: such a value is saved, since the
-    kernel recomputing it ran scalar whole)."""
+    """AOTFUSE_RECOMPUTE_SCALAR_CALLS=1: the min cut may recompute a CPU value whose op calls a costly
+    function (a libm call GCC does not vectorize, tan, atan, ..., or the C prelude's sin and cos;
+    default 0: such a value is saved, since the kernel recomputing it ran scalar whole, or at 5x exp's
+    cost per element of a broadcast)."""
     return switch("AOTFUSE_RECOMPUTE_SCALAR_CALLS", False)
 
 

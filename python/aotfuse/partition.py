@@ -411,8 +411,9 @@ def min_cut_rematerialization_partition(joint_module: fx.GraphModule, _joint_inp
     random numbers again (default, from AOTFUSE_RECOMPUTE_MATERIALIZED) or, under that default with
     ban_chained_materialized (default 1; 0 from AOTFUSE_RECOMPUTE_CHAINS=1), makes another such value
     at least a quarter its size first.
-    ban_scalar_calls: a CPU value whose op calls a libm function GCC does not vectorize (cos, sin,
-    log, ...) is never recomputed (default 1; 0 from AOTFUSE_RECOMPUTE_SCALAR_CALLS=1).
+    ban_scalar_calls: a CPU value whose op calls a costly function (a libm call GCC does not
+    vectorize, tan, atan, ..., or the C prelude's sin and cos) is never recomputed (default 1; 0 from
+    AOTFUSE_RECOMPUTE_SCALAR_CALLS=1).
     memory_budget: 1 (default, from AOTFUSE_MEMORY_BUDGET or torch._functorch.config.
     activation_memory_budget): the cut above; below 1, matmuls, attention and other extern calls may
     be recomputed too, the fewest and cheapest that bring the saved activations down to

@@ -1,6 +1,7 @@
 /* CMocka tests of csrc/partition.c: on hundreds of random joint graphs, both partitions are
  * valid splits (af_partition_check), min-cut never saves a tangent-dependent value, and on
  * hand-made graphs it recomputes cheap pointwise work and keeps what must not be recomputed. */
+#define _POSIX_C_SOURCE 200112L /* setenv */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -167,26 +168,37 @@ static af_partition *cut_checked(const af_graph *g, const uint8_t *roles, const 
     return p;
 }
 
-/* The chain above with cos for exp: cosf is a libm call GCC does not vectorize, so its CPU value
- * is saved, not recomputed (ban_scalar_calls); with the option off the cut recomputes it as exp. */
+/* The chain above with atan for exp: atanf is a libm call GCC does not vectorize, so its CPU value
+ * is saved, not recomputed (ban_scalar_calls); with the option off the cut recomputes it as exp.
+ * cos, the C prelude's vectorized af_cos (2026-12-06), still costs 5x exp and is saved the same way;
+ * log is af_log, about exp's cost, recomputed as exp, unless AOTFUSE_VECTOR_LIBM=0 makes it libm's
+ * logf again. */
 static void test_unvectorized_libm_values_are_saved(void **state) {
     (void)state;
-    for (int ban = 1; ban >= 0; ban--) {
+    const struct { const char *op, *vector_libm; int ban, saved; } cases[] = {
+        {"aten::atan.default", NULL, 1, 1}, {"aten::atan.default", NULL, 0, 0}, {"aten::cos.default", NULL, 1, 1},
+        {"aten::cos.default", NULL, 0, 0},  {"aten::log.default", NULL, 1, 0},  {"aten::log.default", "0", 1, 1},
+        {"aten::log.default", "0", 0, 0},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        if (cases[c].vector_libm) setenv("AOTFUSE_VECTOR_LIBM", cases[c].vector_libm, 1);
+        else unsetenv("AOTFUSE_VECTOR_LIBM");
         int32_t w, h, e;
-        af_graph *g = unary_chain("aten::cos.default", &w, &h, &e);
+        af_graph *g = unary_chain(cases[c].op, &w, &h, &e);
         const uint8_t roles[3] = {AF_ROLE_PRIMAL, AF_ROLE_PRIMAL, AF_ROLE_TANGENT};
         af_partition_options o = af_partition_default_options();
         assert_int_equal(o.ban_scalar_calls, 1); /* the default */
-        o.ban_scalar_calls = ban;
+        o.ban_scalar_calls = cases[c].ban;
         af_partition *mc = cut_checked(g, roles, &o);
         assert_int_equal(mc->n_saved, 2);
         assert_true(mc->saved[0] == w || mc->saved[1] == w);
-        int32_t kept = ban ? e : h; /* cos's output, or its input and cos again in the backward */
+        int32_t kept = cases[c].saved ? e : h; /* the op's output, or its input and the op again in the backward */
         assert_true(mc->saved[0] == kept || mc->saved[1] == kept);
-        assert_int_equal(mc->n_recomputed, ban ? 0 : 1);
+        assert_int_equal(mc->n_recomputed, cases[c].saved ? 0 : 1);
         af_partition_free(mc);
         af_graph_free(g);
     }
+    unsetenv("AOTFUSE_VECTOR_LIBM");
 }
 
 /* x -> mm(W) -> h -> exp -> e -> mm(W) -> y, the backward reading h and e (the gradient of e through
