@@ -147,6 +147,13 @@ def run_model(name: str, dtype: torch.dtype, contenders: list[str], steps: int, 
     # reset, a later model's torch.compile hits the recompile limit and runs eagerly (first step 0.1 s)
     torch._dynamo.reset()
     base, inputs = build(name, dtype, channels_last)
+    return run_built(name, base, inputs, dtype, contenders, steps)
+
+
+def run_built(name: str, base: torch.nn.Module, inputs: dict, dtype: torch.dtype, contenders: list[str], steps: int) -> dict:
+    """One table row: each contender's copy of `base` (its forward takes **inputs and returns an object
+    with a `.loss`) trained --steps times, interleaved; medians, one step's peak, the first step's time,
+    the loss check against eager's."""
     row = {"model": name, "params": sum(p.numel() for p in base.parameters())}
     models = {c: copy.deepcopy(base) for c in contenders}
     calls, first, losses = {}, {}, {}

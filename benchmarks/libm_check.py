@@ -11,7 +11,8 @@ is, how many inputs got a special value wrong (NaN where the reference has none 
 an infinity or a zero's sign that differs), and the time per element over 1M inputs in a typical
 range (log's (0, 100], log1p's (-0.99, 100], the others' [-10, 10]; sin and cos also [-1e4, 1e4]) against
 libm's float function in the same loop (which GCC cannot vectorize). --no-fma builds without FMA
-(fmaf as a product and a sum), --width 256 with 256-bit vectors (x86). Every float takes about 2.5
+(fmaf as a product and a sum), --width 256 with 256-bit vectors (x86), --march znver3 for a CPU
+without AVX-512 (a build this machine can still run). Every float takes about 2.5
 minutes a function here (the double-precision reference dominates).
 """
 from __future__ import annotations
@@ -106,6 +107,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--stride", type=int, default=1, help="check every stride-th float (1: all 2^32)")
     ap.add_argument("--no-fma", action="store_true")
     ap.add_argument("--width", choices=["512", "256"], default="512")
+    ap.add_argument("--march", default="native", help="the target in place of the JIT's -march=native (znver3: AVX2 only)")
     a = ap.parse_args(argv)
     source = (ROOT / "csrc" / "codegen_c.c").read_text()
     fma = "#define AF_FMA(a, b, c) ((a) * (b) + (c))\n" if a.no_fma else "#define AF_FMA(a, b, c) fmaf(a, b, c)\n"
@@ -117,7 +119,7 @@ def main(argv=None) -> dict:
     # the JIT's vector width flag, which it passes on x86 only (jit_cpu.c, vector_width_flag)
     width = [f"-mprefer-vector-width={a.width}"] if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") else []
     what = f"one float in {a.stride}" if a.stride > 1 else "every float"
-    print(f"{what}, {a.width}-bit{', no FMA' if a.no_fma else ''}: largest error in ulp of the float result, against double libm")
+    print(f"{what}, {a.width}-bit{', no FMA' if a.no_fma else ''}, -march={a.march}: largest error in ulp of the float result, against double libm")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in a.fn.split(","):
@@ -126,7 +128,8 @@ def main(argv=None) -> dict:
                     f"#define WIDE {int(name in ('sin', 'cos'))}\n")
             c, exe = os.path.join(tmp, f"{name}.c"), os.path.join(tmp, name)
             pathlib.Path(c).write_text(head + defs + HARNESS)
-            subprocess.run(cc + jit_flags() + width + [c, "-o", exe, "-lm"], check=True)
+            flags = [f"-march={a.march}" if f == "-march=native" else f for f in jit_flags()]
+            subprocess.run(cc + flags + width + [c, "-o", exe, "-lm"], check=True)
             out = subprocess.run([exe, str(a.stride)], check=True, capture_output=True, text=True).stdout.split()
             r = {"ulp": float(out[0]), "at": float(out[1]), "special_failures": int(out[2]), "special_at": float(out[3]),
                  "ns": float(out[4]), "libm_ns": float(out[5]), "wide_ns": float(out[6]), "wide_libm_ns": float(out[7])}

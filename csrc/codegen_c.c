@@ -324,12 +324,16 @@ static const char *const vector_log =
  * x's exponent (af_2opi_*: one row a float exponent from 126 up; bits above W add multiples of 4,
  * bits below it less than 2^-70). Its top 2 bits are the quadrant and the next 64 the fraction,
  * rounded to the nearest quadrant and scaled by pi/2 in double: r in [-pi/4, pi/4], accurate to a
- * double's rounding however close x lies to a multiple of pi/2 (the reduction only needs 64-bit
- * products of 32-bit words, which vectorize; below pi/4 r is x). Then Cephes' float polynomials for
+ * double's rounding however close x lies to a multiple of pi/2 (the reduction needs only 64-bit
+ * products of 32-bit words, three table gathers and 32-bit integers' conversions to double, so that
+ * it vectorizes with AVX2 too: an int64 conversion kept GCC 12's loop scalar there, 18 ns an element
+ * against libm's 9; below pi/4 r is x). Then Cephes' float polynomials for
  * sin and cos on r, chosen and signed by the quadrant; cos is sin a quadrant on. Over every float
  * against double-precision sin and cos (benchmarks/libm_check.py): at most 1.59 and 1.58 ulp (1.57
- * without FMA, one float in 16); NaN for infinities and NaN, sin(-0) -0; 1.8 ns an element against
- * libm's 8-10 (AVX-512 on Zen). Emitted only into programs that call them (the table is 5 KB of C). */
+ * without FMA, one float in 16); NaN for infinities and NaN, sin(-0) -0; 2.0 ns an element against
+ * libm's 8 (AVX-512 on Zen; built for AVX2, -march=znver3, 2.6-2.8 against 8.2). ATen's Sleef sin is
+ * faster alone (it branches per vector to its slow path; the polynomials alone take 0.23 ns here).
+ * Emitted only into programs that call them (the table is 5 KB of C). */
 static const char *const vector_trig =
     "static const uint32_t af_2opi_w2[129] = {\n"
     "  0x00000028u, 0x00000051u, 0x000000a2u, 0x00000145u, 0x0000028bu, 0x00000517u, 0x00000a2fu, 0x0000145fu,\n"
@@ -393,13 +397,14 @@ static const char *const vector_trig =
     "  uint32_t u; memcpy(&u, &ax, 4);\n"
     "  uint32_t e = u >> 23, i = e < 126u ? 0u : e - 126u;\n"
     "  i = i > 128u ? 128u : i;\n"
-    "  uint64_t k = (u & 0x007fffffu) | 0x00800000u;\n"
-    "  uint64_t p0 = k * af_2opi_w0[i];\n"
-    "  uint64_t p1 = k * af_2opi_w1[i] + (p0 >> 32);\n"
-    "  uint64_t p2 = k * af_2opi_w2[i] + (p1 >> 32);\n"
+    "  uint32_t k = (u & 0x007fffffu) | 0x00800000u;\n"
+    "  uint64_t p0 = (uint64_t)k * af_2opi_w0[i];\n"
+    "  uint64_t p1 = (uint64_t)k * af_2opi_w1[i] + (p0 >> 32);\n"
+    "  uint64_t p2 = (uint64_t)k * af_2opi_w2[i] + (p1 >> 32);\n"
     "  uint64_t fr = ((p2 & 0x3fffffffu) << 34) | ((p1 & 0xffffffffu) << 2) | ((p0 >> 30) & 3u);\n"
     "  uint32_t q = ((uint32_t)(p2 >> 30) + (uint32_t)(fr >> 63)) & 3u;\n"
-    "  float r = (float)((double)(int64_t)fr * 8.515303950216386e-20);\n"
+    "  float r = (float)((double)(int32_t)(uint32_t)(fr >> 32) * 3.657295198167899e-10 +\n"
+    "                    (double)(int32_t)((uint32_t)fr >> 1) * 1.7030607900432772e-19);\n"
     "  int32_t small = ax < 0.785398163f;\n"
     "  r = small ? ax : r;\n"
     "  q = (small ? 0u : q) + shift;\n"

@@ -272,7 +272,7 @@ static int should_ban(const joint_ctx *c, const af_partition_options *o, int32_t
     if (!kind_fusible(kind)) return 1; /* compute-heavy, random, extern: never recomputed */
     /* a libm call GCC does not vectorize (tan, atan, ...) keeps the recomputing CPU kernel's loop
      * scalar whole: Llama's rotary cos as libm's cosf, recomputed in each layer's backward, took 10 ns
-     * an element; the prelude's vectorized sin and cos still cost 5x exp, per element of the broadcast
+     * an element; the prelude's vectorized sin and cos still cost 6x exp, per element of the broadcast
      * that reads them (af_op_costly_call) */
     if (o->ban_scalar_calls && af_graph_value(c->g, v)->meta.device.type == AF_DEVICE_CPU &&
         af_op_costly_call(af_op_get(af_graph_node(c->g, p)->op_id)))

@@ -5,6 +5,7 @@ import csv
 import importlib.util
 import os
 import pathlib
+import platform
 import re
 
 import pytest
@@ -429,6 +430,37 @@ def test_erf_check_measures_erf1p_against_one_plus_erf():
     assert 0 < r["tail"] <= 0.01 < r["other_tail"], r
     crude = erf_check.main(["--fn", "erf1p", "--stride", "4099", "--against", " ".join(current[-3:])])
     assert crude["other_error"] > 1e-4 and crude["differ"] > 0, crude
+
+
+def test_libm_check_measures_the_kernels_functions_against_double_libm():
+    """benchmarks/libm_check.py builds the prelude's own log, log2, log10, log1p, expm1, sin and cos
+    (taken from csrc/codegen_c.c): every 4099th float within 2 ulp of double libm's, every special value
+    right, and each timed against libm's float call; --march builds for another target."""
+    libm_check = _benchmark("libm_check")
+    r = libm_check.main(["--stride", "4099"])
+    assert set(r) == set(libm_check.FUNCTIONS), r
+    for name, row in r.items():
+        assert 0 < row["ulp"] <= 2.0 and row["special_failures"] == 0 and row["ns"] > 0 and row["libm_ns"] > 0, (name, row)
+    assert r["sin"]["wide_ns"] > 0 and r["log"]["wide_ns"] == 0
+    other = libm_check.main(["--fn", "cos", "--stride", "40009", "--march", "x86-64-v3" if platform.machine() == "x86_64" else "native"])
+    assert 0 < other["cos"]["ulp"] <= 2.0 and other["cos"]["special_failures"] == 0, other
+
+
+def test_activations_benchmark_runs_each_side_with_a_loss_check(capsys):
+    """benchmarks/activations.py: a row per case with eager's step and peak, the ratios of aotfuse and
+    of aotfuse with ATen's activation kernels, and the loss check; the latter really kept ATen's."""
+    mod = _benchmark("activations")
+    mod.main(["--cases", "mish,huber", "--steps", "2", "--dim", "32", "--tokens", "64",
+              "--contenders", "eager,aotfuse,aotfuse-aten"])
+    rows = {r[0]: r for r in _table_rows(capsys.readouterr().out) if r[0] in ("mish", "huber")}
+    assert set(rows) == {"mish", "huber"}, rows
+    for r in rows.values():
+        assert len(r) == 10 and all(float(c) > 0 for c in r[1:9]) and r[9] == "ok", r
+    call = mod._compile("mish", "aotfuse-aten", mod.Block(8, mod.ACTIVATIONS["mish"], torch.nn.functional.mse_loss))
+    call(x=torch.randn(4, 8), target=torch.randn(4, 8)).loss.backward()
+    compiled = call.compiled
+    ops = {op for low in compiled._aotfuse_compiled.records[-1].programs.values() for op, _k, g in low.program.node_groups() if g < 0}
+    assert "aten::mish.default" in ops and "aten::mish_backward.default" in ops, ops
 
 
 def test_depthwise_benchmark_runs_three_sides_and_measures_their_gradients():

@@ -601,7 +601,7 @@ def test_values_of_unvectorized_libm_calls_are_saved_not_recomputed(vector_libm,
     call GCC does not vectorize ran the kernel recomputing it scalar whole, once per layer (Llama's
     rotary cos and sin as libm's cosf and sinf, 8 backward kernels of 1.3 ms each at [4, 128, 4, 64]
     in bf16, 10 ns an element). Since 2026-12-06 cos and sin are the C prelude's vectorized af_cos and
-    af_sin (AOTFUSE_VECTOR_LIBM=0 makes them libm's calls again), still 5x exp's cost and recomputed
+    af_sin (AOTFUSE_VECTOR_LIBM=0 makes them libm's calls again), still 6x exp's cost and recomputed
     per element of the broadcast that reads them (Llama bf16's step 3% longer), so still saved:
     the backward calls neither, unless AOTFUSE_RECOMPUTE_SCALAR_CALLS=1 lets the cut recompute them
     as other pointwise work. Each way trains like eager and float64."""

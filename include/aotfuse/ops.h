@@ -47,8 +47,8 @@ int af_op_expensive(const af_op_info *info);
 
 /* Whether an op's C expression calls a function that costs a CPU kernel far more than loading a
  * saved value: a libm call GCC does not vectorize (exp2f, tanf, atanf, erfcf: the loop runs scalar
- * whole, 3-14 ns an element), or the C prelude's sin and cos (vectorized, but 1.8 ns an element,
- * 5x af_exp; a value recomputed per element of a broadcast: Llama's rotary cos and sin, 3% of its
+ * whole, 3-14 ns an element), or the C prelude's sin and cos (vectorized, but 2 ns an element,
+ * 6x af_exp; a value recomputed per element of a broadcast: Llama's rotary cos and sin, 3% of its
  * bf16 step). Not the prelude's af_exp, af_erf, af_tanh, af_log, af_log1p, af_expm1, ..., nor sqrt:
  * those cost about what exp does. Under AOTFUSE_VECTOR_LIBM=0 the prelude's log, log1p, log2, log10
  * and expm1 are libm's calls again, and count. */

@@ -66,7 +66,7 @@ typedef struct {
     int32_t ban_scalar_calls;     /* ban recomputing a CPU value whose op calls a costly function
                                      (af_op_costly_call: a libm call GCC does not vectorize, tan,
                                      atan, ..., or the prelude's sin and cos; 1): the kernel
-                                     recomputing it ran scalar whole, or 5x exp's time, for every
+                                     recomputing it ran scalar whole, or 6x exp's time, for every
                                      layer that needed it (Llama's rotary cos and sin in each
                                      layer's backward) */
     const uint8_t *node_policy;   /* NULL, or one af_node_policy per node (activation checkpointing) */

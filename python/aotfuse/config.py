@@ -64,7 +64,7 @@ AOTFUSE_SMALL_LOOPS=0  let GCC unroll CPU loops of 4-16 iterations whole, as bef
                        bounds; codegen_c.c's small_loop; read in C when a program is generated)
 AOTFUSE_RECOMPUTE_SCALAR_CALLS=1  let the min cut recompute a CPU value whose op calls a costly
                        function (a libm call GCC does not vectorize: tan, atan, exp2, erfc; or the C
-                       prelude's sin and cos, 5x exp's cost; default: saved, since the kernel
+                       prelude's sin and cos, 6x exp's cost; default: saved, since the kernel
                        recomputing it ran scalar whole, or slowly per element of a broadcast:
                        Llama's rotary cos and sin, once per layer)
 AOTFUSE_VECTOR_LIBM=0  the C kernels' log, log1p, log2, log10, expm1, sin and cos call libm's scalar
@@ -77,7 +77,7 @@ AOTFUSE_RECOMPUTE_CHAINS=1  under AOTFUSE_RECOMPUTE_MATERIALIZED=auto, also reco
                        backward's start)
 
 The README's Configuration table lists every switch, these and the lowering's own
-(AOTFUSE_DECOMPOSE_LOSS, AOTFUSE_DECOMPOSE_NORMS, AOTFUSE_SINK_COPIES, AOTFUSE_SINK_READS,
+(AOTFUSE_DECOMPOSE_LOSS, AOTFUSE_DECOMPOSE_NORMS, AOTFUSE_DECOMPOSE_ACTIVATIONS, AOTFUSE_SINK_COPIES, AOTFUSE_SINK_READS,
 AOTFUSE_WINDOW_SOURCES, AOTFUSE_OVERLAP_SUMS, AOTFUSE_CC).
 """
 from __future__ import annotations
@@ -253,7 +253,7 @@ def window_sources() -> bool:
 def recompute_scalar_calls() -> bool:
     """AOTFUSE_RECOMPUTE_SCALAR_CALLS=1: the min cut may recompute a CPU value whose op calls a costly
     function (a libm call GCC does not vectorize, tan, atan, ..., or the C prelude's sin and cos;
-    default 0: such a value is saved, since the kernel recomputing it ran scalar whole, or at 5x exp's
+    default 0: such a value is saved, since the kernel recomputing it ran scalar whole, or at 6x exp's
     cost per element of a broadcast)."""
     return switch("AOTFUSE_RECOMPUTE_SCALAR_CALLS", False)
 

@@ -43,6 +43,39 @@ _DECOMPOSED = [
 ]
 
 
+# Activations and losses whose forward (and some backwards) are one ATen kernel each: decomposed where
+# kernels are generated (config.fusion()), so that they fuse with the pointwise work around them (a
+# linear layer's bias, a residual add, the loss's reduction) as GELU and SiLU do, and their backwards
+# with theirs; without fusion they stay ATen's. Their pieces are op-table expressions; the C kernels'
+# exp, log1p, expm1, tanh and log are the prelude's vectorized polynomials (codegen_c.c), so ELU,
+# softplus, Mish, log-sigmoid and binary cross entropy vectorize. AOTFUSE_DECOMPOSE_ACTIVATIONS=0 keeps
+# ATen's (an A/B). Binary cross entropy's input check (in [0, 1]) is data-dependent: decomposed, an input
+# outside gives NaN (as torch.compile's), where eager raises.
+_ACTIVATIONS = [
+    aten.elu,  # and SELU, which calls elu
+    aten.celu,
+    aten.softplus,
+    aten.mish,
+    aten.mish_backward,
+    aten.log_sigmoid_forward,  # its backward: _log_sigmoid_backward
+    aten.hardswish,
+    aten.hardsigmoid,
+    aten.leaky_relu,
+    aten.softshrink,
+    aten.hardshrink,
+    aten.glu,  # not its backward: torch's concatenates the halves' gradients, a copy ATen's avoids
+    aten.sgn,
+    aten.xlogy,
+    aten.binary_cross_entropy,
+    aten.binary_cross_entropy_backward,
+    aten.binary_cross_entropy_with_logits,
+    aten.smooth_l1_loss,
+    aten.smooth_l1_loss_backward,
+    aten.huber_loss,
+    aten.huber_loss_backward,
+]
+
+
 # Layer norm and softmax (and their backwards) are decomposed by default: each becomes one phased
 # kernel with the pointwise work around it (the attention's scale, mask and dropout; the residual add
 # and dropout before a layer norm), on the CPU and on CUDA. Measured in in-process A/Bs (2026-12-02,
@@ -398,6 +431,16 @@ def _logit_backward(grad_output, self, eps=None):
     return aten.where.self(outside, aten.full_like(grad, fill), grad)
 
 
+def _log_sigmoid_backward(grad_output, self, buffer):
+    """log_sigmoid's gradient, sigmoid(-x) = where(x < 0, 1, z) / (1 + z) with z = exp(-|x|), in the
+    input's floating type (torch's decomposition builds its two selects from integer tensors, which
+    never join a kernel, so its gradient ran as three ATen calls). The forward's buffer (z on the
+    CPU) is not read: z is recomputed beside the rest, and nothing is saved for it."""
+    z = aten.exp.default(aten.neg.default(aten.abs.default(self)))
+    num = aten.where.self(aten.lt.Scalar(self, 0.0), aten.full_like(z, 1.0), z)
+    return aten.mul.Tensor(grad_output, aten.div.Tensor(num, aten.add.Tensor(z, 1.0)))
+
+
 # ATen's CPU max pool over a contiguous [N, C, H, W] input walks each plane with scalar code; over a
 # channels-last one it runs its vectorized kernel across channels: (16, 32, 32, 32), 3x3 stride 2,
 # 6.4 ms against 0.3 (fp32, one thread; 2-5x with the two copies around it at (8, 64, 112, 112),
@@ -694,6 +737,9 @@ def default_decompositions(norms: bool | None = None, random: bool | None = None
     if config.fusion():
         table[aten.clamp.default] = _clamp
         table[aten.hardtanh.default] = _hardtanh
+        if config.switch("AOTFUSE_DECOMPOSE_ACTIVATIONS", True):
+            table.update(get_decompositions(_ACTIVATIONS))
+            table[aten.log_sigmoid_backward.default] = _log_sigmoid_backward
     if loss:
         table.update(_loss_table())
     if norms:

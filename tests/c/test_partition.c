@@ -170,7 +170,7 @@ static af_partition *cut_checked(const af_graph *g, const uint8_t *roles, const 
 
 /* The chain above with atan for exp: atanf is a libm call GCC does not vectorize, so its CPU value
  * is saved, not recomputed (ban_scalar_calls); with the option off the cut recomputes it as exp.
- * cos, the C prelude's vectorized af_cos (2026-12-06), still costs 5x exp and is saved the same way;
+ * cos, the C prelude's vectorized af_cos (2026-12-06), still costs 6x exp and is saved the same way;
  * log is af_log, about exp's cost, recomputed as exp, unless AOTFUSE_VECTOR_LIBM=0 makes it libm's
  * logf again. */
 static void test_unvectorized_libm_values_are_saved(void **state) {
