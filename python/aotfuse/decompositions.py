@@ -431,14 +431,31 @@ def _logit_backward(grad_output, self, eps=None):
     return aten.where.self(outside, aten.full_like(grad, fill), grad)
 
 
+def _activations_table() -> dict:
+    """_ACTIVATIONS' decompositions (and _log_sigmoid_backward), each computing in float for fp16 and
+    bf16 tensors and rounding its results once, as ATen's kernels do (torch's decompositions of ELU,
+    softplus, Mish, ... compute in the tensors' dtype, so each of their steps rounded to bf16: a
+    log-sigmoid gradient one bf16 step from eager's). Overloads that write an out= tensor are left
+    as torch gives them."""
+    from torch._decomp.decompositions import pw_cast_for_opmath
+
+    table = get_decompositions(_ACTIVATIONS)
+    table[aten.log_sigmoid_backward.default] = _log_sigmoid_backward
+    return {op: fn if any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+            else pw_cast_for_opmath(fn) for op, fn in table.items()}
+
+
 def _log_sigmoid_backward(grad_output, self, buffer):
-    """log_sigmoid's gradient, sigmoid(-x) = where(x < 0, 1, z) / (1 + z) with z = exp(-|x|), in the
-    input's floating type (torch's decomposition builds its two selects from integer tensors, which
-    never join a kernel, so its gradient ran as three ATen calls). The forward's buffer (z on the
-    CPU) is not read: z is recomputed beside the rest, and nothing is saved for it."""
+    """log_sigmoid's gradient as ATen's CPU kernel computes it, g (m - s z / (1 + z)) with z = exp(-|x|),
+    m = 1 and s = 1 where x < 0, m = 0 and s = -1 elsewhere, with m and s floating (torch's
+    decomposition makes them integer tensors, which never join a kernel, so its gradient ran as three
+    ATen calls). The forward's buffer (z on the CPU) is not read: z is recomputed beside the rest, and
+    nothing is saved for it."""
     z = aten.exp.default(aten.neg.default(aten.abs.default(self)))
-    num = aten.where.self(aten.lt.Scalar(self, 0.0), aten.full_like(z, 1.0), z)
-    return aten.mul.Tensor(grad_output, aten.div.Tensor(num, aten.add.Tensor(z, 1.0)))
+    negative = aten.lt.Scalar(self, 0.0)
+    m = aten.where.self(negative, aten.full_like(z, 1.0), aten.full_like(z, 0.0))
+    s = aten.where.self(negative, aten.full_like(z, 1.0), aten.full_like(z, -1.0))
+    return aten.mul.Tensor(grad_output, aten.sub.Tensor(m, aten.mul.Tensor(s, aten.div.Tensor(z, aten.add.Tensor(z, 1.0)))))
 
 
 # ATen's CPU max pool over a contiguous [N, C, H, W] input walks each plane with scalar code; over a
@@ -738,8 +755,7 @@ def default_decompositions(norms: bool | None = None, random: bool | None = None
         table[aten.clamp.default] = _clamp
         table[aten.hardtanh.default] = _hardtanh
         if config.switch("AOTFUSE_DECOMPOSE_ACTIVATIONS", True):
-            table.update(get_decompositions(_ACTIVATIONS))
-            table[aten.log_sigmoid_backward.default] = _log_sigmoid_backward
+            table.update(_activations_table())
     if loss:
         table.update(_loss_table())
     if norms:
