@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import datetime
 import os
-import platform
 import sys
 import warnings
 
@@ -31,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import families  # noqa: E402
-from families import run_built, table  # noqa: E402
+from families import row_or_error, run_built, write_table  # noqa: E402
 
 import aotfuse  # noqa: E402
 
@@ -116,20 +114,9 @@ def main(argv=None) -> None:
         g = torch.Generator().manual_seed(1)
         inputs = {"x": torch.randn(args.tokens, args.dim, generator=g).to(dtype),
                   "target": torch.randn(args.tokens, args.dim, generator=g).to(dtype)}
-        try:
-            row = run_built(name, base, inputs, dtype, contenders, args.steps)
-        except Exception as exc:
-            row = {"model": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
-        rows.append(row)
-        print(table([row], contenders).splitlines()[-1], flush=True)
-    head = (f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch thread(s) | python "
-            f"{platform.python_version()} | torch {torch.__version__} | {args.dtype} | [{args.tokens}, {args.dim}] -> "
-            f"[{args.tokens}, {4 * args.dim}] | {args.steps} steps | date {datetime.date.today()}")
-    text = head + "\n\n" + table(rows, contenders) + "\n"
-    print("\n" + text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text)
+        rows.append(row_or_error(name, contenders, lambda: run_built(name, base, inputs, dtype, contenders, args.steps)))
+    write_table(rows, contenders, args.threads, f"{args.dtype} | [{args.tokens}, {args.dim}] -> [{args.tokens}, "
+                f"{4 * args.dim}] | {args.steps} steps", args.out)
 
 
 if __name__ == "__main__":

@@ -226,19 +226,29 @@ def main(argv=None) -> None:
     for name in args.models.split(","):
         if name not in known:
             raise SystemExit(f"unknown model {name!r}; choose from {', '.join(known)}")
-        try:
-            row = run_model(name, dtype, contenders, args.steps, args.channels_last)
-        except Exception as exc:  # a contender that cannot run this model: say so and go on
-            row = {"model": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
-        rows.append(row)
-        print(table([row], contenders).splitlines()[-1], flush=True)
-    head = (f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {args.threads} torch thread(s) | python "
-            f"{platform.python_version()} | torch {torch.__version__} | transformers {transformers.__version__} | "
-            f"{args.dtype}{' channels_last' if args.channels_last else ''} | {args.steps} steps | date {datetime.date.today()}")
+        rows.append(row_or_error(name, contenders, lambda: run_model(name, dtype, contenders, args.steps, args.channels_last)))
+    write_table(rows, contenders, args.threads, f"transformers {transformers.__version__} | {args.dtype}"
+                f"{' channels_last' if args.channels_last else ''} | {args.steps} steps", args.out)
+
+
+def row_or_error(name: str, contenders: list[str], run) -> dict:
+    """run()'s row, or an error row where a contender cannot run the model; printed as it comes."""
+    try:
+        row = run()
+    except Exception as exc:  # a contender that cannot run this model: say so and go on
+        row = {"model": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+    print(table([row], contenders).splitlines()[-1], flush=True)
+    return row
+
+
+def write_table(rows: list[dict], contenders: list[str], threads: int, what: str, out: str | None) -> None:
+    """The table under a line naming the machine, versions, `what` and the date; printed, and written to out."""
+    head = (f"machine: {platform.machine()}, {os.cpu_count()} CPUs, {threads} torch thread(s) | python "
+            f"{platform.python_version()} | torch {torch.__version__} | {what} | date {datetime.date.today()}")
     text = head + "\n\n" + table(rows, contenders) + "\n"
     print("\n" + text)
-    if args.out:
-        with open(args.out, "w") as fh:
+    if out:
+        with open(out, "w") as fh:
             fh.write(text)
 
 

@@ -4,7 +4,7 @@ float (or every --stride-th), and their speed against libm's float calls.
     python benchmarks/libm_check.py [--fn log,sin,...] [--stride 1] [--no-fma] [--width 512]
 
 Takes the functions from csrc/codegen_c.c as the kernels get them (the `vector_log` and `vector_trig`
-strings, af_exp_poly from the prelude), builds one C harness a function with the CPU JIT's flags
+strings, af_exp_poly from the prelude, the 2/pi table from a program the built extension generates), builds one C harness a function with the CPU JIT's flags
 (csrc/jit_cpu.c's base_flags), and prints each one's largest error in units in the last place of the
 float result (the spacing of floats at the double result, subnormal spacing below 2^-126), where it
 is, how many inputs got a special value wrong (NaN where the reference has none or the other way,
@@ -101,6 +101,19 @@ def c_string(source: str, name: str) -> str:
     return "".join(s.encode().decode("unicode_escape") for s in re.findall(r'"((?:[^"\\]|\\.)*)"', source[start:end]))
 
 
+def trig_table() -> str:
+    """The 2/pi table af_sincos reads, as the C code generator emits it (emit_2opi_table) into a
+    program calling sin: lowered here, so the extension must be built."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    sys.path.insert(0, str(ROOT / "python"))
+    from aotfuse.lower import lower
+
+    source = lower(make_fx(lambda x: torch.sin(x * 1.0))(torch.zeros(8))).program.source
+    return "".join(re.findall(r"static const uint32_t af_2opi_w\d\[129\] = \{[^}]*\};\n", source))
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fn", default=",".join(FUNCTIONS), help="comma-separated: " + ", ".join(FUNCTIONS))
@@ -114,7 +127,7 @@ def main(argv=None) -> dict:
     head = ("#define _POSIX_C_SOURCE 200112L\n#include <math.h>\n#include <stdint.h>\n#include <stdio.h>\n"
             "#include <stdlib.h>\n#include <string.h>\n#include <time.h>\n"
             "#define AF_INLINE static inline __attribute__((always_inline))\n" + fma +
-            prelude_function(source, "af_exp_poly") + c_string(source, "vector_log") + c_string(source, "vector_trig"))
+            prelude_function(source, "af_exp_poly") + c_string(source, "vector_log") + trig_table() + c_string(source, "vector_trig"))
     cc = os.environ.get("AOTFUSE_CC", "cc").split()
     # the JIT's vector width flag, which it passes on x86 only (jit_cpu.c, vector_width_flag)
     width = [f"-mprefer-vector-width={a.width}"] if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") else []

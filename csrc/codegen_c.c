@@ -333,65 +333,8 @@ static const char *const vector_log =
  * without FMA, one float in 16); NaN for infinities and NaN, sin(-0) -0; 2.0 ns an element against
  * libm's 8 (AVX-512 on Zen; built for AVX2, -march=znver3, 2.6-2.8 against 8.2). ATen's Sleef sin is
  * faster alone (it branches per vector to its slow path; the polynomials alone take 0.23 ns here).
- * Emitted only into programs that call them (the table is 5 KB of C). */
+ * Emitted only into programs that call them, with the table (emit_2opi_table: 5 KB of C). */
 static const char *const vector_trig =
-    "static const uint32_t af_2opi_w2[129] = {\n"
-    "  0x00000028u, 0x00000051u, 0x000000a2u, 0x00000145u, 0x0000028bu, 0x00000517u, 0x00000a2fu, 0x0000145fu,\n"
-    "  0x000028beu, 0x0000517cu, 0x0000a2f9u, 0x000145f3u, 0x00028be6u, 0x000517ccu, 0x000a2f98u, 0x00145f30u,\n"
-    "  0x0028be60u, 0x00517cc1u, 0x00a2f983u, 0x0145f306u, 0x028be60du, 0x0517cc1bu, 0x0a2f9836u, 0x145f306du,\n"
-    "  0x28be60dbu, 0x517cc1b7u, 0xa2f9836eu, 0x45f306dcu, 0x8be60db9u, 0x17cc1b72u, 0x2f9836e4u, 0x5f306dc9u,\n"
-    "  0xbe60db93u, 0x7cc1b727u, 0xf9836e4eu, 0xf306dc9cu, 0xe60db939u, 0xcc1b7272u, 0x9836e4e4u, 0x306dc9c8u,\n"
-    "  0x60db9391u, 0xc1b72722u, 0x836e4e44u, 0x06dc9c88u, 0x0db93910u, 0x1b727220u, 0x36e4e441u, 0x6dc9c882u,\n"
-    "  0xdb939105u, 0xb727220au, 0x6e4e4415u, 0xdc9c882au, 0xb9391054u, 0x727220a9u, 0xe4e44152u, 0xc9c882a5u,\n"
-    "  0x9391054au, 0x27220a94u, 0x4e441529u, 0x9c882a53u, 0x391054a7u, 0x7220a94fu, 0xe441529fu, 0xc882a53fu,\n"
-    "  0x91054a7fu, 0x220a94feu, 0x441529fcu, 0x882a53f8u, 0x1054a7f0u, 0x20a94fe1u, 0x41529fc2u, 0x82a53f84u,\n"
-    "  0x054a7f09u, 0x0a94fe13u, 0x1529fc27u, 0x2a53f84eu, 0x54a7f09du, 0xa94fe13au, 0x529fc275u, 0xa53f84eau,\n"
-    "  0x4a7f09d5u, 0x94fe13abu, 0x29fc2757u, 0x53f84eafu, 0xa7f09d5fu, 0x4fe13abeu, 0x9fc2757du, 0x3f84eafau,\n"
-    "  0x7f09d5f4u, 0xfe13abe8u, 0xfc2757d1u, 0xf84eafa3u, 0xf09d5f47u, 0xe13abe8fu, 0xc2757d1fu, 0x84eafa3eu,\n"
-    "  0x09d5f47du, 0x13abe8fau, 0x2757d1f5u, 0x4eafa3eau, 0x9d5f47d4u, 0x3abe8fa9u, 0x757d1f53u, 0xeafa3ea6u,\n"
-    "  0xd5f47d4du, 0xabe8fa9au, 0x57d1f534u, 0xafa3ea69u, 0x5f47d4d3u, 0xbe8fa9a6u, 0x7d1f534du, 0xfa3ea69bu,\n"
-    "  0xf47d4d37u, 0xe8fa9a6eu, 0xd1f534ddu, 0xa3ea69bbu, 0x47d4d377u, 0x8fa9a6eeu, 0x1f534ddcu, 0x3ea69bb8u,\n"
-    "  0x7d4d3770u, 0xfa9a6ee0u, 0xf534ddc0u, 0xea69bb81u, 0xd4d37703u, 0xa9a6ee06u, 0x534ddc0du, 0xa69bb81bu,\n"
-    "  0x4d377036u\n"
-    "};\n"
-    "static const uint32_t af_2opi_w1[129] = {\n"
-    "  0xbe60db93u, 0x7cc1b727u, 0xf9836e4eu, 0xf306dc9cu, 0xe60db939u, 0xcc1b7272u, 0x9836e4e4u, 0x306dc9c8u,\n"
-    "  0x60db9391u, 0xc1b72722u, 0x836e4e44u, 0x06dc9c88u, 0x0db93910u, 0x1b727220u, 0x36e4e441u, 0x6dc9c882u,\n"
-    "  0xdb939105u, 0xb727220au, 0x6e4e4415u, 0xdc9c882au, 0xb9391054u, 0x727220a9u, 0xe4e44152u, 0xc9c882a5u,\n"
-    "  0x9391054au, 0x27220a94u, 0x4e441529u, 0x9c882a53u, 0x391054a7u, 0x7220a94fu, 0xe441529fu, 0xc882a53fu,\n"
-    "  0x91054a7fu, 0x220a94feu, 0x441529fcu, 0x882a53f8u, 0x1054a7f0u, 0x20a94fe1u, 0x41529fc2u, 0x82a53f84u,\n"
-    "  0x054a7f09u, 0x0a94fe13u, 0x1529fc27u, 0x2a53f84eu, 0x54a7f09du, 0xa94fe13au, 0x529fc275u, 0xa53f84eau,\n"
-    "  0x4a7f09d5u, 0x94fe13abu, 0x29fc2757u, 0x53f84eafu, 0xa7f09d5fu, 0x4fe13abeu, 0x9fc2757du, 0x3f84eafau,\n"
-    "  0x7f09d5f4u, 0xfe13abe8u, 0xfc2757d1u, 0xf84eafa3u, 0xf09d5f47u, 0xe13abe8fu, 0xc2757d1fu, 0x84eafa3eu,\n"
-    "  0x09d5f47du, 0x13abe8fau, 0x2757d1f5u, 0x4eafa3eau, 0x9d5f47d4u, 0x3abe8fa9u, 0x757d1f53u, 0xeafa3ea6u,\n"
-    "  0xd5f47d4du, 0xabe8fa9au, 0x57d1f534u, 0xafa3ea69u, 0x5f47d4d3u, 0xbe8fa9a6u, 0x7d1f534du, 0xfa3ea69bu,\n"
-    "  0xf47d4d37u, 0xe8fa9a6eu, 0xd1f534ddu, 0xa3ea69bbu, 0x47d4d377u, 0x8fa9a6eeu, 0x1f534ddcu, 0x3ea69bb8u,\n"
-    "  0x7d4d3770u, 0xfa9a6ee0u, 0xf534ddc0u, 0xea69bb81u, 0xd4d37703u, 0xa9a6ee06u, 0x534ddc0du, 0xa69bb81bu,\n"
-    "  0x4d377036u, 0x9a6ee06du, 0x34ddc0dbu, 0x69bb81b6u, 0xd377036du, 0xa6ee06dbu, 0x4ddc0db6u, 0x9bb81b6cu,\n"
-    "  0x377036d8u, 0x6ee06db1u, 0xddc0db62u, 0xbb81b6c5u, 0x77036d8au, 0xee06db14u, 0xdc0db629u, 0xb81b6c52u,\n"
-    "  0x7036d8a5u, 0xe06db14au, 0xc0db6295u, 0x81b6c52bu, 0x036d8a56u, 0x06db14acu, 0x0db62959u, 0x1b6c52b3u,\n"
-    "  0x36d8a566u, 0x6db14accu, 0xdb629599u, 0xb6c52b32u, 0x6d8a5664u, 0xdb14acc9u, 0xb6295993u, 0x6c52b327u,\n"
-    "  0xd8a5664fu\n"
-    "};\n"
-    "static const uint32_t af_2opi_w0[129] = {\n"
-    "  0x91054a7fu, 0x220a94feu, 0x441529fcu, 0x882a53f8u, 0x1054a7f0u, 0x20a94fe1u, 0x41529fc2u, 0x82a53f84u,\n"
-    "  0x054a7f09u, 0x0a94fe13u, 0x1529fc27u, 0x2a53f84eu, 0x54a7f09du, 0xa94fe13au, 0x529fc275u, 0xa53f84eau,\n"
-    "  0x4a7f09d5u, 0x94fe13abu, 0x29fc2757u, 0x53f84eafu, 0xa7f09d5fu, 0x4fe13abeu, 0x9fc2757du, 0x3f84eafau,\n"
-    "  0x7f09d5f4u, 0xfe13abe8u, 0xfc2757d1u, 0xf84eafa3u, 0xf09d5f47u, 0xe13abe8fu, 0xc2757d1fu, 0x84eafa3eu,\n"
-    "  0x09d5f47du, 0x13abe8fau, 0x2757d1f5u, 0x4eafa3eau, 0x9d5f47d4u, 0x3abe8fa9u, 0x757d1f53u, 0xeafa3ea6u,\n"
-    "  0xd5f47d4du, 0xabe8fa9au, 0x57d1f534u, 0xafa3ea69u, 0x5f47d4d3u, 0xbe8fa9a6u, 0x7d1f534du, 0xfa3ea69bu,\n"
-    "  0xf47d4d37u, 0xe8fa9a6eu, 0xd1f534ddu, 0xa3ea69bbu, 0x47d4d377u, 0x8fa9a6eeu, 0x1f534ddcu, 0x3ea69bb8u,\n"
-    "  0x7d4d3770u, 0xfa9a6ee0u, 0xf534ddc0u, 0xea69bb81u, 0xd4d37703u, 0xa9a6ee06u, 0x534ddc0du, 0xa69bb81bu,\n"
-    "  0x4d377036u, 0x9a6ee06du, 0x34ddc0dbu, 0x69bb81b6u, 0xd377036du, 0xa6ee06dbu, 0x4ddc0db6u, 0x9bb81b6cu,\n"
-    "  0x377036d8u, 0x6ee06db1u, 0xddc0db62u, 0xbb81b6c5u, 0x77036d8au, 0xee06db14u, 0xdc0db629u, 0xb81b6c52u,\n"
-    "  0x7036d8a5u, 0xe06db14au, 0xc0db6295u, 0x81b6c52bu, 0x036d8a56u, 0x06db14acu, 0x0db62959u, 0x1b6c52b3u,\n"
-    "  0x36d8a566u, 0x6db14accu, 0xdb629599u, 0xb6c52b32u, 0x6d8a5664u, 0xdb14acc9u, 0xb6295993u, 0x6c52b327u,\n"
-    "  0xd8a5664fu, 0xb14acc9eu, 0x6295993cu, 0xc52b3278u, 0x8a5664f1u, 0x14acc9e2u, 0x295993c4u, 0x52b32788u,\n"
-    "  0xa5664f10u, 0x4acc9e21u, 0x95993c43u, 0x2b327887u, 0x5664f10eu, 0xacc9e21cu, 0x5993c439u, 0xb3278872u,\n"
-    "  0x664f10e4u, 0xcc9e21c8u, 0x993c4390u, 0x32788720u, 0x64f10e41u, 0xc9e21c82u, 0x93c43904u, 0x27887208u,\n"
-    "  0x4f10e410u, 0x9e21c820u, 0x3c439041u, 0x78872083u, 0xf10e4107u, 0xe21c820fu, 0xc439041fu, 0x8872083fu,\n"
-    "  0x10e4107fu\n"
-    "};\n"
     "AF_INLINE float af_sincos(float x, uint32_t shift) {\n"
     "  float ax = fabsf(x);\n"
     "  uint32_t u; memcpy(&u, &ax, 4);\n"
@@ -419,6 +362,24 @@ static const char *const vector_trig =
     "}\n"
     "AF_INLINE float af_sin(float x) { float y = af_sincos(x, 0u); y = x < 0.0f ? -y : y; return x == 0.0f ? x : y; }\n"
     "AF_INLINE float af_cos(float x) { return af_sincos(x, 1u); }\n";
+
+/* The 2/pi windows af_sincos reads (af_2opi_w2/w1/w0[e - 126], the 96 bits of 2/pi from bit e - 56 - 95
+ * down to bit e - 56, bit 1 being 2/pi's 2^-1), cut from 2/pi's first 288 bits (two_over_pi, 32 zero
+ * bits in front: the window of the lowest exponents starts before 2/pi's point). */
+static void emit_2opi_table(af_strbuf *sb) {
+    static const uint64_t two_over_pi[5] = {0x00000000a2f9836eull, 0x4e441529fc2757d1ull, 0xf534ddc0db629599ull,
+                                            0x3c439041fe5163abull, 0xdebbc561b7246e3aull};
+    for (int w = 2; w >= 0; w--) {
+        af_strbuf_printf(sb, "static const uint32_t af_2opi_w%d[129] = {", w);
+        for (int e = 126; e <= 254; e++) {
+            int bit = (e - 120) + 32 * (2 - w); /* the word's first bit in two_over_pi, from its top */
+            int j = bit >> 6, b = bit & 63;
+            uint64_t v = b ? (two_over_pi[j] << b) | (two_over_pi[j + 1] >> (64 - b)) : two_over_pi[j];
+            af_strbuf_printf(sb, "%s0x%08" PRIx32 "u", e == 126 ? "" : (e - 126) % 8 ? ", " : ",\n  ", (uint32_t)(v >> 32));
+        }
+        af_strbuf_printf(sb, "};\n");
+    }
+}
 
 /* AOTFUSE_VECTOR_LIBM=0 (an A/B): the same functions as libm's calls, as before 2026-12-06. */
 static const char *const scalar_libm =
@@ -1208,8 +1169,12 @@ int af_c_render(const af_c_kernels *k, const uint8_t *skip, const uint8_t *const
     int vector = af_vector_libm(), trig = 0;
     for (int32_t b = 0; b < k->n_bodies; b++)
         if (!(skip && skip[b]) && (strstr(k->bodies[b].text, "af_sin(") || strstr(k->bodies[b].text, "af_cos("))) trig = 1;
-    af_strbuf_printf(&sb, "%s%s%s#define AF_FN AF_INLINE\n%s", prelude, vector ? vector_log : scalar_libm,
-                     vector && trig ? vector_trig : "", af_cg_helpers_text);
+    af_strbuf_printf(&sb, "%s%s", prelude, vector ? vector_log : scalar_libm);
+    if (vector && trig) {
+        emit_2opi_table(&sb);
+        af_strbuf_printf(&sb, "%s", vector_trig);
+    }
+    af_strbuf_printf(&sb, "#define AF_FN AF_INLINE\n%s", af_cg_helpers_text);
     for (int32_t i = 0; i < k->n_groups; i++) {
         int32_t b = k->body_of[i];
         if (b < 0 || (skip && skip[b])) continue;
