@@ -362,3 +362,35 @@ def test_more_families_programs_cuda_kernels_match_eager(family, dtype):
     for gm, args in programs:
         kinds += [l["kind"] for l in cuda_emu.check(gm, args, f"{family} {dtype} {gm.__class__.__name__}")]
     assert len(kinds) >= 8 and "pointwise" in kinds and "rows" in kinds, kinds
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decomposed_activations_and_losses_cuda_kernels_match_eager(dtype):
+    """The activations and losses decomposed since 2026-12-06 (tests/test_activations.py's cases: ELU,
+    softplus, Mish, log-sigmoid, binary cross entropy, ...) become CUDA kernels on a GPU too, calling
+    the CUDA prelude's af_log1p, af_expm1, af_log, ...: each group of the forward and backward
+    programs, in the emulation, against eager's values."""
+    import aotfuse
+    from test_activations import CASES
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.lin(x) * 2.0
+            return sum(fn(h).mean(-1) for fn in CASES.values())
+
+    torch.manual_seed(0)
+    model = Model().to(dtype)
+    x = (torch.randn(6, 16, generator=torch.Generator().manual_seed(2)) * 2.0).to(dtype).requires_grad_()
+    with cuda_emu.recording_programs() as programs:
+        aotfuse.memory_efficient_fusion(model)(x).sum().backward()
+    assert len(programs) == 2, "a forward and a backward program ran"
+    calls = set()
+    for gm, args in programs:
+        ran = cuda_emu.check(gm, args, f"activations {dtype} {gm.__class__.__name__}")
+        assert ran, "no CUDA group ran"
+        calls |= {f for f in ("af_log1p(", "af_expm1(", "af_log(", "af_exp(", "af_tanh(") if f in cuda_emu.source_of(gm)}
+    assert {"af_log1p(", "af_expm1(", "af_log("} <= calls, calls
