@@ -13,9 +13,10 @@ import torch.nn.functional as F
 import aotfuse
 
 
-# Offsets a bf16 holds exactly: ATen's CPU kernels round a Python scalar added to a bf16 tensor to
-# bf16 first (`a + 0.1` adds 0.10009765625), where aotfuse's kernels add it in float (found by
-# tests/test_cuda_emulated.py's activation test, whose float outputs compare to 1e-5).
+# Offsets a bf16 holds exactly, so that the CUDA rule below cannot matter: ATen's CPU kernels round a
+# Python scalar added to a bf16 tensor to bf16 first (`a + 0.1` adds 0.10009765625), as aotfuse's C
+# kernels do since 2026-12-06, where CUDA's add it in float (found by tests/test_cuda_emulated.py's
+# activation test, whose float outputs compare to 1e-5).
 def _target(x):
     return torch.sigmoid(x.detach() * 0.7 + 0.25)
 

@@ -2764,3 +2764,24 @@ def test_a_column_phased_softmax_keeps_eagers_nans_and_infinities():
     assert "column-phased" in compiled.records[-1].programs["inference"].program.source
     assert torch.equal(got.isnan(), ref.isnan()) and got[2, :, 7].isnan().all() and got[3, :, 9].isnan().all()
     assert_close(got.nan_to_num(), ref.nan_to_num(), "softmax over dim 1 with NaN and inf", atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_16_bit_sum_with_a_scalar_rounds_it_as_eager_on_the_cpu(dtype):
+    """ATen's CPU add, sub and rsub round a Python scalar to a bf16 or fp16 tensor's dtype first (a bf16
+    `a + 0.1` adds 0.10009765625), where its mul and div take the scalar in float: the C kernels give
+    eager's bits both ways (before 2026-12-06 they added 0.1 in float, and a bf16 -0.10009765625 + 0.1
+    came out -9.8e-05 where eager's is 0)."""
+    v = torch.tensor(0.1, dtype=dtype).item()
+    g = torch.Generator().manual_seed(4)
+    x = torch.cat([torch.tensor([-v, v, 0.3, -0.7]), torch.randn(4000, generator=g)]).to(dtype)
+
+    def f(x):
+        y = x * 1.0
+        return y + 0.1, y - 0.3, 0.7 - y, torch.add(y, -0.1), y * 0.1 + 0.1, y / 0.3 - 0.2
+
+    low = lower(make_fx(f)(x))
+    assert low.program.num_kernels >= 1 and not low.extern_counts(), low.extern_counts()
+    for i, (got, want) in enumerate(zip(low([x]), f(x))):
+        assert torch.equal(got, want), (f"{dtype} output {i}: {int((got != want).sum())} of {want.numel()} differ from "
+                                        f"eager's, first at x = {x[got != want][0].item()!r}")
