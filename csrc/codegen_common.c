@@ -236,14 +236,11 @@ static void emit_pointwise(af_strbuf *sb, const af_graph *g, const af_node *n, c
     const af_op_info *info = af_op_get(n->op_id);
     const af_value *out = af_graph_value(g, n->first_output);
     af_dtype scalar_as = AF_DTYPE_FLOAT32;
-    /* ATen's CPU add, sub and rsub round a Python scalar to a bf16 or fp16 tensor's dtype first (a bf16
-     * `a + 0.1` adds 0.10009765625; torch 2.13, every size), where its mul and div take it in float:
-     * the C kernels follow (tests/test_fusion.py, test_a_16_bit_sum_with_a_scalar_rounds_it_as_eager_on_the_cpu).
-     * CUDA values keep the op table's rule (ATen's CUDA kernels take the scalar in float; unchecked
-     * on a device). */
-    int cpu_sum = (n->op_id == AF_OP_ADD || n->op_id == AF_OP_SUB || n->op_id == AF_OP_RSUB) &&
-                  out->meta.device.type == AF_DEVICE_CPU;
-    for (int32_t a = 0; a < n->n_args && (info->scalars == AF_SCALAR_AS_TENSOR || cpu_sum); a++)
+    /* the op table's scalar rule; AF_SCALAR_AS_TENSOR_CPU by the value's device
+     * (tests/test_fusion.py, test_a_16_bit_sum_with_a_scalar_rounds_it_as_eager_on_the_cpu) */
+    int round_scalars = info->scalars == AF_SCALAR_AS_TENSOR ||
+                (info->scalars == AF_SCALAR_AS_TENSOR_CPU && out->meta.device.type == AF_DEVICE_CPU);
+    for (int32_t a = 0; a < n->n_args && round_scalars; a++)
         if (n->args[a].kind == AF_ARG_VALUE) {
             scalar_as = af_graph_value(g, n->args[a].u.value)->meta.dtype;
             break;

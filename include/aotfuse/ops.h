@@ -23,7 +23,11 @@ typedef enum {
 
 typedef enum {
     AF_SCALAR_OPMATH = 0, /* a scalar argument enters the computation in float, as given */
-    AF_SCALAR_AS_TENSOR   /* a scalar argument is first rounded to the tensor operand's dtype */
+    AF_SCALAR_AS_TENSOR,  /* a scalar argument is first rounded to the tensor operand's dtype */
+    AF_SCALAR_AS_TENSOR_CPU /* rounded so for CPU values, in float for CUDA ones: ATen's CPU add, sub and
+                               rsub round a Python scalar to a bf16 or fp16 tensor's dtype first (a bf16
+                               `a + 0.1` adds 0.10009765625; torch 2.13, every size), its CUDA kernels
+                               are believed to take it in float (unchecked on a device) */
 } af_scalar_rule;
 
 typedef struct {
