@@ -14,7 +14,7 @@ beyond its start (`aotfuse.bench._cpu_peak`, as the seed table measures it), the
 (the compile), and the loss of a step from the same weights against eager's (the numeric check: the
 relative difference must stay below 1e-3 in fp32 and 2e-2 in bf16, else the row says MISMATCH).
 
-    python benchmarks/families.py [--models llama,mistral,...] [--dtype fp32] [--steps 10] [--threads 1]
+    python benchmarks/families.py [--models llama,mistral,...] [--dtype fp32|bf16|fp16] [--steps 10] [--threads 1]
                                   [--contenders eager,aotfuse,torch.compile] [--channels-last] [--out FILE.md]
 """
 from __future__ import annotations
@@ -205,7 +205,7 @@ def table(rows: list[dict], contenders: list[str]) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(_configs()))
-    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--channels-last", action="store_true", help="image models and images in channels_last")
@@ -217,7 +217,7 @@ def main(argv=None) -> None:
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     contenders = args.contenders.split(",")
     if contenders[0] != "eager":
         raise SystemExit("the first contender must be eager (the ratios' base)")

@@ -259,3 +259,21 @@ def test_two_matmuls_reading_one_transpose():
         assert lm_grads.rewrite_lm_grad_chunks(gm) == 1
     for a, b in zip(gm(*args), want):
         assert_close(a, b, "two readers of one transpose", atol=1e-4, rtol=1e-5)
+
+
+def test_float16_head_computed_in_float32_is_chunked_too(monkeypatch):
+    """A float16 head whose matmuls run in float32 (AOTFUSE_FLOAT32_COMPUTE, decompositions._float32_table):
+    G is the float32 conversion of the rounded float16 gradient, read by both matmuls through one
+    conversion (partition._convert_before_permutes) and by the bias' sum (partition._sums_of_conversions),
+    so it is made in chunks as float32's is: no whole float16 or float32 [tokens x vocab] gradient, no
+    whole float32 copy of the weight (each chunk converts its rows), the weight gradient's chunks
+    rounded before they are joined; gradients as near float64 as eager's."""
+    monkeypatch.setenv("AOTFUSE_FLOAT32_COMPUTE", "1")
+    torch.manual_seed(0)
+    cf = _check_grads(Head(), torch.float16, "Head")
+    ran = _backward_sources(cf)[-1]
+    assert ran.count("aten::mm.default") >= 2 * 2 + 1 and "aten::cat.default" in ran, ran
+    for whole in (f"f32[{TOKENS}, {V}] = aten::mm", f"f32[{V}, {H}] = aten::mm", f"f16[4, {TOKENS // 4}, {V}] = aten::add",
+                  f"f16[{TOKENS}, {V}] = aten::_to_copy", f"f32[{V}, {H}] = aten::_to_copy", f"f32[{H}, {V}]{{1, {H}}} = aten::_to_copy", f"f32[{V}, {H}] = aten::cat"):
+        assert whole not in ran, (whole, ran)
+    assert "f16[2048, 32] = aten::_to_copy" in ran, ran  # the chunks' rounded weight-gradient rows

@@ -71,6 +71,10 @@ AOTFUSE_VECTOR_LIBM=0  the C kernels' log, log1p, log2, log10, expm1, sin and co
                        functions, as before 2026-12-06 (an A/B; default: the C prelude's branch-free
                        polynomials, which vectorize, within 1.7 ulp; codegen_c.c's vector_log and
                        vector_trig; read in C when a program is generated or partitioned)
+AOTFUSE_FLOAT32_COMPUTE=auto  16-bit CPU matmuls, convolutions and flash attention in float32,
+                       rounded once (decompositions.py): auto (default) for the dtypes ATen's CPU
+                       kernels have no fast path for (oneDNN's queries: float16 without AVX512-FP16 or
+                       AMX-FP16, bfloat16 without AVX-512); 1 float16 and bfloat16; 0 never
 AOTFUSE_RECOMPUTE_CHAINS=1  under AOTFUSE_RECOMPUTE_MATERIALIZED=auto, also recompute such a value
                        where that makes another one first (default 0: saved; a residual stream of
                        pointwise adds is then saved every other layer, not rebuilt whole at the
@@ -128,6 +132,35 @@ def batch_norm_dtypes() -> tuple:
         return (torch.float32,)
     if switch("AOTFUSE_DECOMPOSE_BATCH_NORM", True):
         return (torch.float32, torch.float16, torch.bfloat16)
+    return ()
+
+
+def onednn_fast(dtype) -> bool:
+    """Whether ATen's CPU matmuls and convolutions of this 16-bit dtype take oneDNN's fast path on this
+    CPU (its own queries: float16 needs AVX512-FP16 or AMX-FP16, bfloat16 AVX-512)."""
+    import torch
+
+    if not torch.backends.mkldnn.is_available():
+        return False
+    mkldnn = torch.ops.mkldnn
+    query = mkldnn._is_mkldnn_fp16_supported if dtype == torch.float16 else mkldnn._is_mkldnn_bf16_supported
+    return bool(query())
+
+
+def float32_compute() -> tuple:
+    """The 16-bit dtypes whose CPU matmuls (mm, addmm, bmm, baddbmm), convolutions (and their
+    backward) and flash attention (and its backward) run in float32, rounded once to the dtype
+    (decompositions._float32_table), from AOTFUSE_FLOAT32_COMPUTE: unset, empty or auto, those
+    ATen's CPU kernels have no fast path for, by oneDNN's own queries (float16 without AVX512-FP16
+    or AMX-FP16, bfloat16 without AVX-512: ATen's generic loops, 4-70x slower than float32's); 1
+    both; 0 none."""
+    import torch
+
+    raw = os.environ.get("AOTFUSE_FLOAT32_COMPUTE", "").strip().lower()
+    if raw in ("", "auto"):
+        return tuple(dtype for dtype in (torch.float16, torch.bfloat16) if not onednn_fast(dtype))
+    if switch("AOTFUSE_FLOAT32_COMPUTE", True):
+        return (torch.float16, torch.bfloat16)
     return ()
 
 

@@ -709,6 +709,120 @@ def _depthwise_backward(grad, x, weight, bias_sizes, stride, padding, dilation, 
     return grad_input, grad_weight, grad_bias
 
 
+# ---- 16-bit CPU matmuls, convolutions and attention in float32, rounded once ----
+#
+# ATen's CPU kernels of a 16-bit dtype without oneDNN's support (float16 without AVX512-FP16 or AMX-FP16,
+# bfloat16 without AVX-512) are generic loops: on this machine's AVX-512 CPU a float16 [512 x 8192] @
+# [8192 x 256] took 95-1600 ms by its operands' layouts, against 24 ms converting to float32, sgemm and
+# rounding; a 3x3 convolution's training step 27x float32's, bmm 13-20x, the CPU flash attention 7x. Those
+# kernels accumulate in float32 and round each result once, so the float32 op rounded once gives the same
+# values to the order of its sums. config.float32_compute() says for which dtypes.
+
+
+def _wide(dtype) -> bool:
+    return dtype in config.float32_compute()
+
+
+def _f32(t):
+    return None if t is None else aten._to_copy.default(t, dtype=torch.float32)
+
+
+def _narrow(t, dtype):
+    return None if t is None else aten._to_copy.default(t, dtype=dtype)
+
+
+def _cpu_16(*tensors) -> Any:
+    """The 16-bit dtype the tensors share, where all are CPU tensors of it that float32_compute names;
+    else None."""
+    dtype = tensors[0].dtype
+    if not _wide(dtype):
+        return None
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype != dtype:
+            return None
+    return dtype
+
+
+def _mm_wide(a, b):
+    dtype = _cpu_16(a, b)
+    if dtype is None:
+        return NotImplemented
+    return _narrow(aten.mm.default(_f32(a), _f32(b)), dtype)
+
+
+def _bmm_wide(a, b):
+    dtype = _cpu_16(a, b)
+    if dtype is None:
+        return NotImplemented
+    return _narrow(aten.bmm.default(_f32(a), _f32(b)), dtype)
+
+
+def _addmm_wide(bias, a, b, *, beta=1, alpha=1):
+    dtype = _cpu_16(bias, a, b)
+    if dtype is None:
+        return NotImplemented
+    return _narrow(aten.addmm.default(_f32(bias), _f32(a), _f32(b), beta=beta, alpha=alpha), dtype)
+
+
+def _baddbmm_wide(bias, a, b, *, beta=1, alpha=1):
+    dtype = _cpu_16(bias, a, b)
+    if dtype is None:
+        return NotImplemented
+    return _narrow(aten.baddbmm.default(_f32(bias), _f32(a), _f32(b), beta=beta, alpha=alpha), dtype)
+
+
+def _convolution_wide(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    dtype = _cpu_16(x, weight, *([] if bias is None else [bias]))
+    if dtype is None:
+        return NotImplemented
+    return _narrow(aten.convolution.default(_f32(x), _f32(weight), _f32(bias), stride, padding, dilation,
+                                            transposed, output_padding, groups), dtype)
+
+
+def _convolution_backward_wide(grad, x, weight, bias_sizes, stride, padding, dilation, transposed,
+                               output_padding, groups, output_mask):
+    dtype = _cpu_16(grad, x, weight)
+    if dtype is None:
+        return NotImplemented
+    grads = aten.convolution_backward.default(_f32(grad), _f32(x), _f32(weight), bias_sizes, stride, padding,
+                                              dilation, transposed, output_padding, groups, output_mask)
+    return tuple(_narrow(g, dtype) for g in grads)
+
+
+def _mask_f32(mask, dtype):
+    """An additive attention mask of the operands' dtype in float32 (a bool one as it is)."""
+    return _f32(mask) if isinstance(mask, torch.Tensor) and mask.dtype == dtype else mask
+
+
+def _flash_cpu_wide(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    dtype = _cpu_16(q, k, v)
+    if dtype is None or (isinstance(attn_mask, torch.Tensor) and attn_mask.dtype not in (dtype, torch.bool)):
+        return NotImplemented
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(
+        _f32(q), _f32(k), _f32(v), dropout_p, is_causal, attn_mask=_mask_f32(attn_mask, dtype), scale=scale)
+    return _narrow(out, dtype), lse
+
+
+def _flash_cpu_backward_wide(grad, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
+    dtype = _cpu_16(grad, q, k, v, out)
+    if dtype is None or (isinstance(attn_mask, torch.Tensor) and attn_mask.dtype not in (dtype, torch.bool)):
+        return NotImplemented
+    grads = aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+        _f32(grad), _f32(q), _f32(k), _f32(v), _f32(out), lse, dropout_p, is_causal,
+        attn_mask=_mask_f32(attn_mask, dtype), scale=scale)
+    return tuple(_narrow(g, dtype) for g in grads)
+
+
+def _float32_table() -> dict:
+    if not config.float32_compute():
+        return {}
+    return {aten.mm.default: _mm_wide, aten.bmm.default: _bmm_wide, aten.addmm.default: _addmm_wide,
+            aten.baddbmm.default: _baddbmm_wide, aten.convolution.default: _convolution_wide,
+            aten.convolution_backward.default: _convolution_backward_wide,
+            aten._scaled_dot_product_flash_attention_for_cpu.default: _flash_cpu_wide,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _flash_cpu_backward_wide}
+
+
 def _chain(first, then):
     """A decomposition trying `first`, then `then` (None: the op as it is)."""
     def decomposed(*args, **kwargs):
@@ -751,6 +865,10 @@ def default_decompositions(norms: bool | None = None, random: bool | None = None
     if config.switch("AOTFUSE_DEPTHWISE_GRADS", True):
         table[aten.convolution_backward.default] = _chain(_depthwise_backward,
                                                           table.get(aten.convolution_backward.default))
+    # 16-bit CPU matmuls, convolutions and attention in float32 first: the float32 op they become is
+    # then decomposed as any other (channels-last, depthwise sums)
+    for op, wide in _float32_table().items():
+        table[op] = _chain(wide, table.get(op))
     if config.fusion():
         table[aten.clamp.default] = _clamp
         table[aten.hardtanh.default] = _hardtanh

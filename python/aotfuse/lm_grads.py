@@ -99,7 +99,7 @@ def _region(g: fx.Node, vocab: int) -> set[fx.Node] | None:
             if n.kwargs.get("memory_format") not in (None, torch.contiguous_format, torch.preserve_format):
                 return False
         elif t is aten._to_copy.default:
-            if set(n.kwargs) - {"dtype"}:
+            if not _plain_conversion(n):
                 return False
         elif not (isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags
                   and not t._schema.is_mutable and torch.Tag.nondeterministic_seeded not in t.tags):
@@ -124,6 +124,18 @@ def _region(g: fx.Node, vocab: int) -> set[fx.Node] | None:
             if a not in region and chunkable(a):
                 stack.append(a)
     return region
+
+
+def _plain_conversion(n: fx.Node) -> bool:
+    """A `_to_copy` that changes at most the dtype: its other arguments say the strided layout and
+    the device it is on (GPT2's float16 `.to(logits.dtype)` carries both)."""
+    src = _tensor(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
+    if len(n.args) != 1 or src is None or set(n.kwargs) - {"dtype", "layout", "device"}:
+        return False
+    if n.kwargs.get("layout", torch.strided) not in (None, torch.strided):
+        return False
+    device = n.kwargs.get("device")
+    return device is None or torch.device(device) == src.device
 
 
 def _softmax_like(region: set[fx.Node]) -> bool:
@@ -203,6 +215,7 @@ def _chunk(graph: fx.Graph, g: fx.Node, readers: tuple[list, list, list], region
         with graph.inserting_before(first_reader):
             xs = [early(mm.args[1]) for mm in left]
             ys = [early(mm.args[1]) for _t, mm in right]
+            unread: list[fx.Node] = []  # old matmuls left unread by the rewrite (after their readers)
             totals: list = [None] * len(left)  # the hidden states' gradients: running sums of the chunks' products
             parts: dict[str, list] = {"right": [[] for _ in right], "sums": [[] for _ in sums]}
             for c in range(k):
@@ -232,7 +245,7 @@ def _chunk(graph: fx.Graph, g: fx.Node, readers: tuple[list, list, list], region
                 gc = chunk(g)
                 gc.meta[CHUNK_MARK] = True  # a chunk is never chunked again (a backward variant is lowered anew)
                 for i, x in enumerate(xs):  # summed as they come: one partial product alive at a time
-                    part = call(aten.mm.default, (gc, call(aten.slice.Tensor, (x, 0, lo, hi))))
+                    part = call(aten.mm.default, (gc, _rows(call, x, lo, hi)))
                     totals[i] = part if totals[i] is None else call(aten.add.Tensor, (totals[i], part))
                 gt = call(aten.t.default, (gc,)) if right else None
                 for i, y in enumerate(ys):
@@ -242,7 +255,14 @@ def _chunk(graph: fx.Graph, g: fx.Node, readers: tuple[list, list, list], region
             news: list[tuple[fx.Node, fx.Node]] = []
             news += list(zip(left, totals))
             for i, (_t, mm) in enumerate(right):
-                news.append((mm, call(aten.cat.default, (parts["right"][i], 0))))
+                narrow = _narrowing(mm)
+                if narrow is None:
+                    news.append((mm, call(aten.cat.default, (parts["right"][i], 0))))
+                else:  # each chunk's rows rounded before they are joined: half the bytes held for the join
+                    dtype = narrow.kwargs["dtype"]
+                    news.append((narrow, call(aten.cat.default, (
+                        [call(aten._to_copy.default, (part,), {"dtype": dtype}) for part in parts["right"][i]], 0))))
+                    unread.append(mm)
             for i, s in enumerate(sums):
                 news.append((s, call(aten.cat.default, (parts["sums"][i], 1 if _keepdim(s) else 0))))
     except Exception:  # a view or layout the fake values refuse: keep the traced graph
@@ -261,6 +281,8 @@ def _chunk(graph: fx.Graph, g: fx.Node, readers: tuple[list, list, list], region
     # what only the old readers read goes: the readers, G's transposes, then G and its region where unread
     for old, _new in news:
         graph.erase_node(old)
+    for mm in unread:  # a weight gradient whose rounding took the chunks' rows
+        graph.erase_node(mm)
     for t in dict.fromkeys(t for t, _mm in right):  # two matmuls may read one transpose
         if not t.users:
             graph.erase_node(t)
@@ -268,6 +290,35 @@ def _chunk(graph: fx.Graph, g: fx.Node, readers: tuple[list, list, list], region
         if not n.users:
             graph.erase_node(n)
     return True
+
+
+def _rows(call: Any, x: fx.Node, lo: int, hi: int) -> fx.Node:
+    """Rows lo:hi of the 2-d x; where x is a float32 conversion (a 16-bit weight its matmuls read in
+    float32, decompositions._float32_table), through transposes, the conversion of its source's
+    slice: the whole weight is never converted (Bert's [8192 x 256] float16 head: 8.4 MB in float32)."""
+    y, dim, flips = x, 0, 0
+    while y.op == "call_function" and y.target is aten.t.default and isinstance(y.args[0], fx.Node):
+        y, dim, flips = y.args[0], 1 - dim, flips + 1
+    if (y.op == "call_function" and y.target is aten._to_copy.default and len(y.args) == 1
+            and set(y.kwargs) == {"dtype"} and isinstance(y.args[0], fx.Node)):
+        out = call(aten._to_copy.default, (call(aten.slice.Tensor, (y.args[0], dim, lo, hi)),), dict(y.kwargs))
+        for _ in range(flips):
+            out = call(aten.t.default, (out,))
+        return out
+    return call(aten.slice.Tensor, (x, 0, lo, hi))
+
+
+def _narrowing(mm: fx.Node) -> fx.Node | None:
+    """mm's one reader where that is a conversion to a 16-bit dtype (a float32 weight gradient of a
+    16-bit weight, decompositions._float32_table), else None."""
+    users = list(mm.users)
+    if len(users) != 1:
+        return None
+    u = users[0]
+    if (u.op == "call_function" and u.target is aten._to_copy.default and len(u.args) == 1
+            and set(u.kwargs) == {"dtype"} and u.kwargs["dtype"] in (torch.float16, torch.bfloat16)):
+        return u
+    return None
 
 
 def _elementwise(n: fx.Node) -> bool:

@@ -123,6 +123,82 @@ def _storage(node: fx.Node) -> Any:
         return None
 
 
+_PERMUTES = (torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default)
+
+
+def _convert_before_permutes(graph: fx.Graph) -> int:
+    """`_to_copy(p(x), dtype=d)`, p a transpose or permute of a dense x, rewritten in place as
+    `p(_to_copy(x, dtype=d))`: the same values and strides (a conversion keeps a dense tensor's
+    strides), and the conversions of one value read directly and through a transpose become one node
+    for _cse. A 16-bit CPU matmul computed in float32 (decompositions._float32_table) converts its
+    gradient G for both of the backward's matmuls, `mm(G, W)` and `mm(G^T, X)`: without this, two
+    float32 copies of G, 16.8 MB each for Bert's logits at the reduced size. Returns the count."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+    done = 0
+    for node in list(graph.nodes):
+        if (node.op != "call_function" or node.target is not torch.ops.aten._to_copy.default or len(node.args) != 1
+                or set(node.kwargs) != {"dtype"}):
+            continue
+        src = node.args[0]
+        if not (isinstance(src, fx.Node) and src.op == "call_function" and src.target in _PERMUTES
+                and isinstance(src.args[0], fx.Node)):
+            continue
+        base, val = src.args[0], _val(src.args[0])
+        if not isinstance(val, torch.Tensor) or not is_non_overlapping_and_dense_or_false(val):
+            continue
+        converted = torch.ops.aten._to_copy.default(val, dtype=node.kwargs["dtype"])
+        permuted = src.target(converted, *src.args[1:], **src.kwargs)
+        old = _val(node)
+        if not isinstance(old, torch.Tensor) or not same(tuple(permuted.stride()), tuple(old.stride())):
+            continue
+        with graph.inserting_before(node):
+            conv = graph.call_function(torch.ops.aten._to_copy.default, (base,), dict(node.kwargs))
+            conv.meta["val"] = converted
+            new = graph.call_function(src.target, (conv, *src.args[1:]), dict(src.kwargs))
+            new.meta["val"] = permuted
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        if not src.users:
+            graph.erase_node(src)
+        done += 1
+    return done
+
+
+def _sums_of_conversions(graph: fx.Graph) -> int:
+    """`sum(x, dims, keepdim)` of a 16-bit x that is also converted to float32, `_to_copy(x,
+    dtype=float32)`, rewritten in place as `_to_copy(sum(that conversion, dims, keepdim), dtype=x's)`:
+    the same sum (ATen's and aotfuse's 16-bit sums accumulate in float32 and round once), read from
+    the float32 value. A 16-bit CPU linear layer computed in float32 (decompositions._float32_table)
+    has its bias gradient so beside the two matmuls reading G's conversion, and lm_grads.py's chunks
+    take all three: otherwise a language-model head's 16-bit G is made whole for its bias. Returns the
+    count."""
+    done = 0
+    for node in list(graph.nodes):
+        if (node.op != "call_function" or node.target is not torch.ops.aten.sum.dim_IntList or node.kwargs
+                or len(node.args) not in (2, 3) or not isinstance(node.args[0], fx.Node)):
+            continue
+        x, val = node.args[0], _val(node)
+        if not isinstance(val, torch.Tensor) or val.dtype not in (torch.float16, torch.bfloat16):
+            continue
+        conv = next((u for u in x.users if u.op == "call_function" and u.target is torch.ops.aten._to_copy.default
+                     and len(u.args) == 1 and u.kwargs == {"dtype": torch.float32}), None)
+        if conv is None or _val(x).dtype != val.dtype:
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        if order[conv] > order[node]:
+            node.prepend(conv)  # the conversion reads only x, made before the sum
+        with graph.inserting_before(node):
+            total = graph.call_function(torch.ops.aten.sum.dim_IntList, (conv, *node.args[1:]))
+            total.meta["val"] = torch.ops.aten.sum.dim_IntList(_val(conv), *node.args[1:])
+            back = graph.call_function(torch.ops.aten._to_copy.default, (total,), {"dtype": val.dtype})
+            back.meta["val"] = torch.ops.aten._to_copy.default(total.meta["val"], dtype=val.dtype)
+        node.replace_all_uses_with(back)
+        graph.erase_node(node)
+        done += 1
+    return done
+
+
 def _cse(graph: fx.Graph) -> None:
     """Common subexpressions once, in place, as torch's min-cut partitioner has them before it
     cuts (its fx_graph_cse, without copying the graph or importing Inductor): a call of the same
@@ -330,7 +406,10 @@ def _partition(joint_module: fx.GraphModule, num_fwd_outputs: int, min_cut: bool
     detaches_as_aliases(joint_module)
     joint_module.graph.eliminate_dead_code()
     if min_cut:
+        _convert_before_permutes(joint_module.graph)
         _cse(joint_module.graph)
+        if _sums_of_conversions(joint_module.graph):
+            joint_module.graph.lint()
     if config.drop_clones():
         _drop_identity_clones(joint_module.graph)
     _merge_duplicate_getitems(joint_module.graph)
