@@ -485,3 +485,15 @@ def test_depthwise_benchmark_strided_with_the_input_gradient():
         r = sides[side]
         assert r["ms"] > 0 and 0 < r["far_in"] < 0.05, (side, r)
     assert sides["aotfuse"]["far_in"] <= sides["eager"]["far_in"] * 1.01, sides
+
+
+def test_float16_ops_benchmark_times_both_ways(capsys):
+    """benchmarks/float16_ops.py: a row per op (four mm layouts, bmm, a convolution's and SDPA's
+    training step) with ATen's 16-bit time, the float32-with-conversions time and their ratio."""
+    mod = _benchmark("float16_ops")
+    mod.main(["--scale", "0.05", "--repeats", "1"])
+    rows = [r for r in _table_rows(capsys.readouterr().out) if r[0] != "op"]
+    assert [r[0] for r in rows] == ["mm a @ b", "mm a @ b^T", "mm a^T @ b", "mm a^T @ b^T", "bmm", "conv 3x3 step",
+                                    "sdpa step"], rows
+    for r in rows:
+        assert len(r) == 4 and all(float(c) > 0 for c in r[1:]), r

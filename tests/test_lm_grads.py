@@ -267,7 +267,8 @@ def test_float16_head_computed_in_float32_is_chunked_too(monkeypatch):
     conversion (partition._convert_before_permutes) and by the bias' sum (partition._sums_of_conversions),
     so it is made in chunks as float32's is: no whole float16 or float32 [tokens x vocab] gradient, no
     whole float32 copy of the weight (each chunk converts its rows), the weight gradient's chunks
-    rounded before they are joined; gradients as near float64 as eager's."""
+    rounded before they are joined; the forward's float32 logits are made in chunks of columns too
+    (rewrite_head_chunks), each rounded as it comes; gradients as near float64 as eager's."""
     monkeypatch.setenv("AOTFUSE_FLOAT32_COMPUTE", "1")
     torch.manual_seed(0)
     cf = _check_grads(Head(), torch.float16, "Head")
@@ -277,3 +278,8 @@ def test_float16_head_computed_in_float32_is_chunked_too(monkeypatch):
                   f"f16[{TOKENS}, {V}] = aten::_to_copy", f"f32[{V}, {H}] = aten::_to_copy", f"f32[{H}, {V}]{{1, {H}}} = aten::_to_copy", f"f32[{V}, {H}] = aten::cat"):
         assert whole not in ran, (whole, ran)
     assert "f16[2048, 32] = aten::_to_copy" in ran, ran  # the chunks' rounded weight-gradient rows
+    # the forward's logits too (rewrite_head_chunks): float32 chunks of columns, each rounded, joined
+    fw = str(cf._aotfuse_compiled.records[-1].programs["forward"].program)
+    for whole in (f"f32[{TOKENS}, {V}] = aten::addmm", f"f32[{TOKENS}, {V}] = aten::mm", f"f32[{V}, {H}] = aten::_to_copy"):
+        assert whole not in fw, (whole, fw)
+    assert fw.count(f"f32[{TOKENS}, 2048] = aten::addmm") == 2 and f"f16[{TOKENS}, {V}] = aten::cat" in fw, fw

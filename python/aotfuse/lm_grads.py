@@ -32,7 +32,7 @@ import torch.fx as fx
 from . import config
 from .partition import _val
 
-__all__ = ["rewrite_lm_grad_chunks", "chunk_count"]
+__all__ = ["rewrite_lm_grad_chunks", "rewrite_head_chunks", "chunk_count"]
 
 aten = torch.ops.aten
 
@@ -292,11 +292,12 @@ def _chunk(graph: fx.Graph, g: fx.Node, readers: tuple[list, list, list], region
     return True
 
 
-def _rows(call: Any, x: fx.Node, lo: int, hi: int) -> fx.Node:
-    """Rows lo:hi of the 2-d x; where x is a float32 conversion (a 16-bit weight its matmuls read in
-    float32, decompositions._float32_table), through transposes, the conversion of its source's
-    slice: the whole weight is never converted (Bert's [8192 x 256] float16 head: 8.4 MB in float32)."""
-    y, dim, flips = x, 0, 0
+def _rows(call: Any, x: fx.Node, lo: int, hi: int, dim: int = 0) -> fx.Node:
+    """Rows lo:hi (dim 1: columns) of the 2-d x; where x is a float32 conversion (a 16-bit weight its
+    matmuls read in float32, decompositions._float32_table), through transposes, the conversion of its
+    source's slice: the whole weight is never converted (Bert's [8192 x 256] float16 head: 8.4 MB in
+    float32)."""
+    y, flips, first = x, 0, dim
     while y.op == "call_function" and y.target is aten.t.default and isinstance(y.args[0], fx.Node):
         y, dim, flips = y.args[0], 1 - dim, flips + 1
     if (y.op == "call_function" and y.target is aten._to_copy.default and len(y.args) == 1
@@ -305,6 +306,110 @@ def _rows(call: Any, x: fx.Node, lo: int, hi: int) -> fx.Node:
         for _ in range(flips):
             out = call(aten.t.default, (out,))
         return out
+    return call(aten.slice.Tensor, (x, first, lo, hi))
+
+
+_HEADS = (aten.mm.default, aten.addmm.default)
+
+
+def rewrite_head_chunks(gm: fx.GraphModule) -> int:
+    """A language-model head's forward computed in float32 for a 16-bit model
+    (decompositions._float32_table: `_to_copy(addmm(b, x, t(_to_copy(W))), dtype=float16)`) holds its
+    float32 logits, twice the bytes of the 16-bit ones, beside their rounding, and the whole weight in
+    float32: the step's peak in the seed models (Albert's [1024 x 8192] logits: 33.5 MB in float32). Made
+    in vocabulary chunks of columns instead, as the backward's gradient is (same CHUNK_BYTES, at most
+    MAX_CHUNKS), each chunk converting its rows of the weight and rounded as it comes, joined by a cat:
+    the float32 bytes alive are one chunk's. The values are the whole product's (each column is the same
+    dot product). Returns how many heads were rewritten; AOTFUSE_LM_GRAD_CHUNKS=0 keeps them whole."""
+    if not config.lm_grad_chunks():
+        return 0
+    graph, done = gm.graph, 0
+    for narrow in list(graph.nodes):
+        if narrow.op != "call_function" or narrow.target is not aten._to_copy.default or not narrow.args:
+            continue
+        mm = narrow.args[0]
+        if not (isinstance(mm, fx.Node) and mm.op == "call_function" and mm.target in _HEADS
+                and all(mm.kwargs.get(key, 1) == 1 for key in ("beta", "alpha")) and set(mm.kwargs) <= {"beta", "alpha"}
+                and _narrowing(mm) is narrow):
+            continue
+        out = _tensor(mm)
+        if out is None or out.dim() != 2 or out.dtype != torch.float32 or not isinstance(out.shape[1], int) \
+                or out.shape[1] < MIN_VOCAB or not all(isinstance(d, int) for d in out.shape):
+            continue
+        k = chunk_count(out.numel() * out.element_size())
+        if k < 2:
+            continue
+        if _chunk_head(graph, mm, narrow, k):
+            done += 1
+    if done:
+        gm.recompile()
+    return done
+
+
+def _chunk_head(graph: fx.Graph, mm: fx.Node, narrow: fx.Node, k: int) -> bool:
+    vocab = _tensor(mm).shape[1]
+    width = -(-vocab // k)
+    width = -(-width // 64) * 64  # chunk boundaries on 64-column lines, as the gradient's
+    bias = mm.args[0] if mm.target is aten.addmm.default else None
+    a, b = mm.args[-2], mm.args[-1]
+    if len(mm.args) != (3 if bias is not None else 2) or not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
+        return False
+    bv = _tensor(bias) if isinstance(bias, fx.Node) else None
+    if bias is not None and (bv is None or bv.dim() != 1):
+        return False  # a broadcast row of biases (Linear's); beta and alpha are 1 (the caller's check)
+    made: list[fx.Node] = []
+
+    def call(target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
+        fake = [_tensor(x) if isinstance(x, fx.Node) else x for x in args]
+        fake = [[_tensor(y) if isinstance(y, fx.Node) else y for y in x] if isinstance(x, list) else x for x in fake]
+        val = target(*fake, **(kwargs or {}))
+        node = graph.call_function(target, args, kwargs or {})
+        node.meta["val"] = val
+        made.append(node)
+        return node
+
+    try:
+        with graph.inserting_before(narrow):
+            parts = []
+            for c in range(k):
+                lo, hi = c * width, min(vocab, (c + 1) * width)
+                if lo >= hi:
+                    break
+                cols = _rows(call, b, lo, hi, dim=1)
+                if bias is None:
+                    part = call(aten.mm.default, (a, cols))
+                else:
+                    part = call(aten.addmm.default, (_slice_1d(call, bias, lo, hi), a, cols))
+                parts.append(call(aten._to_copy.default, (part,), dict(narrow.kwargs)))
+            joined = call(aten.cat.default, (parts, 1))
+    except Exception:  # a layout the fake values refuse: keep the graph as traced
+        for node in reversed(made):
+            graph.erase_node(node)
+        return False
+    ov, nv = _tensor(narrow), _tensor(joined)
+    if ov is None or nv is None or tuple(ov.shape) != tuple(nv.shape) or ov.dtype != nv.dtype \
+            or tuple(ov.stride()) != tuple(nv.stride()):
+        for node in reversed(made):
+            graph.erase_node(node)
+        return False
+    joined.meta.update({key: val for key, val in narrow.meta.items() if key != "val"})
+    narrow.replace_all_uses_with(joined)
+    graph.erase_node(narrow)
+    graph.erase_node(mm)
+    for n in (b, bias):  # the whole conversions and views only the old matmul read
+        while isinstance(n, fx.Node) and not n.users and n.op == "call_function" and n.target in (
+                aten.t.default, aten._to_copy.default):
+            src = n.args[0]
+            graph.erase_node(n)
+            n = src
+    return True
+
+
+def _slice_1d(call: Any, x: fx.Node, lo: int, hi: int) -> fx.Node:
+    """x[lo:hi] of a 1-d x; of a float32 conversion's source, converted, where x is one."""
+    if (x.op == "call_function" and x.target is aten._to_copy.default and len(x.args) == 1
+            and set(x.kwargs) == {"dtype"} and isinstance(x.args[0], fx.Node)):
+        return call(aten._to_copy.default, (call(aten.slice.Tensor, (x.args[0], 0, lo, hi)),), dict(x.kwargs))
     return call(aten.slice.Tensor, (x, 0, lo, hi))
 
 

@@ -1222,7 +1222,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
     that runs, Lowered._without)."""
     from .embedding_grads import rewrite_embedding_grad_sums
     from .erf1p import rewrite_erf1p
-    from .lm_grads import rewrite_lm_grad_chunks
+    from .lm_grads import rewrite_head_chunks, rewrite_lm_grad_chunks
     from .overlap import rewrite_overlap_sums
     from .picks import rewrite_one_hot_picks
     from .rng import share_seeds
@@ -1235,6 +1235,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None, saved
     rewrite_overlap_sums(gm)  # before folding, which would make the scatters' indices opaque constants
     rewrite_embedding_grad_sums(gm)
     rewrite_lm_grad_chunks(gm)
+    rewrite_head_chunks(gm)
     rewrite_one_hot_picks(gm)
     rewrite_erf1p(gm)
     gm = constfold.fold(gm, saved_from)
