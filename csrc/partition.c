@@ -303,13 +303,42 @@ static int should_ban(const joint_ctx *c, const af_partition_options *o, int32_t
  * linear layer reads its input through one): a layer's input x and y = tanh(x), which the next
  * weight gradient reads, weigh about the same; saving x made the backward run tanh again into a
  * tensor of its own. */
+/* Whether v is a 16-bit float tensor converted to float32 (`_to_copy`, `convert_element_type`) at
+ * the same size, or a view of one: a float16 matmul's operand when it runs in float32
+ * (decompositions._float32_table; a transposed operand is a view of the conversion,
+ * partition._convert_before_permutes). */
+static int widening_conversion(const joint_ctx *c, int32_t v) {
+    int32_t p = af_graph_value(c->g, v)->producer;
+    for (int32_t hops = 0; p >= 0 && node_kind(c, p) == AF_KIND_VIEW && hops < 16; hops++) {
+        const af_node *view = af_graph_node(c->g, p);
+        if (view->n_args < 1 || view->args[0].kind != AF_ARG_VALUE) return 0;
+        v = view->args[0].u.value;
+        p = af_graph_value(c->g, v)->producer;
+    }
+    if (p < 0) return 0;
+    const af_node *n = af_graph_node(c->g, p);
+    if ((n->op_id != AF_OP_TO_COPY && n->op_id != AF_OP_CONVERT_ELEMENT_TYPE) || n->n_args < 1 ||
+        n->args[0].kind != AF_ARG_VALUE)
+        return 0;
+    const af_tensor_meta *in = &af_graph_value(c->g, n->args[0].u.value)->meta, *out = &af_graph_value(c->g, v)->meta;
+    return in->type == AF_VALUE_TENSOR && out->dtype == AF_DTYPE_FLOAT32 &&
+           (in->dtype == AF_DTYPE_FLOAT16 || in->dtype == AF_DTYPE_BFLOAT16) &&
+           af_tensor_meta_numel(in) == af_tensor_meta_numel(out);
+}
+
 static int64_t save_weight(const joint_ctx *c, int32_t v, int mat_bw) {
     const af_value *val = af_graph_value(c->g, v);
     if (val->meta.type != AF_VALUE_TENSOR) return AF_FLOW_INF;
     if (c->input_role[v] == AF_ROLE_CONSTANT || c->input_role[v] == AF_ROLE_PARAM) return 0; /* held anyway */
     int64_t d = c->dist[v] < 1 ? 1 : c->dist[v] > 100 ? 100 : c->dist[v];
     double w = (double)af_tensor_meta_nbytes(&val->meta) * pow(1.1, (double)d);
-    if (mat_bw) w *= 15.0 / 16.0;
+    /* A float32 conversion of a 16-bit value holds twice its source's bytes: the source is saved (and
+     * written by the forward's kernel) and converted again in the backward, however the rules below
+     * would weigh them (the source unwritten counts double, the conversion written by the backward
+     * anyway 15/16: a tie the conversion won, holding float32 copies of a float16 model's matmul
+     * operands and attention probabilities) */
+    if (widening_conversion(c, v)) w *= 1.5;
+    else if (mat_bw) w *= 15.0 / 16.0;
     else if (!is_materialized(c, v)) w *= 2;
     return w >= (double)(AF_FLOW_INF / 2) ? AF_FLOW_INF / 2 : (int64_t)w;
 }
