@@ -171,13 +171,16 @@ def rewrite_lm_grad_chunks(gm: fx.GraphModule) -> int:
     return done
 
 
-def _chunk(graph: fx.Graph, g: fx.Node, readers: tuple[list, list, list], region: set[fx.Node], k: int) -> bool:
-    vocab = _tensor(g).shape[1]
+def _chunk_width(vocab: int, k: int) -> int:
+    """The columns of each of k chunks: boundaries on 64-column (256-byte) lines."""
     width = -(-vocab // k)
-    width = -(-width // 64) * 64  # chunk boundaries on 64-column (256-byte) lines
-    left, right, sums = readers
-    made: list[fx.Node] = []
+    return -(-width // 64) * 64
 
+
+def _caller(graph: fx.Graph, made: list) -> Any:
+    """call(target, args, kwargs): a node of the graph (at its insertion point) calling target, its
+    value computed on the arguments' fake values; appended to `made`, so a failed rewrite can erase
+    what it made."""
     def call(target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
         fake = [_tensor(a) if isinstance(a, fx.Node) else a for a in args]
         fake = [[_tensor(x) if isinstance(x, fx.Node) else x for x in a] if isinstance(a, list) else a for a in fake]
@@ -186,7 +189,15 @@ def _chunk(graph: fx.Graph, g: fx.Node, readers: tuple[list, list, list], region
         node.meta["val"] = val
         made.append(node)
         return node
+    return call
 
+
+def _chunk(graph: fx.Graph, g: fx.Node, readers: tuple[list, list, list], region: set[fx.Node], k: int) -> bool:
+    vocab = _tensor(g).shape[1]
+    width = _chunk_width(vocab, k)
+    left, right, sums = readers
+    made: list[fx.Node] = []
+    call = _caller(graph, made)
     order = {n: i for i, n in enumerate(graph.nodes)}
     first_reader = min(g.users, key=order.__getitem__)
     if any(not isinstance(mm.args[1], fx.Node) for mm in left) or any(not isinstance(mm.args[1], fx.Node) for _t, mm in right):
@@ -348,8 +359,7 @@ def rewrite_head_chunks(gm: fx.GraphModule) -> int:
 
 def _chunk_head(graph: fx.Graph, mm: fx.Node, narrow: fx.Node, k: int) -> bool:
     vocab = _tensor(mm).shape[1]
-    width = -(-vocab // k)
-    width = -(-width // 64) * 64  # chunk boundaries on 64-column lines, as the gradient's
+    width = _chunk_width(vocab, k)
     bias = mm.args[0] if mm.target is aten.addmm.default else None
     a, b = mm.args[-2], mm.args[-1]
     if len(mm.args) != (3 if bias is not None else 2) or not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
@@ -358,16 +368,7 @@ def _chunk_head(graph: fx.Graph, mm: fx.Node, narrow: fx.Node, k: int) -> bool:
     if bias is not None and (bv is None or bv.dim() != 1):
         return False  # a broadcast row of biases (Linear's); beta and alpha are 1 (the caller's check)
     made: list[fx.Node] = []
-
-    def call(target: Any, args: tuple, kwargs: dict | None = None) -> fx.Node:
-        fake = [_tensor(x) if isinstance(x, fx.Node) else x for x in args]
-        fake = [[_tensor(y) if isinstance(y, fx.Node) else y for y in x] if isinstance(x, list) else x for x in fake]
-        val = target(*fake, **(kwargs or {}))
-        node = graph.call_function(target, args, kwargs or {})
-        node.meta["val"] = val
-        made.append(node)
-        return node
-
+    call = _caller(graph, made)
     try:
         with graph.inserting_before(narrow):
             parts = []
