@@ -743,32 +743,15 @@ def _cpu_16(*tensors) -> Any:
     return dtype
 
 
-def _mm_wide(a, b):
-    dtype = _cpu_16(a, b)
-    if dtype is None:
-        return NotImplemented
-    return _narrow(aten.mm.default(_f32(a), _f32(b)), dtype)
-
-
-def _bmm_wide(a, b):
-    dtype = _cpu_16(a, b)
-    if dtype is None:
-        return NotImplemented
-    return _narrow(aten.bmm.default(_f32(a), _f32(b)), dtype)
-
-
-def _addmm_wide(bias, a, b, *, beta=1, alpha=1):
-    dtype = _cpu_16(bias, a, b)
-    if dtype is None:
-        return NotImplemented
-    return _narrow(aten.addmm.default(_f32(bias), _f32(a), _f32(b), beta=beta, alpha=alpha), dtype)
-
-
-def _baddbmm_wide(bias, a, b, *, beta=1, alpha=1):
-    dtype = _cpu_16(bias, a, b)
-    if dtype is None:
-        return NotImplemented
-    return _narrow(aten.baddbmm.default(_f32(bias), _f32(a), _f32(b), beta=beta, alpha=alpha), dtype)
+def _widened(op):
+    """op (a matmul whose positional arguments are all tensors: mm, bmm, addmm, baddbmm) on float32
+    conversions of its 16-bit operands, rounded once; its keyword arguments (beta, alpha) as given."""
+    def wide(*tensors, **kwargs):
+        dtype = _cpu_16(*tensors)
+        if dtype is None:
+            return NotImplemented
+        return _narrow(op(*map(_f32, tensors), **kwargs), dtype)
+    return wide
 
 
 def _convolution_wide(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
@@ -816,8 +799,8 @@ def _flash_cpu_backward_wide(grad, q, k, v, out, lse, dropout_p, is_causal, *, a
 def _float32_table() -> dict:
     if not config.float32_compute():
         return {}
-    return {aten.mm.default: _mm_wide, aten.bmm.default: _bmm_wide, aten.addmm.default: _addmm_wide,
-            aten.baddbmm.default: _baddbmm_wide, aten.convolution.default: _convolution_wide,
+    matmuls = (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default)
+    return {**{op: _widened(op) for op in matmuls}, aten.convolution.default: _convolution_wide,
             aten.convolution_backward.default: _convolution_backward_wide,
             aten._scaled_dot_product_flash_attention_for_cpu.default: _flash_cpu_wide,
             aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _flash_cpu_backward_wide}
