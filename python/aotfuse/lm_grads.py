@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from . import config
+from .lower import _plain_conversion  # a `_to_copy` changing the dtype alone (GPT2's `.to(dtype, layout, device)`)
 from .partition import _val
 
 __all__ = ["rewrite_lm_grad_chunks", "rewrite_head_chunks", "chunk_count"]
@@ -124,18 +125,6 @@ def _region(g: fx.Node, vocab: int) -> set[fx.Node] | None:
             if a not in region and chunkable(a):
                 stack.append(a)
     return region
-
-
-def _plain_conversion(n: fx.Node) -> bool:
-    """A `_to_copy` that changes at most the dtype: its other arguments say the strided layout and
-    the device it is on (GPT2's float16 `.to(logits.dtype)` carries both)."""
-    src = _tensor(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
-    if len(n.args) != 1 or src is None or set(n.kwargs) - {"dtype", "layout", "device"}:
-        return False
-    if n.kwargs.get("layout", torch.strided) not in (None, torch.strided):
-        return False
-    device = n.kwargs.get("device")
-    return device is None or torch.device(device) == src.device
 
 
 def _softmax_like(region: set[fx.Node]) -> bool:
