@@ -793,7 +793,7 @@ static void emit_members_impl(af_strbuf *sb, const af_graph *g, const af_fusion_
             root.hi[d] = d == part->dim ? part->hi : iter->sizes[d];
             root.tracked |= d == part->dim ? 1u << d : 0u;
         }
-        root.varies = part && part->dim >= 0 ? 1u << part->dim : 0u;
+        root.varies = part && part->dim >= 0 && !part->row ? 1u << part->dim : 0u;
         root.straight = part != NULL; /* offset 0 of every input is an element */
         for (int32_t k = 0; k < grp->n_inputs && root.straight; k++) {
             const af_tensor_meta *in = &af_graph_value(g, grp->inputs[k])->meta;
@@ -968,12 +968,29 @@ static int rounded_bf16(const af_graph *g, const af_fusion_group *grp, int32_t v
     return m < grp->n_nodes && af_graph_node(g, val->producer)->op_id != AF_OP_RNG_UNIFORM && !af_fuse_window(g, val->producer, &w);
 }
 
+/* Whether bf16 value v holds a bf16 number exactly: a rounded member (rounded_bf16), an input
+ * (loaded from bf16 storage), or a window's value whose source and base are (its fill is rounded
+ * as its dtype holds it: emit_scalar). A cat's windows copying bf16 inputs then store the bits
+ * (GPT2's q, k, v gradients joined: 0.097 -> 0.064 ms at [4, 128, 768]). */
+static int exact_bf16(const af_graph *g, const af_fusion_group *grp, int32_t v, int depth) {
+    if (rounded_bf16(g, grp, v)) return 1;
+    const af_value *val = af_graph_value(g, v);
+    if (val->meta.dtype != AF_DTYPE_BFLOAT16 || depth > AF_MAX_DIMS * 4) return 0;
+    for (int32_t k = 0; k < grp->n_inputs; k++)
+        if (grp->inputs[k] == v) return 1;
+    int32_t m = 0;
+    while (m < grp->n_nodes && grp->nodes[m] != val->producer) m++;
+    af_window w;
+    if (val->producer < 0 || m == grp->n_nodes || !af_fuse_window(g, val->producer, &w)) return 0;
+    return (w.source < 0 || exact_bf16(g, grp, w.source, depth + 1)) && (w.base < 0 || exact_bf16(g, grp, w.base, depth + 1));
+}
+
 void af_cg_emit_store_at(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const char *indent, int32_t k,
                          af_dtype dtype, const char *off_prefix, int32_t v) {
     char val[16];
     snprintf(val, sizeof val, "v%d", (int)v);
     af_strbuf_printf(sb, "%sq%d[%s%d] = ", indent, (int)k, off_prefix, (int)k);
-    if (dtype == AF_DTYPE_BFLOAT16 && rounded_bf16(g, grp, v)) af_strbuf_printf(sb, "af_bf16_bits(%s)", val);
+    if (dtype == AF_DTYPE_BFLOAT16 && exact_bf16(g, grp, v, 0)) af_strbuf_printf(sb, "af_bf16_bits(%s)", val);
     else af_cg_emit_store_value(sb, dtype, val);
     af_strbuf_printf(sb, ";\n");
 }

@@ -133,7 +133,8 @@ void af_cg_emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *gr
                      int modes);
 
 /* A part of a pointwise kernel's inner loop, which runs over iteration dim `dim` (its coordinate is
- * the loop index; -1: over no guarded dim, the one part of the whole loop): coordinates lo <= i < hi. Its body (af_cg_emit_body_part) writes each window
+ * the loop index; -1: over no guarded dim, the one part of the whole loop): coordinates lo <= i < hi;
+ * or, with `row`, the rows whose coordinate of outer dim `dim` lies in [lo, hi). Its body (af_cg_emit_body_part) writes each window
  * guard's bound on a coordinate whose range over the part it decides as a constant (nothing where
  * it holds throughout, ` && 0` where it never does), so the parts between the guards' bounds have
  * no branch and vectorize. A bound it leaves as a comparison on `dim` adds its edges to cuts,
@@ -142,6 +143,7 @@ void af_cg_emit_body(af_strbuf *sb, const af_graph *g, const af_fusion_group *gr
 typedef struct {
     int32_t dim;
     int64_t lo, hi;
+    int row;                      /* dim is one the row loop runs over, fixed along the inner loop (codegen_c.c, row parts) */
     int64_t cuts[AF_CG_MAX_CUTS]; /* out: coordinates of dim in (lo, hi) where a guard changes */
     int32_t n_cuts;
     int overflow;                 /* out: more cuts than fit */

@@ -394,3 +394,20 @@ def test_decomposed_activations_and_losses_cuda_kernels_match_eager(dtype):
         assert ran, "no CUDA group ran"
         calls |= {f for f in ("af_log1p(", "af_expm1(", "af_log(", "af_exp(", "af_tanh(") if f in cuda_emu.source_of(gm)}
     assert {"af_log1p(", "af_expm1(", "af_log("} <= calls, calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cats_as_windows_match_eager(dtype):
+    """aten.cat as windows (decompositions._cat_windows) in CUDA kernels: rotate_half's cat along
+    the row, and a cat of three computed inputs along an outer dim, each one kernel."""
+    from aotfuse.decompositions import default_decompositions
+    from test_cat import _outer, _rotary, _rotary_inputs
+
+    decomp = default_decompositions(norms=True)
+    for f, args in ((_rotary, _rotary_inputs(dtype)),
+                    (_outer, [torch.randn(2, 8, 4, 32, generator=torch.Generator().manual_seed(4)).to(dtype)])):
+        gm = make_fx(f, decomposition_table=decomp, tracing_mode="fake")(*args)
+        ran = cuda_emu.check(gm, args, f"{f.__name__} {dtype}")
+        assert len(ran) == 1 and ran[0]["kind"] == "pointwise", ran
+        source = cuda_emu.source_of(gm)
+        assert "aten::slice_scatter" in source and "aten::constant_pad_nd" in source, source

@@ -2560,22 +2560,44 @@ def _pad_of_rows_before_the_row(x):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_guard_the_row_does_not_move_is_chosen_after_its_loads(dtype):
-    """A pad of the dim before the row: its guard is the same along a row, so the kernel loads at
-    offset 0 where it fails and chooses the value after (no load behind a branch, no
-    AF_GUARDED_LOADS: the row vectorizes), one loop over the row. Eager's values to the bit."""
+def test_a_guard_the_row_does_not_move_splits_the_rows(dtype):
+    """A pad of the dim before the row: its guard is the same along a row, so the rows split where
+    it changes (one comparison a row, `if (b<k> < 2)`), and each part's loop has the guard as a
+    constant: the padded rows write the fill without computing the source, the inside loads
+    without a comparison (no AF_GUARDED_LOADS, no choice after loads). Eager's values to the bit."""
     x = torch.randn(6, 37, generator=torch.Generator().manual_seed(36)).to(dtype)
     lowered = lower(make_fx(_pad_of_rows_before_the_row)(x))
     assert lowered.program.num_kernels == 1, str(lowered.program)
     text = _kernel_text(lowered.program.source, 0)
-    assert _inner_loops(text) == [(0, 37)] and "chosen after its loads" in text, text
-    assert "AF_GUARDED_LOADS" not in text and re.search(r"\[g\d+ \? \(", text), text
+    assert _inner_loops(text) == [(0, 37)] * 3, text
+    assert re.search(r"if \(b\d+ < 2\) \{", text) and re.search(r"\} else if \(b\d+ < 8\) \{", text), text
+    assert "AF_GUARDED_LOADS" not in text and "chosen after its loads" not in text, text
+    assert text.count("mul.Tensor") == 1, text  # the source computed in the inside's part only
     (got,), (ref,) = lowered([x]), _pad_of_rows_before_the_row(x)
     assert_close(got, ref, f"pad before the row ({dtype})", atol=0, rtol=0)
 
 
+def _pad_of_two_outer_dims(x):
+    return (aten.add.Tensor(aten.constant_pad_nd.default(aten.mul.Tensor(x, 2.0), [0, 0, 2, 1, 1, 0], -1.5), 1.0),)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_guards_on_two_outer_dims_are_chosen_after_their_loads(dtype):
+    """A pad of two dims before the row: no one dim splits the rows, so the kernel loads at offset
+    0 where the guard fails and chooses the value after (no load behind a branch, no
+    AF_GUARDED_LOADS: the row vectorizes), one loop over the row. Eager's values to the bit."""
+    x = torch.randn(3, 6, 37, generator=torch.Generator().manual_seed(36)).to(dtype)
+    lowered = lower(make_fx(_pad_of_two_outer_dims)(x))
+    assert lowered.program.num_kernels == 1, str(lowered.program)
+    text = _kernel_text(lowered.program.source, 0)
+    assert _inner_loops(text) == [(0, 37)] and "chosen after its loads" in text, text
+    assert "AF_GUARDED_LOADS" not in text and re.search(r"\[g\d+ \? \(", text), text
+    (got,), (ref,) = lowered([x]), _pad_of_two_outer_dims(x)
+    assert_close(got, ref, f"pad of two outer dims ({dtype})", atol=0, rtol=0)
+
+
 def test_layers_whose_guards_are_chosen_after_their_loads_share_a_body(tmp_path, monkeypatch):
-    """A model's layers, each padding the dim before its row (a guard chosen after its loads, its
+    """A model's layers, each padding two dims before its row (a guard chosen after its loads, its
     variable g<id> named by a node id), still share one kernel body: g<id> is a local the sharing
     renames (it was not at first, and Longformer at host size went from 60 to 170 bodies)."""
     monkeypatch.setenv("AOTFUSE_CACHE_DIR", str(tmp_path))
@@ -2583,11 +2605,11 @@ def test_layers_whose_guards_are_chosen_after_their_loads_share_a_body(tmp_path,
     ws = [torch.randn(12, 12, generator=g) for _ in range(3)]
 
     def fn(x, *ws):
-        for w in ws:  # [6, 12] -> pad rows -> [9, 12] -> crop back to 6 rows -> matmul
-            x = F.pad(torch.tanh(x * 0.5), (0, 0, 2, 1), value=-1.0)[1:7] @ w
+        for w in ws:  # [2, 6, 12] -> pad two outer dims -> [3, 9, 12] -> crop back -> matmul
+            x = F.pad(torch.tanh(x * 0.5), (0, 0, 2, 1, 1, 0), value=-1.0)[1:, 1:7] @ w
         return x
 
-    x = torch.randn(6, 12, generator=g)
+    x = torch.randn(2, 6, 12, generator=g)
     lowered = lower(make_fx(fn)(x, *ws))
     src = lowered.program.source
     assert lowered.program.num_kernels == 3 and src.count("chosen after its loads") == 1, src

@@ -79,6 +79,10 @@ AOTFUSE_RECOMPUTE_CHAINS=1  under AOTFUSE_RECOMPUTE_MATERIALIZED=auto, also reco
                        where that makes another one first (default 0: saved; a residual stream of
                        pointwise adds is then saved every other layer, not rebuilt whole at the
                        backward's start)
+AOTFUSE_CAT_WINDOWS=0  keep ATen's cat (default: where kernels are generated, a cat of 2 to 8
+                       floating inputs of one dtype and the contiguous format is a pad of the first
+                       and slice assignments of the others, windows a kernel computes its pointwise
+                       inputs in: Llama's rotary cat(-x2, x1) reads x; decompositions._cat_windows)
 
 The README's Configuration table lists every switch, these and the lowering's own
 (AOTFUSE_DECOMPOSE_LOSS, AOTFUSE_DECOMPOSE_NORMS, AOTFUSE_DECOMPOSE_ACTIVATIONS, AOTFUSE_SINK_COPIES, AOTFUSE_SINK_READS,

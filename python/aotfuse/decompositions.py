@@ -806,6 +806,49 @@ def _float32_table() -> dict:
             aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _flash_cpu_backward_wide}
 
 
+_CAT_MAX_INPUTS = 8  # each input is a window member of the kernel, and a piece of its split rows
+
+
+def _cat_windows(tensors, dim=0):
+    """cat(tensors, dim) as windows the fuser takes apart (fuse.c, af_fuse_window): the first input
+    padded with zeros to the whole length along dim, each later one a slice_scatter into it. The
+    cat is then a kernel that computes its pointwise inputs where it writes them (Llama's rotary
+    `cat((-x2, x1))` reads x, not a negated copy), instead of an ATen copy of values kernels stored
+    for it. Exact: every element is its input's, the zeros all overwritten. Taken where the result
+    is the cat's, layout included: 2 to 8 inputs of one floating dtype on one device with kernels,
+    none empty, the lengths along dim plain ints, every input of the contiguous memory format
+    (then ATen's cat and the pad both make a contiguous result)."""
+    from torch._prims_common import suggest_memory_format
+
+    tensors = list(tensors)
+    if not 2 <= len(tensors) <= _CAT_MAX_INPUTS:
+        return NotImplemented
+    first = tensors[0]
+    if not isinstance(first, torch.Tensor) or not first.dtype.is_floating_point or first.ndim == 0 \
+            or not config.kernels_for(first.device):
+        return NotImplemented
+    d = dim + first.ndim if dim < 0 else dim
+    if not 0 <= d < first.ndim:
+        return NotImplemented
+    lengths = []
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.dtype != first.dtype or t.device != first.device \
+                or t.ndim != first.ndim or suggest_memory_format(t) != torch.contiguous_format:
+            return NotImplemented
+        n = t.shape[d]
+        if not isinstance(n, int) or n <= 0 or any(isinstance(s, int) and s == 0 for s in t.shape):
+            return NotImplemented
+        lengths.append(n)
+    total = sum(lengths)
+    pad = [0, 0] * (first.ndim - 1 - d) + [0, total - lengths[0]]
+    out = aten.constant_pad_nd.default(first, pad, 0.0)
+    start = lengths[0]
+    for t, n in zip(tensors[1:], lengths[1:]):
+        out = aten.slice_scatter.default(out, t, d, start, start + n)
+        start += n
+    return out
+
+
 def _chain(first, then):
     """A decomposition trying `first`, then `then` (None: the op as it is)."""
     def decomposed(*args, **kwargs):
@@ -855,6 +898,8 @@ def default_decompositions(norms: bool | None = None, random: bool | None = None
     if config.fusion():
         table[aten.clamp.default] = _clamp
         table[aten.hardtanh.default] = _hardtanh
+        if config.switch("AOTFUSE_CAT_WINDOWS", True):
+            table[aten.cat.default] = _cat_windows
         if config.switch("AOTFUSE_DECOMPOSE_ACTIVATIONS", True):
             table.update(_activations_table())
     if loss:

@@ -1,7 +1,9 @@
 /* CMocka tests of csrc/codegen_c.c's window kernels (the CPU backend): a pad's row is split into
  * parts where its guard changes (emit_parts), each part's guard written as a constant, so the
- * kernel drops AF_GUARDED_LOADS and ends each row with AF_ROW_END; a guard on a dim before the
- * row is chosen after its loads (offset 0 where it fails); an empty input keeps the branch. The
+ * kernel drops AF_GUARDED_LOADS and ends each row with AF_ROW_END; a guard on one dim before the
+ * row splits the rows in parts (emit_row_parts), one comparison a row; a guard on a dim before the
+ * row beside one along it is chosen after its loads (offset 0 where it fails); an empty input is
+ * never loaded. The
  * values are checked against eager by tests/test_fusion.py; here the shape of the source, under
  * ASan+UBSan and valgrind like the other C tests. Also: a reduction over a strided dim runs
  * column-phased; one over N and the spatial dims nests its loops; a transposing pointwise kernel
@@ -73,15 +75,19 @@ static void test_a_padded_row_is_split_where_its_guard_changes(void **state) {
     free(src);
 }
 
-static void test_a_guard_the_row_does_not_move_is_chosen_after_its_loads(void **state) {
+static void test_a_guard_the_row_does_not_move_splits_the_rows(void **state) {
     (void)state;
-    int64_t pads[4] = {0, 0, 2, 1}; /* rows only */
+    int64_t pads[4] = {0, 0, 2, 1}; /* rows only: the rows in three parts, one comparison a row */
     char *src = pad_source(6, 37, pads, 4);
-    assert_non_null(strstr(src, "for (af_idx i = 0; i < 37; i++)"));
-    assert_non_null(strstr(src, "chosen after its loads"));
-    assert_non_null(strstr(src, "g2 ? ("));
+    assert_int_equal(count_of(src, "for (af_idx i = 0; i < 37; i++)"), 3);
+    assert_non_null(strstr(src, "if (b2 < 2) {")); /* b2: the coordinate operand, after x and the output */
+    assert_non_null(strstr(src, "} else if (b2 < 8) {"));
+    assert_int_equal(count_of(src, "outside its source"), 2); /* the padded rows: the fill alone */
+    assert_int_equal(count_of(src, "aten::mul.Tensor"), 1);   /* the source in the inside's part only */
+    assert_null(strstr(src, "chosen after its loads"));
     assert_null(strstr(src, "AF_GUARDED_LOADS void"));
     assert_null(strstr(src, "AF_GUARDED_LOADS AF_BODY"));
+    assert_int_equal(count_of(src, "AF_ROW_END;"), 1);
     free(src);
 }
 
@@ -102,8 +108,13 @@ static void test_an_empty_input_keeps_its_guarded_loads_as_branches(void **state
     int64_t pads[4] = {0, 0, 2, 1}; /* a pad of a [0, 37] value: offset 0 is no element */
     char *src = pad_source(0, 37, pads, 4);
     assert_null(strstr(src, "chosen after its loads"));
-    assert_non_null(strstr(src, "AF_GUARDED_LOADS"));
+    assert_null(strstr(src, "q0[")); /* its rows in parts: every row the fill, the input never read */
+    int64_t both[4] = {1, 0, 2, 1}; /* padded along the row too: the row split, the rows' guard a branch */
+    char *src2 = pad_source(0, 37, both, 4);
+    assert_null(strstr(src2, "chosen after its loads"));
+    assert_non_null(strstr(src2, "AF_GUARDED_LOADS"));
     free(src);
+    free(src2);
 }
 
 /* where(c, x, s) for each scalar s over a 16-bit x: the value needs no rounding where s is a value
@@ -324,7 +335,7 @@ int main(void) {
         cmocka_unit_test(test_a_transpose_far_both_ways_keeps_its_outputs_order),
         cmocka_unit_test(test_a_gather_and_a_scatter_cost_more_than_one_scatter),
         cmocka_unit_test(test_a_padded_row_is_split_where_its_guard_changes),
-        cmocka_unit_test(test_a_guard_the_row_does_not_move_is_chosen_after_its_loads),
+        cmocka_unit_test(test_a_guard_the_row_does_not_move_splits_the_rows),
         cmocka_unit_test(test_both_dims_padded_split_the_row_and_choose_the_rows),
         cmocka_unit_test(test_an_empty_input_keeps_its_guarded_loads_as_branches),
         cmocka_unit_test(test_a_16_bit_selection_of_16_bit_values_is_not_rounded_again),
