@@ -497,3 +497,18 @@ def test_float16_ops_benchmark_times_both_ways(capsys):
                                     "sdpa step"], rows
     for r in rows:
         assert len(r) == 4 and all(float(c) > 0 for c in r[1:]), r
+
+
+def test_cats_benchmark_times_both_ways(capsys):
+    """benchmarks/cats.py: a row per case and dtype with eager's time, ATen's cat's and the windows'
+    kernels and times, and their ratio; the windows make fewer kernels for the rotary cat."""
+    mod = _benchmark("cats")
+    mod.main(["--dtypes", "fp32,bf16", "--repeats", "2", "--scale", "0.1"])
+    rows = [r for r in _table_rows(capsys.readouterr().out) if r[0] != "case"]
+    assert len(rows) == 6 and [r[1] for r in rows] == ["fp32"] * 3 + ["bf16"] * 3, rows
+    for r in rows:
+        assert len(r) == 6 and float(r[2]) > 0 and float(r[5]) > 0, r
+        (k_aten, ms_aten), (k_win, ms_win) = [[float(v) for v in c.split(",")] for c in r[3:5]]
+        assert k_aten >= 1 and k_win >= 1 and ms_aten > 0 and ms_win > 0, r
+    rotary = [r for r in rows if r[0].startswith("rotary")]
+    assert all(r[3].startswith("2,") and r[4].startswith("1,") for r in rotary), rotary
