@@ -67,7 +67,7 @@ def _lowered(fn, args, windows: bool):
 
 
 def _time(fn, repeats: int) -> float:
-    for _ in range(3):
+    for _ in range(max(3, repeats // 10)):
         fn()
     times = []
     for _ in range(repeats):

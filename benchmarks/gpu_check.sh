@@ -5,8 +5,10 @@
 #
 # A lease is about 15 minutes, a machine's start included, so the check is cut into parts that two runs
 # can share:
-#   STEPS   comma-separated parts, run in this order: tests, fp32, bf16, diag, ab, profile, epilogues, fp16
-#           (default: all of them; fp16 last, so the short diagnostic parts are not starved by a bench)
+#   STEPS   comma-separated parts, run in this order: tests, fp32, bf16, diag, ab, profile, epilogues, fp16, tf32
+#           (default: all but tf32; fp16 last, so the short diagnostic parts are not starved by a bench;
+#           tf32: the fp32 table with TF32 matmuls for every contender, torch's default before 1.12 and so
+#           likely the seed's A100 conditions)
 #   BUDGET  seconds for the whole run (default 450): every part's timeout is cut to what is left, and a
 #           part that would get under 30 s is skipped
 #   TESTS   pytest node ids or files to run instead of the whole `-m cuda` subset (a rerun of failures)
@@ -71,12 +73,12 @@ fi
 # bench DTYPE BACKENDS: the seed table for one dtype; a (model, dtype) group takes up to ~100 s on a cold
 # machine (torch.compile's first step), so no new group starts in the last 100 s of its timeout
 bench() {
-  local t; t=$(cap 300)
-  echo "== seed benchmark $1 ($2; at $(( $(date +%s) - start )) s, timeout $t s)"
+  local t name="hf-cuda-$1${3:+-tf32}"; t=$(cap 300)
+  echo "== seed benchmark $1 ($2${3:+, TF32}; at $(( $(date +%s) - start )) s, timeout $t s)"
   PYTHONUNBUFFERED=1 timeout "$t" python3 -m aotfuse.bench --device cuda --models "$MODELS" --dtypes "$1" --backends "$2" \
-    --repeats 10 --time-budget $(( t > 130 ? t - 100 : 30 )) --no-progress --out-dir "$OUT" --name "hf-cuda-$1" \
-    > "$OUT/bench-$1.log" 2>&1
-  echo "bench $1 rc=$?"
+    --repeats 10 --time-budget $(( t > 130 ? t - 100 : 30 )) --no-progress --out-dir "$OUT" --name "$name" ${3:+--tf32} \
+    > "$OUT/bench-$1${3:+-tf32}.log" 2>&1
+  echo "bench $1${3:+ tf32} rc=$?"
 }
 # eager-sdpa: eager with torch's fused attention, no compile (seconds): how much of Inductor's 16-bit lead
 # is its attention rewrite (fuse_attention: SDPA on CUDA in fp16/bf16, not in fp32 without TF32)
@@ -120,6 +122,7 @@ if part epilogues 30; then
 fi
 
 part fp16 120 && bench fp16 eager,aotfuse,torch.compile
+part tf32 120 && bench fp32 eager,aotfuse,torch.compile tf32
 
 echo "== summary ($(( $(date +%s) - start )) s)"
 for f in "$OUT"/hf-cuda*.md; do [ -f "$f" ] && grep -E '^\| (model|[A-Za-z]+For|GPT2)' "$f" | cut -c1-220; done

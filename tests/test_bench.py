@@ -512,3 +512,21 @@ def test_cats_benchmark_times_both_ways(capsys):
         assert k_aten >= 1 and k_win >= 1 and ms_aten > 0 and ms_win > 0, r
     rotary = [r for r in rows if r[0].startswith("rotary")]
     assert all(r[3].startswith("2,") and r[4].startswith("1,") for r in rotary), rotary
+
+
+def test_tf32_flag_sets_torchs_switches_and_says_so(tmp_path):
+    """--tf32 (gpu_check.sh's tf32 part): torch's TF32 switches on for every contender, and the
+    results' notes say so; without it they stay as torch left them."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        bench.main(["--device", "cpu", "--size", "tiny", "--models", "BertForMaskedLM", "--dtypes", "fp32",
+                    "--backends", "eager", "--repeats", "1", "--warmup", "1", "--out-dir", str(tmp_path),
+                    "--name", "tf32", "--no-progress", "--tf32"])
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        assert "- TF32: every contender's CUDA float32 matmuls" in (tmp_path / "tf32.md").read_text()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+    bench.main(["--device", "cpu", "--size", "tiny", "--models", "BertForMaskedLM", "--dtypes", "fp32",
+                "--backends", "eager", "--repeats", "1", "--warmup", "1", "--out-dir", str(tmp_path),
+                "--name", "plain", "--no-progress"])
+    assert "TF32" not in (tmp_path / "plain.md").read_text()

@@ -429,6 +429,7 @@ class Settings:
     attention_mask: bool = False
     gradient_checkpointing: bool = False  # every contender's model checkpoints each layer
     aotfuse_fallback: str = "eager"  # memory_efficient_fusion(fallback=...) where capture fails
+    tf32: bool = False  # CUDA float32 matmuls and convolutions on TF32 tensor cores, for every contender
     load: tuple[float, float] | None = None  # 1-minute load average at start and end (CPU noise)
 
 
@@ -709,6 +710,9 @@ def write_results(results: list[Result], descriptions: list[str], out_dir: str, 
            "use_reentrant=False): the eager reference recomputes each layer too" if settings.gradient_checkpointing
            else "") + "):",
     ]
+    if settings.tf32:
+        notes.insert(-1, "- TF32: every contender's CUDA float32 matmuls and convolutions on TF32 tensor cores "
+                         "(torch.backends.cuda.matmul.allow_tf32 and cudnn.allow_tf32; torch's default before 1.12).")
     notes += [f"  - {d}" for d in descriptions]
     if any(r.model == "GPT2LMHeadModel" for r in results):
         notes.append("- GPT2LMHeadModel keeps its config default use_cache=True (as the seed): its outputs also "
@@ -822,6 +826,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out-dir", default=os.path.join("benchmarks", "results"))
     ap.add_argument("--name", default=None, help="file stem (default hf-<device>-<date>)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--tf32", action="store_true",
+                    help="CUDA: let every contender's float32 matmuls and convolutions use TF32 tensor cores "
+                         "(torch's default before 1.12, so likely the seed's A100 conditions; off by default)")
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds after which no new (model, dtype) group starts; results are written after "
                          "every group either way")
@@ -849,10 +856,14 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     backends = ["eager"] + [b for b in args.backends if b != "eager"]
     settings = Settings(device=args.device, size=args.size, repeats=args.repeats, warmup=args.warmup,
                         attn=args.attn, dropout=args.dropout, attention_mask=args.attention_mask,
-                        gradient_checkpointing=args.gradient_checkpointing, aotfuse_fallback=args.aotfuse_fallback)
+                        gradient_checkpointing=args.gradient_checkpointing, aotfuse_fallback=args.aotfuse_fallback,
+                        tf32=args.tf32)
     load_start = _load()
     def partial(rows: list, descs: list) -> None:
         write_results(rows, descs, args.out_dir, settings, stem=args.name)
