@@ -293,7 +293,7 @@ def _chunk(graph: fx.Graph, g: fx.Node, readers: tuple[list, list, list], region
 
 
 def _rows(call: Any, x: fx.Node, lo: int, hi: int, dim: int = 0) -> fx.Node:
-    """Rows lo:hi (dim 1: columns) of the 2-d x; where x is a float32 conversion (a 16-bit weight its
+    """Rows lo:hi (dim 1: columns) of x (2-d, or a 1-d bias); where x is a float32 conversion (a 16-bit weight its
     matmuls read in float32, decompositions._float32_table), through transposes, the conversion of its
     source's slice: the whole weight is never converted (Bert's [8192 x 256] float16 head: 8.4 MB in
     float32)."""
@@ -369,7 +369,7 @@ def _chunk_head(graph: fx.Graph, mm: fx.Node, narrow: fx.Node, k: int) -> bool:
                 if bias is None:
                     part = call(aten.mm.default, (a, cols))
                 else:
-                    part = call(aten.addmm.default, (_slice_1d(call, bias, lo, hi), a, cols))
+                    part = call(aten.addmm.default, (_rows(call, bias, lo, hi), a, cols))
                 parts.append(call(aten._to_copy.default, (part,), dict(narrow.kwargs)))
             joined = call(aten.cat.default, (parts, 1))
     except Exception:  # a layout the fake values refuse: keep the graph as traced
@@ -393,14 +393,6 @@ def _chunk_head(graph: fx.Graph, mm: fx.Node, narrow: fx.Node, k: int) -> bool:
             graph.erase_node(n)
             n = src
     return True
-
-
-def _slice_1d(call: Any, x: fx.Node, lo: int, hi: int) -> fx.Node:
-    """x[lo:hi] of a 1-d x; of a float32 conversion's source, converted, where x is one."""
-    if (x.op == "call_function" and x.target is aten._to_copy.default and len(x.args) == 1
-            and set(x.kwargs) == {"dtype"} and isinstance(x.args[0], fx.Node)):
-        return call(aten._to_copy.default, (call(aten.slice.Tensor, (x.args[0], 0, lo, hi)),), dict(x.kwargs))
-    return call(aten.slice.Tensor, (x, 0, lo, hi))
 
 
 def _narrowing(mm: fx.Node) -> fx.Node | None:
