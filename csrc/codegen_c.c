@@ -978,24 +978,53 @@ static int32_t split_dim(const af_graph *g, const af_fusion_group *grp, const af
     return -1;
 }
 
-/* A window kernel's inner loop in parts, split where its windows' guards on iteration dim `dim`
- * change, each part's body with the guards its range decides written as constants
- * (af_cg_part): a padded row's inside then has no branch and vectorizes (Longformer's banded
- * softmax kernel, [8, 8, 32, 98] in bf16, 0.98 -> 0.22 ms). Parts are emitted until no part
- * leaves a new cut; at most AF_CG_MAX_CUTS cuts. Into loop: the loops, inside the outer loop's
- * body (one part where no guard moves along the row: its guards, the same along it, choose
- * after their loads); returns how many window sources stay behind a comparison (none: no
- * AF_GUARDED_LOADS), or -1 where there were too many cuts (loop left empty). */
-static int32_t emit_parts(af_strbuf *loop, const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp, int32_t dim) {
-    int64_t at[AF_CG_MAX_CUTS + 2] = {0, sp->sizes[sp->nd - 1]};
+/* For a window kernel whose guards all lie on one outer dim (no guard moves along the row: a cat
+ * along a dim before the last, as windows): that dim's iteration dim, its coordinate operand's
+ * index in *coord; -1 where there are none or several, or an explicit frame. */
+static int32_t row_split_dim(const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp, int32_t *coord) {
+    int32_t k = grp->n_inputs + grp->n_outputs;
+    if (sp->nops != k + 1 || af_cg_explicit(g, grp) || sp->strides[k][sp->nd - 1] != 0) return -1;
+    const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
+    for (int32_t d = 0; d < iter->ndim; d++)
+        if (sp->ops[k].strides[d] == 1) {
+            *coord = k;
+            return d;
+        }
+    return -1;
+}
+
+/* A window kernel's loops in parts, split where its windows' guards on iteration dim `dim`
+ * change, each part's body with the guards its range decides written as constants (af_cg_part).
+ * With coord < 0 the parts are ranges of the inner loop, which runs over dim: a padded row's
+ * inside then has no branch and vectorizes (Longformer's banded softmax kernel, [8, 8, 32, 98] in
+ * bf16, 0.98 -> 0.22 ms); dim -1 gives one part where no guard moves along the row (its guards,
+ * the same along it, choose after their loads). With coord >= 0 (row_split_dim) dim is a dim before
+ * the row and the parts are ranges of rows, each a whole inner loop (loop_prefix before its `for`),
+ * chosen by one comparison a row on coordinate operand coord's row offset: before, every element
+ * computed each window's source and chose after (a cat of exp, tanh and a product along dim 1: all
+ * three, 8.3x the time of the row parts). Parts are emitted until no part leaves a new cut; at most
+ * AF_CG_MAX_CUTS cuts. Into loop: the loops, inside the outer loop's body; returns how many window
+ * sources stay behind a comparison (none: no AF_GUARDED_LOADS), or -1 where there were too many
+ * cuts (loop left empty). */
+static int32_t emit_parts(af_strbuf *loop, const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp, int32_t dim,
+                          int32_t coord, const char *loop_prefix) {
+    int rows = coord >= 0;
+    int64_t inner = sp->sizes[sp->nd - 1];
+    int64_t at[AF_CG_MAX_CUTS + 2] = {0, rows ? af_graph_value(g, grp->iter_value)->meta.sizes[dim] : inner};
     int32_t n_at = 2;
     for (int round = 0; round <= AF_CG_MAX_CUTS; round++) {
         af_strbuf text = {0};
         int32_t guarded = 0;
         int grew = 0, overflow = 0;
         for (int32_t j = 0; j + 1 < n_at; j++) {
-            af_cg_part part = {.dim = dim, .lo = at[j], .hi = at[j + 1]};
-            af_strbuf_printf(&text, "    for (af_idx i = %" PRId64 "; i < %" PRId64 "; i++) {\n", part.lo, part.hi);
+            af_cg_part part = {.dim = dim, .lo = at[j], .hi = at[j + 1], .row = rows};
+            if (rows && n_at > 2) {
+                if (j == 0) af_strbuf_printf(&text, "    if (b%d < %" PRId64 ") {\n", (int)coord, part.hi);
+                else if (j + 2 < n_at) af_strbuf_printf(&text, "    } else if (b%d < %" PRId64 ") {\n", (int)coord, part.hi);
+                else af_strbuf_printf(&text, "    } else {\n");
+            }
+            if (rows) af_strbuf_printf(&text, "%sfor (af_idx i = 0; i < %" PRId64 "; i++) {\n", loop_prefix, inner);
+            else af_strbuf_printf(&text, "    for (af_idx i = %" PRId64 "; i < %" PRId64 "; i++) {\n", part.lo, part.hi);
             for (int32_t k = 0; k < sp->nops; k++)
                 af_strbuf_printf(&text, "      af_idx o%d = b%d + i * %" PRId64 ";\n", (int)k, (int)k, sp->strides[k][sp->nd - 1]);
             af_cg_emit_body_part(&text, g, grp, sp->ops, &part);
@@ -1022,79 +1051,7 @@ static int32_t emit_parts(af_strbuf *loop, const af_graph *g, const af_fusion_gr
             return -1;
         }
         if (!grew) {
-            *loop = text;
-            return guarded;
-        }
-        free(text.buf);
-    }
-    return -1;
-}
-
-/* For a window kernel whose guards all lie on one outer dim (no guard moves along the row: a cat
- * along a dim before the last, as windows): that dim's iteration dim, its coordinate operand's
- * index in *coord; -1 where there are none or several, or an explicit frame. */
-static int32_t row_split_dim(const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp, int32_t *coord) {
-    int32_t k = grp->n_inputs + grp->n_outputs;
-    if (sp->nops != k + 1 || af_cg_explicit(g, grp) || sp->strides[k][sp->nd - 1] != 0) return -1;
-    const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
-    for (int32_t d = 0; d < iter->ndim; d++)
-        if (sp->ops[k].strides[d] == 1) {
-            *coord = k;
-            return d;
-        }
-    return -1;
-}
-
-/* A window kernel's rows in parts, split where its windows' guards on outer iteration dim `dim`
- * change (the coordinate operand `coord`'s row offset is the row's coordinate): each part an inner
- * loop whose body has the guards its rows decide as constants (af_cg_part, row), chosen by one
- * comparison a row. Without it every element computed each window's source and chose after
- * (a cat of exp, tanh and a product along dim 1: all three, 8.3x the time of the split rows).
- * Returns as emit_parts, the loops inside the outer loop's body. */
-static int32_t emit_row_parts(af_strbuf *loop, const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp, int32_t dim,
-                              int32_t coord, const char *loop_prefix) {
-    const af_tensor_meta *iter = &af_graph_value(g, grp->iter_value)->meta;
-    int64_t at[AF_CG_MAX_CUTS + 2] = {0, iter->sizes[dim]};
-    int32_t n_at = 2;
-    for (int round = 0; round <= AF_CG_MAX_CUTS; round++) {
-        af_strbuf text = {0};
-        int32_t guarded = 0;
-        int grew = 0, overflow = 0;
-        for (int32_t j = 0; j + 1 < n_at; j++) {
-            af_cg_part part = {.dim = dim, .lo = at[j], .hi = at[j + 1], .row = 1};
-            if (n_at > 2) {
-                if (j == 0) af_strbuf_printf(&text, "    if (b%d < %" PRId64 ") {\n", (int)coord, part.hi);
-                else if (j + 2 < n_at) af_strbuf_printf(&text, "    } else if (b%d < %" PRId64 ") {\n", (int)coord, part.hi);
-                else af_strbuf_printf(&text, "    } else {\n");
-            }
-            af_strbuf_printf(&text, "%sfor (af_idx i = 0; i < %" PRId64 "; i++) {\n", loop_prefix, sp->sizes[sp->nd - 1]);
-            for (int32_t k = 0; k < sp->nops; k++)
-                af_strbuf_printf(&text, "      af_idx o%d = b%d + i * %" PRId64 ";\n", (int)k, (int)k, sp->strides[k][sp->nd - 1]);
-            af_cg_emit_body_part(&text, g, grp, sp->ops, &part);
-            af_strbuf_printf(&text, "    }\n");
-            guarded += part.guarded_loads;
-            overflow |= part.overflow;
-            for (int32_t c = 0; c < part.n_cuts && !overflow; c++) { /* into the sorted cuts */
-                if (n_at == AF_CG_MAX_CUTS + 2) {
-                    overflow = 1;
-                    break;
-                }
-                int32_t q = n_at;
-                while (at[q - 1] > part.cuts[c]) {
-                    at[q] = at[q - 1];
-                    q--;
-                }
-                at[q] = part.cuts[c];
-                n_at++;
-                grew = 1;
-            }
-        }
-        if (n_at > 2 && !grew) af_strbuf_printf(&text, "    }\n");
-        if (overflow) {
-            free(text.buf);
-            return -1;
-        }
-        if (!grew) {
+            if (rows && n_at > 2) af_strbuf_printf(&text, "    }\n");
             *loop = text;
             return guarded;
         }
@@ -1122,8 +1079,8 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
     char loop_prefix[64];
     snprintf(loop_prefix, sizeof loop_prefix, "%s    %s", ivdep, small_loop(inner));
     af_strbuf loop = {0};
-    int32_t guarded_loads = row_dim >= 0 ? emit_row_parts(&loop, g, grp, &sp, row_dim, coord, loop_prefix) : -1;
-    if (guarded_loads < 0 && loop.len == 0 && dim >= -1) guarded_loads = emit_parts(&loop, g, grp, &sp, dim);
+    int32_t guarded_loads = row_dim >= 0 ? emit_parts(&loop, g, grp, &sp, row_dim, coord, loop_prefix) : -1;
+    if (guarded_loads < 0 && loop.len == 0 && dim >= -1) guarded_loads = emit_parts(&loop, g, grp, &sp, dim, -1, "");
     if (guarded_loads < 0) guarded_loads = af_cg_has_guarded_load(g, grp);
     af_strbuf_printf(sb, "%svoid af_kernel_%d(char *const *p) {\n", guarded_loads ? "AF_GUARDED_LOADS " : "", (int)index);
     af_strbuf_printf(sb, "  typedef %s af_idx; /* index math: 32-bit where every offset fits */\n", af_cg_narrow_index(&sp) ? "int32_t" : "int64_t");

@@ -971,7 +971,7 @@ static int rounded_bf16(const af_graph *g, const af_fusion_group *grp, int32_t v
 /* Whether bf16 value v holds a bf16 number exactly: a rounded member (rounded_bf16), an input
  * (loaded from bf16 storage), or a window's value whose source and base are (its fill is rounded
  * as its dtype holds it: emit_scalar). A cat's windows copying bf16 inputs then store the bits
- * (GPT2's q, k, v gradients joined: 0.097 -> 0.064 ms at [4, 128, 768]). */
+ * (GPT2's q, k, v gradients joined in bf16: 0.097 -> 0.049 ms at [4, 128, 768]). */
 static int exact_bf16(const af_graph *g, const af_fusion_group *grp, int32_t v, int depth) {
     if (rounded_bf16(g, grp, v)) return 1;
     const af_value *val = af_graph_value(g, v);

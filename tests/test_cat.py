@@ -1,7 +1,7 @@
 """aten.cat as windows (decompositions._cat_windows): the first input padded to the whole length,
 each later one a slice_scatter into it, so a cat is a fused kernel that computes its pointwise
 inputs where it writes them; the rows of a kernel whose guards all lie on one outer dim split
-where they change (codegen_c.c, emit_row_parts); a window's source read through a reshape whose
+where they change (codegen_c.c, emit_parts over rows); a window's source read through a reshape whose
 rows cross the source's rows is not computed in the window's kernel (fuse.c, view_chain)."""
 import re
 

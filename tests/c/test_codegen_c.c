@@ -1,7 +1,7 @@
 /* CMocka tests of csrc/codegen_c.c's window kernels (the CPU backend): a pad's row is split into
  * parts where its guard changes (emit_parts), each part's guard written as a constant, so the
  * kernel drops AF_GUARDED_LOADS and ends each row with AF_ROW_END; a guard on one dim before the
- * row splits the rows in parts (emit_row_parts), one comparison a row; a guard on a dim before the
+ * row splits the rows in parts (emit_parts over rows), one comparison a row; a guard on a dim before the
  * row beside one along it is chosen after its loads (offset 0 where it fails); an empty input is
  * never loaded. The
  * values are checked against eager by tests/test_fusion.py; here the shape of the source, under
