@@ -25,7 +25,9 @@ def _lowered(fn, *args):
     return lower(make_fx(fn, decomposition_table=default_decompositions(norms=True), tracing_mode="fake")(*args))
 
 
-def _externs(low) -> list[str]:
+def _ops(low) -> list[str]:
+    """Every ATen op the program's steps name, kernel members and ATen calls alike (a cat is never a
+    kernel member: where one is named, it is an ATen call)."""
     return re.findall(r"= (aten::\w+)\.", str(low.program))
 
 
@@ -47,7 +49,7 @@ def test_rotary_cat_is_one_kernel_with_eagers_values(dtype):
     operations in the same order as eager: its values to the bit."""
     args = _rotary_inputs(dtype)
     low = _lowered(_rotary, *args)
-    assert low.program.num_kernels == 1 and "aten::cat" not in _externs(low), str(low.program)
+    assert low.program.num_kernels == 1 and "aten::cat" not in _ops(low), str(low.program)
     src = low.program.source
     loops = re.findall(r"for \(af_idx i = (\d+); i < (\d+); i\+\+\)", src)
     assert loops == [("0", "32"), ("32", "64")], src
@@ -69,7 +71,7 @@ def test_cat_along_an_outer_dim_splits_the_rows(dtype):
     element computed all three and chose: 8.3x the time). Eager's values, and float64's."""
     x = torch.randn(4, 8, 16, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
     low = _lowered(_outer, x)
-    assert low.program.num_kernels == 1 and "aten::cat" not in _externs(low), str(low.program)
+    assert low.program.num_kernels == 1 and "aten::cat" not in _ops(low), str(low.program)
     src = low.program.source
     assert re.search(r"if \(b\d+ < 8\) \{", src) and re.search(r"\} else if \(b\d+ < 10\) \{", src), src
     assert src.count("af_exp(v") == 1 and src.count("af_tanh(v") == 1 and "chosen after its loads" not in src, src
@@ -98,7 +100,7 @@ def test_inputs_read_through_a_reshape_of_rows_are_copied_first(dtype):
     args = [torch.randn(2, 4, 16, 8, generator=g).to(dtype) for _ in range(3)]
     low = _lowered(_heads_joined, *args)
     src = low.program.source
-    assert "aten::cat" not in _externs(low) and low.program.num_kernels == 4, str(low.program)
+    assert "aten::cat" not in _ops(low) and low.program.num_kernels == 4, str(low.program)
     assert not re.search(r"[/%] 8;", src), src
     if dtype == torch.bfloat16:  # bf16 values copied: the bits stored, no rounding (codegen_common.c, exact_bf16)
         assert not re.search(r"\] = af_bf16_store\(", src) and re.search(r"\] = af_bf16_bits\(", src), src
@@ -130,7 +132,7 @@ def test_cats_the_windows_do_not_take_stay_atens(case):
     or for integers, the cat stays ATen's: eager's values and strides."""
     args = _kept_cases()[case]
     low = _lowered(_cat_of, *args)
-    assert "aten::cat" in _externs(low), (case, str(low.program))
+    assert "aten::cat" in _ops(low), (case, str(low.program))
     (got,), (ref,) = low(list(args)), _cat_of(*args)
     assert got.dtype == ref.dtype and got.stride() == ref.stride(), case
     assert_close(got, ref, case, atol=0, rtol=0)
@@ -140,7 +142,7 @@ def test_the_switch_off_keeps_atens_cat(monkeypatch):
     monkeypatch.setenv("AOTFUSE_CAT_WINDOWS", "0")
     args = _rotary_inputs(torch.float32)
     low = _lowered(_rotary, *args)
-    assert "aten::cat" in _externs(low) and low.program.num_kernels == 2, str(low.program)
+    assert "aten::cat" in _ops(low) and low.program.num_kernels == 2, str(low.program)
     assert_close(low(list(args))[0], _rotary(*args)[0], "rotary, switch off", atol=0, rtol=0)
 
 
