@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
-import time
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from aotfuse.bench import median_ms
 from aotfuse.decompositions import default_decompositions
 from aotfuse.lower import lower
 
@@ -66,17 +65,6 @@ def _lowered(fn, args, windows: bool):
     return lower(make_fx(fn, decomposition_table=table, tracing_mode="fake")(*args))
 
 
-def _time(fn, repeats: int) -> float:
-    for _ in range(max(3, repeats // 10)):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default="fp32,bf16")
@@ -98,8 +86,9 @@ def main(argv=None) -> None:
                 got = l(list(args))[0]
                 if not torch.allclose(got.float(), ref.float(), atol=1e-2, rtol=1e-2):
                     raise SystemExit(f"{case} {name}: windows={w} differs from eager")
-            ms = {w: _time(lambda l=l: l(list(args)), a.repeats) for w, l in low.items()}
-            eager = _time(lambda: fn(*args), a.repeats)
+            warm = max(3, a.repeats // 10)
+            ms = {w: median_ms(lambda l=l: l(list(args)), a.repeats, warm) for w, l in low.items()}
+            eager = median_ms(lambda: fn(*args), a.repeats, warm)
             print(f"| {case} | {name} | {eager:.4f} | {low[False].program.num_kernels}, {ms[False]:.4f} | "
                   f"{low[True].program.num_kernels}, {ms[True]:.4f} | {ms[True] / ms[False]:.2f} |")
 

@@ -13,21 +13,11 @@ float32 call do, the conversions as separate ATen calls here). --scale shrinks t
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
-
-def _time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+from aotfuse.bench import median_ms
 
 
 def _cases(dtype: torch.dtype, scale: float):
@@ -76,7 +66,7 @@ def main(argv=None) -> None:
     print("| op | 16-bit (ms) | float32 with conversions (ms) | 16-bit / float32 |")
     print("|---|---|---|---|")
     for name, narrow, wide in _cases(dtype, args.scale):
-        t16, t32 = _time(narrow, args.repeats), _time(wide, args.repeats)
+        t16, t32 = median_ms(narrow, args.repeats), median_ms(wide, args.repeats)
         print(f"| {name} | {t16:.2f} | {t32:.2f} | {t16 / t32:.1f} |")
 
 

@@ -158,6 +158,19 @@ def build_model(name: str, size: str, dtype: torch.dtype, device: str, attn: str
     return model, inputs, desc
 
 
+def median_ms(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    """The median of `repeats` timed calls of fn, in ms, after `warmup` untimed ones (the micro
+    benchmarks under benchmarks/: float16_ops.py, cats.py)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
 # ---------------------------------------------------------------- contenders
 
 @dataclasses.dataclass
