@@ -230,6 +230,79 @@ static int exact_16(const af_graph *g, const af_node *n, af_dtype d) {
     return 1;
 }
 
+/* What is known of a value's sign wherever it is not NaN: AF_SIGN_NONNEG (>= 0), AF_SIGN_NONPOS
+ * (<= 0), both for zeros, neither when unknown. Read from the value's producers, up to `depth` of
+ * them: squares, negations, products, sums and differences of values of known sign, a float
+ * conversion (rounding never crosses zero), exp, abs, sqrt, relu and sigmoid, maxima and minima,
+ * and a softmax's `x - amax(x, dims, keepdim=True)`, never above 0 as every element of x is at
+ * most its slice's max (NaN where x holds one: amax is NaN then). Division is not read (x / -0.0
+ * flips a sign). A value is a member's whatever its group: the facts are the graph's. */
+enum { AF_SIGN_NONNEG = 1, AF_SIGN_NONPOS = 2 };
+
+static int value_sign(const af_graph *g, int32_t v, int depth);
+
+static int arg_sign(const af_graph *g, const af_arg *a, int depth) {
+    if (a->kind == AF_ARG_FLOAT) return (a->u.f >= 0.0 ? AF_SIGN_NONNEG : 0) | (a->u.f <= 0.0 ? AF_SIGN_NONPOS : 0);
+    if (a->kind == AF_ARG_INT || a->kind == AF_ARG_BOOL)
+        return (a->u.i >= 0 ? AF_SIGN_NONNEG : 0) | (a->u.i <= 0 ? AF_SIGN_NONPOS : 0);
+    return a->kind == AF_ARG_VALUE ? value_sign(g, a->u.value, depth) : 0;
+}
+
+static int flip_sign(int s) { return ((s & AF_SIGN_NONNEG) ? AF_SIGN_NONPOS : 0) | ((s & AF_SIGN_NONPOS) ? AF_SIGN_NONNEG : 0); }
+
+static int is_float_dtype(af_dtype d) {
+    return d == AF_DTYPE_FLOAT32 || d == AF_DTYPE_FLOAT64 || d == AF_DTYPE_FLOAT16 || d == AF_DTYPE_BFLOAT16;
+}
+
+/* Whether value b is amax(a, dims, keepdim=True): a's rank, so it broadcasts back along the dims it
+ * reduced (a view between them is a node of its own, and not read here). */
+static int is_keepdim_amax_of(const af_graph *g, int32_t b, int32_t a) {
+    const af_value *vb = af_graph_value(g, b);
+    if (!vb || vb->producer < 0) return 0;
+    const af_node *m = af_graph_node(g, vb->producer);
+    return m->op_id == AF_OP_AMAX && m->n_args >= 1 && m->args[0].kind == AF_ARG_VALUE && m->args[0].u.value == a &&
+           vb->meta.ndim == af_graph_value(g, a)->meta.ndim;
+}
+
+static int value_sign(const af_graph *g, int32_t v, int depth) {
+    const af_value *val = af_graph_value(g, v);
+    if (!val || val->producer < 0 || depth <= 0 || !is_float_dtype(val->meta.dtype)) return 0;
+    const af_node *n = af_graph_node(g, val->producer);
+    if (n->n_args < 1 || af_fuse_window(g, val->producer, NULL)) return 0; /* a window's fill is not its op's */
+    const af_arg *a = &n->args[0], *b = n->n_args >= 2 ? &n->args[1] : NULL;
+    int positional2 = n->n_args == 2 && !a->name && !b->name;
+    depth--;
+    switch (n->op_id) {
+    case AF_OP_NEG: return flip_sign(arg_sign(g, a, depth));
+    case AF_OP_ABS: case AF_OP_EXP: case AF_OP_SQRT: case AF_OP_RELU: case AF_OP_SIGMOID: return AF_SIGN_NONNEG;
+    case AF_OP_TO_COPY: case AF_OP_CONVERT_ELEMENT_TYPE: case AF_OP_CLONE:
+        return a->kind == AF_ARG_VALUE && is_float_dtype(af_graph_value(g, a->u.value)->meta.dtype) ? arg_sign(g, a, depth)
+                                                                                                      : 0;
+    case AF_OP_MUL: {
+        if (!positional2) return 0;
+        if (a->kind == AF_ARG_VALUE && b->kind == AF_ARG_VALUE && a->u.value == b->u.value) return AF_SIGN_NONNEG;
+        int sa = arg_sign(g, a, depth), sb = sa ? arg_sign(g, b, depth) : 0;
+        return ((((sa & AF_SIGN_NONNEG) && (sb & AF_SIGN_NONNEG)) || ((sa & AF_SIGN_NONPOS) && (sb & AF_SIGN_NONPOS))) ? AF_SIGN_NONNEG : 0) |
+               ((((sa & AF_SIGN_NONNEG) && (sb & AF_SIGN_NONPOS)) || ((sa & AF_SIGN_NONPOS) && (sb & AF_SIGN_NONNEG))) ? AF_SIGN_NONPOS : 0);
+    }
+    case AF_OP_ADD:
+        return positional2 ? arg_sign(g, a, depth) & arg_sign(g, b, depth) : 0;
+    case AF_OP_SUB:
+        if (!positional2) return 0;
+        if (a->kind == AF_ARG_VALUE && b->kind == AF_ARG_VALUE && is_keepdim_amax_of(g, b->u.value, a->u.value))
+            return AF_SIGN_NONPOS;
+        return arg_sign(g, a, depth) & flip_sign(arg_sign(g, b, depth));
+    case AF_OP_MAXIMUM: case AF_OP_CLAMP_MIN: case AF_OP_MINIMUM: case AF_OP_CLAMP_MAX: {
+        /* NaN-propagating: a max is at least each argument, a min at most */
+        if (!positional2) return 0;
+        int sa = arg_sign(g, a, depth), sb = arg_sign(g, b, depth);
+        int up = n->op_id == AF_OP_MAXIMUM || n->op_id == AF_OP_CLAMP_MIN ? AF_SIGN_NONNEG : AF_SIGN_NONPOS;
+        return ((sa | sb) & up) | (sa & sb & ~up);
+    }
+    default: return 0;
+    }
+}
+
 /* `float v<out> = <the op's C expression>;`, rounded as if stored for 16-bit and bool outputs;
  * recip >= 0: a division by the row value recip, as a product with its reciprocal (row_divisor). */
 static void emit_pointwise(af_strbuf *sb, const af_graph *g, const af_node *n, const char *indent, int32_t recip) {
@@ -250,6 +323,11 @@ static void emit_pointwise(af_strbuf *sb, const af_graph *g, const af_node *n, c
      * a tensor's exponents go through pow itself, as ATen's (pow(-inf, 0.5) is inf) */
     const char *expr = n->op_id == AF_OP_POW && n->n_args >= 2 && n->args[1].kind == AF_ARG_VALUE ? "powf($0, $1)"
                                                                                                 : info->c_expr;
+    /* exp of an argument never above 0 (a softmax's shifted logits, GELU's -x^2 / 2): the prelude's
+     * exp without the overflow side, the same value (CUDA: expf either way) */
+    if (n->op_id == AF_OP_EXP && n->n_args >= 1 && n->args[0].kind == AF_ARG_VALUE &&
+        (value_sign(g, n->args[0].u.value, 8) & AF_SIGN_NONPOS))
+        expr = "af_exp_nonpos($0)";
     if (recip >= 0) af_strbuf_printf(sb, "(v%d * rc%d)", (int)n->args[0].u.value, (int)recip);
     else for (const char *e = expr; *e; e++) {
         if (e[0] == '$' && e[1] >= '0' && e[1] <= '9') {

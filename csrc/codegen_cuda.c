@@ -43,6 +43,7 @@ static const char *const prelude =
     "static __device__ __forceinline__ uint16_t af_bf16_bits(float f) { return (uint16_t)(__float_as_uint(f) >> 16); }\n"
     "static __device__ __forceinline__ float af_f16_round(float f) { return af_f16_load(af_f16_store(f)); }\n"
     "static __device__ __forceinline__ float af_exp(float x) { return expf(x); }\n"
+    "static __device__ __forceinline__ float af_exp_nonpos(float x) { return expf(x); }\n"
     "static __device__ __forceinline__ float af_erf(float x) { return erff(x); }\n"
     "static __device__ __forceinline__ float af_erf1p(float x) { return 1.0f + erff(x); }\n"
     "static __device__ __forceinline__ float af_tanh(float x) { return tanhf(x); }\n"

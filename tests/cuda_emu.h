@@ -72,6 +72,7 @@ static inline float af_bf16_round(float f) { return af_bf16_load(af_bf16_store(f
 static inline uint16_t af_bf16_bits(float f) { return (uint16_t)(__float_as_uint(f) >> 16); }
 static inline float af_f16_round(float f) { return af_f16_load(af_f16_store(f)); }
 static inline float af_exp(float x) { return expf(x); }
+static inline float af_exp_nonpos(float x) { return expf(x); }
 static inline float af_erf(float x) { return erff(x); }
 static inline float af_erf1p(float x) { return 1.0f + erff(x); }
 static inline float af_tanh(float x) { return tanhf(x); }

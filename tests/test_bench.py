@@ -432,6 +432,27 @@ def test_erf_check_measures_erf1p_against_one_plus_erf():
     assert crude["other_error"] > 1e-4 and crude["differ"] > 0, crude
 
 
+def test_exp_check_measures_af_exp_and_its_nonpositive_side(monkeypatch):
+    """benchmarks/exp_check.py builds the prelude's af_exp and af_exp_nonpos (taken from
+    csrc/codegen_c.c): every 4099th float's exp within 1.5 ulp of double's, special values right, and
+    af_exp_nonpos's bits af_exp's at every float checked at most 0 and NaN; an af_exp_nonpos that adds
+    2^n to y's bits (NaN's n is INT_MIN, so NaN came out a number) is caught."""
+    exp_check = _benchmark("exp_check")
+    r = exp_check.main(["--stride", "4099"])
+    assert 0 < r["ulp"] <= 1.5 and r["special_failures"] == 0, r
+    assert r["nonpos_checked"] > 500_000 and r["nonpos_differ"] == 0 and r["ns"] > 0 and r["nonpos_ns"] > 0, r
+    prelude_function = exp_check.prelude_function
+    broken = ("AF_INLINE float af_exp_nonpos(float x) {\n  float xc = x < -104.0f ? -104.0f : x;\n"
+              "  float n = floorf(AF_FMA(xc, 1.44269504088896341f, 0.5f));\n  float r = AF_FMA(n, -0.693359375f, xc);\n"
+              "  r = AF_FMA(n, 2.12194440e-4f, r);\n  float y = af_exp_poly(r) + 1.0f;\n"
+              "  uint32_t u; memcpy(&u, &y, 4); u += (uint32_t)((int32_t)n + 64) << 23; memcpy(&y, &u, 4);\n"
+              "  return y * 5.42101086242752217e-20f;\n}\n")
+    monkeypatch.setattr(exp_check, "prelude_function",
+                        lambda source, name: broken if name == "af_exp_nonpos" else prelude_function(source, name))
+    bad = exp_check.main(["--stride", "4099"])
+    assert bad["nonpos_differ"] > 0, bad
+
+
 def test_libm_check_measures_the_kernels_functions_against_double_libm():
     """benchmarks/libm_check.py builds the prelude's own log, log2, log10, log1p, expm1, sin and cos
     (taken from csrc/codegen_c.c): every 4099th float within 2 ulp of double libm's, every special value

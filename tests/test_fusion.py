@@ -591,8 +591,9 @@ def test_reduction_epilogues_run_in_one_phased_kernel(case, dtype):
     assert f"{phases} phases)" in src, src[-3000:]
     assert "/* phase 1 */" in src
     if case in ("softmax", "softmax_backward"):  # exp is kept from its pass, not evaluated again
-        kernel = src[src.index("/* group 0"):]
-        assert "aten::exp.default, cached */" in kernel and kernel.count("af_exp(") == 1, kernel
+        kernel = src[src.index("/* group 0"):]  # (of x - amax(x), never above 0: af_exp_nonpos)
+        assert "aten::exp.default, cached */" in kernel and kernel.count("af_exp_nonpos(") == 1, kernel
+        assert "af_exp(" not in kernel, kernel
 
 
 @pytest.mark.parametrize("env,decomposed", [({}, True), ({"AOTFUSE_DECOMPOSE_NORMS": "0"}, False),
@@ -2194,6 +2195,39 @@ def test_exp_is_accurate_and_keeps_special_values():
     assert_close(got_s[keep], ref_s[keep], "exp of special values", atol=0, rtol=2.5e-7)
     ref_f = torch.exp(flushed)
     assert ((got_f - ref_f).abs() <= torch.maximum(ref_f * 2.5e-7, torch.tensor(1.5e-45))).all(), (got_f, ref_f)
+
+
+def test_exp_of_a_nonpositive_argument_keeps_af_exps_bits():
+    """An exp whose argument is never above 0 (codegen_common.c's value_sign) calls af_exp_nonpos, the
+    prelude's exp without the overflow side (one clamp, 2^n in one normal factor and one rounding
+    product): a negated square, a softmax's x - amax(x) and GELU's backward. Its bits are af_exp's for
+    every argument (benchmarks/exp_check.py checks every float): here exp(-(x * x)) against af_exp of
+    the same -(x * x) made by torch, over the subnormal results, 0, -0.0, -inf and NaN."""
+    x = torch.cat([torch.linspace(-10.5, 10.5, 300_001), torch.tensor([0.0, -0.0, 1e-30, 14.0, 1e20, float("inf"),
+                                                                        float("-inf"), float("nan")])])
+    neg_square = lower(make_fx(lambda x: torch.exp(-(x * x)))(x))
+    plain = lower(make_fx(lambda z: torch.exp(z * 1.0))(x))
+    assert "= af_exp_nonpos(v" in neg_square.program.source and "= af_exp(v" not in neg_square.program.source
+    assert "= af_exp(v" in plain.program.source and "af_exp_nonpos(v" not in plain.program.source
+    z = -(x * x)
+    assert (z < -87.4).sum() > 1000 and (z < -103.9).sum() > 0  # subnormal results, and 0 below
+    got, want = neg_square([x])[0], plain([z])[0]
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~got.isnan()], want[~want.isnan()])
+    assert torch.equal(torch.signbit(got), torch.signbit(want))
+    from aotfuse.decompositions import default_decompositions
+
+    table = default_decompositions(norms=True)
+    rows = torch.randn(16, 300) * 30
+    rows[3, 7], rows[5] = float("nan"), float("-inf")  # a NaN row and a row of -inf: NaN, as ATen's
+    soft = lower(make_fx(lambda r: torch.softmax(r, -1), decomposition_table=table)(rows))
+    assert "= af_exp_nonpos(v" in soft.program.source and "= af_exp(v" not in soft.program.source
+    out, ref = soft([rows])[0], torch.softmax(rows, -1)
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert_close(out[~ref.isnan()], ref[~ref.isnan()], "softmax", atol=1e-9, rtol=1e-6)
+    g, h = torch.randn(64, 128), torch.randn(64, 128) * 4
+    gelu_bw = lower(make_fx(lambda g, h: aten.gelu_backward(g, h), decomposition_table=table)(g, h))
+    assert "= af_exp_nonpos(v" in gelu_bw.program.source
+    assert_close(gelu_bw([g, h])[0], aten.gelu_backward(g, h), "gelu_backward", atol=1e-6, rtol=1e-5)
 
 
 def _same_special_values(got, ref, what):

@@ -186,6 +186,51 @@ static char *softmax_source(const int64_t *strides) {
     return c_source(g, 1); /* one phased kernel: the sum, then the division */
 }
 
+/* exp(x - amax(m, -1, keepdim)) over x[8, 32] and m (x itself, or another input y), then
+ * exp(-(x * x)) or exp(x * -0.5): the C. */
+static char *shifted_exp_source(int amax_of_x, int square) {
+    static const int64_t sizes[2] = {8, 32}, strides[2] = {32, 1}, rsizes[2] = {8, 1}, rstrides[2] = {1, 1};
+    af_tensor_meta mx = f32_cpu_meta(2, sizes, strides), mr = f32_cpu_meta(2, rsizes, rstrides);
+    af_graph *g;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    int32_t x, y, mxv, sh, e, sq, ng, e2;
+    assert_int_equal(af_graph_add_input(g, "x", &mx, &x), AF_OK);
+    assert_int_equal(af_graph_add_input(g, "y", &mx, &y), AF_OK);
+    af_arg d = {.kind = AF_ARG_INT, .u.i = -1};
+    af_arg am[3] = {{.kind = AF_ARG_VALUE, .u.value = amax_of_x ? x : y},
+                    {.kind = AF_ARG_LIST, .u.list = {.n = 1, .items = &d}},
+                    {.kind = AF_ARG_BOOL, .u.i = 1}};
+    assert_int_equal(af_graph_add_node(g, "aten::amax.default", am, 3, &mr, 1, &mxv), AF_OK);
+    af_arg sub[2] = {{.kind = AF_ARG_VALUE, .u.value = x}, {.kind = AF_ARG_VALUE, .u.value = mxv}};
+    assert_int_equal(af_graph_add_node(g, "aten::sub.Tensor", sub, 2, &mx, 1, &sh), AF_OK);
+    af_arg one = {.kind = AF_ARG_VALUE, .u.value = sh};
+    assert_int_equal(af_graph_add_node(g, "aten::exp.default", &one, 1, &mx, 1, &e), AF_OK);
+    af_arg mul[2] = {{.kind = AF_ARG_VALUE, .u.value = x}, {.kind = AF_ARG_VALUE, .u.value = x}};
+    if (!square) mul[1] = (af_arg){.kind = AF_ARG_FLOAT, .u.f = -0.5};
+    assert_int_equal(af_graph_add_node(g, "aten::mul.Tensor", mul, 2, &mx, 1, &sq), AF_OK);
+    af_arg neg = {.kind = AF_ARG_VALUE, .u.value = sq};
+    if (square) assert_int_equal(af_graph_add_node(g, "aten::neg.default", &neg, 1, &mx, 1, &ng), AF_OK);
+    af_arg two = {.kind = AF_ARG_VALUE, .u.value = square ? ng : sq};
+    assert_int_equal(af_graph_add_node(g, "aten::exp.default", &two, 1, &mx, 1, &e2), AF_OK);
+    int32_t outs[2] = {e, e2};
+    assert_int_equal(af_graph_set_outputs(g, outs, 2), AF_OK);
+    return c_source(g, 0);
+}
+
+/* exp of an argument never above 0 calls af_exp_nonpos (a softmax's x - amax(x), keepdim; a negated
+ * square), any other af_exp: x - amax(y) may be positive, and so may x * -0.5. */
+static void test_an_exp_of_a_nonpositive_argument_takes_the_cheaper_exp(void **state) {
+    (void)state;
+    char *src = shifted_exp_source(1, 1);
+    assert_true(count_of(src, "= af_exp_nonpos(v") >= 2); /* each exp, in each phase that computes it */
+    assert_null(strstr(src, "= af_exp(v"));
+    free(src);
+    src = shifted_exp_source(0, 0);
+    assert_null(strstr(src, "= af_exp_nonpos(v"));
+    assert_true(count_of(src, "= af_exp(v") >= 2);
+    free(src);
+}
+
 /* A phased kernel whose operands are contiguous along a kept dim (dim 1) and strided along the
  * reduced one (a transposed input: Swin's patch-embedding layer norm) runs column-phased: the block's
  * columns in the inner loop at stride 1, each column's row sum in an array its phase end fills and
@@ -330,6 +375,7 @@ static void test_a_transpose_far_both_ways_keeps_its_outputs_order(void **state)
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_a_softmax_over_a_strided_dim_runs_column_phased),
+        cmocka_unit_test(test_an_exp_of_a_nonpositive_argument_takes_the_cheaper_exp),
         cmocka_unit_test(test_a_reduction_over_n_and_the_spatial_dims_nests_its_loops),
         cmocka_unit_test(test_a_transposing_pointwise_kernel_walks_its_input_where_it_is_far),
         cmocka_unit_test(test_a_transpose_far_both_ways_keeps_its_outputs_order),
