@@ -40,6 +40,16 @@ static const char *const prelude =
     "#else\n"
     "#define AF_ROW_END ((void)0)\n"
     "#endif\n"
+    /* GCC 12 leaves a loop scalar where one of its loads steps by a constant power of two of 64
+     * bytes or more (\"not falling back to elementwise accesses\"; 100 or 192 elements vectorize,
+     * 64 and 128 of 16-bit elements do not): a transposed operand, the gradient of attention's k
+     * read back in [b, s, h, d] order. Such a stride is a variable the compiler cannot see through
+     * (its value is the constant's), so the loads become the gathers any other stride gets. */
+    "#if defined(__GNUC__)\n"
+    "#define AF_OPAQUE(v) __asm__(\"\" : \"+r\"(v))\n"
+    "#else\n"
+    "#define AF_OPAQUE(v) ((void)0)\n"
+    "#endif\n"
     /* A loop writing an output into an input's tensor (in place, the same element of each at
      * every step) has pointers that are not restrict; GCC then vectorizes it only where it can
      * check every overlap at run time, and a per-row value loaded in the row's loop (a norm's
@@ -1007,6 +1017,36 @@ static int32_t row_split_dim(const af_graph *g, const af_fusion_group *grp, cons
     return -1;
 }
 
+/* Whether input k's inner-loop stride is a constant the vectorizer refuses (AF_OPAQUE, prelude) and
+ * its gathers are worth having: a power of two of 64 to 512 bytes (a head's 64 or 128 elements,
+ * attention's transposed gradients). The gathers took [4, 4, 128, 64] kernels reading a transposed
+ * operand to 0.18-0.56 of their scalar loops' time (fp32 and bf16), [R, N] = a + c^T in bf16 to
+ * 0.3-0.5 at R = 64 and 128 (N = 256), 0.45 and 0.99 at N = 1024, and fp32's to about 1.0; at 1 and
+ * 2 KB (bf16, R = 512 and 1024) they measured 0.66-1.37 of the scalar loop, so those keep their
+ * constants (benchmarks/results/opaque-strides-cpu-2026-12-06.md). So do outputs: a strided store
+ * would be a scatter, unmeasured (test_codegen_c.c's channels-last outputs at a stride of 32 were
+ * chosen with scalar stores). */
+static int opaque_stride(const af_cg_space *sp, int32_t k, int32_t n_inputs) {
+    int64_t s = sp->strides[k][sp->nd - 1], bytes = s * af_dtype_itemsize(sp->ops[k].dtype);
+    return k < n_inputs && sp->ops[k].value >= 0 && s > 1 && !(s & (s - 1)) && bytes >= 64 && bytes <= 512;
+}
+
+/* `af_idx af_st<k> = <stride>; AF_OPAQUE(af_st<k>);` for the operands opaque_stride picks, before the
+ * kernel's loops. */
+static void emit_opaque_strides(af_strbuf *sb, const af_cg_space *sp, int32_t n_inputs) {
+    for (int32_t k = 0; k < sp->nops; k++)
+        if (opaque_stride(sp, k, n_inputs))
+            af_strbuf_printf(sb, "  af_idx af_st%d = %" PRId64 "; AF_OPAQUE(af_st%d);\n", (int)k, sp->strides[k][sp->nd - 1], (int)k);
+}
+
+/* `af_idx o<k> = b<k> + i * <stride>;` for every operand, in the inner loop */
+static void emit_inner_offsets(af_strbuf *sb, const af_cg_space *sp, int32_t n_inputs) {
+    for (int32_t k = 0; k < sp->nops; k++) {
+        if (opaque_stride(sp, k, n_inputs)) af_strbuf_printf(sb, "      af_idx o%d = b%d + i * af_st%d;\n", (int)k, (int)k, (int)k);
+        else af_strbuf_printf(sb, "      af_idx o%d = b%d + i * %" PRId64 ";\n", (int)k, (int)k, sp->strides[k][sp->nd - 1]);
+    }
+}
+
 /* A window kernel's loops in parts, split where its windows' guards on iteration dim `dim`
  * change, each part's body with the guards its range decides written as constants (af_cg_part).
  * With coord < 0 the parts are ranges of the inner loop, which runs over dim: a padded row's
@@ -1039,8 +1079,7 @@ static int32_t emit_parts(af_strbuf *loop, const af_graph *g, const af_fusion_gr
             }
             if (rows) af_strbuf_printf(&text, "%sfor (af_idx i = 0; i < %" PRId64 "; i++) {\n", loop_prefix, inner);
             else af_strbuf_printf(&text, "    for (af_idx i = %" PRId64 "; i < %" PRId64 "; i++) {\n", part.lo, part.hi);
-            for (int32_t k = 0; k < sp->nops; k++)
-                af_strbuf_printf(&text, "      af_idx o%d = b%d + i * %" PRId64 ";\n", (int)k, (int)k, sp->strides[k][sp->nd - 1]);
+            emit_inner_offsets(&text, sp, grp->n_inputs);
             af_cg_emit_body_part(&text, g, grp, sp->ops, &part);
             af_strbuf_printf(&text, "    }\n");
             guarded += part.guarded_loads;
@@ -1114,6 +1153,7 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
         af_strbuf_printf(sb, "%s    for (af_idx i = lo; i < hi; i++) {\n", ivdep);
         for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "      af_idx o%d = i * %" PRId64 ";\n", (int)k, strides[k][0]);
     } else {
+        emit_opaque_strides(sb, &sp, grp->n_inputs);
         af_strbuf_printf(sb, "  %s\n  for (af_idx c = 0; c < %" PRId64 "; c++) {\n",
                          parallel ? "#pragma omp parallel for schedule(static) num_threads(af_num_threads)" : "", outer);
         for (int32_t k = 0; k < nops; k++) af_strbuf_printf(sb, "    af_idx b%d = 0;\n", (int)k);
@@ -1127,8 +1167,7 @@ static int emit_kernel(af_strbuf *sb, const af_graph *g, const af_fusion_group *
             return AF_OK;
         }
         af_strbuf_printf(sb, "%s    %sfor (af_idx i = 0; i < %" PRId64 "; i++) {\n", ivdep, small_loop(inner), inner);
-        for (int32_t k = 0; k < nops; k++)
-            af_strbuf_printf(sb, "      af_idx o%d = b%d + i * %" PRId64 ";\n", (int)k, (int)k, strides[k][nd - 1]);
+        emit_inner_offsets(sb, &sp, grp->n_inputs);
     }
     af_cg_emit_body(sb, g, grp, ops, "", 0);
     af_strbuf_printf(sb, "    }\n  }\n}\n");

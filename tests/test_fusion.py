@@ -2197,6 +2197,46 @@ def test_exp_is_accurate_and_keeps_special_values():
     assert ((got_f - ref_f).abs() <= torch.maximum(ref_f * 2.5e-7, torch.tensor(1.5e-45))).all(), (got_f, ref_f)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_transposed_operand_read_at_a_power_of_two_stride_vectorizes(dtype, tmp_path):
+    """GCC 12 keeps a loop scalar where one of its loads steps by a constant power of two of 64 bytes
+    or more (attention's k gradient read back transposed: 128 elements). The kernel reads such a
+    stride, 64 to 512 bytes, from a variable the compiler cannot see through (AF_OPAQUE): the loop
+    vectorizes (GCC's report, with the JIT's flags), with eager's values to the bit; a 2 KB stride
+    keeps its constant (gathers there measured no faster than the scalar loop)."""
+    import shutil
+
+    gcc = shutil.which("gcc")
+    g = torch.Generator().manual_seed(4)
+    a, b, d = (torch.randn(4, 4, 128, 64, generator=g).to(dtype) for _ in range(3))
+    k = torch.randn(4, 4, 64, 128, generator=g).to(dtype)
+
+    def fn(a, b, k, d):
+        return ((a + b) + k.transpose(-1, -2) * d,)
+
+    low = lower(make_fx(fn, tracing_mode="fake")(a, b, k, d))
+    src = low.program.source
+    assert "af_st2 = 128; AF_OPAQUE(af_st2);" in src and "i * af_st2;" in src, src[-2500:]
+    assert torch.equal(low([a, b, k, d])[0], fn(a, b, k, d)[0])
+    wide = torch.randn(1024, 1024, generator=g).to(torch.bfloat16)
+    far = lower(make_fx(lambda x, y: (x * y.t(),), tracing_mode="fake")(wide, wide)).program.source
+    assert "AF_OPAQUE(af_st" not in far and "i * 1024;" in far, far[-1500:]
+    if not gcc or platform.machine() != "x86_64":
+        pytest.skip("the vectorizer's report needs GCC on x86-64")
+    c = tmp_path / "kernel.c"
+    c.write_text(src)
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location("erf_check", pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "erf_check.py")
+    erf_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(erf_check)  # the JIT's flags (csrc/jit_cpu.c's base_flags)
+    report = subprocess.run([gcc, *erf_check.jit_flags(), "-mprefer-vector-width=512", "-fopenmp", "-fopt-info-vec-optimized", "-c", str(c),
+                             "-o", str(tmp_path / "k.o")], capture_output=True, text=True, check=True).stderr
+    loop = next(i for i, line in enumerate(src.splitlines(), 1) if "for (af_idx i = 0; i < 64; i++)" in line)
+    assert re.search(rf"kernel\.c:{loop}:\d+: optimized: loop vectorized", report), report
+
+
 def test_exp_of_a_nonpositive_argument_keeps_af_exps_bits():
     """An exp whose argument is never above 0 (codegen_common.c's value_sign) calls af_exp_nonpos, the
     prelude's exp without the overflow side (one clamp, 2^n in one normal factor and one rounding
