@@ -88,6 +88,28 @@ def jit_flags() -> list[str]:
     return [f for f in re.findall(r'"([^"]*)"', body) if f not in ("-shared", "-fPIC")]
 
 
+def harness_head(no_fma: bool) -> str:
+    """The start of a C harness for the prelude's functions: the headers, AF_INLINE and AF_FMA (fmaf, or
+    a product and a sum for --no-fma)."""
+    fma = "#define AF_FMA(a, b, c) ((a) * (b) + (c))\n" if no_fma else "#define AF_FMA(a, b, c) fmaf(a, b, c)\n"
+    return ("#define _POSIX_C_SOURCE 200112L\n#include <math.h>\n#include <stdint.h>\n#include <stdio.h>\n"
+            "#include <stdlib.h>\n#include <string.h>\n#include <time.h>\n"
+            "#define AF_INLINE static inline __attribute__((always_inline))\n" + fma)
+
+
+def build_and_run(text: str, name: str, width: str, args: list[str], march: str | None = None) -> list[str]:
+    """Compiles the harness `text` with the JIT's flags (its vector width flag, which it passes on x86
+    only: jit_cpu.c's vector_width_flag; -march=<march> for -march=native where given), runs it with
+    args and returns its output's words."""
+    width_flag = [f"-mprefer-vector-width={width}"] if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") else []
+    flags = [f"-march={march}" if march and f == "-march=native" else f for f in jit_flags()]
+    with tempfile.TemporaryDirectory() as tmp:
+        c, exe = os.path.join(tmp, f"{name}.c"), os.path.join(tmp, name)
+        pathlib.Path(c).write_text(text)
+        subprocess.run(os.environ.get("AOTFUSE_CC", "cc").split() + flags + width_flag + [c, "-o", exe, "-lm"], check=True)
+        return subprocess.run([exe, *args], check=True, capture_output=True, text=True).stdout.split()
+
+
 def prelude_function(source: str, name: str) -> str:
     """The C text of the prelude's `AF_INLINE float name(float x) { ... }` (a string literal in source)."""
     start = re.search(rf'"AF_INLINE float {name}\(float \w+\) {{\\n"', source).start()
@@ -113,10 +135,7 @@ def main(argv=None) -> dict:
     source = (ROOT / "csrc" / "codegen_c.c").read_text()
     exp_normal = prelude_function(source, "af_exp_poly") + prelude_function(source, "af_exp_normal")
     erf = prelude_function(source, "af_erf")
-    fma = "#define AF_FMA(a, b, c) ((a) * (b) + (c))\n" if a.no_fma else "#define AF_FMA(a, b, c) fmaf(a, b, c)\n"
-    head = ("#define _POSIX_C_SOURCE 200112L\n#include <math.h>\n#include <stdint.h>\n#include <stdio.h>\n"
-            "#include <stdlib.h>\n#include <string.h>\n#include <time.h>\n"
-            "#define AF_INLINE static inline __attribute__((always_inline))\n" + fma + exp_normal + erf)
+    head = harness_head(a.no_fma) + exp_normal + erf
     if a.fn == "erf1p":
         erf1p = prelude_function(source, "af_erf1p")
         if a.against:
@@ -128,14 +147,7 @@ def main(argv=None) -> dict:
     else:
         other = with_polynomial(erf, a.against.split()) if a.against else erf
         text = head + other.replace("af_erf(", "af_erf_b(") + "#define ERF1P 0\n#define FN_A af_erf\n#define FN_B af_erf_b\n" + HARNESS
-    with tempfile.TemporaryDirectory() as tmp:
-        c, exe = os.path.join(tmp, "erf.c"), os.path.join(tmp, "erf")
-        pathlib.Path(c).write_text(text)
-        cc = os.environ.get("AOTFUSE_CC", "cc").split()
-        # the JIT's vector width flag, which it passes on x86 only (jit_cpu.c, vector_width_flag)
-        width = [f"-mprefer-vector-width={a.width}"] if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") else []
-        subprocess.run(cc + jit_flags() + width + [c, "-o", exe, "-lm"], check=True)
-        out = subprocess.run([exe, str(a.stride)], check=True, capture_output=True, text=True).stdout.split()
+    out = build_and_run(text, "erf", a.width, [str(a.stride)])
     r = {"error": float(out[0]), "at": float(out[1]), "other_error": float(out[2]), "other_at": float(out[3]),
          "differ": int(out[4]), "special_failures": int(out[5]), "ns": float(out[6]), "other_ns": float(out[7])}
     what = f"one float in {a.stride}" if a.stride > 1 else "every float"

@@ -16,15 +16,11 @@ with 256-bit vectors (x86). Every float takes about a minute here.
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
-import platform
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from erf_check import ROOT, jit_flags, prelude_function  # noqa: E402
+from erf_check import ROOT, build_and_run, harness_head, prelude_function  # noqa: E402
 
 HARNESS = r"""
 __attribute__((noinline)) static void run_exp(const float *x, float *y, int n) { for (int i = 0; i < n; i++) y[i] = af_exp(x[i]); }
@@ -79,18 +75,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--width", choices=["512", "256"], default="512")
     a = ap.parse_args(argv)
     source = (ROOT / "csrc" / "codegen_c.c").read_text()
-    fma = "#define AF_FMA(a, b, c) ((a) * (b) + (c))\n" if a.no_fma else "#define AF_FMA(a, b, c) fmaf(a, b, c)\n"
-    text = ("#define _POSIX_C_SOURCE 200112L\n#include <math.h>\n#include <stdint.h>\n#include <stdio.h>\n"
-            "#include <stdlib.h>\n#include <string.h>\n#include <time.h>\n"
-            "#define AF_INLINE static inline __attribute__((always_inline))\n" + fma +
-            "".join(prelude_function(source, f) for f in ("af_exp_poly", "af_exp", "af_exp_nonpos")) + HARNESS)
-    with tempfile.TemporaryDirectory() as tmp:
-        c, exe = os.path.join(tmp, "exp.c"), os.path.join(tmp, "exp")
-        pathlib.Path(c).write_text(text)
-        cc = os.environ.get("AOTFUSE_CC", "cc").split()
-        width = [f"-mprefer-vector-width={a.width}"] if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") else []
-        subprocess.run(cc + jit_flags() + width + [c, "-o", exe, "-lm"], check=True)
-        out = subprocess.run([exe, str(a.stride)], check=True, capture_output=True, text=True).stdout.split()
+    text = harness_head(a.no_fma) + "".join(prelude_function(source, f) for f in ("af_exp_poly", "af_exp", "af_exp_nonpos")) + HARNESS
+    out = build_and_run(text, "exp", a.width, [str(a.stride)])
     r = {"ulp": float(out[0]), "at": float(out[1]), "special_failures": int(out[2]), "nonpos_differ": int(out[3]),
          "nonpos_checked": int(out[4]), "ns": float(out[5]), "nonpos_ns": float(out[6])}
     what = f"one float in {a.stride}" if a.stride > 1 else "every float"

@@ -18,16 +18,12 @@ minutes a function here (the double-precision reference dominates).
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
-import platform
 import re
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from erf_check import ROOT, jit_flags, prelude_function  # noqa: E402
+from erf_check import ROOT, build_and_run, harness_head, prelude_function  # noqa: E402
 
 # name: (libm float function, double reference, timing range)
 FUNCTIONS = {
@@ -123,34 +119,22 @@ def main(argv=None) -> dict:
     ap.add_argument("--march", default="native", help="the target in place of the JIT's -march=native (znver3: AVX2 only)")
     a = ap.parse_args(argv)
     source = (ROOT / "csrc" / "codegen_c.c").read_text()
-    fma = "#define AF_FMA(a, b, c) ((a) * (b) + (c))\n" if a.no_fma else "#define AF_FMA(a, b, c) fmaf(a, b, c)\n"
-    head = ("#define _POSIX_C_SOURCE 200112L\n#include <math.h>\n#include <stdint.h>\n#include <stdio.h>\n"
-            "#include <stdlib.h>\n#include <string.h>\n#include <time.h>\n"
-            "#define AF_INLINE static inline __attribute__((always_inline))\n" + fma +
-            prelude_function(source, "af_exp_poly") + c_string(source, "vector_log") + trig_table() + c_string(source, "vector_trig"))
-    cc = os.environ.get("AOTFUSE_CC", "cc").split()
-    # the JIT's vector width flag, which it passes on x86 only (jit_cpu.c, vector_width_flag)
-    width = [f"-mprefer-vector-width={a.width}"] if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686") else []
+    head = (harness_head(a.no_fma) + prelude_function(source, "af_exp_poly") + c_string(source, "vector_log") + trig_table() + c_string(source, "vector_trig"))
     what = f"one float in {a.stride}" if a.stride > 1 else "every float"
     print(f"{what}, {a.width}-bit{', no FMA' if a.no_fma else ''}, -march={a.march}: largest error in ulp of the float result, against double libm")
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in a.fn.split(","):
-            lib, ref, (lo, hi) = FUNCTIONS[name]
-            defs = (f"#define FN af_{name}\n#define LIB {lib}\n#define REF {ref}\n#define LO {lo}\n#define HI {hi}\n"
-                    f"#define WIDE {int(name in ('sin', 'cos'))}\n")
-            c, exe = os.path.join(tmp, f"{name}.c"), os.path.join(tmp, name)
-            pathlib.Path(c).write_text(head + defs + HARNESS)
-            flags = [f"-march={a.march}" if f == "-march=native" else f for f in jit_flags()]
-            subprocess.run(cc + flags + width + [c, "-o", exe, "-lm"], check=True)
-            out = subprocess.run([exe, str(a.stride)], check=True, capture_output=True, text=True).stdout.split()
-            r = {"ulp": float(out[0]), "at": float(out[1]), "special_failures": int(out[2]), "special_at": float(out[3]),
-                 "ns": float(out[4]), "libm_ns": float(out[5]), "wide_ns": float(out[6]), "wide_libm_ns": float(out[7])}
-            results[name] = r
-            wide = (f"; over [-1e4, 1e4] {r['wide_ns']:.3f} against {r['wide_libm_ns']:.3f}" if name in ("sin", "cos") else "")
-            example = f" (e.g. at {r['special_at']:.9g})" if r["special_failures"] else ""
-            print(f"  {name:6s} {r['ulp']:.3f} ulp (at {r['at']:.9g}); special values wrong: {r['special_failures']}{example}; "
-                  f"{r['ns']:.3f} ns an element against libm's {r['libm_ns']:.3f}{wide}")
+    for name in a.fn.split(","):
+        lib, ref, (lo, hi) = FUNCTIONS[name]
+        defs = (f"#define FN af_{name}\n#define LIB {lib}\n#define REF {ref}\n#define LO {lo}\n#define HI {hi}\n"
+                f"#define WIDE {int(name in ('sin', 'cos'))}\n")
+        out = build_and_run(head + defs + HARNESS, name, a.width, [str(a.stride)], march=a.march)
+        r = {"ulp": float(out[0]), "at": float(out[1]), "special_failures": int(out[2]), "special_at": float(out[3]),
+             "ns": float(out[4]), "libm_ns": float(out[5]), "wide_ns": float(out[6]), "wide_libm_ns": float(out[7])}
+        results[name] = r
+        wide = (f"; over [-1e4, 1e4] {r['wide_ns']:.3f} against {r['wide_libm_ns']:.3f}" if name in ("sin", "cos") else "")
+        example = f" (e.g. at {r['special_at']:.9g})" if r["special_failures"] else ""
+        print(f"  {name:6s} {r['ulp']:.3f} ulp (at {r['at']:.9g}); special values wrong: {r['special_failures']}{example}; "
+              f"{r['ns']:.3f} ns an element against libm's {r['libm_ns']:.3f}{wide}")
     return results
 
 
