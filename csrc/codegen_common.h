@@ -85,7 +85,9 @@ void af_cg_emit_members_cached(af_strbuf *sb, const af_graph *g, const af_fusion
 /* Which pointwise members of a phased group to keep per row rather than evaluate again in a later
  * phase: transcendental ones (exp, log, erf, tanh, pow; with random_only, only the random numbers,
  * Threefry's 20 rounds) that a later pass needs, up to max_bytes of float arrays of `inner`
- * elements. malloc'd, one flag per member (NULL when out of memory). */
+ * elements; not one that its own phase does not need (no reader there, not an output) and that one
+ * later phase alone reads: that phase computes it. malloc'd, one flag per member (NULL when out of
+ * memory). */
 uint8_t *af_cg_phase_cache(const af_graph *g, const af_fusion_group *grp, const int32_t *phases, int64_t inner, int64_t max_bytes,
                            int random_only);
 /* Per member: its phase. A reduction is in its input's phase; a pointwise member one after the

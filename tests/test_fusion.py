@@ -596,6 +596,28 @@ def test_reduction_epilogues_run_in_one_phased_kernel(case, dtype):
         assert "af_exp(" not in kernel, kernel
 
 
+def test_a_value_one_later_phase_alone_reads_is_computed_there():
+    """log_softmax's backward, g - exp(out) * sum(g): exp(out) is read only by the second pass (after the
+    sum), so that pass computes it; it is not computed in the first pass, kept in a per-row array and
+    read back (which made the kernel 1.26x slower: benchmarks/results/phase-cache-cpu-2026-12-06.md).
+    A softmax's exp, which its sum reads in its own pass and the division in the next, is still kept."""
+    from aotfuse.decompositions import default_decompositions
+
+    g = torch.Generator().manual_seed(8)
+    grad, x = torch.randn(37, 200, generator=g), torch.randn(37, 200, generator=g)
+    out = torch.log_softmax(x, -1)
+    fn = lambda gr, o: (aten._log_softmax_backward_data(gr, o, -1, torch.float32),)  # noqa: E731
+    lowered = lower(make_fx(fn, decomposition_table=default_decompositions(norms=True))(grad, out))
+    src = lowered.program.source
+    kernel = src[src.index("/* group 0"):]
+    assert "2 phases)" in kernel and "cached */" not in kernel and "float c" not in kernel, kernel
+    phase1 = kernel[kernel.index("/* phase 1 */"):]
+    assert "= af_exp(v" in phase1, kernel
+    assert_close(lowered([grad, out])[0], fn(grad, out)[0], "log_softmax backward", atol=1e-6, rtol=1e-5)
+    soft = lower(make_fx(lambda x: (torch.softmax(x, -1),), decomposition_table=default_decompositions(norms=True))(x))
+    assert "aten::exp.default, cached */" in soft.program.source
+
+
 @pytest.mark.parametrize("env,decomposed", [({}, True), ({"AOTFUSE_DECOMPOSE_NORMS": "0"}, False),
                                             ({"AOTFUSE_FUSION": "0"}, False), ({"AOTFUSE_BACKEND": "cuda"}, False)],
                          ids=["default", "switched-off", "no-fusion", "cpu-tensors-without-kernels"])
