@@ -143,26 +143,18 @@ def _elementwise(n: fx.Node) -> bool:
             and all(not isinstance(x, (list, tuple)) for x in list(n.args) + list(n.kwargs.values())))
 
 
-def _last_dim_sum(s: fx.Node) -> fx.Node | None:
-    """x where s is `sum(x, [-1])` (keepdim or not), x a floating tensor of at least one dim."""
-    if s.op != "call_function" or s.target is not aten.sum.dim_IntList or set(s.kwargs) - {"keepdim"}:
-        return None
-    x = s.args[0]
-    xv = _tensor(x)
-    if xv is None or xv.dim() == 0 or not xv.dtype.is_floating_point:
-        return None
-    dims = s.args[1] if len(s.args) > 1 else None
-    if not isinstance(dims, (list, tuple)) or [d % xv.dim() for d in dims] != [xv.dim() - 1]:
-        return None
-    return x
-
-
 def _match(s: fx.Node) -> tuple[fx.Node, fx.Node, int] | None:
     """(hit, V, width) where s is `sum(where(hit, V, 0), [-1])` as the module docstring says."""
-    w = _last_dim_sum(s)
-    if w is None or w.op != "call_function" or w.target is not aten.where.self or w.kwargs or len(w.users) != 1:
+    if s.op != "call_function" or s.target is not aten.sum.dim_IntList or set(s.kwargs) - {"keepdim"}:
         return None
+    w = s.args[0]
     wv = _tensor(w)
+    if (not isinstance(w, fx.Node) or w.op != "call_function" or w.target is not aten.where.self or w.kwargs
+            or len(w.users) != 1 or wv is None or wv.dim() == 0 or not wv.dtype.is_floating_point):
+        return None
+    dims = s.args[1] if len(s.args) > 1 else None
+    if not isinstance(dims, (list, tuple)) or [d % wv.dim() for d in dims] != [wv.dim() - 1]:
+        return None
     hit, v, zero = w.args
     vv = _tensor(v)
     width = wv.shape[-1]
@@ -190,12 +182,17 @@ def _match_scaled(s: fx.Node) -> tuple[fx.Node, fx.Node, int, fx.Node | None] | 
     """(hit, g, width, conversion) where s is `sum(mul(hit, g), [-1])` (either operand order), or the
     sum of a floating conversion of that product (a bf16 model's gradient summed in float32), hit a
     _one_hot mask and g a floating value constant along the last dim (per row, or a scalar)."""
-    m, conv = _last_dim_sum(s), None
-    if m is not None and _conversion(m):
+    if s.op != "call_function" or s.target is not aten.sum.dim_IntList or set(s.kwargs) - {"keepdim"}:
+        return None
+    m, conv = s.args[0], None
+    if _conversion(m):
         m, conv = m.args[0], m
     mv = _tensor(m)
-    if (m is None or m.op != "call_function" or m.target is not aten.mul.Tensor or m.kwargs or len(m.args) != 2
-            or mv is None or mv.dim() == 0 or not mv.dtype.is_floating_point):
+    if (not isinstance(m, fx.Node) or m.op != "call_function" or m.target is not aten.mul.Tensor or m.kwargs
+            or len(m.args) != 2 or mv is None or mv.dim() == 0 or not mv.dtype.is_floating_point):
+        return None
+    dims = s.args[1] if len(s.args) > 1 else None
+    if not isinstance(dims, (list, tuple)) or [d % mv.dim() for d in dims] != [mv.dim() - 1]:
         return None
     width = mv.shape[-1]
     for hit, g in (m.args, m.args[::-1]):

@@ -630,43 +630,64 @@ static void test_matmuls_sink_past_pointwise_work(void **state) {
 
 /* The weight gradient mm(t, y), y = h * h recomputed from the saved h, also sinks below work that
  * reads h itself (g2 = g1 * h, a norm's gradient reading its saved input beside the norm's
- * recomputed output): one kernel may do both. In autograd's other order (sibling_after: the weight
- * gradient before the input gradient g1 = mm(t, w), its sibling reading the same t, as for a linear
- * layer without bias) it passes over that one matmul, which stays before it. Either way a second
- * matmul (m3) ends the scan: it stays before m3 and the work reading h after m3 (g4). */
+ * recomputed output): one kernel may do both. */
 static void test_matmuls_sink_past_work_sharing_a_saved_value(void **state) {
     (void)state;
-    for (int sibling_after = 0; sibling_after < 2; sibling_after++) {
-        af_graph *g = NULL;
-        assert_int_equal(af_graph_new(&g), AF_OK);
-        int32_t x = input(g, "x", 64), w = input(g, "w", 64), t = input(g, "t", 64);
-        int32_t h = add(g, "aten::mm.default", x, w, 64);
-        int32_t y = add(g, "aten::mul.Tensor", h, h, 64);
-        int32_t out = add(g, "aten::mm.default", y, w, 64);
-        int32_t g1 = sibling_after ? -1 : add(g, "aten::mm.default", t, w, 64);
-        int32_t gw = add(g, "aten::mm.default", t, y, 64);
-        if (sibling_after) g1 = add(g, "aten::mm.default", t, w, 64);
-        int32_t g2 = add(g, "aten::mul.Tensor", g1, h, 64);
-        int32_t m3 = add(g, "aten::mm.default", g2, w, 64);
-        int32_t g4 = add(g, "aten::mul.Tensor", m3, h, 64);
-        int32_t outs[3] = {out, gw, g4};
-        assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
-        uint8_t roles[3] = {AF_ROLE_PRIMAL, AF_ROLE_PARAM, AF_ROLE_TANGENT};
-        af_partition *p = NULL;
-        assert_int_equal(af_partition_min_cut(g, roles, 1, NULL, &p), AF_OK);
-        check_partition(g, roles, 1, p);
-        int saved_h = 0, saved_y = 0;
-        for (int32_t i = 0; i < p->n_saved; i++) {
-            saved_h |= p->saved[i] == h;
-            saved_y |= p->saved[i] == y;
-        }
-        assert_true(saved_h && !saved_y); /* y recomputed from h */
-        int32_t at_gw = position(p, g, gw);
-        assert_true(position(p, g, y) < position(p, g, g2) && position(p, g, g1) < position(p, g, g2));
-        assert_true(position(p, g, g2) < at_gw && at_gw < position(p, g, m3) && position(p, g, m3) < position(p, g, g4));
-        af_partition_free(p);
-        af_graph_free(g);
+    af_graph *g = NULL;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    int32_t x = input(g, "x", 64), w = input(g, "w", 64), t = input(g, "t", 64);
+    int32_t h = add(g, "aten::mm.default", x, w, 64);
+    int32_t y = add(g, "aten::mul.Tensor", h, h, 64);
+    int32_t out = add(g, "aten::mm.default", y, w, 64);
+    int32_t g1 = add(g, "aten::mm.default", t, w, 64);
+    int32_t gw = add(g, "aten::mm.default", t, y, 64);
+    int32_t g2 = add(g, "aten::mul.Tensor", g1, h, 64);
+    int32_t outs[3] = {out, gw, g2};
+    assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
+    uint8_t roles[3] = {AF_ROLE_PRIMAL, AF_ROLE_PARAM, AF_ROLE_TANGENT};
+    af_partition *p = NULL;
+    assert_int_equal(af_partition_min_cut(g, roles, 1, NULL, &p), AF_OK);
+    check_partition(g, roles, 1, p);
+    int saved_h = 0, saved_y = 0;
+    for (int32_t i = 0; i < p->n_saved; i++) {
+        saved_h |= p->saved[i] == h;
+        saved_y |= p->saved[i] == y;
     }
+    assert_true(saved_h && !saved_y); /* y recomputed from h */
+    assert_true(position(p, g, y) < position(p, g, g2) && position(p, g, g2) < position(p, g, gw));
+    af_partition_free(p);
+    af_graph_free(g);
+}
+
+/* Autograd's other order: the weight gradient mm(t, y) before the input gradient mm(t, w), its
+ * sibling reading the same t (a linear layer without bias). The weight gradient passes over that
+ * one matmul and sinks below the work after it (g2 reads the saved h, as the recomputed y does),
+ * the sibling staying before it; a second matmul (m3) ends the scan, so it stays before m3 and
+ * the work reading h after m3 (g4). */
+static void test_matmuls_sink_past_one_sibling_matmul(void **state) {
+    (void)state;
+    af_graph *g = NULL;
+    assert_int_equal(af_graph_new(&g), AF_OK);
+    int32_t x = input(g, "x", 64), w = input(g, "w", 64), t = input(g, "t", 64);
+    int32_t h = add(g, "aten::mm.default", x, w, 64);
+    int32_t y = add(g, "aten::mul.Tensor", h, h, 64);
+    int32_t out = add(g, "aten::mm.default", y, w, 64);
+    int32_t gw = add(g, "aten::mm.default", t, y, 64);
+    int32_t g1 = add(g, "aten::mm.default", t, w, 64);
+    int32_t g2 = add(g, "aten::mul.Tensor", g1, h, 64);
+    int32_t m3 = add(g, "aten::mm.default", g2, w, 64);
+    int32_t g4 = add(g, "aten::mul.Tensor", m3, h, 64);
+    int32_t outs[3] = {out, gw, g4};
+    assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
+    uint8_t roles[3] = {AF_ROLE_PRIMAL, AF_ROLE_PARAM, AF_ROLE_TANGENT};
+    af_partition *p = NULL;
+    assert_int_equal(af_partition_min_cut(g, roles, 1, NULL, &p), AF_OK);
+    check_partition(g, roles, 1, p);
+    int32_t at_gw = position(p, g, gw);
+    assert_true(position(p, g, y) < position(p, g, g1) && position(p, g, g1) < position(p, g, g2));
+    assert_true(position(p, g, g2) < at_gw && at_gw < position(p, g, m3) && position(p, g, m3) < position(p, g, g4));
+    af_partition_free(p);
+    af_graph_free(g);
 }
 
 /* A view that only matmuls read runs just before the first of them: here between a pointwise
@@ -743,6 +764,7 @@ int main(void) {
         cmocka_unit_test(test_chained_materialized_values_are_saved),
         cmocka_unit_test(test_matmuls_sink_past_pointwise_work),
         cmocka_unit_test(test_matmuls_sink_past_work_sharing_a_saved_value),
+        cmocka_unit_test(test_matmuls_sink_past_one_sibling_matmul),
         cmocka_unit_test(test_views_matmuls_read_run_just_before_them),
         cmocka_unit_test(test_node_policy_checkpointed_region),
         cmocka_unit_test(test_memory_budget_recomputes_matmuls),
