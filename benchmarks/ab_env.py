@@ -54,6 +54,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="each side is torch.compile(model, backend='aotfuse') instead of memory_efficient_fusion")
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="the model checkpoints each layer (gradient_checkpointing_enable, non-reentrant)")
+    ap.add_argument("--split", action="store_true",
+                    help="also time each side's steps inside its programs (the C runtime's profiler): fused kernels "
+                         "and extern calls apart, per step, and their A/B ratios. A change to kernels alone moves "
+                         "a few percent of a step that matmuls dominate, below the step's spread; the kernels' "
+                         "own sum shows it")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.family:
@@ -69,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     saved = os.environ.get(args.env)
     sides = {}
     programs = {}
+    profiled: dict[str, list] = {}
     try:
         for side, value in (("A", args.a), ("B", args.b)):
             os.environ[args.env] = value
@@ -91,6 +97,10 @@ def main(argv: list[str] | None = None) -> None:
                 opt.step()
             made = list(set(LIVE) - made_before)  # this side's own programs (held by its module)
             sides[side] = (m, opt)
+            profiled[side] = [p for low in made for p in [low.program] + [v.program for v in
+                                                                           getattr(low, "variants", {}).values()]]
+            for p in profiled[side] if args.split else ():
+                p.profiling = True
             programs[side] = (len(made), sum(low.program.num_kernels for low in made))
     finally:
         if saved is None:
@@ -109,6 +119,18 @@ def main(argv: list[str] | None = None) -> None:
             opt.step()
             times[side].append(time.perf_counter() - t0)
             losses[side] = loss.item()
+    split = {}
+    for side in sides:
+        kernels = externs = 0.0
+        for p in profiled[side] if args.split else ():
+            runs, steps = p.profile()  # totals over the timed steps (and the peak's step below: not yet run)
+            p.profiling = False
+            for kind, _op, _index, sec in steps:
+                if kind == "kernel":
+                    kernels += sec
+                else:
+                    externs += sec
+        split[side] = (kernels / args.repeats, externs / args.repeats)
     peaks = {}
     for side, (m, opt) in sides.items():
         def step() -> None:
@@ -125,6 +147,12 @@ def main(argv: list[str] | None = None) -> None:
               f"{peaks[side] / 1e6:.3f} MB, last loss {losses[side]:.6f}, {programs[side][0]} programs, "
               f"{programs[side][1]} fused kernels")
     print(f"  A/B: {statistics.median(times['A']) / statistics.median(times['B']):.3f}")
+    if args.split:
+        for side, value in (("A", args.a), ("B", args.b)):
+            print(f"  {args.env}={value}: in fused kernels {split[side][0] * 1e3:.3f} ms a step, in extern calls "
+                  f"{split[side][1] * 1e3:.3f} ms (means over the timed steps)")
+        print(f"  A/B: fused kernels {split['A'][0] / split['B'][0]:.3f}, extern calls "
+              f"{split['A'][1] / split['B'][1]:.3f}")
 
 
 if __name__ == "__main__":

@@ -225,6 +225,47 @@ def test_a_gelus_output_is_recomputed_in_its_gradients_kernel(monkeypatch):
             aotfuse.memory_efficient_fusion(copy.deepcopy(model), fallback=fallback)(x)
 
 
+class _GatedMLP(nn.Module):
+    """Llama's MLP: down(silu(gate(x)) * up(x)), no biases."""
+
+    def __init__(self, width, hidden):
+        super().__init__()
+        self.gate = nn.Linear(width, hidden, bias=False)
+        self.up = nn.Linear(width, hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def test_a_gated_mlps_silu_recompute_and_gradient_are_one_kernel():
+    """Without biases autograd puts a linear layer's weight gradient mm(g^T, y) before its input
+    gradient mm(g, W^T), and views the product's gradient for the up projection's weight gradient
+    right after making it. The partitioner sinks the weight gradient past that one sibling matmul
+    and runs the views just before their matmuls (partition.c, sink_matmuls and defer_views), so one
+    backward kernel recomputes SiLU and computes its gradient: the sigmoid once, no float32 gate or
+    sigmoid stored for a second kernel. Gradients as eager's, and as float64's."""
+    torch.manual_seed(0)
+    model = _GatedMLP(64, 176)
+    x = torch.randn(4, 16, 64)
+    compiled = check_module(copy.deepcopy(model), x, steps=2)
+    backward = compiled._aotfuse_compiled.records[-1].programs["backward"].program
+    groups: dict[int, list[str]] = {}
+    for op, _kind, group in backward.node_groups():
+        if group >= 0:
+            groups.setdefault(group, []).append(op)
+    silu = [ops for ops in groups.values() if "aten::sigmoid.default" in ops]
+    assert len(silu) == 1, groups
+    assert "aten::sub.Tensor" in silu[0] and silu[0].count("aten::mul.Tensor") >= 5, silu  # SiLU's gradient too
+    assert sum("aten::sub.Tensor" in ops for ops in groups.values()) == 1, groups  # not split in two kernels
+    wide = copy.deepcopy(model).double()
+    wide(x.double()).sum().backward()
+    step = copy.deepcopy(model)
+    aotfuse.memory_efficient_fusion(step)(x).sum().backward()
+    for (name, p), q in zip(step.named_parameters(), wide.parameters()):
+        assert_close(p.grad, q.grad.float(), f"grad of {name} against float64's")
+
+
 class _ResidualBlock(nn.Module):
     def __init__(self, width):
         super().__init__()

@@ -151,3 +151,52 @@ def test_a_picked_negative_zero_keeps_its_sign_and_a_sum_over_every_dim_is_no_pi
     g = lambda x: torch.where(x > 0, x, 0.0).sum(dim=None)
     y = torch.randn(3, 4)
     assert torch.allclose(aotfuse.memory_efficient_fusion(g)(y), g(y))
+
+
+def test_a_one_hot_gradients_row_sum_is_its_per_row_value():
+    """`sum(hit * g, -1)`, hit one-hot and g constant along the row (nll_loss's gradient before the
+    log-softmax backward) is g where the row has a hit and 0 where it has none: rewritten to a
+    per-row where, the same values for finite g; a g varying along the row, a mask of many trues
+    and a sum over the rows stay sums."""
+    g = torch.Generator().manual_seed(3)
+    t = torch.randint(0, 10, (6,), generator=g).float()
+    t[2], t[3], t[4] = -1, 2.5, float("nan")  # no class: these rows sum to 0
+    scale = torch.tensor(-0.375)
+    rows = torch.randn(6, 1, generator=g)
+    full = torch.randn(6, 10, generator=g)
+    ar = lambda: torch.arange(10, dtype=torch.float32)
+    cases = {
+        "a scalar g": (lambda t, s, r, f: ((ar() == t[:, None]) * s).sum(-1), 1),
+        "a per-row g, kept dims": (lambda t, s, r, f: (r * (ar() == t[:, None])).sum(-1, keepdim=True), 1),
+        "a g varying along the row": (lambda t, s, r, f: ((ar() == t[:, None]) * f).sum(-1), 0),
+        "a mask of many trues": (lambda t, s, r, f: ((f > 0) * s).sum(-1), 0),
+        "a sum over the rows": (lambda t, s, r, f: ((ar() == t[:, None]) * s).sum(0), 0),
+    }
+    for what, (f, expect) in cases.items():
+        gm = make_fx(f, tracing_mode="fake")(t, scale, rows, full)
+        assert rewrite_one_hot_picks(gm, scaled_only=True) == expect, what
+        assert torch.equal(gm(t, scale, rows, full), f(t, scale, rows, full)), what
+
+
+@pytest.mark.parametrize("dtype,upcast", [(torch.float32, False), (torch.bfloat16, True), (torch.bfloat16, False)])
+def test_the_cross_entropy_backward_reads_a_row_once(dtype, upcast):
+    """The cross entropy's backward (ignored rows among the targets) is one pass over each row, no
+    row sum before it (its first pass had summed the one-hot gradient, which is g or 0 a row; on
+    bf16 logits, the sum of its float32 conversion); gradients as eager's and within the seed's
+    tolerances of float64's."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(40, 300, generator=g) * 3).to(dtype).requires_grad_()
+    t = torch.randint(0, 300, (40,), generator=g)
+    t[::6] = -100
+    f = (lambda x, t: F.cross_entropy(x.float(), t)) if upcast else (lambda x, t: F.cross_entropy(x, t))
+    m = aotfuse.memory_efficient_fusion(f)
+    m(x, t).backward()
+    got, x.grad = x.grad, None
+    groups = [line for line in m.records[-1].programs["backward"].program.source.splitlines()
+              if line.startswith("/* group")]
+    assert not any("reductions" in line for line in groups), groups
+    f(x, t).backward()
+    tol = (1e-4, 5e-3) if dtype == torch.float32 else (1e-2, 1e-1)
+    torch.testing.assert_close(got, x.grad, atol=tol[0], rtol=tol[1])
+    ref = torch.autograd.grad(F.cross_entropy(xd := x.detach().double().requires_grad_(), t), xd)[0]
+    assert (got.double() - ref).abs().max() <= tol[0] + tol[1] * ref.abs().max(), (dtype, (got.double() - ref).abs().max())

@@ -418,6 +418,10 @@ def _partition(joint_module: fx.GraphModule, num_fwd_outputs: int, min_cut: bool
     # a symbolic graph (a shape family's, shapes.py) is decided at the sizes it was traced at, on a
     # concrete copy whose nodes have the same names, and cut out around the same nodes
     symbolic = shapes.is_symbolic(joint_module)
+    if not symbolic:  # the cross entropy backward's row sum of its one-hot gradient (picks.py)
+        from .picks import rewrite_one_hot_picks
+
+        rewrite_one_hot_picks(joint_module, scaled_only=True)
     work = shapes.concrete(joint_module, shapes.symbolic_values(joint_module)) if symbolic else joint_module
     build = build_graph(work, exact=True)
     params = _params(work, static_inputs)

@@ -14,6 +14,15 @@ to the picked [.., 1] values and the per-row values they read. The same operatio
 values in the same dtypes give the same bits; a row with no hit (an ignored target) gives 0, as the
 sum did. The cross entropy kernel at 512 x 8192 (bf16) loses its third pass: 2.55 -> 1.87 ms.
 
+The cross entropy's backward has the other form, `sum(mul(hit, g), -1)` with g constant along the
+row (nll_loss's gradient, -grad / N, times the one-hot mask): the log-softmax backward's row sum of
+its incoming gradient. That sum is g where the row has a hit and 0 where it has none (a sum of one
+g and zeros, or of zeros alone), so it becomes `where(hits, g, 0)`, a per-row value: the backward
+kernel loses its first pass over the row, which computed nothing else
+(benchmarks/results/backward-order-picks-cpu-2026-12-06.md). CPU tensors only (`_SCALED_DEVICES`):
+unmeasured on a GPU. For a finite g the bits are the sum's; for an infinite or NaN g the sum's
+0 * inf = NaN on the other elements is gone, which is what eager's scatter of g into zeros gives.
+
 `hit` must be an `eq` of an `arange` over the last dim (distinct values, compared in int32, int64,
 float32 or float64: a bf16 or uint8 comparison may make two of them one) with a per-row value, or such
 an `eq` and-ed (mul, logical_and) with per-row values: what _one_hot builds. AOTFUSE_ONE_HOT_PICKS=0
@@ -36,6 +45,9 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 MAX_CHAIN = 32  # V's nodes applied again at most; a longer chain is left as traced
+# the devices whose `sum(mul(hit, g), -1)` is rewritten: measured on the CPU only; a GPU keeps the
+# cross entropy backward's phased row kernel until a device run times both
+_SCALED_DEVICES = ("cpu",)
 
 
 def _tensor(n: Any) -> torch.Tensor | None:
@@ -135,24 +147,66 @@ def _elementwise(n: fx.Node) -> bool:
             and all(not isinstance(x, (list, tuple)) for x in list(n.args) + list(n.kwargs.values())))
 
 
-def _match(s: fx.Node) -> tuple[fx.Node, fx.Node, int] | None:
-    """(hit, V, width) where s is `sum(where(hit, V, 0), [-1])` as the module docstring says."""
+def _last_dim_sum(s: fx.Node) -> fx.Node | None:
+    """x where s is `sum(x, [-1])` (keepdim or not), x a floating tensor of at least one dim."""
     if s.op != "call_function" or s.target is not aten.sum.dim_IntList or set(s.kwargs) - {"keepdim"}:
         return None
-    w = s.args[0]
-    wv = _tensor(w)
-    if (not isinstance(w, fx.Node) or w.op != "call_function" or w.target is not aten.where.self or w.kwargs
-            or len(w.users) != 1 or wv is None or wv.dim() == 0 or not wv.dtype.is_floating_point):
+    x = s.args[0]
+    xv = _tensor(x)
+    if xv is None or xv.dim() == 0 or not xv.dtype.is_floating_point:
         return None
     dims = s.args[1] if len(s.args) > 1 else None
-    if not isinstance(dims, (list, tuple)) or [d % wv.dim() for d in dims] != [wv.dim() - 1]:
+    if not isinstance(dims, (list, tuple)) or [d % xv.dim() for d in dims] != [xv.dim() - 1]:
         return None
+    return x
+
+
+def _match(s: fx.Node) -> tuple[fx.Node, fx.Node, int] | None:
+    """(hit, V, width) where s is `sum(where(hit, V, 0), [-1])` as the module docstring says."""
+    w = _last_dim_sum(s)
+    if w is None or w.op != "call_function" or w.target is not aten.where.self or w.kwargs or len(w.users) != 1:
+        return None
+    wv = _tensor(w)
     hit, v, zero = w.args
     vv = _tensor(v)
     width = wv.shape[-1]
     if vv is None or vv.shape != wv.shape or vv.dtype != wv.dtype or not _zero(zero) or not _one_hot(hit, width):
         return None
     return hit, v, width
+
+
+def _conversion(n: Any) -> bool:
+    """n converts a floating tensor to another floating dtype, and does nothing else."""
+    if not isinstance(n, fx.Node) or n.op != "call_function" or len(n.args) < 1:
+        return False
+    if n.target is aten._to_copy.default:
+        ok = len(n.args) == 1 and set(n.kwargs) <= {"dtype", "layout", "device"}
+    elif n.target is prims.convert_element_type.default:
+        ok = len(n.args) == 2 and not n.kwargs
+    else:
+        return False
+    a, v = _tensor(n.args[0]), _tensor(n)
+    return (ok and a is not None and v is not None and a.dtype.is_floating_point and v.dtype.is_floating_point
+            and a.device == v.device and a.layout == v.layout == torch.strided)
+
+
+def _match_scaled(s: fx.Node) -> tuple[fx.Node, fx.Node, int, fx.Node | None] | None:
+    """(hit, g, width, conversion) where s is `sum(mul(hit, g), [-1])` (either operand order), or the
+    sum of a floating conversion of that product (a bf16 model's gradient summed in float32), hit a
+    _one_hot mask and g a floating value constant along the last dim (per row, or a scalar)."""
+    m, conv = _last_dim_sum(s), None
+    if m is not None and _conversion(m):
+        m, conv = m.args[0], m
+    mv = _tensor(m)
+    if (m is None or m.op != "call_function" or m.target is not aten.mul.Tensor or m.kwargs or len(m.args) != 2
+            or mv is None or mv.dim() == 0 or not mv.dtype.is_floating_point or mv.device.type not in _SCALED_DEVICES):
+        return None
+    width = mv.shape[-1]
+    for hit, g in (m.args, m.args[::-1]):
+        gv = _tensor(g)
+        if (gv is not None and gv.dtype == mv.dtype and _per_row(g, width) and _one_hot(hit, width)):
+            return hit, g, width, conv
+    return None
 
 
 def _hoist(node: fx.Node, order: dict[fx.Node, int]) -> None:
@@ -180,22 +234,33 @@ def _hoist(node: fx.Node, order: dict[fx.Node, int]) -> None:
             anchor = n
 
 
-def rewrite_one_hot_picks(gm: fx.GraphModule) -> int:
-    """Rewrites, in place, every one-hot pick matched as the module docstring says; returns how many."""
+def rewrite_one_hot_picks(gm: fx.GraphModule, scaled_only: bool = False) -> int:
+    """Rewrites, in place, every one-hot pick matched as the module docstring says; returns how many.
+    `scaled_only`: the `sum(mul(hit, g), -1)` form alone, on a joint graph (partition.py), where the
+    backward's mask still reads the forward's arange (the backward graph gets it as a saved input)."""
     if not config.one_hot_picks():
         return 0
     graph, done, tried = gm.graph, 0, False
     for s in list(graph.nodes):
-        m = _match(s)
+        m = None if scaled_only else _match(s)
         if m is not None:
             tried = True  # its mask may have moved up, rewritten or not
             done += _pick(graph, s, *m)
+            continue
+        m = _match_scaled(s)
+        if m is not None:
+            tried = True
+            done += _pick(graph, s, *m[:3], scaled=True, conversion=m[3])
     if tried:
         gm.recompile()
     return done
 
 
-def _pick(graph: fx.Graph, s: fx.Node, hit: fx.Node, v: fx.Node, width: int) -> bool:
+def _pick(graph: fx.Graph, s: fx.Node, hit: fx.Node, v: fx.Node, width: int, scaled: bool = False,
+          conversion: fx.Node | None = None) -> bool:
+    """s's value from the picked element of v (`_match`), or, `scaled`, from v itself (`_match_scaled`:
+    v is already one value a row, converted as `conversion` converted the product: exact, the
+    product being v or a zero)."""
     made: list[fx.Node] = []
     mode = getattr(_tensor(hit), "fake_mode", None)  # new values' metadata made in the graph's fake mode
 
@@ -246,14 +311,23 @@ def _pick(graph: fx.Graph, s: fx.Node, hit: fx.Node, v: fx.Node, width: int) -> 
         picked[x] = out
         return out
 
-    _hoist(hit, order)  # hit's computation (from the targets alone) as early as its inputs allow
-    order = {n: i for i, n in enumerate(graph.nodes)}  # (the graph stays valid if the pick fails)
+    if not scaled:
+        _hoist(hit, order)  # hit's computation (from the targets alone) as early as its inputs allow
+        order = {n: i for i, n in enumerate(graph.nodes)}  # (the graph stays valid if the pick fails)
     with graph.inserting_before(s):
         try:
-            value = pick(v)
-            if _tensor(value).shape != _tensor(v).shape[:-1] + (1,) or _tensor(value).dtype != _tensor(v).dtype:
+            value = v if scaled else pick(v)
+            if conversion is not None:  # made right after g: a 0-d g's kernel computes it too
+                at = v if v.op != "placeholder" else [n for n in graph.nodes if n.op == "placeholder"][-1]
+                with graph.inserting_after(at):
+                    value = call(conversion.target, (value,) + tuple(conversion.args[1:]), dict(conversion.kwargs))
+                v = conversion
+            want = _tensor(s.args[0]).shape[:-1] + (1,)
+            if not scaled and (_tensor(value).shape != want or _tensor(value).dtype != _tensor(v).dtype):
                 raise ValueError("the picked value's shape or dtype is not the sum's")
             out = call(aten.where.self, (_hits(hit, width, call), value, zero_like(v)))
+            if _tensor(out).shape != want:  # a scalar g and per-row hits broadcast to [.., 1] already
+                raise ValueError("the per-row value's shape is not the sum's")
             if not s.kwargs.get("keepdim", s.args[2] if len(s.args) > 2 else False):
                 out = call(aten.squeeze.dim, (out, -1))
         except (ValueError, RuntimeError, TypeError, AssertionError):  # AssertionError: fake modes mixed

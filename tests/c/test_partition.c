@@ -630,31 +630,78 @@ static void test_matmuls_sink_past_pointwise_work(void **state) {
 
 /* The weight gradient mm(t, y), y = h * h recomputed from the saved h, also sinks below work that
  * reads h itself (g2 = g1 * h, a norm's gradient reading its saved input beside the norm's
- * recomputed output): one kernel may do both. */
+ * recomputed output): one kernel may do both. In autograd's other order (sibling_after: the weight
+ * gradient before the input gradient g1 = mm(t, w), its sibling reading the same t, as for a linear
+ * layer without bias) it passes over that one matmul, which stays before it. Either way a second
+ * matmul (m3) ends the scan: it stays before m3 and the work reading h after m3 (g4). */
 static void test_matmuls_sink_past_work_sharing_a_saved_value(void **state) {
+    (void)state;
+    for (int sibling_after = 0; sibling_after < 2; sibling_after++) {
+        af_graph *g = NULL;
+        assert_int_equal(af_graph_new(&g), AF_OK);
+        int32_t x = input(g, "x", 64), w = input(g, "w", 64), t = input(g, "t", 64);
+        int32_t h = add(g, "aten::mm.default", x, w, 64);
+        int32_t y = add(g, "aten::mul.Tensor", h, h, 64);
+        int32_t out = add(g, "aten::mm.default", y, w, 64);
+        int32_t g1 = sibling_after ? -1 : add(g, "aten::mm.default", t, w, 64);
+        int32_t gw = add(g, "aten::mm.default", t, y, 64);
+        if (sibling_after) g1 = add(g, "aten::mm.default", t, w, 64);
+        int32_t g2 = add(g, "aten::mul.Tensor", g1, h, 64);
+        int32_t m3 = add(g, "aten::mm.default", g2, w, 64);
+        int32_t g4 = add(g, "aten::mul.Tensor", m3, h, 64);
+        int32_t outs[3] = {out, gw, g4};
+        assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
+        uint8_t roles[3] = {AF_ROLE_PRIMAL, AF_ROLE_PARAM, AF_ROLE_TANGENT};
+        af_partition *p = NULL;
+        assert_int_equal(af_partition_min_cut(g, roles, 1, NULL, &p), AF_OK);
+        check_partition(g, roles, 1, p);
+        int saved_h = 0, saved_y = 0;
+        for (int32_t i = 0; i < p->n_saved; i++) {
+            saved_h |= p->saved[i] == h;
+            saved_y |= p->saved[i] == y;
+        }
+        assert_true(saved_h && !saved_y); /* y recomputed from h */
+        int32_t at_gw = position(p, g, gw);
+        assert_true(position(p, g, y) < position(p, g, g2) && position(p, g, g1) < position(p, g, g2));
+        assert_true(position(p, g, g2) < at_gw && at_gw < position(p, g, m3) && position(p, g, m3) < position(p, g, g4));
+        af_partition_free(p);
+        af_graph_free(g);
+    }
+}
+
+/* A view that only matmuls read runs just before the first of them: here between a pointwise
+ * value (a) and more pointwise work on it (b) in autograd's order, it would split that work into two
+ * kernels. A view another pointwise node reads (v2, read by c) keeps its place, and so does a view
+ * that is an output (v3). A view of such a view (vv) goes with it, after it. */
+static void test_views_matmuls_read_run_just_before_them(void **state) {
     (void)state;
     af_graph *g = NULL;
     assert_int_equal(af_graph_new(&g), AF_OK);
     int32_t x = input(g, "x", 64), w = input(g, "w", 64), t = input(g, "t", 64);
     int32_t h = add(g, "aten::mm.default", x, w, 64);
-    int32_t y = add(g, "aten::mul.Tensor", h, h, 64);
-    int32_t out = add(g, "aten::mm.default", y, w, 64);
-    int32_t g1 = add(g, "aten::mm.default", t, w, 64);
-    int32_t gw = add(g, "aten::mm.default", t, y, 64);
-    int32_t g2 = add(g, "aten::mul.Tensor", g1, h, 64);
-    int32_t outs[3] = {out, gw, g2};
+    int32_t out = add(g, "aten::exp.default", h, -1, 64);
+    int32_t a = add(g, "aten::mul.Tensor", t, out, 64);
+    int32_t v = add(g, "aten::view.default", a, -1, 64);
+    int32_t vv = add(g, "aten::view.default", v, -1, 64);
+    int32_t v2 = add(g, "aten::view.default", a, -1, 64);
+    int32_t v3 = add(g, "aten::view.default", a, -1, 64);
+    int32_t b = add(g, "aten::mul.Tensor", a, out, 64);
+    int32_t c = add(g, "aten::add.Tensor", v2, b, 64);
+    int32_t m = add(g, "aten::mm.default", vv, w, 64);
+    int32_t gx = add(g, "aten::add.Tensor", m, c, 64);
+    int32_t outs[3] = {out, gx, v3};
     assert_int_equal(af_graph_set_outputs(g, outs, 3), AF_OK);
     uint8_t roles[3] = {AF_ROLE_PRIMAL, AF_ROLE_PARAM, AF_ROLE_TANGENT};
     af_partition *p = NULL;
     assert_int_equal(af_partition_min_cut(g, roles, 1, NULL, &p), AF_OK);
     check_partition(g, roles, 1, p);
-    int saved_h = 0, saved_y = 0;
-    for (int32_t i = 0; i < p->n_saved; i++) {
-        saved_h |= p->saved[i] == h;
-        saved_y |= p->saved[i] == y;
-    }
-    assert_true(saved_h && !saved_y); /* y recomputed from h */
-    assert_true(position(p, g, y) < position(p, g, g2) && position(p, g, g2) < position(p, g, gw));
+    int32_t at_m = position(p, g, m);
+    assert_int_equal(position(p, g, vv), at_m - 1);
+    assert_int_equal(position(p, g, v), at_m - 2);
+    assert_true(position(p, g, c) < position(p, g, v));
+    assert_int_equal(position(p, g, v2), position(p, g, a) + 1);
+    assert_int_equal(position(p, g, v3), position(p, g, a) + 2);
+    assert_int_equal(position(p, g, b), position(p, g, v3) + 1);
     af_partition_free(p);
     af_graph_free(g);
 }
@@ -696,6 +743,7 @@ int main(void) {
         cmocka_unit_test(test_chained_materialized_values_are_saved),
         cmocka_unit_test(test_matmuls_sink_past_pointwise_work),
         cmocka_unit_test(test_matmuls_sink_past_work_sharing_a_saved_value),
+        cmocka_unit_test(test_views_matmuls_read_run_just_before_them),
         cmocka_unit_test(test_node_policy_checkpointed_region),
         cmocka_unit_test(test_memory_budget_recomputes_matmuls),
         cmocka_unit_test(test_bad_arguments),
