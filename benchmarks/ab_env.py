@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="BertForMaskedLM")
     ap.add_argument("--family", default=None,
                     help="one of benchmarks/families.py's models (llama, swin, ...) instead of --model, at that "
-                         "benchmark's size (--size and --dropout ignored)")
+                         "benchmark's size (--size ignored)")
     ap.add_argument("--size", default="host", choices=SIZES)
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     ap.add_argument("--repeats", type=int, default=200, help="timed steps per side")
@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dropout", type=float, default=1e-8,
                     help="every dropout probability of the config (default aotfuse.bench's 1e-8: drawn, nearly no effect)")
+    ap.add_argument("--attn", default="eager", choices=["eager", "sdpa"],
+                    help="the attention implementation of a --family model (transformers' default is sdpa)")
     ap.add_argument("--torch-compile", action="store_true",
                     help="each side is torch.compile(model, backend='aotfuse') instead of memory_efficient_fusion")
     ap.add_argument("--gradient-checkpointing", action="store_true",
@@ -64,12 +66,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.family:
         import families
 
-        model, inputs = families.build(args.family, DTYPES[args.dtype])
+        model, inputs = families.build(args.family, DTYPES[args.dtype], dropout=args.dropout, attn=args.attn)
         if args.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         desc = f"{args.family} (benchmarks/families.py's size)"
     else:
-        model, inputs, desc = build_model(args.model, args.size, DTYPES[args.dtype], "cpu", dropout=args.dropout,
+        model, inputs, desc = build_model(args.model, args.size, DTYPES[args.dtype], "cpu", attn=args.attn, dropout=args.dropout,
                                           gradient_checkpointing=args.gradient_checkpointing)
     saved = os.environ.get(args.env)
     sides = {}
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
 
         peaks[side] = _cpu_peak(step)
     gc = ", gradient checkpointing" if args.gradient_checkpointing else ""
-    gc += f", dropout {args.dropout:g}" + (", torch.compile(backend='aotfuse')" if args.torch_compile else "")
+    gc += f", dropout {args.dropout:g}, {args.attn} attention" + (", torch.compile(backend='aotfuse')" if args.torch_compile else "")
     print(f"{desc}{gc} | {args.dtype} | torch {torch.__version__} | {args.repeats} steps a side, {args.threads} thread(s)")
     for side, value in (("A", args.a), ("B", args.b)):
         print(f"  {args.env}={value}: step median {statistics.median(times[side]) * 1e3:.3f} ms, peak "

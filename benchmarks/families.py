@@ -15,7 +15,8 @@ beyond its start (`aotfuse.bench._cpu_peak`, as the seed table measures it), the
 relative difference must stay below 1e-3 in fp32 and 2e-2 in bf16, else the row says MISMATCH).
 
     python benchmarks/families.py [--models llama,mistral,...] [--dtype fp32|bf16|fp16] [--steps 10] [--threads 1]
-                                  [--contenders eager,aotfuse,torch.compile] [--channels-last] [--out FILE.md]
+                                  [--contenders eager,aotfuse,torch.compile] [--channels-last] [--dropout 1e-8]
+                                  [--attn eager|sdpa] [--out FILE.md]
 """
 from __future__ import annotations
 
@@ -97,17 +98,20 @@ def _configs() -> dict:
 FALLBACK = {"bart": "dynamo"}
 
 
-def build(name: str, dtype: torch.dtype, channels_last: bool = False):
+def build(name: str, dtype: torch.dtype, channels_last: bool = False, dropout: float = 1e-8,
+          attn: str = "eager"):
     """(model, inputs) for one family, seed 0 weights, seed 1 inputs; channels_last: an image model and
-    its images in that memory format (what CNN training on a CPU often uses)."""
+    its images in that memory format (what CNN training on a CPU often uses); dropout: every dropout
+    probability of the config (0: none drawn, the configs' default for Llama, Mistral, Qwen2); attn: the
+    attention implementation where the model takes one ("sdpa": transformers' default)."""
     cfg, cls, kind = _configs()[name]()
-    _quiet_dropout(cfg, 1e-8)
+    _quiet_dropout(cfg, dropout)
     for key in ("drop_path_rate", "drop_connect_rate", "layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
         if hasattr(cfg, key):
             setattr(cfg, key, 0.0)
     torch.manual_seed(0)
     try:
-        model = cls._from_config(cfg, attn_implementation="eager")
+        model = cls._from_config(cfg, attn_implementation=attn)
     except (ValueError, TypeError):
         model = cls._from_config(cfg)
     model = model.to(dtype).train()
@@ -142,11 +146,12 @@ def _step(model, call, inputs) -> float:
     return loss.item()
 
 
-def run_model(name: str, dtype: torch.dtype, contenders: list[str], steps: int, channels_last: bool = False) -> dict:
+def run_model(name: str, dtype: torch.dtype, contenders: list[str], steps: int, channels_last: bool = False,
+              dropout: float = 1e-8, attn: str = "eager") -> dict:
     # Dynamo's caches are per code object, and every model runs transformers' shared modules: without a
     # reset, a later model's torch.compile hits the recompile limit and runs eagerly (first step 0.1 s)
     torch._dynamo.reset()
-    base, inputs = build(name, dtype, channels_last)
+    base, inputs = build(name, dtype, channels_last, dropout, attn)
     return run_built(name, base, inputs, dtype, contenders, steps)
 
 
@@ -210,6 +215,11 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--channels-last", action="store_true", help="image models and images in channels_last")
     ap.add_argument("--contenders", default="eager,aotfuse,torch.compile")
+    ap.add_argument("--dropout", type=float, default=1e-8,
+                    help="every dropout probability of the configs (default 1e-8: drawn, nearly without effect; "
+                         "0: none, the default of Llama's, Mistral's and Qwen2's configs)")
+    ap.add_argument("--attn", default="eager", choices=["eager", "sdpa"],
+                    help="the attention implementation (transformers' default is sdpa)")
     ap.add_argument("--out", default=None, help="also write the table, with machine and versions, to this file")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -226,9 +236,11 @@ def main(argv=None) -> None:
     for name in args.models.split(","):
         if name not in known:
             raise SystemExit(f"unknown model {name!r}; choose from {', '.join(known)}")
-        rows.append(row_or_error(name, contenders, lambda: run_model(name, dtype, contenders, args.steps, args.channels_last)))
+        rows.append(row_or_error(name, contenders, lambda: run_model(name, dtype, contenders, args.steps, args.channels_last,
+                                                                 args.dropout, args.attn)))
     write_table(rows, contenders, args.threads, f"transformers {transformers.__version__} | {args.dtype}"
-                f"{' channels_last' if args.channels_last else ''} | {args.steps} steps", args.out)
+                f"{' channels_last' if args.channels_last else ''} | {args.steps} steps | dropout {args.dropout:g}, "
+                f"{args.attn} attention", args.out)
 
 
 def row_or_error(name: str, contenders: list[str], run) -> dict:

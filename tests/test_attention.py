@@ -108,9 +108,18 @@ def _dynamo_ops(model, *args, dynamic=False, **kwargs) -> dict:
     return ops
 
 
-def _assert_becomes_sdpa_and_trains_like_eager(cls, variant: dict, dtype: torch.dtype) -> None:
-    """cls(**variant) trains like eager (and float64), and its attention is one SDPA call, no bmm left."""
+def _force_for_bf16(monkeypatch, dtype: torch.dtype) -> None:
+    """CPU bf16 attention is rewritten only when forced (AOTFUSE_FUSE_ATTENTION=1): so for bf16 these CPU
+    tests force it, standing in for the CUDA default's rewrite."""
+    if dtype == torch.bfloat16:
+        monkeypatch.setenv("AOTFUSE_FUSE_ATTENTION", "1")
+
+
+def _assert_becomes_sdpa_and_trains_like_eager(cls, variant: dict, dtype: torch.dtype, monkeypatch) -> None:
+    """cls(**variant) trains like eager (and float64), and its attention is one SDPA call, no bmm left
+    (bf16: forced, _force_for_bf16)."""
     x, m = _inputs(dtype)
+    _force_for_bf16(monkeypatch, dtype)
     report = compare_models(lambda: cls(**variant), lambda: (x, m), dtype=dtype, steps=2, name=str(variant))
     report.assert_ok()
     ops = _ops(cls(**variant).to(dtype), x, m)
@@ -124,8 +133,8 @@ def _assert_becomes_sdpa_and_trains_like_eager(cls, variant: dict, dtype: torch.
                                      {"causal": float("-inf"), "where": True}, {"upcast": True}],
                          ids=["mul", "div", "unscaled", "no-mask", "f32-softmax", "4-heads", "causal-fill",
                               "causal-fill-and-mask", "causal-where", "causal-where-and-mask", "upcast"])
-def test_eager_attention_becomes_sdpa_and_trains_like_eager(variant, dtype):
-    _assert_becomes_sdpa_and_trains_like_eager(Attention, variant, dtype)
+def test_eager_attention_becomes_sdpa_and_trains_like_eager(variant, dtype, monkeypatch):
+    _assert_becomes_sdpa_and_trains_like_eager(Attention, variant, dtype, monkeypatch)
 
 
 def test_what_reads_the_probabilities_keeps_the_attention_eager():
@@ -189,6 +198,21 @@ def test_cpu_attention_with_dropout_stays_aotfuses_unless_forced(monkeypatch):
     assert _rewritten(monkeypatch, Attention(), x, m) == []
 
 
+def test_cpu_bf16_attention_stays_aotfuses_unless_forced(monkeypatch):
+    """ATen's CPU flash kernel is slower in bf16 than oneDNN's bf16 bmm with aotfuse's softmax kernel
+    (attention.py): bf16 CPU attention stays as written (bmm, no SDPA call) and trains like eager;
+    float32 is rewritten; AOTFUSE_FUSE_ATTENTION=1 rewrites bf16 too."""
+    x, m = _inputs()
+    assert _rewritten(monkeypatch, Attention(), x, m) == [1]
+    xb, mb = _inputs(torch.bfloat16)
+    assert _rewritten(monkeypatch, Attention().to(torch.bfloat16), xb, mb) == [0]
+    ops = _ops(Attention().to(torch.bfloat16), xb, mb)
+    assert "aten::bmm" in ops and "_scaled_dot_product_flash_attention_for_cpu" not in ops, ops
+    compare_models(Attention, lambda: (xb, mb), dtype=torch.bfloat16, steps=2, name="bf16").assert_ok()
+    monkeypatch.setenv("AOTFUSE_FUSE_ATTENTION", "1")
+    assert _rewritten(monkeypatch, Attention().to(torch.bfloat16), xb, mb) == [1]
+
+
 def test_forced_sdpa_dropout_drops_at_the_rate_asked(monkeypatch):
     """Dropout inside SDPA draws from ATen's generator: not eager's masks, but the same rate and scale."""
     monkeypatch.setenv("AOTFUSE_FUSE_ATTENTION", "1")
@@ -208,10 +232,11 @@ def test_forced_sdpa_dropout_drops_at_the_rate_asked(monkeypatch):
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_torch_compile_rewrites_eager_attention_too(dtype, dynamic):
+def test_torch_compile_rewrites_eager_attention_too(dtype, dynamic, monkeypatch):
     """torch.compile(backend="aotfuse"): each graph Dynamo hands over is traced at the pre-dispatch level
     as memory_efficient_fusion's function is (symbolic shapes: each concrete shape's graph)."""
     x, m = _inputs(dtype)
+    _force_for_bf16(monkeypatch, dtype)
     report = compare_models(Attention, lambda: (x, m), dtype=dtype, steps=2, compile_fn=_dynamo(dynamic),
                             name=f"torch.compile dynamic={dynamic}")
     report.assert_ok()
@@ -262,8 +287,10 @@ def test_hugging_face_eager_attention_without_dropout_trains_like_eager(name):
 def test_llama_eager_attention_under_its_rotary_no_grad_is_rewritten(monkeypatch):
     """Llama's rotary embedding runs under @torch.no_grad(): the pre-dispatch graph carries grad-mode
     switches, which replay as they are; both layers' attention becomes SDPA and the model trains like
-    eager (grouped-query attention: k and v repeated before the matmul)."""
+    eager (grouped-query attention: k and v repeated before the matmul). Forced: bf16 CPU attention is
+    rewritten only then."""
     transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("AOTFUSE_FUSE_ATTENTION", "1")  # the model has no dropout: only bf16 is forced
     transformers.logging.set_verbosity_error()
     cfg = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                intermediate_size=64, max_position_embeddings=64)
@@ -365,5 +392,94 @@ class Attention3D(nn.Module):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("variant", [{}, {"bmm": False}, {"causal": True}], ids=["bmm", "matmul", "causal"])
-def test_3d_attention_becomes_sdpa_and_trains_like_eager(variant, dtype):
-    _assert_becomes_sdpa_and_trains_like_eager(Attention3D, variant, dtype)
+def test_3d_attention_becomes_sdpa_and_trains_like_eager(variant, dtype, monkeypatch):
+    _assert_becomes_sdpa_and_trains_like_eager(Attention3D, variant, dtype, monkeypatch)
+
+
+class SdpaAttention(nn.Module):
+    """Attention as one call of torch's SDPA, as transformers' default attention ("sdpa") writes it."""
+
+    def __init__(self, mask=True, causal=False, heads=2):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+        self.mask, self.causal, self.heads = mask, causal, heads
+
+    def forward(self, x, m):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, 16 // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=m if self.mask else None, is_causal=self.causal)
+        return self.out(y.transpose(1, 2).reshape(b, s, 16))
+
+
+def _sdpa_inputs(kind: str, dtype: torch.dtype, s: int = 5):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, s, 16, generator=g, dtype=dtype)
+    if kind == "bool":  # True where a key is attended; query 2 of the second sequence attends to none
+        m = torch.ones(2, 1, s, s, dtype=torch.bool)
+        m[1, :, :, -2:] = False
+        m[1, :, 2] = False
+    else:  # Hugging Face's additive padding mask
+        m = torch.zeros(2, 1, 1, s, dtype=dtype)
+        m[1, ..., -2:] = torch.finfo(dtype).min
+    return x, m
+
+
+@pytest.mark.parametrize("variant", [{}, {"mask": "float"}, {"mask": None, "causal": True}, {"mask": None}],
+                         ids=["bool-mask", "float-mask", "causal", "no-mask"])
+def test_short_bf16_cpu_sdpa_runs_as_matmuls_and_a_softmax_kernel(variant):
+    """attention.unfuse_attention: on bf16 CPU tensors, SDPA whose probabilities are no larger than q, k,
+    v and the output becomes bf16 matmuls around a float32 softmax kernel (ATen's flash kernel is slower
+    there): no flash call is left, and the model trains like eager's SDPA and float64, a fully masked
+    query row included (0, as the flash kernel gives, not NaN). float32 keeps the flash kernel, and so
+    does an additive float mask (attention.unfuse_attention says why)."""
+    kind = variant.get("mask", "bool") or "bool"
+    kwargs = dict(mask=variant.get("mask", "bool") is not None, causal=variant.get("causal", False))
+    for dtype in (torch.bfloat16, torch.float32):
+        x, m = _sdpa_inputs(kind, dtype)
+        compare_models(lambda: SdpaAttention(**kwargs), lambda: (x, m), dtype=dtype, steps=2,
+                       name=f"sdpa {variant}").assert_ok()
+        ops = _ops(SdpaAttention(**kwargs).to(dtype), x, m)
+        if dtype == torch.bfloat16 and kind == "bool":
+            assert "flash_attention" not in ops and "aten::bmm" in ops and "_safe_softmax" not in ops, ops
+        else:
+            assert "_scaled_dot_product_flash_attention_for_cpu" in ops, ops
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_torch_compile_runs_short_bf16_sdpa_as_matmuls_too(dynamic):
+    """torch.compile(backend="aotfuse"): a Dynamo graph calling SDPA on short bf16 CPU attention is
+    traced for unfuse_attention as memory_efficient_fusion's function is, and trains like eager."""
+    x, m = _sdpa_inputs("bool", torch.bfloat16)
+    compare_models(SdpaAttention, lambda: (x, m), dtype=torch.bfloat16, steps=2, compile_fn=_dynamo(dynamic),
+                   name=f"torch.compile sdpa dynamic={dynamic}").assert_ok()
+    ops = _dynamo_ops(SdpaAttention().to(torch.bfloat16), x, m, dynamic=dynamic)
+    assert "aten::bmm" in ops and not any("flash" in op for op in ops), ops
+
+
+def test_long_bf16_sdpa_and_switched_off_rewrites_keep_the_flash_kernel(monkeypatch):
+    """Where the probabilities would outgrow q, k, v and the output (L = 16 > 4 x 2-wide heads), the
+    flash kernel stays, and so does eager attention of that size become it; AOTFUSE_FUSE_ATTENTION=0 and
+    =1 leave SDPA calls alone (1 forces eager attention into SDPA)."""
+    x, m = _sdpa_inputs("bool", torch.bfloat16, s=16)
+    ops = _ops(SdpaAttention(heads=8).to(torch.bfloat16), x, m)
+    assert "_scaled_dot_product_flash_attention_for_cpu" in ops and "aten::bmm" not in ops, ops
+    xe, me = torch.randn(2, 16, 16).to(torch.bfloat16), torch.zeros(2, 1, 1, 16, dtype=torch.bfloat16)
+    assert _rewritten(monkeypatch, Attention(heads=8).to(torch.bfloat16), xe, me) == [1]
+    x, m = _sdpa_inputs("bool", torch.bfloat16)
+    for mode in ("0", "1"):
+        monkeypatch.setenv("AOTFUSE_FUSE_ATTENTION", mode)
+        assert "_scaled_dot_product_flash_attention_for_cpu" in _ops(SdpaAttention().to(torch.bfloat16), x, m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sdpas_math_path_softmax_is_a_kernel_and_masked_rows_are_zero(dtype):
+    """ATen's CPU SDPA with dropout (transformers' default attention in training) is its math path,
+    whose softmax is _safe_softmax: decomposed (decompositions._safe_softmax), it is one kernel with the
+    mask before it, not an ATen call, and a fully masked row is 0 (its gradient too), as ATen's."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    x, m = _sdpa_inputs("bool", dtype)
+    with sdpa_kernel(SDPBackend.MATH):  # the math path without dropout: values that compare with eager's
+        compare_models(SdpaAttention, lambda: (x, m), dtype=dtype, steps=2, name="math path").assert_ok()
+        ops = _ops(SdpaAttention().to(dtype), x, m)
+    assert "_safe_softmax" not in ops and "flash_attention" not in ops, ops

@@ -54,6 +54,53 @@ def test_a_tensor_read_without_being_an_input_is_named_as_such():
     assert torch.equal(out, (x * w).sum())
 
 
+class _Recompute(torch.autograd.Function):
+    """Reformer's reversible layers' way: the backward runs the layer again, reading its parameters."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.layer = layer
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return layer(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            y = ctx.layer(x)
+            y.backward(g)
+        return x.grad, None
+
+
+def test_a_functions_backward_that_runs_a_module_is_named_and_runs_under_dynamo():
+    """A custom autograd.Function whose backward runs a module (reversible layers) meets the module's
+    real parameters when the joint graph is traced: the error names that case beside the others of
+    its kind, and fallback='dynamo' trains it as eager does (a 2026-12-06 sweep: Reformer without an
+    attention mask)."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = torch.nn.LayerNorm(8)
+
+        def forward(self, x):
+            return _Recompute.apply(x, self.ln)
+
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(aotfuse.CaptureError, match="autograd.Function whose backward runs a module"):
+        aotfuse.memory_efficient_fusion(M())(x).sum().backward()
+    torch.manual_seed(0)
+    eager, compiled = M(), M()
+    compiled.load_state_dict(eager.state_dict())
+    _Recompute.apply(x, eager.ln).sum().backward()
+    with pytest.warns(UserWarning, match="could not capture"):
+        aotfuse.memory_efficient_fusion(compiled, fallback="dynamo")(x).sum().backward()
+    torch.testing.assert_close(compiled.ln.weight.grad, eager.ln.weight.grad)
+    torch.testing.assert_close(compiled.ln.bias.grad, eager.ln.bias.grad)
+
+
 def test_a_call_the_signature_refuses_raises_eagers_type_error():
     """A missing, extra or unknown argument raises TypeError, as the eager call would, before anything
     is traced (it was a CaptureError blaming control flow, which `except TypeError` missed); a function

@@ -23,14 +23,19 @@ before). Where nothing matches, the function is traced as it is: the rewrite cha
 Both entry points use it: memory_efficient_fusion traces the model's flattened function (the first
 call of each signature), torch.compile(backend="aotfuse") each graph Dynamo hands over (fused_graph).
 
-Where it applies (`AOTFUSE_FUSE_ATTENTION`): `auto` (default) on CUDA tensors, and on CPU tensors
-where the attention has no dropout (ATen's CPU flash kernel takes no dropout; its math path would be
-slower than aotfuse's own kernels: 206 against 124 ms for one attention's training step at
-4 x 12 x 512 x 64, and the flash kernel 50 ms); `1` also on CPU with dropout (for tests); `0` never.
-Dropout inside SDPA draws from ATen's generator, not aotfuse's.
+Where it applies (`AOTFUSE_FUSE_ATTENTION`): `auto` (default) on CUDA tensors, and on float32 and
+float16 CPU tensors where the attention has no dropout (ATen's CPU flash kernel takes no dropout; its
+math path would be slower than aotfuse's own kernels: 206 against 124 ms for one attention's training
+step at 4 x 12 x 512 x 64, and the flash kernel 50 ms). Not bfloat16 CPU attention: there ATen's flash
+kernel was 1.3-1.4x the time of oneDNN's bf16 bmm with aotfuse's softmax kernel for inference and
+1.4-2.3x for a training step (4 x 4 x 128..1024 x 64, an AVX512-BF16 CPU without AMX, 2026-12-06;
+a Llama training step 1.15x, its peak 0.92x), so it stays as the model wrote it, at the cost of the
+saved probabilities. `1` also on CPU with dropout and in bfloat16 (for tests); `0` never. Dropout
+inside SDPA draws from ATen's generator, not aotfuse's.
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Callable
 
@@ -42,7 +47,7 @@ from .partition import _val
 
 aten = torch.ops.aten
 
-__all__ = ["fuse_attention", "fused_graph"]
+__all__ = ["fuse_attention", "fused_graph", "unfuse_attention"]
 
 
 def _only_user(node: fx.Node) -> fx.Node | None:
@@ -71,6 +76,19 @@ def _mask_fits(node: fx.Node, dtype: torch.dtype, device: torch.device, scores: 
         return torch.broadcast_shapes(val.shape, scores.shape) == scores.shape
     except RuntimeError:
         return False
+
+
+def _short_bf16_cpu(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether attention of these q and k stays (or becomes) matmuls around aotfuse's softmax kernel
+    rather than ATen's CPU flash kernel (AOTFUSE_FUSE_ATTENTION=auto): bfloat16 CPU tensors whose
+    [.., L, S] probabilities are no larger than q, k, v and the output together (L * S <= 2E(L + S):
+    L = S <= 4E, 256 for 64-wide heads). There the flash kernel took 1.4-2.3x the time of a training
+    step's bf16 bmm and softmax kernel (attention.py's docstring); longer attention keeps the kernel
+    that never stores the probabilities."""
+    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or q.dim() < 2:
+        return False
+    big_l, e, big_s = q.shape[-2], q.shape[-1], k.shape[-2]
+    return big_l * big_s <= 2 * e * (big_l + big_s)
 
 
 def _match(softmax: fx.Node, force_cpu: bool, needs_grad: set) -> dict | None:
@@ -169,8 +187,8 @@ def _match(softmax: fx.Node, force_cpu: bool, needs_grad: set) -> dict | None:
         return None
     if mask is not None and (not _mask_fits(mask, qv.dtype, qv.device, xv) or mask in needs_grad):
         return None  # (a learned bias: not every SDPA kernel gives the mask a gradient)
-    if qv.device.type == "cpu" and p > 0 and not force_cpu:
-        return None  # ATen's CPU SDPA with dropout is its math path: slower than ours
+    if qv.device.type == "cpu" and (p > 0 or _short_bf16_cpu(qv, kv)) and not force_cpu:
+        return None  # ATen's CPU SDPA with dropout is its math path, its bf16 flash kernel slower: ours
     if qv.device.type not in ("cpu", "cuda"):
         return None
     # consumers first: the order to erase them in
@@ -234,6 +252,66 @@ def fuse_attention(gm: fx.GraphModule, force_cpu: bool = False, grad_inputs: lis
     return found
 
 
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+
+
+def unfuse_attention(gm: fx.GraphModule) -> int:
+    """Rewrites each SDPA call of a pre-dispatch graph that _short_bf16_cpu takes, without dropout (with
+    dropout ATen's CPU SDPA is its math path, eager's ops already) or grouped-query heads, into the chain
+    eager attention is (bf16 matmuls, a float32 softmax of the scaled and masked scores, its bf16
+    probabilities times v: transformers' eager attention's numerics, a little farther from float64
+    than the flash kernel's float32 products), in place; the softmax is _safe_softmax, SDPA's: a row
+    every key is masked from is 0, as ATen's flash kernel gives, not NaN. Only boolean masks (transformers' for its sdpa
+    attention) or none: an additive float mask (T5's position biases) keeps the call. So rewritten,
+    T5's tiny bf16 test model's second training step was farther from float64 than eager's (one row of
+    a ReLU layer's weight gradient: a unit that rounding after the first step switched, though that
+    step's gradients were as close to float64 as eager's); the speed with such masks is unmeasured.
+    Returns how many were rewritten."""
+    graph = gm.graph
+    found = 0
+    for node in list(graph.nodes):
+        if not _is(node, aten.scaled_dot_product_attention.default):
+            continue
+        a = dict(zip(_SDPA_ARGS, node.args))
+        a.update(node.kwargs)
+        q, k, v = a["query"], a["key"], a["value"]
+        mask, p, causal = a.get("attn_mask"), a.get("dropout_p", 0.0), a.get("is_causal", False)
+        qv, kv, vv = _val(q), _val(k), _val(v)
+        if any(t is None for t in (qv, kv, vv)) or not _short_bf16_cpu(qv, kv) or p != 0.0 or a.get("enable_gqa") \
+                or not (qv.dtype == kv.dtype == vv.dtype) or qv.dim() != kv.dim() or qv.shape[-3:-2] != kv.shape[-3:-2]:
+            continue
+        mv = _val(mask) if isinstance(mask, fx.Node) else None
+        if mask is not None and (mv is None or mv.dtype != torch.bool or causal):
+            continue
+        scale = a.get("scale")
+        scale = 1.0 / math.sqrt(qv.shape[-1]) if scale is None else float(scale)
+        with graph.inserting_before(node):
+            # eager attention's numerics (bf16 scores and probabilities around a float32 softmax): a
+            # float32 chain, nearer the flash kernel's, took 0.884 of the step against this one's
+            # 0.837 (Llama, 2026-12-06) and saved float32 probabilities (peak 1.20x against 1.08x)
+            kt = graph.call_function(aten.transpose.int, (k, -2, -1))
+            scores = graph.call_function(aten.to.dtype, (graph.call_function(aten.matmul.default, (q, kt)),
+                                                         torch.float32))
+            scores = graph.call_function(aten.mul.Tensor, (scores, scale))
+            if causal:  # SDPA's causal mask is the lower triangle from the top left
+                ones = graph.call_function(aten.ones.default, ([qv.shape[-2], kv.shape[-2]],),
+                                           {"dtype": torch.bool, "device": qv.device})
+                mask, mv = graph.call_function(aten.tril.default, (ones,)), torch.empty(0, dtype=torch.bool)
+            if mask is not None:
+                scores = graph.call_function(aten.where.ScalarOther, (mask, scores, float("-inf")))
+            probs = graph.call_function(aten.to.dtype, (graph.call_function(aten._safe_softmax.default, (scores, -1)),
+                                                        qv.dtype))
+            out = graph.call_function(aten.matmul.default, (probs, v))
+        out.meta.update(node.meta)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        found += 1
+    if found:
+        graph.lint()
+        gm.recompile()
+    return found
+
+
 def fused_graph(fn: Callable, tensors: list, mode: str) -> fx.GraphModule | None:
     """fn traced at the pre-dispatch level with its attention chains as SDPA, or None where none matched
     or the graph cannot be replayed as ATen ops (then fn is traced as it is; AOTFUSE_LOG=cache says
@@ -261,6 +339,12 @@ def fused_graph(fn: Callable, tensors: list, mode: str) -> fx.GraphModule | None
     grad_inputs = [isinstance(t, torch.Tensor) and t.requires_grad for t in tensors]
     found = fuse_attention(gm, force_cpu=mode == "1", grad_inputs=grad_inputs)
     config.emit("cache", f"attention: {found} chain(s) as scaled_dot_product_attention")
+    if mode == "auto":
+        unfused = unfuse_attention(gm)
+        if unfused:
+            config.emit("cache", f"attention: {unfused} scaled_dot_product_attention call(s) as matmuls and a "
+                                 f"softmax (short bf16 CPU attention)")
+        found += unfused
     if found and checkpoint.tagged(gm):  # activation checkpointing's regions (checkpoint.py) stay regions
         gm = checkpoint.replay_with_tags(gm)
     return gm if found else None

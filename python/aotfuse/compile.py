@@ -1204,7 +1204,9 @@ class CompiledFunction:
                     if isinstance(e, UnsupportedError) else "it reads a tensor that is not one of its inputs: a global "
                     "or closed-over tensor, or a module attribute that is neither a parameter nor a buffer; pass it as "
                     "an argument or register it with register_buffer (a compiled module passes its parameters and "
-                    "buffers itself)" if _reads_outside_tensor(e)
+                    "buffers itself); or a custom autograd.Function whose backward runs a module (reversible "
+                    "layers, Reformer's: by then its parameters are the real ones), which fallback='dynamo' "
+                    "runs" if _reads_outside_tensor(e)
                     else "the graph was traced, but partitioning it failed: an aotfuse "
                     "bug, please report it with this message" if entry.record.partition_failed
                     else "data-dependent control flow, an op AOTAutograd cannot trace, or an error the function "

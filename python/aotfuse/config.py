@@ -30,7 +30,8 @@ AOTFUSE_LM_GRAD_CHUNKS=0  make a language-model head's float32 logits gradient w
                        (default: in vocabulary chunks, lm_grads.py)
 AOTFUSE_DROP_CLONES=0  keep clones of a value in its own layout (default: dropped before partitioning)
 AOTFUSE_FUSE_ATTENTION=auto  eager attention as torch's SDPA (attention.py): auto on CUDA tensors, and
-                       on CPU tensors where it has no dropout; 1 also with dropout on CPU; 0 never
+                       on float32/float16 CPU tensors where it has no dropout; 1 also with dropout
+                       and in bfloat16 on CPU; 0 never
 AOTFUSE_DYNAMIC=auto   shape families (shapes.py): auto (default) traces a signature's second shape with
                        the sizes that differ symbolic, once for all its shapes; 1 from the first call
                        (every size of the non-parameter inputs); 0 never (each shape traced on its own)
@@ -354,7 +355,7 @@ def checkpoint_regions() -> bool:
 
 
 def fuse_attention() -> str:
-    """AOTFUSE_FUSE_ATTENTION: "auto" (default), "1" (also CPU attention with dropout), "0" (never)."""
+    """AOTFUSE_FUSE_ATTENTION: "auto" (default), "1" (also CPU attention with dropout or in bf16), "0" (never)."""
     return _mode("AOTFUSE_FUSE_ATTENTION", {"force": "1"})
 
 

@@ -257,6 +257,26 @@ def _var_mean(x, dim=None, *, correction=None, keepdim=False):
     return var, mean
 
 
+def _safe_softmax(x, dim, dtype=None):
+    """_safe_softmax, SDPA's math path's softmax (ATen's CPU SDPA with dropout, or with a mask on a
+    backend without a fused kernel): a softmax whose rows of only -inf are 0, not NaN. As torch's
+    _softmax decomposition (16-bit inputs computed in float32), the row's max telling the masked rows:
+    it is -inf exactly where every element is (a NaN row stays NaN), so the rows' test is one more
+    member of the softmax's kernel, not a reduction of its own. ATen's derivative (softmax's backward
+    of this output) stays: a masked row's gradient is 0."""
+    if dtype is not None:
+        x = torch.ops.prims.convert_element_type(x, dtype)
+    out_dtype = x.dtype
+    low = x.dtype in (torch.float16, torch.bfloat16)
+    xf = torch.ops.prims.convert_element_type(x, torch.float32) if low else x
+    x_max = aten.amax.default(xf, [dim], True)
+    e = aten.exp.default(aten.sub.Tensor(xf, x_max))
+    out = aten.div.Tensor(e, aten.sum.dim_IntList(e, [dim], True))
+    out = aten.where.self(aten.eq.Scalar(x_max, float("-inf")), aten.scalar_tensor.default(0.0, dtype=out.dtype),
+                          out)
+    return torch.ops.prims.convert_element_type(out, out_dtype) if low else out
+
+
 def _convert(t, dtype):
     """t in dtype: a prims conversion where it is in another."""
     return torch.ops.prims.convert_element_type(t, dtype) if t.dtype != dtype else t
@@ -906,6 +926,7 @@ def default_decompositions(norms: bool | None = None, random: bool | None = None
         table.update(_loss_table())
     if norms:
         table.update(_where_kernels({**get_decompositions(_NORMS), aten.var_mean.correction: _var_mean,
+                                     aten._safe_softmax.default: _safe_softmax,
                                      aten.native_layer_norm_backward.default: _layer_norm_backward}))
     if random:
         table[aten.native_dropout.default] = _native_dropout

@@ -210,15 +210,19 @@ def _input_views_made_by_the_call(gm: torch.fx.GraphModule, example_inputs: Sequ
 def _attention_as_sdpa(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[torch.fx.GraphModule, list | None]:
     """gm with its eager attention chains as scaled_dot_product_attention (attention.py), traced at the
     pre-dispatch level, or gm as it is. As memory_efficient_fusion: on CUDA, and on the CPU without
-    dropout (AOTFUSE_FUSE_ATTENTION). Also returns, for a traced graph, the positions of AOTAutograd's
+    dropout but for short bf16 attention, whose SDPA calls become matmuls (AOTFUSE_FUSE_ATTENTION). Also returns, for a traced graph, the positions of AOTAutograd's
     inputs that live anyway (else None: AOTAutograd reads them off Dynamo's graph, see _static_inputs)."""
     from . import config
     from .attention import fused_graph
 
     mode = config.fuse_attention()
     called = {str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method")}
-    if mode == "0" or not any("softmax" in t for t in called) or not any("matmul" in t or "bmm" in t for t in called):
-        return gm, None  # no softmax between matmuls (torch.matmul, @, bmm): nothing to trace for
+    chains = any("softmax" in t for t in called) and any("matmul" in t or "bmm" in t for t in called)
+    # SDPA calls that short bf16 CPU attention makes matmuls again (attention.unfuse_attention)
+    sdpa = mode == "auto" and any("scaled_dot_product_attention" in t for t in called) and any(
+        isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in example_inputs)
+    if mode == "0" or not (chains or sdpa):
+        return gm, None  # no softmax between matmuls (torch.matmul, @, bmm), no SDPA to undo: nothing to trace for
     if next(gm.parameters(), None) is not None or next(gm.buffers(), None) is not None:
         return gm, None  # held by the graph, not inputs (Dynamo lifts them): a trace would bake them in
     on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
