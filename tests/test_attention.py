@@ -399,15 +399,16 @@ def test_3d_attention_becomes_sdpa_and_trains_like_eager(variant, dtype, monkeyp
 class SdpaAttention(nn.Module):
     """Attention as one call of torch's SDPA, as transformers' default attention ("sdpa") writes it."""
 
-    def __init__(self, mask=True, causal=False, heads=2):
+    def __init__(self, mask=True, causal=False, heads=2, p=0.0):
         super().__init__()
         self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
-        self.mask, self.causal, self.heads = mask, causal, heads
+        self.mask, self.causal, self.heads, self.p = mask, causal, heads, p
 
     def forward(self, x, m):
         b, s, _ = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, 16 // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=m if self.mask else None, is_causal=self.causal)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=m if self.mask else None, is_causal=self.causal,
+                                           dropout_p=self.p if self.training else 0.0)
         return self.out(y.transpose(1, 2).reshape(b, s, 16))
 
 
@@ -469,6 +470,30 @@ def test_long_bf16_sdpa_and_switched_off_rewrites_keep_the_flash_kernel(monkeypa
     for mode in ("0", "1"):
         monkeypatch.setenv("AOTFUSE_FUSE_ATTENTION", mode)
         assert "_scaled_dot_product_flash_attention_for_cpu" in _ops(SdpaAttention().to(torch.bfloat16), x, m)
+
+
+def test_bf16_cpu_sdpa_with_dropout_runs_as_bf16_matmuls_and_drops_at_the_rate_asked():
+    """With dropout ATen's CPU SDPA is its math path, which computes bf16 attention in float32: such a
+    call becomes eager attention's bf16 chain with aotfuse's dropout, at any length (L = 16 > 4 x 2-wide
+    heads here): bf16 matmuls only, no float32 one; a module with dropout layers is traced for it too.
+    Its draws are aotfuse's, not eager's: the mean of many calls approaches the dropout-free output."""
+    x, m = _sdpa_inputs("bool", torch.bfloat16, s=16)
+    torch.manual_seed(0)
+    model = SdpaAttention(heads=8, p=0.5).to(torch.bfloat16)
+    model.drop = nn.Dropout(0.1)  # an active dropout layer elsewhere: traced all the same
+    compiled = aotfuse.memory_efficient_fusion(model)
+    outs = torch.stack([compiled(x, m).detach().float() for _ in range(300)])
+    programs = [str(low.program) for rec in compiled._aotfuse_compiled.records for low in rec.programs.values()]
+    bmms = [line for p in programs for line in p.splitlines() if "aten::bmm" in line]
+    assert bmms and all(" bf16[" in line for line in bmms), bmms
+    assert not any("flash_attention" in p or "_safe_softmax" in p or "native_dropout" in p for p in programs)
+    model.eval()
+    expected = model(x, m).detach().float()
+    assert torch.allclose(outs.mean(0), expected, atol=0.08), (outs.mean(0) - expected).abs().max()
+    assert outs.std(0).max() > 0.01  # it does drop
+    model.train()
+    compiled(x, m).float().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

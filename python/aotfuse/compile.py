@@ -406,8 +406,9 @@ def _attention_mode(module: nn.Module | None, tensors: list, mode: str | None = 
     if mode == "0":
         return None
     on_cuda = any(t.is_cuda for t in tensors)
-    if not on_cuda and mode == "auto" and _has_active_dropout(module):
-        return None
+    bf16_cpu = any(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in tensors)
+    if not on_cuda and mode == "auto" and _has_active_dropout(module) and not bf16_cpu:
+        return None  # (bf16: SDPA calls with dropout become aotfuse's kernels, attention.unfuse_attention)
     return mode
 
 

@@ -226,7 +226,7 @@ def _attention_as_sdpa(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) 
     if next(gm.parameters(), None) is not None or next(gm.buffers(), None) is not None:
         return gm, None  # held by the graph, not inputs (Dynamo lifts them): a trace would bake them in
     on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
-    if not on_cuda and mode == "auto" and _has_active_dropout(gm):
+    if not on_cuda and mode == "auto" and _has_active_dropout(gm) and not sdpa:
         return gm, None
     fused = fused_graph(gm, list(example_inputs), mode)
     return (gm, None) if fused is None else (fused, _static_inputs(gm, fused))
