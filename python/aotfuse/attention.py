@@ -26,12 +26,13 @@ call of each signature), torch.compile(backend="aotfuse") each graph Dynamo hand
 Where it applies (`AOTFUSE_FUSE_ATTENTION`): `auto` (default) on CUDA tensors, and on float32 and
 float16 CPU tensors where the attention has no dropout (ATen's CPU flash kernel takes no dropout; its
 math path would be slower than aotfuse's own kernels: 206 against 124 ms for one attention's training
-step at 4 x 12 x 512 x 64, and the flash kernel 50 ms). Not bfloat16 CPU attention: there ATen's flash
-kernel was 1.3-1.4x the time of oneDNN's bf16 bmm with aotfuse's softmax kernel for inference and
-1.4-2.3x for a training step (4 x 4 x 128..1024 x 64, an AVX512-BF16 CPU without AMX, 2026-12-06;
-a Llama training step 1.15x, its peak 0.92x), so it stays as the model wrote it, at the cost of the
-saved probabilities. `1` also on CPU with dropout and in bfloat16 (for tests); `0` never. Dropout
-inside SDPA draws from ATen's generator, not aotfuse's.
+step at 4 x 12 x 512 x 64, and the flash kernel 50 ms). Not short bfloat16 CPU attention
+(_short_bf16_cpu): there ATen's flash kernel was 1.3-1.4x the time of oneDNN's bf16 bmm with aotfuse's
+softmax kernel for inference and 1.4-2.3x for a training step (4 x 4 x 128..1024 x 64, an AVX512-BF16
+CPU without AMX, 2026-12-06; a Llama training step 1.15x, its peak 0.92x), so it stays as the model
+wrote it, at the cost of the saved probabilities, and SDPA calls the model makes become that chain
+(unfuse_attention). `1` also on CPU with dropout and in bfloat16 (for tests), and leaves SDPA calls as
+they are; `0` neither. Dropout inside SDPA draws from ATen's generator, not aotfuse's.
 """
 from __future__ import annotations
 
@@ -265,10 +266,10 @@ def unfuse_attention(gm: fx.GraphModule) -> int:
     a little farther from float64 than the flash kernel's float32 products), in place; the softmax is
     _safe_softmax, SDPA's: a row every key is masked from is 0, as ATen's flash kernel gives, not NaN.
     Only boolean masks (transformers' for its sdpa attention) or none: an additive float mask (T5's
-    position biases) keeps the call. So rewritten,
-    T5's tiny bf16 test model's second training step was farther from float64 than eager's (one row of
-    a ReLU layer's weight gradient: a unit that rounding after the first step switched, though that
-    step's gradients were as close to float64 as eager's); the speed with such masks is unmeasured.
+    position biases) keeps the call. So rewritten, T5's tiny bf16 test model's second training step was
+    farther from float64 than eager's (one row of a ReLU layer's weight gradient: a unit that rounding
+    after the first step switched, though that step's gradients were as close to float64 as eager's);
+    the speed with such masks is unmeasured.
     Returns how many were rewritten."""
     graph = gm.graph
     found = 0
@@ -304,7 +305,7 @@ def unfuse_attention(gm: fx.GraphModule) -> int:
             if causal:  # SDPA's causal mask is the lower triangle from the top left
                 ones = graph.call_function(aten.ones.default, ([qv.shape[-2], kv.shape[-2]],),
                                            {"dtype": torch.bool, "device": qv.device})
-                mask, mv = graph.call_function(aten.tril.default, (ones,)), torch.empty(0, dtype=torch.bool)
+                mask = graph.call_function(aten.tril.default, (ones,))
             if mask is not None:
                 scores = graph.call_function(aten.where.ScalarOther, (mask, scores, float("-inf")))
             probs = graph.call_function(aten.to.dtype, (graph.call_function(aten._safe_softmax.default, (scores, -1)),
