@@ -211,6 +211,23 @@ def _needing_grad(graph: fx.Graph, grad_inputs: list[bool] | None) -> set:
     return out
 
 
+def _replace(graph: fx.Graph, old: fx.Node, new: fx.Node, dead: list) -> None:
+    """new takes old's place (its metadata, its users); the nodes of `dead` nothing reads are erased,
+    consumers first."""
+    new.meta.update(old.meta)
+    old.replace_all_uses_with(new)
+    for node in dead:
+        if not node.users:
+            graph.erase_node(node)
+
+
+def _recompiled(gm: fx.GraphModule, found: int) -> int:
+    if found:
+        gm.graph.lint()
+        gm.recompile()
+    return found
+
+
 def fuse_attention(gm: fx.GraphModule, force_cpu: bool = False, grad_inputs: list[bool] | None = None) -> int:
     """Rewrites every eager attention chain of a pre-dispatch graph into one SDPA call, in place.
     grad_inputs: whether each placeholder's tensor requires grad (a mask computed from one keeps its
@@ -241,16 +258,9 @@ def fuse_attention(gm: fx.GraphModule, force_cpu: bool = False, grad_inputs: lis
                                         "scale": m["scale"]})
             if m["rank"] == 3:
                 sdpa = graph.call_function(aten.squeeze.dim, (sdpa, 1))
-        sdpa.meta.update(m["out"].meta)
-        m["out"].replace_all_uses_with(sdpa)
-        for dead in m["dead"]:
-            if not dead.users:
-                graph.erase_node(dead)
+        _replace(graph, m["out"], sdpa, m["dead"])
         found += 1
-    if found:
-        graph.lint()
-        gm.recompile()
-    return found
+    return _recompiled(gm, found)
 
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
@@ -313,14 +323,9 @@ def unfuse_attention(gm: fx.GraphModule) -> int:
             if p != 0.0:
                 probs = graph.call_function(aten.dropout.default, (probs, float(p), True))
             out = graph.call_function(aten.matmul.default, (probs, v))
-        out.meta.update(node.meta)
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
+        _replace(graph, node, out, [node])
         found += 1
-    if found:
-        graph.lint()
-        gm.recompile()
-    return found
+    return _recompiled(gm, found)
 
 
 def fused_graph(fn: Callable, tensors: list, mode: str) -> fx.GraphModule | None:
