@@ -166,6 +166,28 @@ def test_a_softmax_before_a_trailing_size_one_dim_is_one_phased_cuda_kernel(dtyp
     assert "phases)" in cuda_emu.source_of(gm)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sdpas_math_path_safe_softmax_is_one_phased_cuda_kernel(dtype):
+    """_safe_softmax (SDPA's math path), decomposed: the masked scores' softmax with rows masked whole
+    set to 0, one phased row kernel whose CUDA code matches eager, the whole-row -inf rows included."""
+    from aotfuse.decompositions import default_decompositions
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 8, 40, generator=g).to(dtype)
+    keep = torch.rand(2, 1, 8, 40, generator=g) > 0.3
+    keep[1, :, 2] = False  # a query no key is kept for
+
+    def f(x, keep):
+        return aten._safe_softmax.default(torch.where(keep, x.float() * 0.125, float("-inf")), -1).to(x.dtype)
+
+    gm = make_fx(f, decomposition_table=default_decompositions(norms=True))(x, keep)
+    assert "_safe_softmax" not in str(gm.graph)
+    ran = cuda_emu.check(gm, (x, keep), f"safe softmax {dtype}")
+    assert [l["kind"] for l in ran] == ["rows"], ran
+    assert "phases)" in cuda_emu.source_of(gm)
+    assert bool((f(x, keep)[1, :, 2] == 0).all())
+
+
 def test_phased_cuda_kernel_propagates_nan_like_aten():
     _f, x, gm = nan_phases_case()
     ran = cuda_emu.check(gm, (x,), "nan in phases")
