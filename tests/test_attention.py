@@ -496,6 +496,25 @@ def test_bf16_cpu_sdpa_with_dropout_runs_as_bf16_matmuls_and_drops_at_the_rate_a
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+def test_a_bf16_transformers_model_with_dropout_is_traced_for_sdpa_only_if_it_calls_it(monkeypatch):
+    """A bf16 CPU module with dropout layers gets the pre-dispatch trace only for its SDPA calls (their
+    dropout becomes aotfuse's): a transformers model with eager attention, the seed table's way, is not
+    traced (0.25 s of Bert's first step at the reduced size), one with its default sdpa attention is,
+    and its attention is rewritten."""
+    pytest.importorskip("transformers")
+    import aotfuse.attention
+    from aotfuse import bench
+
+    counts = []
+    real = aotfuse.attention.unfuse_attention
+    monkeypatch.setattr(aotfuse.attention, "unfuse_attention", lambda gm: counts.append(real(gm)) or counts[-1])
+    for attn in ("eager", "sdpa"):
+        model, inputs, _ = bench.build_model("BertForMaskedLM", "tiny", torch.bfloat16, "cpu", attn=attn, dropout=0.1)
+        counts.clear()
+        aotfuse.memory_efficient_fusion(model)(**inputs).loss.backward()
+        assert counts == ([] if attn == "eager" else [model.config.num_hidden_layers]), (attn, counts)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_sdpas_math_path_softmax_is_a_kernel_and_masked_rows_are_zero(dtype):
     """ATen's CPU SDPA with dropout (transformers' default attention in training) is its math path,

@@ -398,17 +398,25 @@ def _has_active_dropout(module: nn.Module | None) -> bool:
                                       for m in module.modules())
 
 
+def _may_call_sdpa(module: nn.Module | None) -> bool:
+    """Whether the module may call SDPA: not a transformers model configured with another attention
+    implementation (eager attention, as the seed table runs them); any other module may."""
+    impl = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    return not isinstance(impl, str) or impl == "sdpa"
+
+
 def _attention_mode(module: nn.Module | None, tensors: list, mode: str | None = None) -> str | None:
     """Whether eager attention becomes SDPA (attention.py) for these inputs: the mode, or None. On CPU
     tensors ATen's fast SDPA takes no dropout: a module with active dropout layers is not traced for
-    it (unless forced)."""
+    it (unless forced), but for bf16 ones that may call SDPA, whose calls with dropout become aotfuse's
+    kernels (attention.unfuse_attention; the trace costs a first step 0.25 s at Bert's reduced size)."""
     mode = mode or config.fuse_attention()
     if mode == "0":
         return None
     on_cuda = any(t.is_cuda for t in tensors)
     bf16_cpu = any(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == torch.bfloat16 for t in tensors)
-    if not on_cuda and mode == "auto" and _has_active_dropout(module) and not bf16_cpu:
-        return None  # (bf16: SDPA calls with dropout become aotfuse's kernels, attention.unfuse_attention)
+    if not on_cuda and mode == "auto" and _has_active_dropout(module) and not (bf16_cpu and _may_call_sdpa(module)):
+        return None
     return mode
 
 
