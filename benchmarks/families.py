@@ -96,9 +96,10 @@ def _configs() -> dict:
     }
 
 
-# BART's forward reads a tensor's value (aten._local_scalar_dense): one graph cannot hold it, so it runs in
-# Dynamo's pieces, as the seed table runs Longformer.
-FALLBACK = {"bart": "dynamo"}
+# Families whose forward one graph cannot hold run in Dynamo's pieces, as the seed table runs Longformer:
+# none now. BART was one until 2026-12-06 (LayerDrop's `torch.rand([]) < 0.0` read a tensor's value; a
+# capture now answers such a test where the probability decides it: aotfuse/draws.py).
+FALLBACK: dict[str, str] = {}
 
 
 def build(name: str, dtype: torch.dtype, channels_last: bool = False, dropout: float = 1e-8,
@@ -138,6 +139,8 @@ def _compile(name: str, contender: str, model: torch.nn.Module):
         return aotfuse.memory_efficient_fusion(model, fallback=FALLBACK.get(name, "error"))
     if contender == "torch.compile":
         return torch.compile(model)
+    if contender == "aotfuse-dynamo":  # Dynamo's graphs, each lowered by aotfuse (what FALLBACK's "dynamo" runs)
+        return torch.compile(model, backend="aotfuse")
     raise ValueError(f"unknown contender {contender!r}")
 
 
@@ -223,7 +226,9 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--channels-last", action="store_true", help="image models and images in channels_last")
-    ap.add_argument("--contenders", default="eager,aotfuse,torch.compile")
+    ap.add_argument("--contenders", default="eager,aotfuse,torch.compile",
+                    help="comma-separated: eager, aotfuse, torch.compile, aotfuse-dynamo "
+                         "(torch.compile(model, backend='aotfuse'))")
     ap.add_argument("--dropout", type=float, default=1e-8,
                     help="every dropout probability of the configs (default 1e-8: drawn, nearly without effect; "
                          "0: none, the default of Llama's, Mistral's and Qwen2's configs)")

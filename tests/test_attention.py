@@ -472,11 +472,13 @@ def test_long_bf16_sdpa_and_switched_off_rewrites_keep_the_flash_kernel(monkeypa
         assert "_scaled_dot_product_flash_attention_for_cpu" in _ops(SdpaAttention().to(torch.bfloat16), x, m)
 
 
-def test_bf16_cpu_sdpa_with_dropout_runs_as_bf16_matmuls_and_drops_at_the_rate_asked():
+def test_bf16_cpu_sdpa_with_dropout_runs_as_bf16_matmuls_and_drops_at_the_rate_asked(monkeypatch):
     """With dropout ATen's CPU SDPA is its math path, which computes bf16 attention in float32: such a
     call becomes eager attention's bf16 chain with aotfuse's dropout, at any length (L = 16 > 4 x 2-wide
     heads here): bf16 matmuls only, no float32 one; a module with dropout layers is traced for it too.
     Its draws are aotfuse's, not eager's: the mean of many calls approaches the dropout-free output."""
+    monkeypatch.setenv("AOTFUSE_FLOAT32_COMPUTE", "0")  # bf16 kernels as such: on CPUs without AVX-512 (no fast
+    # bf16 matmuls) the default computes matmuls in float32, whose programs differ (tests/test_float32_compute.py)
     x, m = _sdpa_inputs("bool", torch.bfloat16, s=16)
     torch.manual_seed(0)
     model = SdpaAttention(heads=8, p=0.5).to(torch.bfloat16)

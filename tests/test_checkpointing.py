@@ -240,10 +240,18 @@ def test_regions_switched_off_are_traced_through(monkeypatch):
     _assert_same_step(_step(compiled, twin, x), _step(model, model, x), "regions off")
 
 
+@pytest.mark.parametrize("float32_compute", ["0", "1"], ids=["bf16 matmuls", "float32 matmuls"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_checkpointed_bert_trains_like_eager_and_float64(device):
+def test_checkpointed_bert_trains_like_eager_and_float64(device, float32_compute, monkeypatch):
     """aotfuse.testing.compare_models on a Bert with gradient_checkpointing_enable() (eager attention:
-    SDPA on CUDA): three steps in bf16 against eager and a float64 copy, each layer recomputed."""
+    SDPA on CUDA): three steps in bf16 against eager and a float64 copy, each layer recomputed, its
+    matmuls too; also where the CPU's bf16 matmuls run in float32 (AOTFUSE_FLOAT32_COMPUTE, the default
+    on CPUs without AVX-512): there the backward's transposes of the float32 copies, rewritten by the
+    partitioner's passes without the backward's tag until 2026-12-06, read as forward nodes outside
+    the regions, and half the layers' matmuls and their float32 operands were saved."""
+    if device == "cuda" and float32_compute == "1":
+        pytest.skip("AOTFUSE_FLOAT32_COMPUTE is a CPU switch")
+    monkeypatch.setenv("AOTFUSE_FLOAT32_COMPUTE", float32_compute)
     transformers = pytest.importorskip("transformers")
     from aotfuse.testing import compare_models
 

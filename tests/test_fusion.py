@@ -1112,6 +1112,8 @@ def test_a_bf16_norms_upcasts_are_computed_in_their_readers_kernels(monkeypatch)
     computes it over a broadcast view of the bf16 tensor (csrc/sink.c's broadcast reads, on by
     default; AOTFUSE_SINK_BROADCASTS=0 keeps the kernels). Eager's and float64's values either way;
     with them the backward has no kernel over the rows alone and no one-node kernel, 4 fewer."""
+    monkeypatch.setenv("AOTFUSE_FLOAT32_COMPUTE", "0")  # bf16 kernels as such: on CPUs without AVX-512 (no fast
+    # bf16 matmuls) the default computes matmuls in float32, whose programs differ (tests/test_float32_compute.py)
     from aotfuse.testing import compare_models
 
     x = torch.randn(4, 16, 48, generator=torch.Generator().manual_seed(1))
@@ -2445,10 +2447,12 @@ def test_logit_gradient_keeps_nan_like_aten(dtype, eps):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_softmax_divides_rows_by_one_reciprocal(dtype):
+def test_softmax_divides_rows_by_one_reciprocal(dtype, monkeypatch):
     """A phased kernel dividing a later phase's elements by a row value (softmax's sum) multiplies by
     the value's reciprocal, computed once a row: the source says so, and the result is as close to
     float64's as eager's within two ulps, masked (-inf) entries exactly 0."""
+    monkeypatch.setenv("AOTFUSE_FLOAT32_COMPUTE", "0")  # bf16 kernels as such: on CPUs without AVX-512 (no fast
+    # bf16 matmuls) the default computes matmuls in float32, whose programs differ (tests/test_float32_compute.py)
     from aotfuse.decompositions import default_decompositions
 
     x = torch.randn(64, 200) * 4

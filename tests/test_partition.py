@@ -394,7 +394,7 @@ def test_a_residual_stream_is_not_rebuilt_through_every_dropout(ban):
         torch.manual_seed(1)
         plain(x2).backward()
         for i, (a, b) in enumerate(zip(grads, [x2.grad] + [p.grad for p in other.parameters()])):
-            assert_close(a, b, f"gradient {i}, banned against rebuilt", atol=1e-6, rtol=1e-5)
+            assert_close(a, b, f"gradient {i}, banned against rebuilt", atol=1e-5, rtol=1e-5)  # masks alike; roundings differ
 
 
 def test_parameters_are_free_to_save():

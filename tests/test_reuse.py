@@ -445,6 +445,8 @@ def test_the_loss_gradient_is_written_into_the_dying_logits(monkeypatch):
     the gradient, of their layout, into their tensor: the peak falls by about the logits' size, the
     gradients are bit for bit those without reuse; where the caller still holds the logits (returned
     by the forward) they are left as they were and the gradient gets a tensor of its own."""
+    monkeypatch.setenv("AOTFUSE_FLOAT32_COMPUTE", "0")  # bf16 kernels as such: on CPUs without AVX-512 (no fast
+    # bf16 matmuls) the default computes matmuls in float32, whose programs differ (tests/test_float32_compute.py)
     grads, peak, bw = _head_step(False, monkeypatch)
     grads_off, peak_off, _ = _head_step(False, monkeypatch, reuse="0")
     held_grads, _peak, held_bw = _head_step(True, monkeypatch)

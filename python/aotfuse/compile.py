@@ -27,7 +27,7 @@ from torch._functorch.aot_autograd import aot_function as _torch_aot_function
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
-from . import checkpoint, config, ddp, shapes
+from . import checkpoint, config, ddp, draws, shapes
 from ._pytree import _holds_tensor, tree_flatten, tree_unflatten
 from .decompositions import LayoutRetry, conv_layout, default_decompositions, keep_layout, layout_class, upstream_fixes
 from .lower import BackendUnavailable, Lowered, UnsupportedError, lower, self_overlapping, separate_aliased_gradients
@@ -1050,9 +1050,15 @@ class CompiledFunction:
                 vals[i] = t
             args, kwargs = tree_unflatten(vals, spec)
             before = [(t.shape, t.stride(), t.storage_offset()) for t in tensors]
+            rng = draws.python_rng_state()
             with _ModuleStateGuard(module, tensors) as guard, _lstm_decomposed_plainly(), _parametrizations_uncached(), \
-                    upstream_fixes(), _HookProbe(self.name, module) as hooks, checkpoint.regions():
+                    upstream_fixes(), _HookProbe(self.name, module) as hooks, checkpoint.regions(), \
+                    draws.decided_draws():
                 out = fn(*args, **kwargs)
+            if draws.python_rng_state() != rng:
+                draws.restore_python_rng_state(rng)
+                raise RandomStateError("the forward draws Python or NumPy random numbers (random.*, numpy.random.*), "
+                                       "which a compiled graph would keep from this first call for every later one")
             _refuse_restrided_offset_inputs(tensors, before)
             hooks.check()
             if guard.kept:
@@ -1205,6 +1211,9 @@ class CompiledFunction:
                     "the forward keeps tensors in Python state (an attribute set to a tensor, as old-style "
                     "spectral_norm, weight_norm and pruning do): fallback='dynamo' replays such side effects, or use "
                     "torch.nn.utils.parametrizations" if isinstance(e, KeptStateError) else
+                    "the forward draws Python or NumPy random numbers: fallback='dynamo' runs that Python at every "
+                    "call (torch.rand and torch's other random ops are captured and draw anew each call)"
+                    if isinstance(e, RandomStateError) else
                     "Python hooks: register them on the compiled module instead (its own hooks run around each "
                     "compiled call), or let fallback='eager' run them as they are (fallback='dynamo' traces them as "
                     "torch.compile does)" if isinstance(e, HooksError) else
@@ -1398,6 +1407,12 @@ class KeptStateError(RuntimeError):
     """A capture's forward left a traced tensor in a module attribute (`self.prev = y.detach()`, the
     old spectral_norm and pruning hooks' weights): a compiled graph cannot replay it. The signature
     is not captured: CaptureError, or the function's fallback."""
+
+
+class RandomStateError(RuntimeError):
+    """A capture's forward drew Python or NumPy random numbers (MusicGen's LayerDrop test, Wav2Vec2's
+    SpecAugment masks): tracing runs that Python once, so the graph would keep the first call's numbers
+    for every call (draws.py). The signature is not captured: CaptureError, or the function's fallback."""
 
 
 class HooksError(RuntimeError):

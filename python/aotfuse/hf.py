@@ -42,9 +42,10 @@ class TrainingArguments(transformers.TrainingArguments):
                           "aotfuse.memory_efficient_fusion, 'none' trains it as it is.",
                   "choices": list(FUSION_CHOICES)},
     )
-    # A model aotfuse cannot capture as one graph (LayerDrop's `torch.rand([]) < p`: BART, OPT,
-    # Whisper, Wav2Vec2 in training) still trains: by default through Dynamo, which splits the graph
-    # there and gives aotfuse the pieces (memory_efficient_fusion's own default is "error").
+    # A model aotfuse cannot capture as one graph (LayerDrop's `torch.rand([]) < p` with 0 < p < 1:
+    # BART, OPT, Whisper, Wav2Vec2 in training; at p = 0, their default, they are one graph) still
+    # trains: by default through Dynamo, which splits the graph there and gives aotfuse the pieces
+    # (memory_efficient_fusion's own default is "error").
     fusion_fallback: str = dataclasses.field(
         default="dynamo",
         metadata={"help": "With --fusion aot, for a model that cannot be captured as one graph: 'dynamo' "

@@ -126,6 +126,13 @@ def _storage(node: fx.Node) -> Any:
 _PERMUTES = (torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default)
 
 
+def _inherit_meta(new: fx.Node, old: fx.Node) -> None:
+    """A node a rewrite makes in old's place takes old's meta but its value: the backward's
+    `partitioner_tag` and a checkpoint region's `recompute` tag among them (checkpoint.node_policies
+    reads a forward node's untagged reader as one outside its region, and saves it)."""
+    new.meta.update({key: val for key, val in old.meta.items() if key not in ("val", "tensor_meta")})
+
+
 def _convert_before_permutes(graph: fx.Graph) -> int:
     """`_to_copy(p(x), dtype=d)`, p a transpose or permute of a dense x, rewritten in place as
     `p(_to_copy(x, dtype=d))`: the same values and strides (a conversion keeps a dense tensor's
@@ -154,9 +161,10 @@ def _convert_before_permutes(graph: fx.Graph) -> int:
             continue
         with graph.inserting_before(node):
             conv = graph.call_function(torch.ops.aten._to_copy.default, (base,), dict(node.kwargs))
-            conv.meta["val"] = converted
             new = graph.call_function(src.target, (conv, *src.args[1:]), dict(src.kwargs))
-            new.meta["val"] = permuted
+        for made, val in ((conv, converted), (new, permuted)):
+            _inherit_meta(made, node)
+            made.meta["val"] = val
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         if not src.users:
@@ -190,9 +198,11 @@ def _sums_of_conversions(graph: fx.Graph) -> int:
             node.prepend(conv)  # the conversion reads only x, made before the sum
         with graph.inserting_before(node):
             total = graph.call_function(torch.ops.aten.sum.dim_IntList, (conv, *node.args[1:]))
-            total.meta["val"] = torch.ops.aten.sum.dim_IntList(_val(conv), *node.args[1:])
             back = graph.call_function(torch.ops.aten._to_copy.default, (total,), {"dtype": val.dtype})
-            back.meta["val"] = torch.ops.aten._to_copy.default(total.meta["val"], dtype=val.dtype)
+        _inherit_meta(total, node)
+        _inherit_meta(back, node)
+        total.meta["val"] = torch.ops.aten.sum.dim_IntList(_val(conv), *node.args[1:])
+        back.meta["val"] = torch.ops.aten._to_copy.default(total.meta["val"], dtype=val.dtype)
         node.replace_all_uses_with(back)
         graph.erase_node(node)
         done += 1
