@@ -175,14 +175,18 @@ def test_a_bf16_batch_norms_running_stats_saved_for_the_backward_arrive_as_they_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_batch_norm_after_a_frozen_convolution_needs_no_input_gradient(dtype, monkeypatch):
+@pytest.mark.parametrize("float32_compute", ["0", "1"], ids=["16-bit convs", "float32 convs"])
+def test_a_batch_norm_after_a_frozen_convolution_needs_no_input_gradient(dtype, float32_compute, monkeypatch):
     """Fine-tuning with the stem frozen: the first batch norm's input gradient is not needed, so its
     `native_batch_norm_backward` runs with output_mask [False, True, True] and ATen's kernel returns
     None there, where torch's meta function gives a tensor. The C core is told so (an "other" value,
     lower._real_dtypes); before, the runtime stopped: "output 0 is a NoneType, the graph expects a
-    tensor" (Hugging Face's ResNet with its embedder frozen)."""
-    monkeypatch.setenv("AOTFUSE_FLOAT32_COMPUTE", "0")  # bf16 kernels as such: on CPUs without AVX-512 (no fast
-    # bf16 matmuls) the default computes matmuls in float32, whose programs differ (tests/test_float32_compute.py)
+    tensor" (Hugging Face's ResNet with its embedder frozen). The second batch norm's input gradient is
+    channels-last at run time (its input's format; the meta function gives its contiguous output
+    gradient's, lower._real_layouts): where a kernel reads it (the conversion of bf16 convolutions computed
+    in float32, AOTFUSE_FLOAT32_COMPUTE, the default on CPUs without AVX-512) that kernel ran its nodes as
+    ATen calls at every step, two kernel fallbacks a step, until 2026-12-06."""
+    monkeypatch.setenv("AOTFUSE_FLOAT32_COMPUTE", float32_compute)
     from aotfuse.testing import compare_models
 
     def make():

@@ -780,13 +780,44 @@ def _retyped(val: Any, dtype: Any) -> Any:
         return torch.empty_strided(val.shape, val.stride(), dtype=dtype, device=val.device)
 
 
+def _real_layouts(gm: fx.GraphModule) -> dict:
+    """{node: {output index: strides}} where a CPU value's strides at run time are not the traced
+    ones: `native_batch_norm_backward`'s input gradient, which ATen's CPU kernel makes in its input's
+    memory format, where the meta function follows the output gradient's (a channels-last batch norm
+    after a convolution, read back by a contiguous gradient: the kernel reading it met other strides
+    than its plan's and ran its nodes as ATen calls at every step)."""
+    from torch._prims_common import suggest_memory_format
+
+    fixes: dict = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not _aten.native_batch_norm_backward.default:
+            continue
+        vals, x = node.meta.get("val"), node.args[1].meta.get("val") if isinstance(node.args[1], fx.Node) else None
+        if not (isinstance(vals, (list, tuple)) and vals and isinstance(vals[0], torch.Tensor)
+                and isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() in (4, 5)):
+            continue
+        want = torch.empty(x.shape, dtype=x.dtype, device="meta", memory_format=suggest_memory_format(x)).stride()
+        if tuple(vals[0].shape) == tuple(x.shape) and tuple(vals[0].stride()) != tuple(want):
+            fixes[node] = {0: want}
+    return fixes
+
+
+def _restrided(val: Any, strides: tuple) -> Any:
+    """A traced value like val (same sizes, dtype and device) with these strides."""
+    mode = getattr(val, "fake_mode", None)
+    if mode is None:
+        return torch.empty_strided(val.shape, strides, dtype=val.dtype, device="meta")
+    with mode:
+        return torch.empty_strided(val.shape, strides, dtype=val.dtype, device=val.device)
+
+
 def set_real_dtypes(gm: fx.GraphModule) -> None:
     """Writes the run-time dtype of the values _real_dtypes finds into gm's traced metadata, in
     place: the node's own value and the getitem nodes reading it. Run on a joint graph before it is
     cut, so that the forward and backward graphs cut from it agree with what runs: a saved value's
     backward placeholder copies its node's metadata (a bf16 batch norm's new running mean, saved
     for the backward's `native_batch_norm_backward`, is bf16 at run time, float32 in the trace; the
-    backward program refused it)."""
+    backward program refused it); and the run-time strides of the values _real_layouts finds."""
     for node, fixes in _real_dtypes(gm).items():
         val = node.meta.get("val")
         if node.op == "placeholder":
@@ -796,6 +827,12 @@ def set_real_dtypes(gm: fx.GraphModule) -> None:
             continue
         vals = [_retyped(v, fixes[k]) if k in fixes else v for k, v in enumerate(val)]
         node.meta["val"] = type(val)(vals)
+        for user in node.users:
+            if user.op == "call_function" and user.target is operator.getitem and user.args[1] in fixes:
+                user.meta["val"] = vals[user.args[1]]
+    for node, fixes in _real_layouts(gm).items():  # and their strides
+        vals = [_restrided(v, fixes[k]) if k in fixes and v is not None else v for k, v in enumerate(node.meta["val"])]
+        node.meta["val"] = type(node.meta["val"])(vals)
         for user in node.users:
             if user.op == "call_function" and user.target is operator.getitem and user.args[1] in fixes:
                 user.meta["val"] = vals[user.args[1]]
