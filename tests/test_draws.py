@@ -77,8 +77,9 @@ def test_a_draw_the_probability_does_not_decide_still_fails_the_capture(p, dtype
     torch.manual_seed(0)
     model = _LayerDrop(p, TESTS["u < p"], dtype)
     x = torch.randn(4, 8)
-    with pytest.raises(aotfuse.CaptureError, match="_local_scalar_dense"):
+    with pytest.raises(aotfuse.CaptureError, match="_local_scalar_dense") as info:
         aotfuse.memory_efficient_fusion(model)(x)
+    assert "a probability that does not decide it (LayerDrop" in str(info.value), str(info.value)
     torch._dynamo.reset()
     compiled = aotfuse.memory_efficient_fusion(model, fallback="dynamo")
     torch.manual_seed(3)

@@ -60,6 +60,7 @@ class _Record:
         self.saved: list[tuple[str, tuple, str, int]] = []
         self.recomputed: list[str] = []
         self.partition_failed = False
+        self.undecided_draws = 0  # draws.decided_draws: `torch.rand(...) < p` a trace could not answer
         # the backward lowered at partition time: (its graph's _graph_key, the symbol values it was made
         # concrete at or None, the Lowered), for the backward compiler to take instead of lowering again
         self.early_backward: tuple | None = None
@@ -1051,10 +1052,14 @@ class CompiledFunction:
             args, kwargs = tree_unflatten(vals, spec)
             before = [(t.shape, t.stride(), t.storage_offset()) for t in tensors]
             rng = draws.python_rng_state()
-            with _ModuleStateGuard(module, tensors) as guard, _lstm_decomposed_plainly(), _parametrizations_uncached(), \
-                    upstream_fixes(), _HookProbe(self.name, module) as hooks, checkpoint.regions(), \
-                    draws.decided_draws():
-                out = fn(*args, **kwargs)
+            drawn = draws.decided_draws()
+            try:
+                with _ModuleStateGuard(module, tensors) as guard, _lstm_decomposed_plainly(), \
+                        _parametrizations_uncached(), upstream_fixes(), _HookProbe(self.name, module) as hooks, \
+                        checkpoint.regions(), drawn:
+                    out = fn(*args, **kwargs)
+            finally:
+                record.undecided_draws = drawn.undecided
             if draws.python_rng_state() != rng:
                 draws.restore_python_rng_state(rng)
                 raise RandomStateError("the forward draws Python or NumPy random numbers (random.*, numpy.random.*), "
@@ -1227,6 +1232,10 @@ class CompiledFunction:
                     "runs" if _reads_outside_tensor(e)
                     else "the graph was traced, but partitioning it failed: an aotfuse "
                     "bug, please report it with this message" if entry.record.partition_failed
+                    else "it tests a random draw against a probability that does not decide it (LayerDrop's "
+                    "`torch.rand([]) < p` with 0 < p < 1), so each call may take another branch: fallback='dynamo' "
+                    "draws and branches at every call, or a probability of 0 (no LayerDrop) makes it one graph"
+                    if entry.record.undecided_draws and "DataDependent" in reason
                     else "data-dependent control flow, an op AOTAutograd cannot trace, or an error the function "
                          "raises uncompiled too: AOTFUSE_DISABLE=1 runs it uncompiled")
             raise CaptureError(

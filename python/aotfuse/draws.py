@@ -68,6 +68,7 @@ class decided_draws(TorchFunctionMode):
         self.draws: dict[int, tuple[torch.Tensor, bool]] = {}  # id -> (draw, closed range)
         self.known: dict[int, tuple[torch.Tensor, bool]] = {}  # id -> (comparison, its truth)
         self.decided = 0
+        self.undecided = 0  # comparisons of a draw with a number that the number does not decide
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -89,6 +90,8 @@ class decided_draws(TorchFunctionMode):
                 truth = _decide(op, float(b), draw[1])
                 if truth is not None:
                     self.known[id(out)] = (out, truth)
+                else:
+                    self.undecided += 1
         return out
 
 
