@@ -1051,17 +1051,19 @@ class CompiledFunction:
                 vals[i] = t
             args, kwargs = tree_unflatten(vals, spec)
             before = [(t.shape, t.stride(), t.storage_offset()) for t in tensors]
-            rng = draws.python_rng_state()
+            rng, drew = draws.python_rng_state(), False
             drawn = draws.decided_draws()
             try:
                 with _ModuleStateGuard(module, tensors) as guard, _lstm_decomposed_plainly(), \
                         _parametrizations_uncached(), upstream_fixes(), _HookProbe(self.name, module) as hooks, \
                         checkpoint.regions(), drawn:
                     out = fn(*args, **kwargs)
-            finally:
+            finally:  # a pass that fails for another reason gives the generators back too
                 record.undecided_draws = drawn.undecided
-            if draws.python_rng_state() != rng:
-                draws.restore_python_rng_state(rng)
+                if draws.python_rng_state() != rng:
+                    draws.restore_python_rng_state(rng)
+                    drew = True
+            if drew:
                 raise RandomStateError("the forward draws Python or NumPy random numbers (random.*, numpy.random.*), "
                                        "which a compiled graph would keep from this first call for every later one")
             _refuse_restrided_offset_inputs(tensors, before)
