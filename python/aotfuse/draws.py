@@ -31,14 +31,19 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _TB = torch._C.TensorBase
-# comparison functions and methods -> the operator, written draw-first ("lt": draw < p)
-_CMP = {}
-for _name in ("lt", "le", "gt", "ge"):
-    for _f in (getattr(torch, _name), getattr(_TB, _name), getattr(_TB, f"__{_name}__")):
-        _CMP[_f] = _name
-for _alias, _name in (("less", "lt"), ("less_equal", "le"), ("greater", "gt"), ("greater_equal", "ge")):
-    _CMP[getattr(torch, _alias)] = _name
-    _CMP[getattr(_TB, _alias)] = _name
+
+
+def _comparisons() -> dict:
+    """Comparison functions and methods -> the operator, written draw-first ("lt": draw < p)."""
+    out = {}
+    for op, aliases in (("lt", ("less",)), ("le", ("less_equal",)), ("gt", ("greater",)), ("ge", ("greater_equal",))):
+        for name in (op, *aliases):
+            out[getattr(torch, name)] = out[getattr(_TB, name)] = op
+        out[getattr(_TB, f"__{op}__")] = op
+    return out
+
+
+_CMP = _comparisons()
 _FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}  # p < u is u > p
 _TRUTH = (_TB.__bool__, _TB.item)
 

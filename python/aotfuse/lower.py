@@ -766,18 +766,19 @@ def _real_dtypes(gm: fx.GraphModule, cpu: bool = True) -> dict:
     return {n: f for n, f in fixes.items() if f}
 
 
-def _retyped(val: Any, dtype: Any) -> Any:
-    """A traced value like val (a fake tensor: same sizes, strides and device) in another dtype, or
-    None for _NONE."""
+def _retyped(val: Any, dtype: Any = None, strides: tuple | None = None) -> Any:
+    """A traced value like val (a fake tensor: same sizes and device) in another dtype and/or with
+    other strides (each kept where not given), or None for _NONE."""
     if dtype == _NONE:
         return None
-    if not isinstance(val, torch.Tensor) or val.dtype == dtype:
+    if not isinstance(val, torch.Tensor) or ((dtype is None or val.dtype == dtype) and strides is None):
         return val
+    dtype, strides = dtype or val.dtype, val.stride() if strides is None else strides
     mode = getattr(val, "fake_mode", None)
     if mode is None:
-        return torch.empty_strided(val.shape, val.stride(), dtype=dtype, device="meta")
+        return torch.empty_strided(val.shape, strides, dtype=dtype, device="meta")
     with mode:
-        return torch.empty_strided(val.shape, val.stride(), dtype=dtype, device=val.device)
+        return torch.empty_strided(val.shape, strides, dtype=dtype, device=val.device)
 
 
 def _real_layouts(gm: fx.GraphModule) -> dict:
@@ -802,15 +803,6 @@ def _real_layouts(gm: fx.GraphModule) -> dict:
     return fixes
 
 
-def _restrided(val: Any, strides: tuple) -> Any:
-    """A traced value like val (same sizes, dtype and device) with these strides."""
-    mode = getattr(val, "fake_mode", None)
-    if mode is None:
-        return torch.empty_strided(val.shape, strides, dtype=val.dtype, device="meta")
-    with mode:
-        return torch.empty_strided(val.shape, strides, dtype=val.dtype, device=val.device)
-
-
 def set_real_dtypes(gm: fx.GraphModule) -> None:
     """Writes the run-time dtype of the values _real_dtypes finds into gm's traced metadata, in
     place: the node's own value and the getitem nodes reading it. Run on a joint graph before it is
@@ -825,17 +817,18 @@ def set_real_dtypes(gm: fx.GraphModule) -> None:
             continue
         if not isinstance(val, (list, tuple)):
             continue
-        vals = [_retyped(v, fixes[k]) if k in fixes else v for k, v in enumerate(val)]
-        node.meta["val"] = type(val)(vals)
-        for user in node.users:
-            if user.op == "call_function" and user.target is operator.getitem and user.args[1] in fixes:
-                user.meta["val"] = vals[user.args[1]]
+        _set_outputs(node, [_retyped(v, fixes[k]) if k in fixes else v for k, v in enumerate(val)], fixes)
     for node, fixes in _real_layouts(gm).items():  # and their strides
-        vals = [_restrided(v, fixes[k]) if k in fixes and v is not None else v for k, v in enumerate(node.meta["val"])]
-        node.meta["val"] = type(node.meta["val"])(vals)
-        for user in node.users:
-            if user.op == "call_function" and user.target is operator.getitem and user.args[1] in fixes:
-                user.meta["val"] = vals[user.args[1]]
+        _set_outputs(node, [_retyped(v, strides=fixes[k]) if k in fixes else v
+                            for k, v in enumerate(node.meta["val"])], fixes)
+
+
+def _set_outputs(node: fx.Node, vals: list, fixed: dict) -> None:
+    """A multi-output node's traced values, and those of the getitem nodes reading the fixed ones."""
+    node.meta["val"] = type(node.meta["val"])(vals)
+    for user in node.users:
+        if user.op == "call_function" and user.target is operator.getitem and user.args[1] in fixed:
+            user.meta["val"] = vals[user.args[1]]
 
 
 def _with_dtype(meta: tuple, dtype: Any) -> tuple:
