@@ -61,6 +61,8 @@ class _Record:
         self.recomputed: list[str] = []
         self.partition_failed = False
         self.undecided_draws = 0  # draws.decided_draws: `torch.rand(...) < p` a trace could not answer
+        # draws.python_draws: the forward's Python and NumPy scalar draws, which each run makes again
+        self.python_draws: list = []
         # the backward lowered at partition time: (its graph's _graph_key, the symbol values it was made
         # concrete at or None, the Lowered), for the backward compiler to take instead of lowering again
         self.early_backward: tuple | None = None
@@ -916,6 +918,8 @@ class CompiledFunction:
             return entry.fallback(*args, **kwargs), entry
         tensors = [leaves[i] for i in entry.tensor_idx]
         outs = entry.compiled(*tensors)
+        if entry.record.python_draws:
+            draws.replay(entry.record.python_draws)
         if self.bw_compiler is None:
             _no_zero_gradients(outs)
         return self._rebuild(entry.record, outs, tensors), entry
@@ -1052,11 +1056,11 @@ class CompiledFunction:
             args, kwargs = tree_unflatten(vals, spec)
             before = [(t.shape, t.stride(), t.storage_offset()) for t in tensors]
             rng, drew = draws.python_rng_state(), False
-            drawn = draws.decided_draws()
+            drawn, python_drawn = draws.decided_draws(), draws.python_draws()
             try:
                 with _ModuleStateGuard(module, tensors) as guard, _lstm_decomposed_plainly(), \
                         _parametrizations_uncached(), upstream_fixes(), _HookProbe(self.name, module) as hooks, \
-                        checkpoint.regions(), drawn:
+                        checkpoint.regions(), drawn, python_drawn:
                     out = fn(*args, **kwargs)
             finally:  # a pass that fails for another reason gives the generators back too
                 record.undecided_draws = drawn.undecided
@@ -1066,6 +1070,7 @@ class CompiledFunction:
             if drew:
                 raise RandomStateError("the forward draws Python or NumPy random numbers (random.*, numpy.random.*), "
                                        "which a compiled graph would keep from this first call for every later one")
+            record.python_draws = python_drawn.calls  # each pass makes the same; each run makes them again
             _refuse_restrided_offset_inputs(tensors, before)
             hooks.check()
             if guard.kept:
@@ -1220,7 +1225,7 @@ class CompiledFunction:
                     "torch.nn.utils.parametrizations" if isinstance(e, KeptStateError) else
                     "the forward draws Python or NumPy random numbers: fallback='dynamo' runs that Python at every "
                     "call (torch.rand and torch's other random ops are captured and draw anew each call)"
-                    if isinstance(e, RandomStateError) else
+                    if isinstance(e, (RandomStateError, draws.UndecidedDrawError)) or "PythonDraw" in reason else
                     "Python hooks: register them on the compiled module instead (its own hooks run around each "
                     "compiled call), or let fallback='eager' run them as they are (fallback='dynamo' traces them as "
                     "torch.compile does)" if isinstance(e, HooksError) else
@@ -1247,6 +1252,7 @@ class CompiledFunction:
                 f"fallback='eager' runs them eagerly (each with one warning); AOTFUSE_DISABLE=1 turns aotfuse "
                 f"off.") from e
         entry.ready = True
+        draws.replay(entry.record.python_draws)
         if self.bw_compiler is None:
             _no_zero_gradients(outs)
         return self._rebuild(entry.record, outs, tensors), entry
@@ -1292,8 +1298,11 @@ class CompiledFunction:
             # one symbolic graph (dynamic=False recompiled per sequence length and, past Dynamo's
             # recompile_limit of 8, ran the model eagerly without a word but a log line)
             mode = self._dynamic_mode()
-            self._dynamo_fn = torch.compile(self.fallback_fn, backend=aotfuse_backend,
-                                            dynamic=False if mode == "0" else True if mode == "1" else None)
+            compiled = torch.compile(self.fallback_fn, backend=aotfuse_backend,
+                                     dynamic=False if mode == "0" else True if mode == "1" else None)
+            # NumPy draws (SpecAugment's masks) run as NumPy, so the fallback draws eager's numbers; by
+            # default Dynamo traces them into torch's generator, whose numbers are others
+            self._dynamo_fn = torch._dynamo.config.patch(use_numpy_random_stream=True)(compiled)
         return self._dynamo_fn
 
     def cache_clear(self) -> None:
@@ -1421,9 +1430,10 @@ class KeptStateError(RuntimeError):
 
 
 class RandomStateError(RuntimeError):
-    """A capture's forward drew Python or NumPy random numbers (MusicGen's LayerDrop test, Wav2Vec2's
-    SpecAugment masks): tracing runs that Python once, so the graph would keep the first call's numbers
-    for every call (draws.py). The signature is not captured: CaptureError, or the function's fallback."""
+    """A capture's forward drew Python or NumPy random numbers other than the scalar draws
+    draws.python_draws answers (Wav2Vec2's SpecAugment masks, ``from random import random``): tracing
+    runs that Python once, so the graph would keep the first call's numbers for every call (draws.py).
+    The signature is not captured: CaptureError, or the function's fallback."""
 
 
 class HooksError(RuntimeError):
