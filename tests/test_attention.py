@@ -399,16 +399,18 @@ def test_3d_attention_becomes_sdpa_and_trains_like_eager(variant, dtype, monkeyp
 class SdpaAttention(nn.Module):
     """Attention as one call of torch's SDPA, as transformers' default attention ("sdpa") writes it."""
 
-    def __init__(self, mask=True, causal=False, heads=2, p=0.0):
+    def __init__(self, mask=True, causal=False, heads=2, p=0.0, viewed=False):
         super().__init__()
         self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
-        self.mask, self.causal, self.heads, self.p = mask, causal, heads, p
+        self.mask, self.causal, self.heads, self.p, self.viewed = mask, causal, heads, p, viewed
 
     def forward(self, x, m):
         b, s, _ = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, 16 // self.heads).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=m if self.mask else None, is_causal=self.causal,
                                            dropout_p=self.p if self.training else 0.0)
+        if self.viewed:  # transformers' sdpa_attention_forward, then `.view(*input_shape, -1)` (Falcon, XGLM)
+            return self.out(y.transpose(1, 2).contiguous().view(b, s, 16))
         return self.out(y.transpose(1, 2).reshape(b, s, 16))
 
 
@@ -455,6 +457,32 @@ def test_torch_compile_runs_short_bf16_sdpa_as_matmuls_too(dynamic):
                    name=f"torch.compile sdpa dynamic={dynamic}").assert_ok()
     ops = _dynamo_ops(SdpaAttention().to(torch.bfloat16), x, m, dynamic=dynamic)
     assert "aten::bmm" in ops and not any("flash" in op for op in ops), ops
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("entry", ["memory_efficient_fusion", "torch.compile"])
+def test_a_rewritten_sdpa_keeps_the_calls_layout_and_a_rewrite_that_cannot_trace_is_undone(entry, p, monkeypatch):
+    """ATen's CPU SDPA gives [B, H, L, E] with the heads inside the sequence, so the graph behind it
+    traced `o.transpose(1, 2).contiguous()` as no copy and then views it (`.view(B, L, -1)`: Falcon,
+    XGLM, AFMoE with transformers' default attention): as matmuls (short bf16 attention; bf16 with
+    dropout) the output is now laid out as the call's, where it was the matmul's and the view failed the
+    capture (`Cannot view a tensor ...`). And a rewritten graph that still cannot be traced (that layout
+    step undone here) is traced as the function is, with its SDPA call, not refused."""
+    import aotfuse.attention
+
+    x, m = _sdpa_inputs("bool", torch.bfloat16)
+    make = functools.partial(SdpaAttention, viewed=True, p=p)
+    if p == 0.0:  # (with dropout the draws are aotfuse's: the capture and its calls are checked below)
+        compile_fn = _dynamo() if entry == "torch.compile" else None
+        compare_models(make, lambda: (x, m), dtype=torch.bfloat16, steps=2, compile_fn=compile_fn,
+                       name=f"{entry} viewed sdpa").assert_ok()
+    model = make().to(torch.bfloat16)
+    ops = _dynamo_ops(model, x, m) if entry == "torch.compile" else _ops(model, x, m)
+    assert "aten::bmm" in ops and "flash" not in str(ops), ops
+    if p == 0.0:  # (SDPA's math path, with dropout, gives the matmul's layout: nothing to undo)
+        monkeypatch.setattr(aotfuse.attention, "_strided_like", lambda graph, out, want: out)
+        ops = _dynamo_ops(model, x, m) if entry == "torch.compile" else _ops(model, x, m)
+        assert "flash" in str(ops), ops
 
 
 def test_long_bf16_sdpa_and_switched_off_rewrites_keep_the_flash_kernel(monkeypatch):

@@ -322,10 +322,24 @@ def unfuse_attention(gm: fx.GraphModule) -> int:
                                                         qv.dtype))
             if p != 0.0:
                 probs = graph.call_function(aten.dropout.default, (probs, float(p), True))
-            out = graph.call_function(aten.matmul.default, (probs, v))
+            out = _strided_like(graph, graph.call_function(aten.matmul.default, (probs, v)), _val(node))
         _replace(graph, node, out, [node])
         found += 1
     return _recompiled(gm, found)
+
+
+def _strided_like(graph: fx.Graph, out: fx.Node, want: torch.Tensor | None) -> fx.Node:
+    """`out` (contiguous, as a matmul makes it) in the memory order of `want`, the SDPA call's output:
+    ATen's CPU kernels give [B, H, L, E] with the heads inside the sequence ([B, L, H, E] in memory), so
+    the graph traced behind the call took `o.transpose(1, 2).contiguous()` as no copy and views it
+    (`.view(B, L, -1)`: Falcon, XGLM, AFMoE, ...), which the matmul's own layout cannot take."""
+    if want is None or want.is_contiguous() or want.dim() < 2:
+        return out
+    order = sorted(range(want.dim()), key=lambda d: (-want.stride(d), d))  # outermost first
+    inverse = [order.index(d) for d in range(want.dim())]
+    packed = graph.call_function(aten.clone.default, (graph.call_function(aten.permute.default, (out, order)),),
+                                 {"memory_format": torch.contiguous_format})
+    return graph.call_function(aten.permute.default, (packed, inverse))
 
 
 def fused_graph(fn: Callable, tensors: list, mode: str) -> fx.GraphModule | None:

@@ -387,7 +387,8 @@ class _Entry:
         self.compiled = compiled
         self.tensor_idx = tensor_idx
         self.record = record
-        self.traced_fn = traced_fn  # [the function AOTAutograd traces]: flat_fn, or its graph with SDPA
+        # [the function AOTAutograd traces]: [flat_fn], or [its graph with attention rewritten, flat_fn]
+        self.traced_fn = traced_fn
         self.module = module
         self.fallback: Callable | None = None  # set when this signature could not be captured
         self.fallback_target: Callable | None = None  # fallback without the skipped leading arguments
@@ -432,8 +433,8 @@ def _fuse_attention_first(entry: _Entry, tensors: list, mode: str | None = None)
     from .attention import fused_graph
 
     gm = fused_graph(entry.traced_fn[0], tensors, mode)
-    if gm is not None:
-        entry.traced_fn[0] = gm
+    if gm is not None:  # the function as it is stays behind it, for a trace of gm that fails
+        entry.traced_fn[:] = [gm, entry.traced_fn[-1]]
 
 
 def _without_leading(target: Callable, n: int, *args: Any, **kwargs: Any) -> Any:
@@ -1265,16 +1266,22 @@ class CompiledFunction:
             return entry.compiled(*tensors)
         except Exception as e:
             record = entry.record
-            if not record.layout_fired or self._layout_off or isinstance(e, torch.OutOfMemoryError) \
-                    or "inference" in record.programs or "forward" in record.programs:
+            if isinstance(e, torch.OutOfMemoryError) or "inference" in record.programs or "forward" in record.programs:
                 raise
-            config.emit("cache", f"{self.name}: traced again without channels-last convolutions "
-                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-            self._layout_off = True
-            record.layout_fired = False
+            why = f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            if record.layout_fired and not self._layout_off:
+                config.emit("cache", f"{self.name}: traced again without channels-last convolutions {why}")
+                self._layout_off = True
+                record.layout_fired = False
+            elif entry.traced_fn is not None and len(entry.traced_fn) > 1:
+                # a rewrite of its attention the code behind it cannot take (a layout it relied on): as it is
+                config.emit("cache", f"{self.name}: traced again without its attention rewritten {why}")
+                del entry.traced_fn[0]
+            else:
+                raise
             record.programs.clear()
             record.graphs.clear()
-            return entry.compiled(*tensors)
+            return self._traced_first(entry, tensors)
 
     def _forget(self, entry: _Entry) -> None:
         for k, e in list(self._cache.items()):

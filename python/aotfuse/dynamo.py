@@ -351,15 +351,24 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
             )
 
     try:
-        try:
-            compiled = capture()
-        except Exception as e:  # noqa: BLE001
-            if not layouts.layout_fired or isinstance(e, torch.OutOfMemoryError):
-                raise
-            config.emit("cache", f"a Dynamo graph is traced again without channels-last convolutions "
-                                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
-            layouts.on, layouts.layout_fired = False, False
-            compiled = capture()
+        compiled = None
+        while compiled is None:
+            try:
+                compiled = capture()
+            except Exception as e:  # noqa: BLE001
+                why = f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                if isinstance(e, torch.OutOfMemoryError):
+                    raise
+                if layouts.layout_fired:
+                    config.emit("cache", f"a Dynamo graph is traced again without channels-last convolutions {why}")
+                    layouts.on, layouts.layout_fired = False, False
+                elif traced is not gm:  # a rewrite of its attention the graph behind it cannot take: as it is
+                    config.emit("cache", f"a Dynamo graph is traced again without its attention rewritten {why}")
+                    traced, static, on = gm, None, layouts.on
+                    layouts = _LayoutRecord(traced, symbolic, set(bases))
+                    layouts.on = on
+                else:
+                    raise
     except Exception as e:  # noqa: BLE001
         if not symbolic:
             raise
