@@ -409,7 +409,7 @@ class SdpaAttention(nn.Module):
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, 16 // self.heads).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=m if self.mask else None, is_causal=self.causal,
                                            dropout_p=self.p if self.training else 0.0)
-        if self.viewed:  # transformers' sdpa_attention_forward, then `.view(*input_shape, -1)` (Falcon, XGLM)
+        if self.viewed:  # transformers' sdpa_attention_forward, then `.view(*input_shape, -1)` (AFMoE)
             return self.out(y.transpose(1, 2).contiguous().view(b, s, 16))
         return self.out(y.transpose(1, 2).reshape(b, s, 16))
 
@@ -463,8 +463,8 @@ def test_torch_compile_runs_short_bf16_sdpa_as_matmuls_too(dynamic):
 @pytest.mark.parametrize("entry", ["memory_efficient_fusion", "torch.compile"])
 def test_a_rewritten_sdpa_keeps_the_calls_layout_and_a_rewrite_that_cannot_trace_is_undone(entry, p, monkeypatch):
     """ATen's CPU SDPA gives [B, H, L, E] with the heads inside the sequence, so the graph behind it
-    traced `o.transpose(1, 2).contiguous()` as no copy and then views it (`.view(B, L, -1)`: Falcon,
-    XGLM, AFMoE with transformers' default attention): as matmuls (short bf16 attention; bf16 with
+    traced `o.transpose(1, 2).contiguous()` as no copy and then views it (`.view(B, L, -1)`:
+    AFMoE with transformers' default attention): as matmuls (short bf16 attention; bf16 with
     dropout) the output is now laid out as the call's, where it was the matmul's and the view failed the
     capture (`Cannot view a tensor ...`). And a rewritten graph that still cannot be traced (that layout
     step undone here) is traced as the function is, with its SDPA call, not refused."""

@@ -332,7 +332,8 @@ def _strided_like(graph: fx.Graph, out: fx.Node, want: torch.Tensor | None) -> f
     """`out` (contiguous, as a matmul makes it) in the memory order of `want`, the SDPA call's output:
     ATen's CPU kernels give [B, H, L, E] with the heads inside the sequence ([B, L, H, E] in memory), so
     the graph traced behind the call took `o.transpose(1, 2).contiguous()` as no copy and views it
-    (`.view(B, L, -1)`: Falcon, XGLM, AFMoE, ...), which the matmul's own layout cannot take."""
+    (`.view(B, L, -1)`: AFMoE with transformers' default attention), which the matmul's own layout
+    cannot take."""
     if want is None or want.is_contiguous() or want.dim() < 2:
         return out
     order = sorted(range(want.dim()), key=lambda d: (-want.stride(d), d))  # outermost first
