@@ -372,3 +372,31 @@ def test_a_running_mean_of_zero_is_judged_at_its_modules_scale():
     compare_models(make, inputs, steps=2, compile_fn=_nudge_running_mean(1e-12)).assert_ok()
     worse = compare_models(make, inputs, steps=2, compile_fn=_nudge_running_mean(1e-4))
     assert "buffer bn.running_mean after the step" in failed_whats(worse), worse
+
+
+class NoFloat64(nn.Module):
+    """XGLM's clamp: `torch.full((), finfo(scores.dtype).min)` is float32, and float64's min overflows it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return torch.max(y, torch.full((), torch.finfo(y.dtype).min)).tanh().sum()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_model_that_cannot_run_in_float64_is_compared_against_eager_alone(dtype):
+    """The float64 copy's failure is one note, not an exception and not a note per tensor; the seed's
+    tolerances still judge aotfuse against eager, so a wrong gradient still fails."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="overflow"):
+        NoFloat64().double()(x.double())
+    report = compare_models(NoFloat64, (x,), dtype=dtype, steps=2)
+    report.assert_ok()
+    assert [n.what for n in report.notes] == ["float64 reference"] and "seed's tolerances only" in str(report)
+    assert report.checked == 2 * (1 + 2 + 2)
+    wrong = compare_models(NoFloat64, (x,), dtype=dtype, steps=2, compile_fn=perturb_grad("fc.bias", 1.1))
+    assert "grad of fc.bias" in failed_whats(wrong, step=0)
+    assert all(m.failed == "tolerance" for m in wrong.mismatches)
