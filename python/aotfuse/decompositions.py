@@ -1001,8 +1001,9 @@ _UPSTREAM_FIXES = ((aten.multilabel_margin_loss_forward.default, torch._C.Dispat
 @contextlib.contextmanager
 def upstream_fixes():
     """While aotfuse traces (memory_efficient_fusion's passes, a Dynamo graph's aot_module_simplified):
-    torch's Python kernels that give wrong values replaced by aotfuse's own (_UPSTREAM_FIXES), and
-    FakeTensor's _embedding_bag corrected (_embedding_bag_fake), put back afterwards. Tracing holds
+    torch's Python kernels that give wrong values replaced by aotfuse's own (_UPSTREAM_FIXES),
+    FakeTensor's _embedding_bag corrected (_embedding_bag_fake), and transformers' MoE grouped matmul
+    given a backward a trace can hold (moe.py), put back afterwards. Tracing holds
     aotfuse's compile lock; a trace elsewhere meanwhile (another thread's torch.compile) would take the
     fixed kernel too."""
     from torch._subclasses import fake_impls
@@ -1013,7 +1014,9 @@ def upstream_fixes():
         for k in [k for k in cache if getattr(k, "key", None) and k.key[0] in _EMBEDDING_BAGS]:
             cache.pop(k, None)
 
-    saved = []
+    from . import moe
+
+    saved, added = [], []
     bag_check = (lambda func: func in _EMBEDDING_BAGS, _embedding_bag_fake)
     forget_bags()
     try:
@@ -1022,6 +1025,11 @@ def upstream_fixes():
                 saved.append((op, key, op.py_kernels[key]))
                 op.py_kernels[key] = fn
                 op._dispatch_cache.clear()
+        grouped = moe.fallback_op()  # transformers' MoE grouped matmul: a backward a trace can hold (moe.py)
+        if grouped is not None and torch._C.DispatchKey.Autograd not in grouped.py_kernels:
+            grouped.py_kernels[torch._C.DispatchKey.Autograd] = moe.traceable_autograd
+            grouped._dispatch_cache.clear()
+            added.append(grouped)
         fake_impls.op_implementations_checks.insert(0, bag_check)
         yield
     finally:
@@ -1030,4 +1038,7 @@ def upstream_fixes():
         forget_bags()
         for op, key, fn in saved:
             op.py_kernels[key] = fn
+            op._dispatch_cache.clear()
+        for op in added:
+            op.py_kernels.pop(torch._C.DispatchKey.Autograd, None)
             op._dispatch_cache.clear()
