@@ -56,6 +56,9 @@ def _configs() -> dict:
         "llama": _text(tf.LlamaConfig, tf.LlamaForCausalLM, num_key_value_heads=HEADS, **dec),
         "mistral": _text(tf.MistralConfig, tf.MistralForCausalLM, num_key_value_heads=2, **dec),
         "qwen2": _text(tf.Qwen2Config, tf.Qwen2ForCausalLM, num_key_value_heads=2, **dec),
+        # mixture of experts (transformers' grouped-matmul experts: one graph since aotfuse/moe.py, 2026-12-06)
+        "mixtral": _text(tf.MixtralConfig, tf.MixtralForCausalLM, num_key_value_heads=2, num_local_experts=4,
+                         num_experts_per_tok=2, **dec),
         "gpt-neox": _text(tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM, vocab_size=VOCAB, hidden_size=H,
                           num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=4 * H,
                           max_position_embeddings=256),
