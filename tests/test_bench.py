@@ -551,3 +551,19 @@ def test_tf32_flag_sets_torchs_switches_and_says_so(tmp_path):
                 "--backends", "eager", "--repeats", "1", "--warmup", "1", "--out-dir", str(tmp_path),
                 "--name", "plain", "--no-progress"])
     assert "TF32" not in (tmp_path / "plain.md").read_text()
+
+
+def test_sweep_runs_one_family_and_classifies_it(tmp_path):
+    """benchmarks/sweep.py: a family built at its tiny size from its config class, trained by
+    compare_models in a subprocess, one classified row in the results file."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "sweep.md"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sweep.py"), "--only", "llama", "--tasks", "causal",
+                          "--dtypes", "fp32", "--out", str(out)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "python")})
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [r for r in _table_rows(out.read_text()) if len(r) == 6 and r[0] == "causal"]
+    assert [r[:4] for r in rows] == [["causal", "llama", "fp32", "ok"]], out.read_text()
+    assert "0 mismatches" in rows[0][5]

@@ -1,0 +1,331 @@
+"""Correctness sweep of aotfuse over Hugging Face model families (CPU, random tiny models).
+
+Every family of transformers' auto mappings for the chosen tasks (causal LM, masked LM, seq2seq LM,
+image classification) is built from its config class with defaults overridden by tiny sizes (only
+where the config has the field; every dropout-like float set to 0), with random weights (nothing is
+downloaded), and trained for 2 SGD steps by `aotfuse.testing.compare_models` (eager vs aotfuse vs a
+float64 reference) in each dtype. Each (family, dtype) runs in its own subprocess, single-threaded, so
+that a crash or a hang is isolated. A row is one of:
+
+    ok             compare_models found no mismatch
+    mismatch       numeric (or structural) mismatches: the first 3 are listed
+    capture error  memory_efficient_fusion(fallback="error") raised CaptureError; the row then gives
+                   the result of a rerun with fallback="dynamo"
+    aotfuse error  any other exception from the compiled model (type, message, last aotfuse frame)
+    skipped        the tiny build, or eager's forward/backward, fails: not aotfuse's fault
+    timeout/crash  the subprocess ran past --timeout or died (rc, last stderr line)
+
+Usage:
+    python benchmarks/sweep.py [--tasks causal,masked,seq2seq,image] [--only llama,bert] [--skip x,y]
+                               [--dtypes fp32,bf16] [--attn eager] [--jobs 2] [--timeout 300] [--out FILE.md]
+    python benchmarks/sweep.py --one llama fp32 --task causal     # one row, in this process (JSON result)
+Results: --out, default benchmarks/results/sweep-cpu-<date>.md (rewritten as rows finish).
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime
+import inspect
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MARK, EAGER_OK = "SWEEP-RESULT ", "SWEEP-EAGER-OK"
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+MAPPINGS = {"causal": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+            "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+            "image": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"}
+BATCH, SEQ, TGT, VOCAB = 2, 16, 12, 128
+TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+            vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4, encoder_layers=2,
+            decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+            decoder_ffn_dim=64, ffn_dim=64, n_embd=32, n_layer=2, n_head=4, n_inner=64, max_position_embeddings=64,
+            image_size=32, patch_size=4, num_channels=3, head_dim=8, embed_dim=32,
+            # mixture-of-experts and low-rank attention sizes, where a family has them
+            num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=8,
+            # other spellings of the same sizes, and sizes that must agree with them
+            emb_dim=32, n_layers=2, n_heads=4, embedding_size=32, intra_bottleneck_size=32, rotary_dim=4,
+            mamba_n_heads=4, mamba_d_ssm=64, mamba_d_state=8, state_size=8)
+LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers")
+# When the tiny build or eager fails, these are tried in turn (each adds to the one before): MoE experts
+# as plain loops (grouped_mm has no float64 kernel for the reference), no grouped-query attention,
+# 8 layers (layer patterns that need more than 2 to hold every layer type), the default layer counts.
+VARIANTS = [("", {}), ("experts eager", {}), ("experts eager, kv heads 4", dict(num_key_value_heads=4)),
+            ("experts eager, kv heads 4, 8 layers", dict(num_key_value_heads=4, **dict.fromkeys(LAYER_KEYS, 8))),
+            ("experts eager, kv heads 4, default layers", dict(num_key_value_heads=4, **dict.fromkeys(LAYER_KEYS)))]
+LISTS = {"depths": lambda n: [1] * n, "depth": lambda n: [1] * n, "hidden_sizes": lambda n: [16 << i for i in range(n)],
+         "embed_dim": lambda n: [16 << i for i in range(n)], "num_heads": lambda n: [2] * n,
+         "num_attention_heads": lambda n: [2] * n}
+TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 0}
+
+
+def families(tasks: list[str]) -> list[tuple[str, str]]:
+    from transformers.models.auto import modeling_auto
+    return [(t, name) for t in tasks for name in sorted(getattr(modeling_auto, MAPPINGS[t]))]
+
+
+def _tiny_value(key: str, default, tiny: dict):
+    if isinstance(default, (list, tuple)) and key in LISTS and all(isinstance(v, int) for v in default):
+        return LISTS[key](len(default))
+    if tiny.get(key) is not None and (isinstance(default, int) and not isinstance(default, bool) or default is None):
+        return tiny[key]
+    if "drop" in key and isinstance(default, float):  # dropout, *_pdrop, drop_path_rate, layerdrop, ...
+        return 0.0
+    if "drop" in key and isinstance(default, (list, tuple)) and all(isinstance(v, float) for v in default):
+        return [0.0] * len(default)
+    if key.endswith("token_id") and isinstance(default, int) and default >= VOCAB:
+        return TOKEN_IDS.get(key, 2)
+    if key.endswith("token_id") and isinstance(default, list) and any(v >= VOCAB for v in default):
+        return [TOKEN_IDS.get(key, 2)]
+    return default
+
+
+def tiny_config(cfg_cls, tiny: dict = TINY):
+    """cfg_cls with tiny sizes where it has the fields, its sub-configs (text_config, ...) likewise."""
+    default = cfg_cls()
+    kw = {}
+    for key in inspect.signature(cfg_cls.__init__).parameters:
+        try:
+            value = getattr(default, key)
+        except Exception:  # noqa: BLE001  (absent, or a per-layer attribute that refuses a global read)
+            continue
+        new = _tiny_value(key, value, tiny)
+        if new is not value and new != value:
+            kw[key] = new
+    params = inspect.signature(cfg_cls.__init__).parameters
+    for key in getattr(cfg_cls, "sub_configs", None) or {}:  # by the default's class (AutoConfig ones too)
+        sub = getattr(default, key, None)
+        if key in params and hasattr(sub, "to_dict") and hasattr(type(sub), "model_type"):
+            kw[key] = tiny_config(type(sub), tiny)
+    return cfg_cls(**kw)
+
+
+def build(task: str, name: str, attn: str | None, variant: int = 0):
+    """(make, inputs): make() seeds and returns the model in train mode; variant: of VARIANTS."""
+    import torch
+    import transformers
+    from transformers.models.auto import configuration_auto, modeling_auto
+    cls_name = getattr(modeling_auto, MAPPINGS[task])[name]
+    model_cls = getattr(transformers, cls_name if isinstance(cls_name, str) else cls_name[0])
+    cfg = tiny_config(getattr(transformers, configuration_auto.CONFIG_MAPPING_NAMES[name]),
+                      {**TINY, **VARIANTS[variant][1]})
+    if task == "image":
+        cfg.num_labels = 3
+    if task != "image" and getattr(cfg, "pad_token_id", 0) is None:  # a padding id some models need (ESM)
+        cfg.pad_token_id = 0
+    if task == "seq2seq":  # some configs leave these to the generation config; labels need them here
+        if getattr(cfg, "decoder_start_token_id", None) is None:
+            cfg.decoder_start_token_id = cfg.pad_token_id
+    kw = {"attn_implementation": attn} if attn else {}
+    if variant:
+        kw["experts_implementation"] = "eager"
+
+    def make():
+        torch.manual_seed(0)
+        return model_cls._from_config(cfg, **kw).train()
+
+    gen = torch.Generator().manual_seed(1)
+    if task == "image":
+        size = getattr(cfg, "image_size", 32)
+        size = size if isinstance(size, int) else size[0]
+        inputs = dict(pixel_values=torch.randn(BATCH, 3, size, size, generator=gen),
+                      labels=torch.randint(0, 3, (BATCH,), generator=gen))
+    else:
+        vocab = getattr(cfg, "vocab_size", None) or getattr(cfg.get_text_config(), "vocab_size", VOCAB)
+        ids = torch.randint(3, vocab, (BATCH, SEQ), generator=gen)
+        mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+        mask[1, -4:] = 0
+        labels = torch.randint(3, vocab, (BATCH, TGT), generator=gen) if task == "seq2seq" else ids.clone()
+        inputs = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    accepted = inspect.signature(model_cls.forward).parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in accepted.values()):
+        inputs = {k: v for k, v in inputs.items() if k in accepted}
+    return make, inputs
+
+
+def _eager_check(make, inputs, dtype) -> None:
+    """Forward and backward in eager, in dtype (a model that cannot run in float64 is compared against
+    eager alone by compare_models, with a note)."""
+    from aotfuse.testing import _named_tensors
+    for dt in (dtype,):
+        model = make().to(dt)
+        out = model(**{k: v.to(dt) if v.is_floating_point() else v for k, v in inputs.items()})
+        loss = getattr(out, "loss", None)
+        if loss is None:
+            loss = sum(t.float().sum() for t in _named_tensors(out).values() if t.requires_grad)
+        loss.backward()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _aotfuse_frame(exc: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f"{os.sep}aotfuse{os.sep}" in f.filename]
+    frames = [f for f in frames if not f.filename.endswith("testing.py")] or frames  # not the harness's own
+    return f"{os.path.relpath(frames[-1].filename, os.path.join(HERE, '..'))}:{frames[-1].lineno} " \
+           f"in {frames[-1].name}" if frames else "-"
+
+
+def _report(report) -> dict:
+    def line(m):
+        return (f"{m.model} {str(m.dtype)[6:]} step {m.step} {m.what}: {m.failed} (abs {m.max_abs_err:.3g}, "
+                f"rel {m.max_rel_err:.3g}, aotfuse-vs-fp64 {m.aotfuse_err:.3g}, eager-vs-fp64 {m.eager_err:.3g}, "
+                f"allowed {m.allowed:.3g}{'; ' + m.detail if m.detail else ''})")
+    return dict(ok=report.ok, mismatches=len(report.mismatches), first=[line(m) for m in report.mismatches[:3]],
+                summary=str(report).splitlines()[0], notes=len(report.notes))
+
+
+def run_one(task: str, name: str, dtype_name: str, attn: str | None) -> dict:
+    """One row, in this process."""
+    import torch
+    import aotfuse
+    from aotfuse.testing import compare_models
+    torch.set_num_threads(1)
+    dtype = getattr(torch, DTYPES[dtype_name])
+    first = None
+    for variant, (label, _) in enumerate(VARIANTS):
+        try:
+            make, inputs = build(task, name, attn, variant)
+            _eager_check(make, inputs, dtype)
+            break
+        except Exception as e:  # noqa: BLE001
+            first = first or _first_line(e)
+    else:
+        return dict(cls="skipped", detail=first)
+    print(EAGER_OK, flush=True)  # what runs from here on is aotfuse's
+
+    def compare(compile_fn=None):
+        try:
+            return _report(compare_models(make, inputs, dtype=dtype, steps=2, name=name, compile_fn=compile_fn))
+        except Exception as e:  # noqa: BLE001
+            cause = [ln for ln in str(e).splitlines() if ln.startswith("Cause:")]  # CaptureError's own line
+            return dict(error=_first_line(e) + (f" {cause[0][:200]}" if cause else ""), frame=_aotfuse_frame(e),
+                        capture=isinstance(e, aotfuse.CaptureError))
+
+    res = compare()
+    if res.get("capture"):
+        res = dict(cls="capture error", detail=res["error"],
+                   dynamo=compare(lambda m: aotfuse.memory_efficient_fusion(m, fallback="dynamo")))
+    elif "error" in res:
+        res = dict(cls="aotfuse error", detail=f"{res['error']} [at {res['frame']}]")
+    else:
+        res["cls"] = "ok" if res["ok"] else "mismatch"
+    return dict(res, variant=label)
+
+
+def run_sub(task: str, name: str, dtype: str, args) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", name, dtype, "--task", task]
+    cmd += ["--attn", args.attn] if args.attn else []
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    start = time.time()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith(MARK)]
+        if lines:
+            res = json.loads(lines[-1][len(MARK):])
+        else:
+            err = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+            res = dict(cls="crash", detail=f"rc={p.returncode}: {err[-1][:300] if err else ''}")
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        res = (dict(cls="timeout", detail=f"over {args.timeout} s") if EAGER_OK in out else
+               dict(cls="skipped", detail=f"tiny build / eager check over {args.timeout} s"))
+    return dict(res, task=task, name=name, dtype=dtype, seconds=time.time() - start)
+
+
+def describe(r: dict) -> str:
+    return (f"[{r['variant']}] " if r.get("variant") else "") + _describe(r)
+
+
+def _describe(r: dict) -> str:
+    if r["cls"] == "ok":
+        return r["summary"].split(": ", 1)[-1]
+    if r["cls"] == "mismatch":
+        return f"{r['mismatches']} mismatches: " + "<br>".join(r["first"])
+    if r["cls"] == "capture error":
+        d = r["dynamo"]
+        dyn = (f"dynamo: {'ok' if d['ok'] else 'MISMATCH ' + '<br>'.join(d['first'])}" if "ok" in d
+               else f"dynamo: ERROR {d['error']} [at {d['frame']}]")
+        return f"{r['detail']}<br>{dyn}"
+    return r["detail"]
+
+
+def header(args) -> str:
+    import torch
+    import transformers
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in subprocess.run(["lscpu"], capture_output=True, text=True)
+                   .stdout.splitlines() if ln.startswith("Model name"))
+    except (StopIteration, OSError):
+        cpu = platform.processor()
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    return (f"{platform.node()}, {cpu}, {os.cpu_count()} cores, avx512 {'yes' if 'avx512f' in flags else 'no'}, "
+            f"{platform.platform()}; torch {torch.__version__}, transformers {transformers.__version__}; "
+            f"{datetime.date.today()}; `python {' '.join(sys.argv)}`")
+
+
+def write(path: str, head: str, rows: list[dict], total: int, elapsed: float) -> None:
+    classes = ["ok", "mismatch", "capture error", "aotfuse error", "skipped", "timeout", "crash"]
+    counts = {c: sum(r["cls"] == c for r in rows) for c in classes}
+    out = ["# aotfuse correctness sweep over HF model families (CPU)", "", head, "",
+           f"{len(rows)} of {total} rows done in {elapsed / 60:.1f} min. compare_models, 2 SGD steps, batch {BATCH}, "
+           f"seq {SEQ} (seq2seq labels {TGT}), tiny configs, dropout 0.", "",
+           "| class | rows |", "| --- | --- |"] + [f"| {c} | {n} |" for c, n in counts.items()]
+    out += ["", "| task | model | dtype | class | s | detail |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in sorted(rows, key=lambda r: (r["task"], r["name"], r["dtype"])):
+        detail = describe(r).replace("|", "\\|").replace("\n", " ")
+        out.append(f"| {r['task']} | {r['name']} | {r['dtype']} | {r['cls']} | {r['seconds']:.0f} | {detail} |")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tasks", default="causal,masked,seq2seq,image")
+    ap.add_argument("--only", default="")
+    ap.add_argument("--skip", default="")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--attn", default=None, help="attn_implementation (default: transformers' own choice)")
+    ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", f"sweep-cpu-{datetime.date.today()}.md"))
+    ap.add_argument("--one", nargs=2, metavar=("NAME", "DTYPE"))
+    ap.add_argument("--task", default="causal", help="with --one")
+    args = ap.parse_args(argv)
+    if args.one:
+        import warnings
+        warnings.filterwarnings("ignore")
+        print(MARK + json.dumps(run_one(args.task, args.one[0], args.one[1], args.attn)), flush=True)
+        return
+
+    from tqdm import tqdm
+    only, skip = set(filter(None, args.only.split(","))), set(filter(None, args.skip.split(",")))
+    todo = [(t, n, d) for t, n in families(args.tasks.split(",")) if (not only or n in only) and n not in skip
+            for d in args.dtypes.split(",")]
+    head, rows, start = header(args), [], time.time()
+    with cf.ThreadPoolExecutor(args.jobs) as pool, tqdm(total=len(todo), unit="row") as bar:
+        for fut in cf.as_completed([pool.submit(run_sub, t, n, d, args) for t, n, d in todo]):
+            r = fut.result()
+            rows.append(r)
+            bar.set_postfix_str(f"{r['task']}/{r['name']} {r['dtype']}: {r['cls']}")
+            bar.update()
+            if r["cls"] not in ("ok", "skipped"):
+                tqdm.write(f"{r['task']}/{r['name']} {r['dtype']}: {r['cls']}: {describe(r)[:300]}")
+            write(args.out, head, rows, len(todo), time.time() - start)
+    counts = {c: sum(r["cls"] == c for r in rows) for c in dict.fromkeys(r["cls"] for r in rows)}
+    print(f"{len(rows)} rows in {(time.time() - start) / 60:.1f} min: {counts}; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
