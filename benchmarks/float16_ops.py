@@ -67,7 +67,7 @@ def main(argv=None) -> None:
     print("|---|---|---|---|")
     for name, narrow, wide in _cases(dtype, args.scale):
         t16, t32 = median_ms(narrow, args.repeats), median_ms(wide, args.repeats)
-        print(f"| {name} | {t16:.2f} | {t32:.2f} | {t16 / t32:.1f} |")
+        print(f"| {name} | {t16:.3g} | {t32:.3g} | {t16 / t32:.3g} |")  # significant digits: tiny scales stay > 0
 
 
 if __name__ == "__main__":

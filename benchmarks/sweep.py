@@ -3,8 +3,9 @@
 Every family of transformers' auto mappings for the chosen tasks (causal LM, masked LM, seq2seq LM,
 image classification) is built from its config class with defaults overridden by tiny sizes (only
 where the config has the field; every dropout-like float set to 0), with random weights (nothing is
-downloaded), and trained for 2 SGD steps by `aotfuse.testing.compare_models` (eager vs aotfuse vs a
-float64 reference) in each dtype. Each (family, dtype) runs in its own subprocess, single-threaded, so
+downloaded; weight matrices initialized to zeros are drawn too: ZERO_MATRICES below), and trained for
+2 SGD steps by `aotfuse.testing.compare_models` (eager vs aotfuse vs a float64 reference) in each
+dtype. Each (family, dtype) runs in its own subprocess, single-threaded, so
 that a crash or a hang is isolated. A row is one of:
 
     ok             compare_models found no mismatch
@@ -30,6 +31,7 @@ import inspect
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -65,6 +67,13 @@ LISTS = {"depths": lambda n: [1] * n, "depth": lambda n: [1] * n, "hidden_sizes"
          "embed_dim": lambda n: [16 << i for i in range(n)], "num_heads": lambda n: [2] * n,
          "num_attention_heads": lambda n: [2] * n}
 TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 0}
+
+
+# ZERO_MATRICES: weight matrices a family initializes to zeros (Ernie 4.5 MoE's router, zero-init gates)
+# are drawn N(0, 0.02) as training would have made them. At zeros, one SGD step gives most of a router's
+# rows the same values, and which of the exactly tied experts top-k picks is then decided by rounding
+# (eager's float32 picks differ from float64's for 6 of 32 tokens): a row that measures tie-breaking,
+# not a compiler (benchmarks/results/sweep-cpu-2026-12-07.md).
 
 
 def families(tasks: list[str]) -> list[tuple[str, str]]:
@@ -130,7 +139,12 @@ def build(task: str, name: str, attn: str | None, variant: int = 0):
 
     def make():
         torch.manual_seed(0)
-        return model_cls._from_config(cfg, **kw).train()
+        model = model_cls._from_config(cfg, **kw).train()
+        with torch.no_grad():  # zero-initialized matrices (routers, zero-init gates): see ZERO_MATRICES
+            for p in model.parameters():
+                if p.dim() >= 2 and p.is_floating_point() and not p.any():
+                    p.normal_(0.0, 0.02)
+        return model
 
     gen = torch.Generator().manual_seed(1)
     if task == "image":
@@ -227,15 +241,23 @@ def run_sub(task: str, name: str, dtype: str, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", name, dtype, "--task", task]
     cmd += ["--attn", args.attn] if args.attn else []
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    def limit_memory():  # a MemoryError in the child, not the OOM killer's pick of either job
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (args.mem_gb << 30, args.mem_gb << 30))
+
     start = time.time()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env,
+                           preexec_fn=limit_memory if args.mem_gb else None)
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith(MARK)]
+        err = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
         if lines:
             res = json.loads(lines[-1][len(MARK):])
-        else:
-            err = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+        elif EAGER_OK in p.stdout:
             res = dict(cls="crash", detail=f"rc={p.returncode}: {err[-1][:300] if err else ''}")
+        else:
+            res = dict(cls="skipped", detail=f"tiny build / eager check crashed, rc={p.returncode}: "
+                                              f"{err[-1][:300] if err else ''}")
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
         res = (dict(cls="timeout", detail=f"over {args.timeout} s") if EAGER_OK in out else
@@ -244,6 +266,8 @@ def run_sub(task: str, name: str, dtype: str, args) -> dict:
 
 
 def describe(r: dict) -> str:
+    if "text" in r:  # a row read back by --resume
+        return r["text"]
     return (f"[{r['variant']}] " if r.get("variant") else "") + _describe(r)
 
 
@@ -290,6 +314,19 @@ def write(path: str, head: str, rows: list[dict], total: int, elapsed: float) ->
         f.write("\n".join(out) + "\n")
 
 
+def read_rows(path: str) -> tuple[str, float, list[dict]]:
+    """(header line, minutes, rows) of a results file that write() made, for --resume."""
+    lines = open(path).read().splitlines()
+    minutes = float(lines[4].split(" done in ")[1].split(" min")[0])
+    rows = []
+    for ln in lines:
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", ln)[1:-1]]
+        if len(cells) == 6 and cells[0] in MAPPINGS:
+            rows.append(dict(task=cells[0], name=cells[1], dtype=cells[2], cls=cells[3], seconds=float(cells[4]),
+                             text=cells[5].replace("\\|", "|")))
+    return lines[2], minutes, rows
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tasks", default="causal,masked,seq2seq,image")
@@ -299,6 +336,8 @@ def main(argv=None) -> None:
     ap.add_argument("--attn", default=None, help="attn_implementation (default: transformers' own choice)")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--mem-gb", type=int, default=10, help="address-space limit of each row's process (0: none)")
+    ap.add_argument("--resume", action="store_true", help="keep --out's rows (but crashes), run the rest")
     ap.add_argument("--out", default=os.path.join(HERE, "results", f"sweep-cpu-{datetime.date.today()}.md"))
     ap.add_argument("--one", nargs=2, metavar=("NAME", "DTYPE"))
     ap.add_argument("--task", default="causal", help="with --one")
@@ -314,7 +353,16 @@ def main(argv=None) -> None:
     todo = [(t, n, d) for t, n in families(args.tasks.split(",")) if (not only or n in only) and n not in skip
             for d in args.dtypes.split(",")]
     head, rows, start = header(args), [], time.time()
-    with cf.ThreadPoolExecutor(args.jobs) as pool, tqdm(total=len(todo), unit="row") as bar:
+    if args.resume and os.path.exists(args.out):
+        old_head, minutes, rows = read_rows(args.out)
+        rows = [r for r in rows if r["cls"] != "crash" and (r["task"], r["name"], r["dtype"]) in todo]
+        head, start = f"{old_head}; resumed: `python {' '.join(sys.argv)}`", start - 60 * minutes
+        done = {(r["task"], r["name"], r["dtype"]) for r in rows}
+        todo = [key for key in todo if key not in done]
+        total = len(todo) + len(rows)
+    else:
+        total = len(todo)
+    with cf.ThreadPoolExecutor(args.jobs) as pool, tqdm(total=total, initial=total - len(todo), unit="row") as bar:
         for fut in cf.as_completed([pool.submit(run_sub, t, n, d, args) for t, n, d in todo]):
             r = fut.result()
             rows.append(r)
@@ -322,7 +370,7 @@ def main(argv=None) -> None:
             bar.update()
             if r["cls"] not in ("ok", "skipped"):
                 tqdm.write(f"{r['task']}/{r['name']} {r['dtype']}: {r['cls']}: {describe(r)[:300]}")
-            write(args.out, head, rows, len(todo), time.time() - start)
+            write(args.out, head, rows, total, time.time() - start)
     counts = {c: sum(r["cls"] == c for r in rows) for c in dict.fromkeys(r["cls"] for r in rows)}
     print(f"{len(rows)} rows in {(time.time() - start) / 60:.1f} min: {counts}; wrote {args.out}")
 

@@ -567,3 +567,13 @@ def test_sweep_runs_one_family_and_classifies_it(tmp_path):
     rows = [r for r in _table_rows(out.read_text()) if len(r) == 6 and r[0] == "causal"]
     assert [r[:4] for r in rows] == [["causal", "llama", "fp32", "ok"]], out.read_text()
     assert "0 mismatches" in rows[0][5]
+    # --resume keeps the file's rows and runs only the missing ones
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sweep.py"), "--only", "llama", "--tasks", "causal",
+                          "--dtypes", "fp32,bf16", "--out", str(out), "--resume"], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT / "python")})
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows2 = [r for r in _table_rows(out.read_text()) if len(r) == 6 and r[0] == "causal"]
+    assert sorted(r[:4] for r in rows2) == [["causal", "llama", "bf16", "ok"], ["causal", "llama", "fp32", "ok"]], \
+        out.read_text()
+    assert [r for r in rows2 if r[2] == "fp32"] == rows, "the resumed run redid a row it had"
+    assert "2 of 2 rows done" in out.read_text() and "resumed:" in out.read_text()
