@@ -5,13 +5,14 @@ name and every parameter after the update must agree (the seed's tolerance and t
 
 Paths:
 - Albert, Bert, GPT2: memory_efficient_fusion (one AOTAutograd capture of the whole model).
-- Longformer: memory_efficient_fusion(model, fallback="dynamo"), or directly
-  torch.compile(model, backend="aotfuse", dynamic=False). Its encoder calls
-  `is_index_global_attn.flatten().any().item()` and branches on it, which one capture cannot
-  represent (memory_efficient_fusion raises CaptureError, tested below); Dynamo splits the model
-  there (4 graphs, 3 breaks, all at that .item(); more with global attention) and aotfuse compiles
-  each graph. A second correct path, memory_efficient_fusion on each LongformerLayer (the branch
-  arrives there as a Python bool, part of aotfuse's signature key), is tested too.
+- Longformer: memory_efficient_fusion(model) whole since 2026-12-07: its encoder's
+  `is_index_global_attn.flatten().any().item()` is answered from the call's attention mask while
+  tracing and guarded at each call (aotfuse/decisions.py); a call with global attention is traced
+  for that answer, whose nonzero() one graph cannot hold (CaptureError, or the fallback). Also
+  torch.compile(model, backend="aotfuse", dynamic=False): Dynamo splits the model at the .item()
+  (4 graphs, 3 breaks; more with global attention) and aotfuse compiles each graph; and
+  memory_efficient_fusion on each LongformerLayer (the branch arrives there as a Python bool, part
+  of aotfuse's signature key).
 
 """
 from __future__ import annotations
@@ -156,19 +157,57 @@ def _check_longformer_through_dynamo(**kwargs):
     return counters
 
 
-def test_longformer_memory_efficient_fusion_names_the_data_dependent_branch():
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_longformer_memory_efficient_fusion_one_graph(dtype):
+    """PATH: memory_efficient_fusion(model) whole: the encoder's `.item()` of the attention mask
+    (is there global attention?) is answered from the call's mask while tracing and guarded at each
+    call (decisions.py), so no fallback and no graph break."""
+    compiled = []
+
+    def compile_fn(model):
+        compiled.append(aotfuse.memory_efficient_fusion(model))  # fallback="error"
+        return compiled[-1]
+
+    check("longformer", dtype=dtype, compile_fn=compile_fn)
+    records = compiled[0]._aotfuse_compiled.records
+    assert len(records) == 1 and records[0].decisions is not None and records[0].decisions.count >= 1, records
+
+
+def test_longformer_global_attention_call_takes_its_own_trace():
+    """A call whose mask asks for global attention answers the guarded `.item()` otherwise: it is
+    traced for that answer (its nonzero() then refuses one graph: CaptureError under the default
+    fallback, Dynamo's pieces under fallback="dynamo"), and calls without global attention go on
+    running the first program."""
     model = model_factory("longformer")()
+    plain, glob = make_inputs(), make_inputs(global_attention=True)
     compiled = aotfuse.memory_efficient_fusion(model)
-    with pytest.raises(aotfuse.CaptureError, match="DataDependentOutputException.*_local_scalar_dense"):
-        compiled(**make_inputs())
+    torch.testing.assert_close(compiled(**plain).loss, model(**plain).loss)
+    with pytest.raises(aotfuse.CaptureError, match="DynamicOutputShapeException.*nonzero"):
+        compiled(**glob)
+    torch.testing.assert_close(compiled(**plain).loss, model(**plain).loss)
+    assert compiled._aotfuse_compiled.compile_count == 1 + 1  # the first program, and the refused answer's try
+
+    compiled = aotfuse.memory_efficient_fusion(model, fallback="dynamo")
+    compiled(**plain)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(compiled(**glob).loss, model(**glob).loss)
+        torch.testing.assert_close(compiled(**plain).loss, model(**plain).loss)
+        torch.testing.assert_close(compiled(**glob).loss, model(**glob).loss)
+    assert sum("could not capture" in str(w.message) for w in caught) == 1, [str(w.message) for w in caught]
+    cf = compiled._aotfuse_compiled
+    assert len(cf.records) == 1 and cf.last_entry is not None, cf.records  # the plain program, and not a fallback
+    torch._dynamo.reset()
 
 
 def test_longformer_memory_efficient_fusion_fallback_dynamo():
-    """PATH: memory_efficient_fusion(model, fallback="dynamo"): the whole-graph capture fails at
-    the .item(), so (with one warning) the model runs under torch.compile with aotfuse's backend."""
+    """PATH: memory_efficient_fusion(model, fallback="dynamo") with global attention from the first
+    call: the whole-graph capture fails at its nonzero(), so (with one warning) the model runs under
+    torch.compile with aotfuse's backend."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        check("longformer", compile_fn=lambda m: aotfuse.memory_efficient_fusion(m, fallback="dynamo"))
+        check("longformer", global_attention=True,
+              compile_fn=lambda m: aotfuse.memory_efficient_fusion(m, fallback="dynamo"))
     assert any("could not capture" in str(w.message) for w in caught)
     torch._dynamo.reset()
 

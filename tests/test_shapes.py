@@ -345,7 +345,7 @@ def test_a_function_that_falls_back_makes_no_family():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for n in (3, 4, 5):
-            x = torch.randn(n)
+            x = torch.randn(n, requires_grad=True)  # (a value without grad would be answered: decisions.py)
             assert_close(cf(x), f(x), f"size {n}")
     assert not cf._families
     assert sum("could not capture" in str(w.message) for w in caught) == 1

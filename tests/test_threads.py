@@ -122,7 +122,8 @@ def test_threads_under_a_fallback_agree_with_eager(fallback):
         return x.sin() if x.sum() > 0 else x.cos() * 2
 
     compiled = aotfuse.aot_function(f, fallback=fallback)
-    xs = [torch.randn(64) + (1 if i % 2 else -1) * 20 for i in range(THREADS)]
+    # (requiring grad: of an input without, decisions.py answers the branch)
+    xs = [(torch.randn(64) + (1 if i % 2 else -1) * 20).requires_grad_() for i in range(THREADS)]
     with pytest.warns(UserWarning, match="could not capture"):
         results = _in_threads(lambda i: [compiled(xs[i]) for _ in range(3)])
     for i, outs in enumerate(results):

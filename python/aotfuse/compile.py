@@ -27,7 +27,7 @@ from torch._functorch.aot_autograd import aot_function as _torch_aot_function
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
-from . import checkpoint, config, ddp, draws, shapes
+from . import checkpoint, config, ddp, decisions, draws, shapes
 from ._pytree import _holds_tensor, tree_flatten, tree_unflatten
 from .decompositions import LayoutRetry, conv_layout, default_decompositions, keep_layout, layout_class, upstream_fixes
 from .lower import BackendUnavailable, Lowered, UnsupportedError, lower, self_overlapping, separate_aliased_gradients
@@ -61,6 +61,9 @@ class _Record:
         self.recomputed: list[str] = []
         self.partition_failed = False
         self.undecided_draws = 0  # draws.decided_draws: `torch.rand(...) < p` a trace could not answer
+        # decisions.Decisions: what the trace read of its inputs' values (`.item()` of a mask), checked
+        # before each run; a call that answers otherwise runs another entry (_Entry.alternatives)
+        self.decisions: decisions.Decisions | None = None
         # draws.python_draws: the forward's Python and NumPy scalar draws, which each run makes again
         self.python_draws: list = []
         # the backward lowered at partition time: (its graph's _graph_key, the symbol values it was made
@@ -381,7 +384,7 @@ def _hashable(x: Any) -> bool:
 
 class _Entry:
     __slots__ = ("compiled", "tensor_idx", "record", "fallback", "fallback_target", "traced_fn", "module", "family",
-                 "member", "ready")
+                 "member", "ready", "alternatives")
 
     def __init__(self, compiled, tensor_idx, record, traced_fn=None, module=None):
         self.compiled = compiled
@@ -395,6 +398,8 @@ class _Entry:
         self.family: shapes.Family | None = None  # the shape family this signature traces (or joined)
         self.member = False  # joined a family: runs its programs, traced nothing itself
         self.ready = False  # its first run (under the compile lock) returned: other threads may run it
+        # decisions.check's outcome -> the entry traced for a call whose answers differ from this one's
+        self.alternatives: dict[tuple, _Entry] | None = None
 
 
 def _has_active_dropout(module: nn.Module | None) -> bool:
@@ -859,6 +864,8 @@ class CompiledFunction:
         self._warned_full = False
         self._warned_lazy = False
         self._dynamo_fn: Callable | None = None
+        self._decided = 0  # alternatives traced for other answers of decisions (_decide), against the limit
+        self._warned_decided = False
         self._last: _LastCall | None = None
         self.compile_count = 0
         # bumped as a first run (a trace) starts and ends, under the compile lock: functional_call swaps
@@ -914,6 +921,14 @@ class CompiledFunction:
                     self.last_entry = entry
                     return self._first_run(entry, leaves, tree, extra, key)
         self.last_entry = entry
+        if entry.fallback is None and entry.record.decisions is not None:
+            decided = self._decide(entry, leaves, spec, tree, extra)
+            if isinstance(decided, tuple):  # traced for this call's answers (or run eagerly) just now
+                return decided
+            if decided is not entry and decided.fallback is not None:
+                args, kwargs = tree  # (no entry: AOTModule's shortcut would send every call of the signature there)
+                return decided.fallback(*args, **kwargs), None
+            entry = self.last_entry = decided
         if entry.fallback is not None:
             args, kwargs = tree
             return entry.fallback(*args, **kwargs), entry
@@ -924,6 +939,56 @@ class CompiledFunction:
         if self.bw_compiler is None:
             _no_zero_gradients(outs)
         return self._rebuild(entry.record, outs, tensors), entry
+
+    def _decide(self, entry: _Entry, leaves: list, spec: tuple, tree: Any, extra: tuple) -> _Entry | tuple:
+        """The entry whose recorded decisions (decisions.py: `.item()` of a mask, say) this call's
+        tensors answer alike: `entry` or one of its alternatives; or (outputs, entry) of the first run
+        of a new alternative, traced for this call's answers ((outputs, None) where it fell back, or
+        where the alternatives reached the cache limit and the call ran eagerly)."""
+        tensors = [leaves[i] for i in entry.tensor_idx]
+        while entry.fallback is None and entry.record.decisions is not None:
+            outcome = decisions.check(entry.record.decisions, tensors)
+            if outcome is None:
+                return entry
+            alt = entry.alternatives.get(outcome) if entry.alternatives else None
+            if alt is None or not alt.ready:
+                with config.compile_lock():
+                    alt = entry.alternatives.get(outcome) if entry.alternatives else None
+                    if alt is None:
+                        return self._first_alternative(entry, outcome, leaves, spec, tree, extra)
+            entry = alt
+        return entry
+
+    def _first_alternative(self, entry: _Entry, outcome: tuple, leaves: list, spec: tuple, tree: Any,
+                           extra: tuple) -> tuple:
+        """_decide's new alternative (under the compile lock): traced and run for this call."""
+        limit = self.max_cache_size or config.cache_size()
+        if self._decided >= limit:
+            if not self._warned_decided:
+                warnings.warn(f"aotfuse: {self.name} has been traced for {limit} other answers of what it reads "
+                              f"of its inputs' values (decisions.py; the limit, AOTFUSE_CACHE_SIZE or "
+                              f"max_cache_size); calls answering otherwise again run eagerly", stacklevel=5)
+                self._warned_decided = True
+            args, kwargs = tree
+            self.last_entry = None
+            return self.fn(*args, **kwargs), None
+        config.emit("cache", f"{self.name}: {decisions.describe(entry.record.decisions, outcome)}: traced again for "
+                             f"this answer")
+        sync = extra[-1] if extra and isinstance(extra[-1], ddp.Sync) else None
+        shared = _storage_groups([leaves[i] for i in entry.tensor_idx], self.num_params_buffers)
+        alt = self._build_entry(sync, leaves, spec, entry.tensor_idx, entry.module, shared)
+        entry.alternatives = entry.alternatives or {}
+        entry.alternatives[outcome] = alt
+        self._decided += 1
+        self.compile_count += 1
+        self.last_entry = alt
+        try:
+            outs, ran = self._first_run(alt, leaves, tree, extra)
+        except BaseException:
+            del entry.alternatives[outcome]  # the next such call tries (and explains) again
+            self._decided -= 1
+            raise
+        return outs, (None if ran is not None and ran.fallback is not None else ran)
 
     def _initialize_lazy(self, tree: Any) -> Any:
         """A call over a lazy module's uninitialized parameters (LazyLinear sizes them at its first call;
@@ -1036,10 +1101,29 @@ class CompiledFunction:
                 self._warned_full = True
             return None
         config.memory_budget()  # a bad AOTFUSE_MEMORY_BUDGET is said before tracing, as what it is
+        entry = self._build_entry(key[-1] if key and isinstance(key[-1], ddp.Sync) else None, leaves, spec,
+                                  tensor_idx, module, shared)
+        if dims:  # (custom compilers make no families: traced_fn is [flat_fn])
+            record, compiled, traced_fn = entry.record, entry.compiled, entry.traced_fn
+            flat_fn = traced_fn[-1]
+            family = entry.family = shapes.Family(dims, [tuple(leaves[i].shape) for i in tensor_idx])
+            family.record = record
+            self._families[fkey] = family
+            entry.traced_fn = None  # the family's trace fuses attention itself
+            entry.compiled = functools.partial(self._trace_family, entry, compiled, traced_fn, flat_fn)
+        self._cache[key] = entry
+        self.compile_count += 1
+        config.emit("cache", f"{self.name}: compiling signature #{len(self._cache)}"
+                    + (f", a shape family with sizes symbolic in {dims}" if dims else ""))
+        return entry
+
+    def _build_entry(self, sync: ddp.Sync | None, leaves: list, spec: tuple, tensor_idx: list, module: nn.Module | None,
+                     shared: Any) -> _Entry:
+        """A new entry for this call's signature (or for another answer of its decisions): the function
+        AOTAutograd traces at its first run, with aotfuse's compilers and partitioner."""
         record = _Record()
         # the DDP sync AOTModule.forward put last in the key (its extra): this signature's alone, never a
         # function compiled during its call; only where the backward is lowered here
-        sync = key[-1] if key and isinstance(key[-1], ddp.Sync) else None
         record.ddp = sync if self.bw_compiler is None else None
         template = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         fn = self.fn
@@ -1058,10 +1142,12 @@ class CompiledFunction:
             before = [(t.shape, t.stride(), t.storage_offset()) for t in tensors]
             rng, drew = draws.python_rng_state(), False
             drawn, python_drawn = draws.decided_draws(), draws.python_draws()
+            decided = decisions.input_decisions(tensors, decisions.current_real() if config.decisions() else None)
+            record.decisions = None
             try:
                 with _ModuleStateGuard(module, tensors) as guard, _lstm_decomposed_plainly(), \
                         _parametrizations_uncached(), upstream_fixes(), _HookProbe(self.name, module) as hooks, \
-                        checkpoint.regions(), drawn, python_drawn:
+                        checkpoint.regions(), drawn, python_drawn, decided:
                     out = fn(*args, **kwargs)
             finally:  # a pass that fails for another reason gives the generators back too
                 record.undecided_draws = drawn.undecided
@@ -1072,6 +1158,7 @@ class CompiledFunction:
                 raise RandomStateError("the forward draws Python or NumPy random numbers (random.*, numpy.random.*), "
                                        "which a compiled graph would keep from this first call for every later one")
             record.python_draws = python_drawn.calls  # each pass makes the same; each run makes them again
+            record.decisions = decided.finish()  # answers from the inputs' values, checked at each call
             _refuse_restrided_offset_inputs(tensors, before)
             hooks.check()
             if guard.kept:
@@ -1107,18 +1194,7 @@ class CompiledFunction:
             inference_compiler=self.inference_compiler or (
                 functools.partial(ours, "inference") if self.fw_compiler is None else None),
         )
-        entry = _Entry(compiled, tensor_idx, record, traced_fn if self.fw_compiler is None else None, module)
-        if dims:
-            family = entry.family = shapes.Family(dims, [tuple(leaves[i].shape) for i in tensor_idx])
-            family.record = record
-            self._families[fkey] = family
-            entry.traced_fn = None  # the family's trace fuses attention itself
-            entry.compiled = functools.partial(self._trace_family, entry, compiled, traced_fn, flat_fn)
-        self._cache[key] = entry
-        self.compile_count += 1
-        config.emit("cache", f"{self.name}: compiling signature #{len(self._cache)}"
-                    + (f", a shape family with sizes symbolic in {dims}" if dims else ""))
-        return entry
+        return _Entry(compiled, tensor_idx, record, traced_fn if self.fw_compiler is None else None, module)
 
     def _trace_family(self, entry: _Entry, static: Callable, traced_fn: list, flat_fn: Callable, *tensors) -> Any:
         """The first call of a family (entry.compiled until it returns): traces flat_fn with the
@@ -1187,7 +1263,8 @@ class CompiledFunction:
             _dense_only(tensors)
             self.trace_gen += 1  # odd while tracing: the module's tensors are swapped for traced ones
             try:
-                with _tracing_flag(), _captures(), config.lazy_graph_modules(), _compiled_code_traced_through():
+                with _tracing_flag(), _captures(), config.lazy_graph_modules(), _compiled_code_traced_through(), \
+                        decisions.real_inputs(tensors):
                     if entry.traced_fn is not None:
                         _fuse_attention_first(entry, tensors, self.fuse_attention)
                     outs = self._traced_first(entry, tensors)
@@ -1244,8 +1321,9 @@ class CompiledFunction:
                     "`torch.rand([]) < p` with 0 < p < 1), so each call may take another branch: fallback='dynamo' "
                     "draws and branches at every call, or a probability of 0 (no LayerDrop) makes it one graph"
                     if entry.record.undecided_draws and "DataDependent" in reason
-                    else "data-dependent control flow, an op AOTAutograd cannot trace, or an error the function "
-                         "raises uncompiled too: AOTFUSE_DISABLE=1 runs it uncompiled")
+                    else "data-dependent control flow (on values that require grad: questions about inputs "
+                         "that do not, masks and ids, are answered and guarded), an op AOTAutograd cannot trace, or "
+                         "an error the function raises uncompiled too: AOTFUSE_DISABLE=1 runs it uncompiled")
             raise CaptureError(
                 f"aotfuse could not capture {self.name} ({hint}).\nCause: {reason}\nWays out: "
                 f"torch.compile(model, backend='aotfuse') splits the graph around what cannot be captured; "
@@ -1320,10 +1398,17 @@ class CompiledFunction:
         self._last = None
         self.module_fallback = None
         self._warned_full = False
+        self._decided, self._warned_decided = 0, False
 
     @property
     def records(self) -> list[_Record]:
-        return list({id(e.record): e.record for e in self._cache.values() if e.fallback is None}.values())
+        entries, seen = list(self._cache.values()), {}
+        while entries:  # with the alternatives traced for other answers of their decisions
+            e = entries.pop(0)
+            if e.fallback is None:
+                seen.setdefault(id(e.record), e.record)
+            entries.extend((e.alternatives or {}).values())
+        return list(seen.values())
 
 
 def aot_function(fn: Callable, fw_compiler: Callable | None = None, bw_compiler: Callable | None = None,

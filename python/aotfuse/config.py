@@ -354,6 +354,14 @@ def checkpoint_regions() -> bool:
     return switch("AOTFUSE_CHECKPOINT_REGIONS", True)
 
 
+def decisions() -> bool:
+    """AOTFUSE_DECISIONS: a traced forward's questions about its inputs' values (`.item()` of an
+    attention mask, an assert on the ids) answered from those values and guarded at each call
+    (default 1, decisions.py); 0: such a forward is not captured whole (CaptureError, or the
+    fallback), as before 2026-12-07."""
+    return switch("AOTFUSE_DECISIONS", True)
+
+
 def fuse_attention() -> str:
     """AOTFUSE_FUSE_ATTENTION: "auto" (default), "1" (also CPU attention with dropout or in bf16), "0" (never)."""
     return _mode("AOTFUSE_FUSE_ATTENTION", {"force": "1"})

@@ -1,0 +1,430 @@
+"""Decisions a traced forward takes on its inputs' values: answered while tracing, guarded after.
+
+A forward may read a value of its inputs as a Python number and branch on it: Longformer and LED
+ask `is_index_global_attn.flatten().any().item()` of the attention mask to choose their global
+attention path; XLM and Flaubert `assert lengths.max().item() <= slen` of the input ids. A trace
+cannot answer such a question (the value is data: DataDependentOutputException), so these models
+were not captured whole (the fallbacks split them, Dynamo putting a guard at a graph break).
+
+While a pass traces, `input_decisions` computes the forward's torch calls over the call's tensors
+that do not require grad (ids, masks, labels, frozen buffers) a second time, on their real values:
+every call whose tensor arguments all have such a "shadow" (and the deterministic factories:
+ones, arange, full, ...) is recorded as a step and run for real beside the trace. A question asked
+of a shadowed tensor (`.item()`, `bool()`, `int()`, `float()`, `torch.equal`,
+`x in t`, ...) is answered from its shadow, and the answer becomes a guard: `check` replays the
+steps the answers need on each later call's tensors before the compiled program runs, and a call
+whose answer differs takes another program, traced for it (compile.py, `_Entry.alternatives`).
+
+`.item()` of a number gives a `DecidedNumber`: comparing it with a Python number answers and
+guards only the comparison's truth (`lengths.max().item() <= slen` holds for every batch that
+fits), any other use (arithmetic, a size, `int()`, `range()`) specializes on the exact value.
+Tensors that require grad (parameters, activations) get no shadow: a question about them stays a
+capture error, as do data-dependent shapes (`nonzero`, boolean indexing). Random ops get no
+shadow (running them twice would move the generator), nor matmuls, convolutions, attention and
+embeddings (a guard's steps should be cheap: masks and ids, not a frozen model's activations); a write into a tensor that shares the
+caller's storage, or into a shadowed tensor from values without shadows, ends the shadows for the
+pass; symbolic sizes (a shape family's trace) make none. The fallbacks remain for the rest.
+"""
+from __future__ import annotations
+
+import contextlib
+import operator
+import threading
+from typing import Any, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+__all__ = ["input_decisions", "real_inputs", "check", "describe", "DecidedNumber", "Decisions"]
+
+_TB = torch._C.TensorBase
+_local = threading.local()
+_MAX_NUMEL = 1 << 24  # a shadow larger than this (16M elements) is not kept: the questions are of masks and ids
+_RANDOM = ("rand", "bernoulli", "dropout", "multinomial", "normal", "poisson", "exponential", "cauchy",
+           "geometric", "uniform", "empty", "rrelu", "gumbel", "seed", "shuffle")
+# compute-heavy ops get no shadow: a guard replays its steps at every call, and a question about what
+# they make (activations of frozen weights) is one about the model, not about its inputs
+_HEAVY = ("linear", "matmul", "mm", "einsum", "conv", "attention", "embedding", "lstm", "gru", "rnn", "tensordot")
+_FACTORIES = {torch.ones, torch.zeros, torch.full, torch.arange, torch.tensor, torch.as_tensor, torch.eye,
+              torch.linspace, torch.logspace, torch.scalar_tensor, torch.tril_indices, torch.triu_indices}
+# functions that read a tensor's values into a Python value (a fake tensor refuses them)
+_QUESTIONS = {_TB.item, _TB.tolist, _TB.__bool__, _TB.__int__, _TB.__float__, _TB.__index__, _TB.equal,
+              _TB.allclose, _TB.is_nonzero, torch.equal, torch.allclose, torch.is_nonzero, torch.Tensor.__contains__}
+_OPS = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge, "eq": operator.eq,
+        "ne": operator.ne}
+_SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+@contextlib.contextmanager
+def real_inputs(tensors: list) -> Iterator[None]:
+    """While a signature's first call traces (compile.py, _first_run): the call's own tensors, which
+    the passes' input_decisions compute shadows from."""
+    before = getattr(_local, "real", None)
+    _local.real = tensors
+    try:
+        yield
+    finally:
+        _local.real = before
+
+
+def current_real() -> list | None:
+    return getattr(_local, "real", None)
+
+
+@contextlib.contextmanager
+def _plain() -> Iterator[None]:
+    """Real computation inside a trace: no dispatch modes (fake, proxy, functional), no torch
+    function modes, no autograd."""
+    with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.no_grad():
+        yield
+
+
+class _Slot:
+    """A tensor of the recorded steps: the call's input `i` (slot < number of inputs) or a result."""
+    __slots__ = ("i",)
+
+    def __init__(self, i: int):
+        self.i = i
+
+
+class _Step:
+    __slots__ = ("func", "leaves", "spec", "outs", "question", "decisions", "reads", "target", "flat")
+
+    def __init__(self, func, leaves: list, spec, outs: list, question: bool, target: int | None):
+        self.func, self.leaves, self.spec, self.outs = func, leaves, spec, outs
+        args, kwargs = tree_unflatten(leaves, spec)
+        top = sum(isinstance(x, _Slot) for x in (*args, *kwargs.values()))
+        # (args, kwargs) with the slots at the top level, for check() to fill without the pytree walk
+        self.flat = (list(args), dict(kwargs)) if top == sum(isinstance(x, _Slot) for x in leaves) else None
+        self.question = question  # its result is a Python value the decisions below read
+        self.decisions: list[tuple[int, str, Any, Any]] = []  # (index, op, operand, expected)
+        self.reads = [x.i for x in leaves if isinstance(x, _Slot)]
+        self.target = target  # the slot an in-place step writes, or None
+
+
+class Decisions:
+    """A pass's guards: the steps to replay over a call's tensors, and what each answer must be."""
+
+    def __init__(self, inputs: dict[int, int], steps: list[_Step], count: int):
+        self.inputs = inputs  # slot -> index among the compiled function's tensors
+        self.steps = steps
+        self.count = count
+
+    def __repr__(self) -> str:
+        return f"Decisions({self.count} answers over {len(self.steps)} steps)"
+
+
+def _name(func: Any) -> str:
+    return getattr(func, "__name__", "") or ""
+
+
+def _hashable(v: Any) -> Any:
+    return tuple(_hashable(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
+class DecidedNumber:
+    """`.item()` of a shadowed tensor holding a number: comparisons with Python numbers answer and
+    guard their truth; every other use guards the exact value (module docstring)."""
+
+    __slots__ = ("_mode", "_step", "value")
+
+    def __init__(self, mode: "input_decisions", step: _Step, value: int | float):
+        self._mode, self._step, self.value = mode, step, value
+
+    def exact(self) -> int | float:
+        self._mode.decide(self._step, "eq", None, self.value)
+        return self.value
+
+    def _cmp(self, op: str, other: Any) -> Any:
+        if isinstance(other, DecidedNumber):
+            other = other.exact()
+        if isinstance(other, bool) or not isinstance(other, (int, float)):
+            return _OPS[op](self.exact(), other)
+        truth = _OPS[op](self.value, other)
+        self._mode.decide(self._step, op, other, truth)
+        return truth
+
+    def __lt__(self, o): return self._cmp("lt", o)  # noqa: E704
+    def __le__(self, o): return self._cmp("le", o)  # noqa: E704
+    def __gt__(self, o): return self._cmp("gt", o)  # noqa: E704
+    def __ge__(self, o): return self._cmp("ge", o)  # noqa: E704
+    def __eq__(self, o): return self._cmp("eq", o)  # noqa: E704
+    def __ne__(self, o): return self._cmp("ne", o)  # noqa: E704
+    def __bool__(self): return self._cmp("ne", 0)  # noqa: E704
+    def __hash__(self): return hash(self.exact())  # noqa: E704
+    def __int__(self): return int(self.exact())  # noqa: E704
+    def __float__(self): return float(self.exact())  # noqa: E704
+    def __index__(self): return operator.index(self.exact())  # noqa: E704
+    def __repr__(self): return repr(self.exact())  # noqa: E704
+    def __str__(self): return str(self.exact())  # noqa: E704
+    def __format__(self, spec): return format(self.exact(), spec)  # noqa: E704
+    def __neg__(self): return -self.exact()  # noqa: E704
+    def __pos__(self): return +self.exact()  # noqa: E704
+    def __abs__(self): return abs(self.exact())  # noqa: E704
+    def __round__(self, n=None): return round(self.exact(), n)  # noqa: E704
+
+
+def _binary(name: str, reflected: bool = False):
+    op = getattr(operator, name)
+
+    def method(self: DecidedNumber, other: Any) -> Any:
+        if isinstance(other, DecidedNumber):
+            other = other.exact()
+        return op(other, self.exact()) if reflected else op(self.exact(), other)
+    return method
+
+
+for _n in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "and_", "or_", "xor", "lshift", "rshift"):
+    _dunder = _n.rstrip("_")
+    setattr(DecidedNumber, f"__{_dunder}__", _binary(_n))
+    setattr(DecidedNumber, f"__r{_dunder}__", _binary(_n, reflected=True))
+
+
+class input_decisions(TorchFunctionMode):
+    """One tracing pass's shadows, steps and answers (module docstring). `finish()` gives the
+    pass's Decisions (None when it answered nothing)."""
+
+    def __init__(self, traced: list | tuple, real: list | None):
+        super().__init__()
+        # (symbolic sizes first: comparing one with a number would pin it)
+        self.active = (real is not None and len(real) == len(traced)
+                       and not any(isinstance(s, torch.SymInt) for t in traced for s in t.shape)
+                       and all(isinstance(r, torch.Tensor) and tuple(t.shape) == tuple(r.shape)
+                               for t, r in zip(traced, real)))
+        self.shadow: dict[int, int] = {}  # id(traced tensor) -> slot
+        self.keep: list = []  # the traced tensors the ids above name (so that no id is reused meanwhile)
+        self.values: list[torch.Tensor] = []  # slot -> its real tensor, this pass only
+        self.storages: list[int] = []  # slot -> its storage's address
+        self.steps: list[_Step] = []
+        self.inputs: dict[int, int] = {}
+        self.count = 0
+        self.input_storages: set[int] = set()
+        if not self.active:
+            return
+        for i, (t, r) in enumerate(zip(traced, real)):
+            if r.layout is not torch.strided or r.is_nested:
+                continue
+            self.input_storages.add(_storage(r))
+            if not r.requires_grad and r.numel() <= _MAX_NUMEL:
+                self.inputs[self._new_slot(t, r)] = i
+
+    def _new_slot(self, traced: torch.Tensor, real: torch.Tensor) -> int:
+        slot = len(self.values)
+        self.values.append(real)
+        self.storages.append(_storage(real))
+        self.shadow[id(traced)] = slot
+        self.keep.append(traced)
+        return slot
+
+    def decide(self, step: _Step, op: str, operand: Any, expected: Any) -> None:
+        d = (self.count, op, operand, _hashable(expected))
+        if not any(x[1:] == d[1:] for x in step.decisions):
+            step.decisions.append(d)
+            self.count += 1
+
+    def finish(self) -> Decisions | None:
+        if not self.count:
+            return None
+        return Decisions(self.inputs, _needed(self.steps, self.storages), self.count)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.active:
+            return func(*args, **kwargs)
+        shadow = self.shadow
+        top = (*args, *kwargs.values())
+        if any(isinstance(a, torch.Tensor) and id(a) not in shadow for a in top) and \
+                not any(type(a) is DecidedNumber for a in top):
+            # (the common case, an activation: no pytree walk) a call with a tensor without shadow
+            out = func(*args, **kwargs)
+            if (args and isinstance(args[0], torch.Tensor) and id(args[0]) in shadow or "out" in kwargs) and \
+                    any(id(t) in shadow for t in _written(func, args, kwargs)):
+                self.active = False  # a shadowed tensor written from values without shadows: its shadow is stale
+            return out
+        leaves, spec = tree_flatten((args, kwargs))
+        if any(isinstance(x, DecidedNumber) for x in leaves):  # a decided number used as an argument
+            leaves = [x.exact() if isinstance(x, DecidedNumber) else x for x in leaves]
+            args, kwargs = tree_unflatten(leaves, spec)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        shadowed = bool(tensors) and all(id(t) in self.shadow for t in tensors)
+        if shadowed and func in _QUESTIONS:
+            answered = self._answer(func, leaves, spec)
+            if answered is not None:
+                return answered[0]
+        try:
+            out = func(*args, **kwargs)
+        except Exception as e:
+            if not shadowed or "DataDependent" not in type(e).__name__:
+                raise
+            # a 0-d tensor where a number goes (Funnel's `torch.arange(max_dist, min_dist - 1, ...)`):
+            # its value, guarded exactly
+            leaves = self._as_numbers(leaves, spec, e)
+            args, kwargs = tree_unflatten(leaves, spec)
+            out = func(*args, **kwargs)
+        if shadowed or (not tensors and func in _FACTORIES):
+            self._shadow(func, leaves, spec, out)
+        elif tensors and any(id(t) in self.shadow for t in _written(func, args, kwargs)):
+            self.active = False  # a shadowed tensor written from values without shadows: its shadow is stale
+        return out
+
+    def _real(self, leaves: list, spec) -> tuple:
+        real = [self.values[self.shadow[id(x)]] if isinstance(x, torch.Tensor) else x for x in leaves]
+        return tree_unflatten(real, spec)
+
+    def _template(self, leaves: list) -> list:
+        return [_Slot(self.shadow[id(x)]) if isinstance(x, torch.Tensor) else x for x in leaves]
+
+    def _answer(self, func, leaves: list, spec) -> tuple | None:
+        """(the answer,) of a question about shadowed tensors, or None (the trace asks it: an error)."""
+        if any(isinstance(x, _SYM) for x in leaves):
+            return None
+        try:
+            with _plain():
+                a, k = self._real(leaves, spec)
+                value = func(*a, **k)
+        except Exception:  # noqa: BLE001 - the traced call raises what it raises
+            return None
+        step = _Step(func, self._template(leaves), spec, [], True, None)
+        self.steps.append(step)
+        if func is _TB.item and not isinstance(value, bool):
+            return (DecidedNumber(self, step, value),)
+        self.decide(step, "eq", None, value)
+        return (value,)
+
+    def _as_numbers(self, leaves: list, spec, error: Exception) -> list:
+        """leaves with each shadowed 0-d tensor replaced by its value (an exact decision), or `error`
+        raised where there is none. Only where the traced call needed a value: ATen converts such a
+        tensor to that Scalar itself."""
+        out, swapped = [], False
+        for x in leaves:
+            if isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_complex():
+                answered = self._answer(_TB.item, [x], tree_flatten(((x,), {}))[1])
+                if answered is None:
+                    raise error
+                x, swapped = answered[0].exact() if isinstance(answered[0], DecidedNumber) else answered[0], True
+            out.append(x)
+        if not swapped:
+            raise error
+        return out
+
+    def _shadow(self, func, leaves: list, spec, out: Any) -> None:
+        name = _name(func).lower()
+        written = _written(func, *tree_unflatten(leaves, spec))
+        if any(r in name for r in _RANDOM + _HEAVY) or any(isinstance(x, _SYM) for x in leaves):
+            if written:
+                self.active = False  # a shadowed tensor written with values no shadow has
+            return
+        outs = tree_flatten(out)[0]
+        if not written and not any(isinstance(o, torch.Tensor) for o in outs):
+            return  # metadata (sizes, dtypes): the signature fixes it
+        target = self.shadow.get(id(written[0])) if written else None
+        if written and (target is None or self.storages[target] in self.input_storages):
+            self.active = False  # a replay would write the caller's tensor
+            return
+        try:
+            with _plain():
+                a, k = self._real(leaves, spec)
+                real = func(*a, **k)
+        except Exception:  # noqa: BLE001 - no shadow for its results
+            if written:
+                self.active = False  # a failed write: the shadow's state is unknown
+            return
+        reals = tree_flatten(real)[0]
+        if len(reals) != len(outs) or any(isinstance(o, torch.Tensor) != isinstance(r, torch.Tensor)
+                                          for o, r in zip(outs, reals)):
+            return
+        template = self._template(leaves)  # before the outputs' slots: an in-place op returns its argument
+        slots = []
+        for o, r in zip(outs, reals):
+            if isinstance(o, torch.Tensor) and r.numel() <= _MAX_NUMEL and tuple(o.shape) == tuple(r.shape):
+                slots.append(self._new_slot(o, r))
+            else:
+                slots.append(None)
+                if isinstance(o, torch.Tensor):
+                    self.shadow.pop(id(o), None)
+        self.steps.append(_Step(func, template, spec, slots, False, target))
+
+
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr() or id(t)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return id(t)
+
+
+def _written(func, args: tuple, kwargs: dict) -> list:
+    """The tensors a call writes in place: its first argument for `x.op_(...)` and `x[i] = v`, and
+    its `out=`."""
+    out = kwargs.get("out")
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [o for o in out if isinstance(o, torch.Tensor)]
+    name = _name(func)
+    inplace = name == "__setitem__" or (name.startswith("__i") and name.endswith("__")) or (
+        name.endswith("_") and not name.endswith("__"))
+    return [args[0]] if inplace and args and isinstance(args[0], torch.Tensor) else []
+
+
+def _needed(steps: list[_Step], storages: list[int]) -> list[_Step]:
+    """The steps the answers need, in order: those making a tensor a later kept step reads, and the
+    in-place ones writing a storage such a tensor lives in."""
+    needed: set[int] = set()
+    kept = []
+    for step in reversed(steps):
+        if step.question:
+            keep = bool(step.decisions)
+        else:
+            live = {storages[s] for s in needed}
+            keep = any(s is not None and s in needed for s in step.outs) or (
+                step.target is not None and storages[step.target] in live)
+        if keep:
+            kept.append(step)
+            needed.update(step.reads)
+    kept.reverse()
+    return kept
+
+
+def check(decisions: Decisions, tensors: list) -> tuple | None:
+    """None where this call's tensors give every recorded answer; else (index, the answer they give)
+    of the first that differs ("error", message) where a step raises: the key of another program."""
+    values = {slot: tensors[i] for slot, i in decisions.inputs.items()}
+    try:
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            for step in decisions.steps:
+                if step.flat is not None:
+                    a = [values[x.i] if type(x) is _Slot else x for x in step.flat[0]]
+                    k = {n: values[x.i] if type(x) is _Slot else x for n, x in step.flat[1].items()}
+                else:
+                    a, k = tree_unflatten([values[x.i] if isinstance(x, _Slot) else x for x in step.leaves], step.spec)
+                out = step.func(*a, **k)
+                if step.question:
+                    for index, op, operand, expected in step.decisions:
+                        got = _hashable(out) if op == "eq" and operand is None else _OPS[op](out, operand)
+                        if got != expected:
+                            return (index, got)
+                    continue
+                if len(step.outs) == 1 and isinstance(out, torch.Tensor):
+                    if step.outs[0] is not None:
+                        values[step.outs[0]] = out
+                    continue
+                for o, slot in zip(tree_flatten(out)[0], step.outs):
+                    if slot is not None:
+                        values[slot] = o
+    except Exception as e:  # noqa: BLE001 - a program traced for this call will say what fails
+        return ("error", f"{type(e).__name__}: {e}")
+    return None
+
+
+def describe(decisions: Decisions, outcome: tuple) -> str:
+    """One line for AOTFUSE_LOG=cache: which answer differed and how."""
+    if outcome[0] == "error":
+        return f"replaying the steps failed ({outcome[1]})"
+    for step in decisions.steps:
+        for index, op, operand, expected in step.decisions:
+            if index == outcome[0]:
+                what = f"{_name(step.func)}()" + ("" if operand is None else f" {op} {operand!r}")
+                return f"{what} was {expected!r}, is {outcome[1]!r}"
+    return repr(outcome)

@@ -1,0 +1,230 @@
+"""aotfuse/decisions.py: what a traced forward reads of its inputs' values (`.item()` of a mask, an
+assert on the ids, `bool()` of a buffer) answered from the call's tensors while tracing and guarded
+at every later call: a call answering otherwise runs a program traced for its answer."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import aotfuse
+from aotfuse import decisions
+
+
+def _agree(compiled, fn, *args):
+    """compiled(*args) and fn(*args): the same outputs, and the same gradient of x (args[0])."""
+    x = args[0]
+    got, want = compiled(*args), fn(*args)
+    torch.testing.assert_close(got, want)
+    if x.requires_grad:
+        g, = torch.autograd.grad(got.sum(), x)
+        w, = torch.autograd.grad(want.sum(), x)
+        torch.testing.assert_close(g, w)
+
+
+def _masks():
+    none = torch.zeros(3, 5, dtype=torch.long)
+    one = none.clone()
+    one[1, 2] = 1
+    return none, one
+
+
+def test_a_branch_on_a_masks_item_is_traced_once_per_answer():
+    def f(x, mask):
+        if mask.flatten().any().item():
+            return (x * 2).sin()
+        return (x + 1).cos()
+
+    compiled = aotfuse.aot_function(f)
+    x = torch.randn(3, 5, requires_grad=True)
+    none, one = _masks()
+    for mask in (none, one, none, one, one.clone(), none.clone()):
+        _agree(compiled, f, x, mask)
+    assert compiled.compile_count == 2  # one program per answer, none traced again
+    (rec,) = [r for r in compiled.records if r.decisions is not None and r.decisions.count == 1][:1]
+    assert decisions.describe(rec.decisions, (0, True)).startswith("item() was ")
+
+
+def test_a_comparison_guards_its_truth_not_the_value():
+    """`assert lengths.max().item() <= slen` (XLM, Flaubert): every batch that fits runs one program."""
+    def f(x, ids):
+        lengths = (ids != 0).sum(dim=1)
+        assert lengths.max().item() <= ids.shape[1]
+        if lengths.min().item() > 2:
+            return x * lengths[:, None]
+        return x - lengths[:, None]
+
+    compiled = aotfuse.aot_function(f)
+    x = torch.randn(2, 4, requires_grad=True)
+    ids = [torch.tensor([[1, 2, 3, 4], [5, 6, 7, 0]]), torch.tensor([[1, 2, 3, 0], [5, 6, 7, 8]]),
+           torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])]
+    for i in ids:
+        _agree(compiled, f, x, i)
+    assert compiled.compile_count == 1  # max 4 and 3, min 3 and 4: the same truths
+    short = torch.tensor([[1, 0, 0, 0], [5, 6, 7, 8]])  # min 1: the second comparison answers False
+    _agree(compiled, f, x, short)
+    assert compiled.compile_count == 2
+
+
+def test_other_uses_of_a_number_guard_its_exact_value():
+    def f(x, mask):
+        n = mask.sum().item()
+        return x[:, :n] * (n + 1)  # a size (__index__) and arithmetic
+
+    compiled = aotfuse.aot_function(f)
+    x = torch.randn(2, 6, requires_grad=True)
+    m3, m4 = torch.tensor([1, 1, 1, 0, 0, 0]), torch.tensor([1, 1, 1, 1, 0, 0])
+    for m in (m3, m4, m3, m4):
+        _agree(compiled, f, x, m)
+    assert compiled.compile_count == 2
+
+
+@pytest.mark.parametrize("ask", ["bool", "equal", "contains", "float"])
+def test_other_questions_are_answered_and_guarded(ask):
+    def f(x, t):
+        if ask == "bool":
+            yes = bool(t.any())
+        elif ask == "equal":
+            yes = torch.equal(t, torch.ones_like(t))
+        elif ask == "contains":
+            yes = 1 in t
+        else:
+            yes = float(t.sum()) > 0.5
+        return x * 3 if yes else x / 3
+
+    compiled = aotfuse.aot_function(f)
+    x = torch.randn(4, requires_grad=True)
+    a, b = torch.ones(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)
+    for t in (a, b, a, b):
+        _agree(compiled, f, x, t)
+    assert compiled.compile_count == 2
+
+
+def test_a_write_into_a_fresh_tensor_is_replayed():
+    """The steps a guard replays include in-place writes into tensors the forward made (a mask
+    copy with its first column cleared): the answer is the one eager computes."""
+    def f(x, mask):
+        m = mask.clone()
+        m[:, 0] = 0
+        return x.exp() if m.any().item() else x.tanh()
+
+    compiled = aotfuse.aot_function(f)
+    x = torch.randn(2, 3, requires_grad=True)
+    first_only = torch.tensor([[1, 0, 0], [1, 0, 0]])  # all cleared: False
+    later = torch.tensor([[1, 0, 1], [0, 0, 0]])  # True
+    for m in (first_only, later, first_only, later):
+        _agree(compiled, f, x, m)
+    assert compiled.compile_count == 2
+    assert first_only[:, 0].tolist() == [1, 1]  # the caller's mask is not written by the replay
+
+
+def test_a_modules_buffer_is_asked_again_at_each_call():
+    class Switchable(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("on", torch.tensor(1))
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y.relu() if self.on.item() else y.sigmoid()
+
+    torch.manual_seed(0)
+    model = Switchable()
+    compiled = aotfuse.memory_efficient_fusion(model)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(compiled(x), model(x))
+    model.on.fill_(0)  # the caller changes the buffer in place: the guard reads it again
+    torch.testing.assert_close(compiled(x), model(x))
+    compiled(x).sum().backward()
+    assert model.lin.weight.grad is not None
+    assert compiled._aotfuse_compiled.compile_count == 2
+
+
+def test_values_that_require_grad_random_draws_and_writes_into_inputs_are_not_answered():
+    def on_activation(x, mask):
+        return x * 2 if (x * mask).sum().item() > 0 else x
+
+    def on_a_draw(x, mask):
+        return x * 2 if (torch.rand(3) + mask).sum().item() > 1 else x
+
+    def after_writing_the_input(x, mask):
+        mask[0] = 1
+        return x * 2 if mask.any().item() else x
+
+    x, mask = torch.randn(3, requires_grad=True), torch.zeros(3)
+    for f in (on_activation, on_a_draw, after_writing_the_input):
+        rng = torch.get_rng_state()
+        with pytest.raises(aotfuse.CaptureError, match="DataDependentOutputException"):
+            aotfuse.aot_function(f)(x, mask.clone())
+        assert torch.equal(torch.get_rng_state(), rng), f.__name__  # no draw made twice
+
+
+def test_switched_off_a_question_is_a_capture_error(monkeypatch):
+    monkeypatch.setenv("AOTFUSE_DECISIONS", "0")
+
+    def f(x, mask):
+        return x * 2 if mask.any().item() else x
+
+    with pytest.raises(aotfuse.CaptureError, match="_local_scalar_dense"):
+        aotfuse.aot_function(f)(torch.randn(3, requires_grad=True), torch.ones(3))
+
+
+def test_answers_past_the_cache_limit_run_eagerly_with_one_warning():
+    def f(x, mask):
+        return x * mask.sum().item()
+
+    compiled = aotfuse.aot_function(f, max_cache_size=2)
+    x = torch.randn(6, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (1, 2, 3, 4, 5):  # five sums
+            _agree(compiled, f, x, torch.arange(6) < n)
+    said = [str(w.message) for w in caught if "other answers" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    assert compiled.compile_count == 3  # the first, and two other answers (the limit)
+
+
+def test_a_shape_family_with_a_question_traces_each_shape_on_its_own():
+    """Symbolic sizes make no shadows (a replay would need the sizes): the family's trace fails at
+    the question and each shape is traced on its own, with its guards."""
+    def f(x, mask):
+        return x.sin() if mask.all().item() else x.cos()
+
+    compiled = aotfuse.aot_function(f, dynamic=True)
+    for n in (4, 6, 6, 8):
+        x = torch.randn(n, requires_grad=True)
+        _agree(compiled, f, x, torch.ones(n, dtype=torch.bool))
+        _agree(compiled, f, x, torch.arange(n) < 2)
+    assert compiled.compile_count == 6  # 3 shapes x 2 answers
+
+
+def test_under_torch_compile_dynamo_still_splits():
+    """torch.compile(backend="aotfuse") is unchanged: Dynamo breaks the graph at the .item()."""
+    def f(x, mask):
+        return x * 2 if mask.any().item() else x - 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aotfuse")
+    x = torch.randn(3, requires_grad=True)
+    for m in (torch.zeros(3), torch.ones(3)):
+        _agree(compiled, f, x, m)
+    torch._dynamo.reset()
+
+
+def test_a_0d_tensor_where_a_number_goes_is_its_guarded_value():
+    """Funnel's `torch.arange(max_dist, min_dist - 1, -stride)` of 0-d tensors made from positions:
+    ATen reads their values, so the trace takes them (exactly guarded) where it had to."""
+    def f(x, mask):
+        count = mask.sum()
+        idx = torch.arange(count - 1, -1, -1, dtype=torch.long)  # the first `count` columns, reversed
+        return x[:, idx] * 2
+
+    compiled = aotfuse.aot_function(f)
+    x = torch.randn(2, 5, requires_grad=True)
+    three, three_too, four = torch.tensor([1, 1, 1, 0, 0]), torch.tensor([0, 1, 1, 1, 0]), torch.tensor([1, 1, 1, 1, 0])
+    for m in (three, three_too, four, three):
+        _agree(compiled, f, x, m)
+    assert compiled.compile_count == 2
