@@ -9,7 +9,8 @@ needed).
 
     python benchmarks/compile_time.py [--models AlbertForMaskedLM,...] [--size host] [--out FILE.md]
 
-To compare two builds, run it once with each on PYTHONPATH.
+To compare two builds, run it once with each on PYTHONPATH. --models also takes the models of
+benchmarks/families.py by their names there (`flaubert`, `llama`, ...), at that script's one size.
 
 With --lengths L1,L2,...: what each new sequence length costs (batches padded to their longest
 example bring one per length). One fresh process per run, empty cache, steps at the model's own
@@ -77,7 +78,13 @@ def child(model: str, size: str, nvrtc: bool, lengths: list[int] | None = None) 
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    m, inputs, _ = bench.build_model(model, size, torch.float32, "cpu")
+    if model in bench.MODELS:
+        m, inputs, _ = bench.build_model(model, size, torch.float32, "cpu")
+    else:  # a model of benchmarks/families.py (its one size; --size does not apply)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import families
+
+        m, inputs = families.build(model, torch.float32)
     call = bench._make("aotfuse", m, fallback="dynamo" if model == "LongformerForMaskedLM" else None)
     t = time.perf_counter()
     call(**inputs).loss.backward()
@@ -147,7 +154,11 @@ def new_lengths(args) -> None:
 
     var, _, value = args.off.partition("=")
     settings = (("default", {}), ("off", {var: value}))
-    lines = [f"# A new sequence length's first step, {args.size} size ({datetime.date.today()})", "",
+    from aotfuse import bench
+
+    size = f"{args.size} size" if all(m in bench.MODELS for m in args.models.split(",")) else \
+        "benchmarks/families.py's size"
+    lines = [f"# A new sequence length's first step, {size} ({datetime.date.today()})", "",
              f"machine: {platform.machine()} {platform.processor()} | {os.cpu_count()} CPUs | AOTFUSE_JIT_JOBS={os.environ.get('AOTFUSE_JIT_JOBS', 'unset')} | torch {torch.__version__} | "
              f"1 thread | aotfuse from {os.path.dirname(aotfuse.__file__)} | `python benchmarks/compile_time.py "
              f"--models {args.models} --size {args.size} --lengths {args.lengths} --repeats {args.repeats} --off {args.off}`", "",

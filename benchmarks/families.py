@@ -72,6 +72,9 @@ def _configs() -> dict:
         "deberta-v2": _text(tf.DebertaV2Config, tf.DebertaV2ForMaskedLM, vocab_size=VOCAB, hidden_size=H,
                             num_hidden_layers=LAYERS, num_attention_heads=HEADS, intermediate_size=4 * H,
                             max_position_embeddings=256),
+        # asks `lengths.max().item() <= slen` of its ids (answered and guarded: aotfuse/decisions.py)
+        "flaubert": _text(tf.FlaubertConfig, tf.FlaubertWithLMHeadModel, vocab_size=VOCAB, emb_dim=H, n_layers=LAYERS,
+                          n_heads=HEADS, max_position_embeddings=256),
         "t5": _text(tf.T5Config, tf.T5ForConditionalGeneration, vocab_size=VOCAB, d_model=H, d_kv=H // HEADS,
                     d_ff=4 * H, num_layers=LAYERS, num_heads=HEADS, decoder_start_token_id=0),
         "bart": _text(tf.BartConfig, tf.BartForConditionalGeneration, vocab_size=VOCAB, d_model=H,

@@ -187,18 +187,60 @@ def test_answers_past_the_cache_limit_run_eagerly_with_one_warning():
     assert compiled.compile_count == 3  # the first, and two other answers (the limit)
 
 
-def test_a_shape_family_with_a_question_traces_each_shape_on_its_own():
-    """Symbolic sizes make no shadows (a replay would need the sizes): the family's trace fails at
-    the question and each shape is traced on its own, with its guards."""
+def _family_records(compiled):
+    return [r for r in compiled.records if r.decisions is not None and r.decisions.sizes is not None]
+
+
+def test_a_shape_family_answers_questions_and_each_shape_is_guarded():
+    """A family's symbolic trace answers a question as a traced-alone shape would; each later shape
+    runs the family's programs only where its own call answers alike (its first call included),
+    and another answer gets a program traced for that shape."""
     def f(x, mask):
         return x.sin() if mask.all().item() else x.cos()
 
     compiled = aotfuse.aot_function(f, dynamic=True)
-    for n in (4, 6, 6, 8):
+    for n, first_all in ((4, True), (6, True), (6, True), (8, False), (10, True)):
         x = torch.randn(n, requires_grad=True)
-        _agree(compiled, f, x, torch.ones(n, dtype=torch.bool))
-        _agree(compiled, f, x, torch.arange(n) < 2)
-    assert compiled.compile_count == 6  # 3 shapes x 2 answers
+        every, some = torch.ones(n, dtype=torch.bool), torch.arange(n) < 2
+        for mask in ((every, some) if first_all else (some, every)):
+            _agree(compiled, f, x, mask)
+    # the family (at 4), and for the other answer one program at each of 4, 6, 8 and 10
+    assert compiled.compile_count == 5
+    (family,) = compiled._families.values()
+    assert not family.failed and family.record.decisions.count == 1
+
+
+def test_a_familys_size_arguments_and_comparisons_are_made_numbers_for_each_shape():
+    """Steps with symbolic sizes (`ids[:, :length - 1]`) and a comparison with a size (`< length - 1`)
+    are replayed at each shape's own sizes: the truths differ between shapes and every call gets
+    eager's values."""
+    def f(x, ids):
+        lengths = (ids != 0).sum(dim=1)
+        assert lengths.max().item() <= ids.shape[1]  # XLM's and Flaubert's assert: true at every length
+        short = lengths.max().item() < ids.shape[1] - 1
+        tail = ids[:, : ids.shape[1] - 1].any().item()
+        if short and tail:
+            return x * lengths[:, None]
+        return x - lengths[:, None] if tail else x + 1
+
+    compiled = aotfuse.aot_function(f)
+    seen = {}
+    for length in (5, 6, 7, 9, 7, 12):
+        x = torch.randn(2, length, requires_grad=True)
+        full = torch.ones(2, length, dtype=torch.long)  # not short
+        part = full.clone()
+        part[:, -3:] = 0  # short
+        for ids in (part, full):
+            _agree(compiled, f, x, ids)
+        seen.setdefault(length, compiled.compile_count)
+    (family,) = compiled._families.values()
+    assert not family.failed
+    (rec,) = _family_records(compiled)
+    assert rec is family.record and rec.decisions.count == 3
+    assert len(rec.decisions._at) >= 3  # the steps made numbers once per shape (6, 7, 9, 12)
+    # 5: two traces; 6: the family and the other answer; 7, 9 and 12: the other answer only
+    assert [seen[n] for n in (5, 6, 7, 9, 12)] == [2, 4, 5, 6, 7]
+    assert compiled.compile_count == 7  # the second visit to 7 traced nothing
 
 
 def test_under_torch_compile_dynamo_still_splits():

@@ -35,6 +35,14 @@ def _gpt2():
                                       embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
 
 
+def _flaubert():
+    """Asks `lengths.max().item() <= slen` of its ids (decisions.py answers it, the family's trace too)."""
+    from transformers import FlaubertConfig, FlaubertWithLMHeadModel
+
+    return FlaubertWithLMHeadModel(FlaubertConfig(vocab_size=100, emb_dim=32, n_layers=2, n_heads=2, dropout=0.0,
+                                                  attention_dropout=0.0, max_position_embeddings=64))
+
+
 def _members(cf) -> int:
     return sum(e.member for e in cf._cache.values())
 
@@ -54,7 +62,7 @@ def _warmed(lengths, holder):
     return compile_fn
 
 
-@pytest.mark.parametrize("make", [_bert, _gpt2], ids=["bert", "gpt2"])
+@pytest.mark.parametrize("make", [_bert, _gpt2, _flaubert], ids=["bert", "gpt2", "flaubert"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_hf_models_train_like_eager_at_a_shape_of_their_family(make, dtype):
     """Lengths 16 then 12 make the family; compare_models' three steps at length 10 run programs made
@@ -68,6 +76,8 @@ def test_hf_models_train_like_eager_at_a_shape_of_their_family(make, dtype):
     assert cf.compile_count == 2 and _members(cf) == 1, (cf.compile_count, _members(cf))
     (family,) = cf._families.values()
     assert not family.failed and set(family.dims.values()) == {frozenset({1})}
+    if make is _flaubert:  # its question answered in the family's trace, its guard replayed at length 10
+        assert family.record.decisions is not None and family.record.decisions.sizes, family.record.decisions
 
 
 def test_new_lengths_join_without_tracing_and_keep_their_own_programs():

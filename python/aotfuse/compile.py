@@ -919,7 +919,16 @@ class CompiledFunction:
                         return self.fn(*args, **kwargs), None
                 if not entry.ready:
                     self.last_entry = entry
-                    return self._first_run(entry, leaves, tree, extra, key)
+                    if not entry.member or entry.record.decisions is None:
+                        return self._first_run(entry, leaves, tree, extra, key)
+                    # a new shape of a family whose trace answered questions about its inputs' values:
+                    # the family's programs only where this call answers alike (nothing traced it)
+                    decided = self._decide(entry, leaves, spec, tree, extra)
+                    if decided is entry:
+                        return self._first_run(entry, leaves, tree, extra, key)
+                    if isinstance(decided, tuple):  # traced for this call's answers just now
+                        return decided
+                    entry = decided  # traced for another answer at an earlier call of this shape
         self.last_entry = entry
         if entry.fallback is None and entry.record.decisions is not None:
             decided = self._decide(entry, leaves, spec, tree, extra)

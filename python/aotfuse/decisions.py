@@ -23,7 +23,14 @@ capture error, as do data-dependent shapes (`nonzero`, boolean indexing). Random
 shadow (running them twice would move the generator), nor matmuls, convolutions, attention and
 embeddings (a guard's steps should be cheap: masks and ids, not a frozen model's activations); a write into a tensor that shares the
 caller's storage, or into a shadowed tensor from values without shadows, ends the shadows for the
-pass; symbolic sizes (a shape family's trace) make none. The fallbacks remain for the rest.
+pass. The fallbacks remain for the rest.
+
+In a shape family's trace (shapes.py) the traced sizes are symbolic: a step's size arguments
+(`view(batch, length)`, `arange(length)`) and a comparison's operand (`<= slen`) are kept as the
+symbolic sizes they are, run for real at the values they were traced at, and made numbers for each
+later call's sizes by `check` (once per shape: `Decisions.at`), so a family's programs are guarded as
+one traced for their shape would be. Sizes that are not the inputs' own (unbacked symbols) make no
+shadow.
 """
 from __future__ import annotations
 
@@ -32,10 +39,13 @@ import operator
 import threading
 from typing import Any, Iterator
 
+import sympy
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from . import shapes
 
 __all__ = ["input_decisions", "real_inputs", "check", "describe", "DecidedNumber", "Decisions"]
 
@@ -107,13 +117,69 @@ class _Step:
 class Decisions:
     """A pass's guards: the steps to replay over a call's tensors, and what each answer must be."""
 
-    def __init__(self, inputs: dict[int, int], steps: list[_Step], count: int):
+    def __init__(self, inputs: dict[int, int], steps: list[_Step], count: int, sizes: dict | None = None):
         self.inputs = inputs  # slot -> index among the compiled function's tensors
         self.steps = steps
         self.count = count
+        # a family's trace: each symbol its steps read -> (tensor index, dimension) it is the size of
+        self.sizes = sizes if sizes and any(_step_symbolic(s) for s in steps) else None
+        self._at: dict[tuple, list[_Step]] = {}  # the steps made numbers, by the call's sizes
+
+    def at(self, tensors: list) -> list[_Step]:
+        """The steps with their symbolic sizes made numbers for these tensors' sizes."""
+        if self.sizes is None:
+            return self.steps
+        key = tuple(tensors[i].shape[d] for i, d in self.sizes.values())
+        steps = self._at.get(key)
+        if steps is None:
+            if len(self._at) >= 64:  # (a bound: the family's members are bounded only by its guards)
+                self._at.clear()
+            vals = {s: sympy.Integer(n) for s, n in zip(self.sizes, key)}
+            steps = self._at[key] = [_concrete_step(s, vals) for s in self.steps]
+        return steps
 
     def __repr__(self) -> str:
         return f"Decisions({self.count} answers over {len(self.steps)} steps)"
+
+
+def _sizes_in(x: Any) -> tuple:
+    """The symbolic sizes an argument is or holds (a slice's bounds: `ids[:, :length - 1]`)."""
+    if isinstance(x, _SYM):
+        return (x,)
+    if isinstance(x, slice):
+        return tuple(v for v in (x.start, x.stop, x.step) if isinstance(v, _SYM))
+    return ()
+
+
+def _map_sizes(x: Any, fn) -> Any:
+    """x with fn applied to each symbolic size it is or holds."""
+    if isinstance(x, _SYM):
+        return fn(x)
+    if isinstance(x, slice) and _sizes_in(x):
+        return slice(*(fn(v) if isinstance(v, _SYM) else v for v in (x.start, x.stop, x.step)))
+    return x
+
+
+def _step_symbolic(step: _Step) -> bool:
+    return any(_sizes_in(x) for x in step.leaves) or any(isinstance(d[2], _SYM) for d in step.decisions)
+
+
+def _concrete_step(step: _Step, vals: dict) -> _Step:
+    """step with its symbolic sizes (arguments, comparisons' operands) as numbers at vals."""
+    if not _step_symbolic(step):
+        return step
+    def number(x):
+        return shapes.value(x, vals)
+    out = _Step(step.func, [_map_sizes(x, number) for x in step.leaves], step.spec, step.outs, step.question,
+                step.target)
+    out.decisions = [(i, op, shapes.value(operand, vals), expected) for i, op, operand, expected in step.decisions]
+    return out
+
+
+def _operand_key(v: Any) -> Any:
+    """A comparison's operand as a dictionary key (a symbolic size by its expression: `==` on it would
+    add a guard)."""
+    return ("size", str(v.node.expr)) if isinstance(v, _SYM) else v
 
 
 def _name(func: Any) -> str:
@@ -140,6 +206,10 @@ class DecidedNumber:
     def _cmp(self, op: str, other: Any) -> Any:
         if isinstance(other, DecidedNumber):
             other = other.exact()
+        if isinstance(other, torch.SymInt) and self._mode.bound(other):  # `<= slen` in a family's trace
+            truth = _OPS[op](self.value, shapes.hint(other))
+            self._mode.decide(self._step, op, other, truth)
+            return truth
         if isinstance(other, bool) or not isinstance(other, (int, float)):
             return _OPS[op](self.exact(), other)
         truth = _OPS[op](self.value, other)
@@ -188,11 +258,11 @@ class input_decisions(TorchFunctionMode):
 
     def __init__(self, traced: list | tuple, real: list | None):
         super().__init__()
-        # (symbolic sizes first: comparing one with a number would pin it)
+        # (a family's symbolic sizes compared by the values they were traced at: `==` would pin them)
         self.active = (real is not None and len(real) == len(traced)
-                       and not any(isinstance(s, torch.SymInt) for t in traced for s in t.shape)
-                       and all(isinstance(r, torch.Tensor) and tuple(t.shape) == tuple(r.shape)
+                       and all(isinstance(r, torch.Tensor) and _hints(t.shape) == tuple(r.shape)
                                for t, r in zip(traced, real)))
+        self.sizes: dict = {}  # symbol -> (input, dimension) whose size it is (a family's trace)
         self.shadow: dict[int, int] = {}  # id(traced tensor) -> slot
         self.keep: list = []  # the traced tensors the ids above name (so that no id is reused meanwhile)
         self.values: list[torch.Tensor] = []  # slot -> its real tensor, this pass only
@@ -204,6 +274,9 @@ class input_decisions(TorchFunctionMode):
         if not self.active:
             return
         for i, (t, r) in enumerate(zip(traced, real)):
+            for d, n in enumerate(t.shape):
+                if isinstance(n, torch.SymInt) and isinstance(n.node.expr, sympy.Symbol):
+                    self.sizes.setdefault(n.node.expr, (i, d))
             if r.layout is not torch.strided or r.is_nested:
                 continue
             self.input_storages.add(_storage(r))
@@ -218,16 +291,24 @@ class input_decisions(TorchFunctionMode):
         self.keep.append(traced)
         return slot
 
+    def bound(self, x: Any) -> bool:
+        """Whether a symbolic size is worked out from the inputs' sizes alone (check can make it a
+        number at each call)."""
+        try:
+            return x.node.expr.free_symbols <= self.sizes.keys()
+        except AttributeError:
+            return False
+
     def decide(self, step: _Step, op: str, operand: Any, expected: Any) -> None:
-        d = (self.count, op, operand, _hashable(expected))
-        if not any(x[1:] == d[1:] for x in step.decisions):
-            step.decisions.append(d)
+        key = (op, _operand_key(operand), _hashable(expected))
+        if not any((x[1], _operand_key(x[2]), x[3]) == key for x in step.decisions):
+            step.decisions.append((self.count, op, operand, key[2]))
             self.count += 1
 
     def finish(self) -> Decisions | None:
         if not self.count:
             return None
-        return Decisions(self.inputs, _needed(self.steps, self.storages), self.count)
+        return Decisions(self.inputs, _needed(self.steps, self.storages), self.count, self.sizes)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -270,15 +351,20 @@ class input_decisions(TorchFunctionMode):
         return out
 
     def _real(self, leaves: list, spec) -> tuple:
-        real = [self.values[self.shadow[id(x)]] if isinstance(x, torch.Tensor) else x for x in leaves]
+        real = [self.values[self.shadow[id(x)]] if isinstance(x, torch.Tensor) else
+                _map_sizes(x, shapes.traced_value) for x in leaves]
         return tree_unflatten(real, spec)
+
+    def _unbound(self, leaves: list) -> bool:
+        """Whether an argument is or holds a symbolic size check could not make a number."""
+        return any(not self.bound(v) for x in leaves for v in _sizes_in(x))
 
     def _template(self, leaves: list) -> list:
         return [_Slot(self.shadow[id(x)]) if isinstance(x, torch.Tensor) else x for x in leaves]
 
     def _answer(self, func, leaves: list, spec) -> tuple | None:
         """(the answer,) of a question about shadowed tensors, or None (the trace asks it: an error)."""
-        if any(isinstance(x, _SYM) for x in leaves):
+        if self._unbound(leaves):
             return None
         try:
             with _plain():
@@ -312,7 +398,7 @@ class input_decisions(TorchFunctionMode):
     def _shadow(self, func, leaves: list, spec, out: Any) -> None:
         name = _name(func).lower()
         written = _written(func, *tree_unflatten(leaves, spec))
-        if any(r in name for r in _RANDOM + _HEAVY) or any(isinstance(x, _SYM) for x in leaves):
+        if any(r in name for r in _RANDOM + _HEAVY) or self._unbound(leaves):
             if written:
                 self.active = False  # a shadowed tensor written with values no shadow has
             return
@@ -338,13 +424,21 @@ class input_decisions(TorchFunctionMode):
         template = self._template(leaves)  # before the outputs' slots: an in-place op returns its argument
         slots = []
         for o, r in zip(outs, reals):
-            if isinstance(o, torch.Tensor) and r.numel() <= _MAX_NUMEL and tuple(o.shape) == tuple(r.shape):
+            if isinstance(o, torch.Tensor) and r.numel() <= _MAX_NUMEL and _hints(o.shape) == tuple(r.shape):
                 slots.append(self._new_slot(o, r))
             else:
                 slots.append(None)
                 if isinstance(o, torch.Tensor):
                     self.shadow.pop(id(o), None)
         self.steps.append(_Step(func, template, spec, slots, False, target))
+
+
+def _hints(shape: Any) -> tuple | None:
+    """A (maybe symbolic) shape as the numbers it was traced at; None where a size has no such value."""
+    try:
+        return tuple(shapes.hint(n) for n in shape)
+    except (TypeError, KeyError, ValueError):
+        return None
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -393,7 +487,7 @@ def check(decisions: Decisions, tensors: list) -> tuple | None:
     values = {slot: tensors[i] for slot, i in decisions.inputs.items()}
     try:
         with torch._C.DisableTorchFunction(), torch.no_grad():
-            for step in decisions.steps:
+            for step in decisions.at(tensors):
                 if step.flat is not None:
                     a = [values[x.i] if type(x) is _Slot else x for x in step.flat[0]]
                     k = {n: values[x.i] if type(x) is _Slot else x for n, x in step.flat[1].items()}

@@ -33,7 +33,8 @@ import torch.fx as fx
 
 from . import config
 
-__all__ = ["Family", "PerShape", "binders", "concrete", "is_symbolic", "saved_at", "symbolic_values"]
+__all__ = ["Family", "PerShape", "binders", "concrete", "is_symbolic", "saved_at", "symbolic_values", "traced_value",
+           "value"]
 
 _SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
 # nodes that only check symbolic facts: dropped once the facts are numbers (and hold)
@@ -54,6 +55,17 @@ def _value(x: Any, vals: dict) -> Any:
     if not e.is_number:
         raise RuntimeError(f"aotfuse: the size {x.node.expr} has symbols without a value ({e.free_symbols})")
     return int(e)
+
+
+def value(x: Any, vals: dict) -> Any:
+    """x (a number or a symbolic size, SymInt, SymFloat or SymBool) as a number, its symbols set to
+    vals (sympy numbers)."""
+    return _value(x, vals)
+
+
+def traced_value(x: Any) -> Any:
+    """A symbolic size, SymInt, SymFloat or SymBool, as the number it was traced at (no guard added)."""
+    return _value(x, _hints(x.node.shape_env)) if isinstance(x, _SYM) else x
 
 
 def _numbers(val: Any) -> tuple:
