@@ -56,7 +56,8 @@ TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_
             # other spellings of the same sizes, and sizes that must agree with them
             emb_dim=32, n_layers=2, n_heads=4, embedding_size=32, intra_bottleneck_size=32, rotary_dim=4,
             mamba_n_heads=4, mamba_d_ssm=64, mamba_d_state=8, state_size=8,
-            entity_vocab_size=VOCAB, entity_emb_size=32)  # LUKE's 500k entities: 1 GB copies in compare_models
+            entity_vocab_size=VOCAB, entity_emb_size=32,  # LUKE's 500k entities: 1 GB copies in compare_models
+            num_latents=16, d_latents=32)  # Perceiver's 256 x 1280 latents: 271M parameters, 15 GB in compare_models
 LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers")
 # When the tiny build or eager fails, these are tried in turn (each adds to the one before): MoE experts
 # as plain loops (grouped_mm has no float64 kernel for the reference), no grouped-query attention,
