@@ -102,6 +102,27 @@ def test_other_questions_are_answered_and_guarded(ask):
     assert compiled.compile_count == 2
 
 
+def test_tolist_of_sizes_is_answered_and_guarded_exactly():
+    """`.tolist()` (FunctionalTensor's own Python, past torch function modes: TAPAS's segment sizes, a
+    `torch.split` by per-example sizes) is answered from the shadow and guarded by its whole value,
+    and FunctionalTensor's method is its own again after the trace."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    before = FunctionalTensor.__dict__["tolist"]
+
+    def f(x, sizes):
+        parts = torch.split(x, sizes.tolist())
+        return torch.cat([p.sin() * (i + 1) for i, p in enumerate(parts)])
+
+    compiled = aotfuse.aot_function(f)
+    x = torch.randn(6, requires_grad=True)
+    a, b = torch.tensor([2, 4]), torch.tensor([3, 1, 2])
+    for sizes in (a, b, a.clone(), b.clone()):
+        _agree(compiled, f, x, sizes)
+    assert compiled.compile_count == 2
+    assert FunctionalTensor.__dict__["tolist"] is before
+
+
 def test_a_write_into_a_fresh_tensor_is_replayed():
     """The steps a guard replays include in-place writes into tensors the forward made (a mask
     copy with its first column cleared): the answer is the one eager computes."""

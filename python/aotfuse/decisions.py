@@ -10,7 +10,7 @@ While a pass traces, `input_decisions` computes the forward's torch calls over t
 that do not require grad (ids, masks, labels, frozen buffers) a second time, on their real values:
 every call whose tensor arguments all have such a "shadow" (and the deterministic factories:
 ones, arange, full, ...) is recorded as a step and run for real beside the trace. A question asked
-of a shadowed tensor (`.item()`, `bool()`, `int()`, `float()`, `torch.equal`,
+of a shadowed tensor (`.item()`, `.tolist()`, `bool()`, `int()`, `float()`, `torch.equal`,
 `x in t`, ...) is answered from its shadow, and the answer becomes a guard: `check` replays the
 steps the answers need on each later call's tensors before the compiled program runs, and a call
 whose answer differs takes another program, traced for it (compile.py, `_Entry.alternatives`).
@@ -290,6 +290,45 @@ class input_decisions(TorchFunctionMode):
         self.shadow[id(traced)] = slot
         self.keep.append(traced)
         return slot
+
+    def __enter__(self) -> "input_decisions":
+        # FunctionalTensor.tolist is Python that reads its inner tensor's items, past every torch
+        # function mode: while this pass runs, a shadowed tensor's `.tolist()` is asked here
+        # (`torch.split(x, sizes.tolist())`, TAPAS's segment sizes)
+        self._tolist = None
+        if self.active:
+            from torch._subclasses.functional_tensor import FunctionalTensor
+
+            own = FunctionalTensor.__dict__.get("tolist")
+            if own is not None:
+                mode = self
+
+                def tolist(t: torch.Tensor) -> Any:
+                    if mode.active and id(t) in mode.shadow:
+                        answered = mode._answer(_TB.tolist, [t], tree_flatten(((t,), {}))[1])
+                        if answered is not None:
+                            return answered[0]
+                    return own(t)
+
+                self._tolist = (FunctionalTensor, own)
+                FunctionalTensor.tolist = tolist
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._restore_tolist()
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._restore_tolist()
+
+    def _restore_tolist(self) -> None:
+        if getattr(self, "_tolist", None) is not None:
+            cls, own = self._tolist
+            cls.tolist = own
+            self._tolist = None
 
     def bound(self, x: Any) -> bool:
         """Whether a symbolic size is worked out from the inputs' sizes alone (check can make it a
