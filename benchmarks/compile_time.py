@@ -189,7 +189,7 @@ def new_lengths(args) -> None:
             print(lines[-1], flush=True)
     lines += ["", "Each run a fresh process and an empty kernel cache; a length's first step includes tracing, "
               f"partitioning, lowering and the kernels it compiles (C compiler: the seconds of the C compiler calls "
-              "made in that step, timed through AOTFUSE_CC). off: {args.off}. Ranges over the runs."]
+              f"made in that step, timed through AOTFUSE_CC). off: {args.off}. Ranges over the runs."]
     _write(lines, args.out)
 
 

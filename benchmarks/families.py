@@ -75,6 +75,11 @@ def _configs() -> dict:
         # asks `lengths.max().item() <= slen` of its ids (answered and guarded: aotfuse/decisions.py)
         "flaubert": _text(tf.FlaubertConfig, tf.FlaubertWithLMHeadModel, vocab_size=VOCAB, emb_dim=H, n_layers=LAYERS,
                           n_heads=HEADS, max_position_embeddings=256),
+        # reads 0-d position tensors as arange bounds, worked out from the length: each length is traced on
+        # its own (its family's trace fails at once since 2026-12-07: decisions.SizeDependentDecision)
+        "funnel": _text(tf.FunnelConfig, tf.FunnelForMaskedLM, vocab_size=VOCAB, d_model=H, n_head=HEADS,
+                        d_head=H // HEADS, d_inner=4 * H, block_sizes=[LAYERS // 2, LAYERS // 2],
+                        num_decoder_layers=1),
         "t5": _text(tf.T5Config, tf.T5ForConditionalGeneration, vocab_size=VOCAB, d_model=H, d_kv=H // HEADS,
                     d_ff=4 * H, num_layers=LAYERS, num_heads=HEADS, decoder_start_token_id=0),
         "bart": _text(tf.BartConfig, tf.BartForConditionalGeneration, vocab_size=VOCAB, d_model=H,

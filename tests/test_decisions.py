@@ -291,3 +291,43 @@ def test_a_0d_tensor_where_a_number_goes_is_its_guarded_value():
     for m in (three, three_too, four, three):
         _agree(compiled, f, x, m)
     assert compiled.compile_count == 2
+
+
+def test_a_familys_0d_tensor_where_a_number_goes_is_its_guarded_value():
+    """In a family's symbolic trace ATen would read such a 0-d tensor as a new unbacked symbol (no
+    error to answer): its value goes in first, exactly guarded, and shapes with that value join."""
+    def f(x, mask):
+        count = mask.sum()
+        idx = torch.arange(count - 1, -1, -1, dtype=torch.long)
+        return x[:, idx] * 2
+
+    compiled = aotfuse.aot_function(f, dynamic=True)
+    seen = []
+    for n, ones in ((5, 3), (6, 3), (7, 3), (7, 4), (8, 3)):
+        x = torch.randn(2, n, requires_grad=True)
+        _agree(compiled, f, x, (torch.arange(n) < ones).long())
+        seen.append(compiled.compile_count)
+    (family,) = compiled._families.values()
+    assert not family.failed and family.record.decisions.count == 1
+    assert seen == [1, 1, 1, 2, 2], seen  # 6, 7 and 8 with three ones join the family; four ones: traced
+
+
+def test_a_family_deciding_on_a_value_made_from_its_sizes_fails_at_once(monkeypatch):
+    """A value worked out from a symbolic size (Funnel's relative positions, `arange(length)[-1] + 1`)
+    read exactly would make the family's trace one shape's: the family fails in its trace, each
+    shape is traced on its own, and every call gets eager's values."""
+    def f(x, ids):
+        last = torch.arange(ids.shape[1])[-1] + 1  # the length, as a 0-d tensor
+        idx = torch.arange(last - 1, -1, -1)
+        return x[:, idx] * (ids != 0)
+
+    said = []
+    monkeypatch.setattr(aotfuse.config, "emit", lambda stage, message: said.append(message))
+    compiled = aotfuse.aot_function(f, dynamic=True)
+    for n in (5, 6, 7, 6):
+        _agree(compiled, f, torch.randn(2, n, requires_grad=True), torch.randint(0, 3, (2, n)))
+    (family,) = compiled._families.values()
+    assert family.failed
+    assert compiled.compile_count == 3  # 5, 6 and 7 each traced on its own; 6 again traced nothing
+    failed = [m for m in said if "no symbolic trace" in m]
+    assert len(failed) == 1 and "SizeDependentDecision" in failed[0] and "(4)" in failed[0], said  # length 5: `last - 1`

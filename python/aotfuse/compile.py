@@ -897,6 +897,7 @@ class CompiledFunction:
         signature is compiled and first run under config.compile_lock(), and a thread finding an entry
         another is still compiling waits for it there."""
         leaves, spec = tree_flatten(tree)
+        decided = None  # the entry (or alternative) whose decisions this call answered alike
         last = self._last
         if last is not None and last.matches(leaves, spec, extra):
             entry = last.entry
@@ -928,13 +929,14 @@ class CompiledFunction:
                         return self._first_run(entry, leaves, tree, extra, key)
                     if isinstance(decided, tuple):  # traced for this call's answers just now
                         return decided
-                    entry = decided  # traced for another answer at an earlier call of this shape
+                    # else traced for another answer at an earlier call of this shape (checked: below)
         self.last_entry = entry
-        if entry.fallback is None and entry.record.decisions is not None:
+        if decided is None and entry.fallback is None and entry.record.decisions is not None:
             decided = self._decide(entry, leaves, spec, tree, extra)
             if isinstance(decided, tuple):  # traced for this call's answers (or run eagerly) just now
                 return decided
-            if decided is not entry and decided.fallback is not None:
+        if decided is not None and decided is not entry:
+            if decided.fallback is not None:
                 args, kwargs = tree  # (no entry: AOTModule's shortcut would send every call of the signature there)
                 return decided.fallback(*args, **kwargs), None
             entry = self.last_entry = decided

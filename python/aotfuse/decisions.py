@@ -59,6 +59,8 @@ _RANDOM = ("rand", "bernoulli", "dropout", "multinomial", "normal", "poisson", "
 _HEAVY = ("linear", "matmul", "mm", "einsum", "conv", "attention", "embedding", "lstm", "gru", "rnn", "tensordot")
 _FACTORIES = {torch.ones, torch.zeros, torch.full, torch.arange, torch.tensor, torch.as_tensor, torch.eye,
               torch.linspace, torch.logspace, torch.scalar_tensor, torch.tril_indices, torch.triu_indices}
+# factories that read a 0-d tensor argument as a number (ATen's Scalar)
+_SCALAR_READERS = {torch.arange, torch.linspace, torch.logspace, torch.full, torch.scalar_tensor}
 # functions that read a tensor's values into a Python value (a fake tensor refuses them)
 _QUESTIONS = {_TB.item, _TB.tolist, _TB.__bool__, _TB.__int__, _TB.__float__, _TB.__index__, _TB.equal,
               _TB.allclose, _TB.is_nonzero, torch.equal, torch.allclose, torch.is_nonzero, torch.Tensor.__contains__}
@@ -89,6 +91,12 @@ def _plain() -> Iterator[None]:
     function modes, no autograd."""
     with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.no_grad():
         yield
+
+
+class SizeDependentDecision(RuntimeError):
+    """A family's trace reads the exact value of something worked out from the symbolic sizes
+    (Funnel's relative positions: `torch.arange(max_dist, ...)`, max_dist from the length): the
+    family fails at once, and each shape is traced on its own."""
 
 
 class _Slot:
@@ -260,7 +268,7 @@ class input_decisions(TorchFunctionMode):
         super().__init__()
         # (a family's symbolic sizes compared by the values they were traced at: `==` would pin them)
         self.active = (real is not None and len(real) == len(traced)
-                       and all(isinstance(r, torch.Tensor) and _hints(t.shape) == tuple(r.shape)
+                       and all(isinstance(r, torch.Tensor) and _traced_shape(t.shape) == tuple(r.shape)
                                for t, r in zip(traced, real)))
         self.sizes: dict = {}  # symbol -> (input, dimension) whose size it is (a family's trace)
         self.shadow: dict[int, int] = {}  # id(traced tensor) -> slot
@@ -271,6 +279,7 @@ class input_decisions(TorchFunctionMode):
         self.inputs: dict[int, int] = {}
         self.count = 0
         self.input_storages: set[int] = set()
+        self.sized: set[int] = set()  # a family's trace: the slots worked out from symbolic sizes
         if not self.active:
             return
         for i, (t, r) in enumerate(zip(traced, real)):
@@ -339,6 +348,13 @@ class input_decisions(TorchFunctionMode):
             return False
 
     def decide(self, step: _Step, op: str, operand: Any, expected: Any) -> None:
+        if self.sizes and op == "eq" and operand is None and not isinstance(expected, bool) and \
+                any(r in self.sized for r in step.reads):
+            # a family's trace would be one shape's: every later size answers otherwise and is traced
+            # on its own anyway, after a symbolic trace that costs several static ones
+            raise SizeDependentDecision(
+                f"{_name(step.func)}() of a value worked out from the inputs' sizes ({expected!r}) decides the "
+                f"trace: each shape is traced on its own")
         key = (op, _operand_key(operand), _hashable(expected))
         if not any((x[1], _operand_key(x[2]), x[3]) == key for x in step.decisions):
             step.decisions.append((self.count, op, operand, key[2]))
@@ -373,6 +389,13 @@ class input_decisions(TorchFunctionMode):
             answered = self._answer(func, leaves, spec)
             if answered is not None:
                 return answered[0]
+        if shadowed and self.sizes and func in _SCALAR_READERS:
+            # a family's trace: a fake mode with symbolic sizes reads such a 0-d tensor as an unbacked
+            # symbol instead of raising (a size no later shape can give), so its value goes in first
+            numbers = self._as_numbers(leaves)
+            if numbers is not None:
+                leaves = numbers
+                args, kwargs = tree_unflatten(leaves, spec)
         try:
             out = func(*args, **kwargs)
         except Exception as e:
@@ -380,7 +403,9 @@ class input_decisions(TorchFunctionMode):
                 raise
             # a 0-d tensor where a number goes (Funnel's `torch.arange(max_dist, min_dist - 1, ...)`):
             # its value, guarded exactly
-            leaves = self._as_numbers(leaves, spec, e)
+            leaves = self._as_numbers(leaves)
+            if leaves is None:
+                raise
             args, kwargs = tree_unflatten(leaves, spec)
             out = func(*args, **kwargs)
         if shadowed or (not tensors and func in _FACTORIES):
@@ -418,21 +443,19 @@ class input_decisions(TorchFunctionMode):
         self.decide(step, "eq", None, value)
         return (value,)
 
-    def _as_numbers(self, leaves: list, spec, error: Exception) -> list:
-        """leaves with each shadowed 0-d tensor replaced by its value (an exact decision), or `error`
-        raised where there is none. Only where the traced call needed a value: ATen converts such a
-        tensor to that Scalar itself."""
+    def _as_numbers(self, leaves: list) -> list | None:
+        """leaves with each shadowed 0-d tensor replaced by its value (an exact decision), or None
+        where there is none or one cannot be answered. Only where the traced call needs a value:
+        ATen converts such a tensor to that Scalar itself."""
         out, swapped = [], False
         for x in leaves:
             if isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_complex():
                 answered = self._answer(_TB.item, [x], tree_flatten(((x,), {}))[1])
                 if answered is None:
-                    raise error
+                    return None
                 x, swapped = answered[0].exact() if isinstance(answered[0], DecidedNumber) else answered[0], True
             out.append(x)
-        if not swapped:
-            raise error
-        return out
+        return out if swapped else None
 
     def _shadow(self, func, leaves: list, spec, out: Any) -> None:
         name = _name(func).lower()
@@ -463,16 +486,21 @@ class input_decisions(TorchFunctionMode):
         template = self._template(leaves)  # before the outputs' slots: an in-place op returns its argument
         slots = []
         for o, r in zip(outs, reals):
-            if isinstance(o, torch.Tensor) and r.numel() <= _MAX_NUMEL and _hints(o.shape) == tuple(r.shape):
+            if isinstance(o, torch.Tensor) and r.numel() <= _MAX_NUMEL and _traced_shape(o.shape) == tuple(r.shape):
                 slots.append(self._new_slot(o, r))
             else:
                 slots.append(None)
                 if isinstance(o, torch.Tensor):
                     self.shadow.pop(id(o), None)
-        self.steps.append(_Step(func, template, spec, slots, False, target))
+        step = _Step(func, template, spec, slots, False, target)
+        if self.sizes and (_step_symbolic(step) or any(r in self.sized for r in step.reads)):
+            self.sized.update(s for s in slots if s is not None)
+            if target is not None:
+                self.sized.add(target)
+        self.steps.append(step)
 
 
-def _hints(shape: Any) -> tuple | None:
+def _traced_shape(shape: Any) -> tuple | None:
     """A (maybe symbolic) shape as the numbers it was traced at; None where a size has no such value."""
     try:
         return tuple(shapes.hint(n) for n in shape)

@@ -43,8 +43,9 @@ _ASSERTS = tuple(getattr(torch.ops.aten, n).default for n in ("_assert_scalar", 
                  if hasattr(torch.ops.aten, n))
 
 
-def _value(x: Any, vals: dict) -> Any:
-    """x (an int or a SymInt) as a number, its symbols set to vals."""
+def value(x: Any, vals: dict) -> Any:
+    """x (a number or a symbolic size: SymInt, SymFloat or SymBool) as a number, its symbols set to
+    vals (sympy numbers)."""
     if not isinstance(x, _SYM):
         return x
     e = sympy.sympify(x.node.expr.xreplace(vals))
@@ -57,15 +58,9 @@ def _value(x: Any, vals: dict) -> Any:
     return int(e)
 
 
-def value(x: Any, vals: dict) -> Any:
-    """x (a number or a symbolic size, SymInt, SymFloat or SymBool) as a number, its symbols set to
-    vals (sympy numbers)."""
-    return _value(x, vals)
-
-
 def traced_value(x: Any) -> Any:
     """A symbolic size, SymInt, SymFloat or SymBool, as the number it was traced at (no guard added)."""
-    return _value(x, _hints(x.node.shape_env)) if isinstance(x, _SYM) else x
+    return value(x, _hints(x.node.shape_env)) if isinstance(x, _SYM) else x
 
 
 def _numbers(val: Any) -> tuple:
@@ -122,7 +117,7 @@ class _Sizes:
         e = x.node.expr
         v = self.done.get(e)
         if v is None:
-            v = self.done[e] = _value(x, self.vals)
+            v = self.done[e] = value(x, self.vals)
         return v
 
 
