@@ -43,6 +43,15 @@ def _flaubert():
                                                   attention_dropout=0.0, max_position_embeddings=64))
 
 
+def _funnel():
+    """Its relative positions: `torch.arange` between 0-d tensors worked out from the length."""
+    from transformers import FunnelConfig, FunnelForMaskedLM
+
+    return FunnelForMaskedLM(FunnelConfig(vocab_size=100, d_model=32, n_head=2, d_head=16, d_inner=64,
+                                          block_sizes=[1, 1], num_decoder_layers=1, hidden_dropout=0.0,
+                                          attention_dropout=0.0, activation_dropout=0.0))
+
+
 def _members(cf) -> int:
     return sum(e.member for e in cf._cache.values())
 
@@ -78,6 +87,25 @@ def test_hf_models_train_like_eager_at_a_shape_of_their_family(make, dtype):
     assert not family.failed and set(family.dims.values()) == {frozenset({1})}
     if make is _flaubert:  # its question answered in the family's trace, its guard replayed at length 10
         assert family.record.decisions is not None and family.record.decisions.sizes, family.record.decisions
+
+
+def test_a_model_whose_trace_reads_values_made_from_its_length_traces_each_length(monkeypatch):
+    """Funnel: a family's trace would fix its relative positions to one length, so it stops at the
+    first such value (decisions.SizeDependentDecision, not a trace run to its end) and each length is
+    traced on its own, training like eager and the float64 reference."""
+    said = []
+    monkeypatch.setattr(aotfuse.config, "emit", lambda stage, message: said.append(message))
+    holder = []
+    ids = torch.randint(0, 100, (2, 10))
+    report = compare_models(_funnel, lambda: dict(input_ids=ids, labels=ids.clone()),
+                            compile_fn=_warmed((16, 12), holder))
+    report.assert_ok()
+    cf = holder[0]
+    assert cf.compile_count == 3 and _members(cf) == 0, (cf.compile_count, _members(cf))
+    (family,) = cf._families.values()
+    assert family.failed
+    failed = [m for m in said if "no symbolic trace" in m]
+    assert len(failed) == 1 and "SizeDependentDecision" in failed[0], failed
 
 
 def test_new_lengths_join_without_tracing_and_keep_their_own_programs():
