@@ -59,8 +59,10 @@ _RANDOM = ("rand", "bernoulli", "dropout", "multinomial", "normal", "poisson", "
 _HEAVY = ("linear", "matmul", "mm", "einsum", "conv", "attention", "embedding", "lstm", "gru", "rnn", "tensordot")
 _FACTORIES = {torch.ones, torch.zeros, torch.full, torch.arange, torch.tensor, torch.as_tensor, torch.eye,
               torch.linspace, torch.logspace, torch.scalar_tensor, torch.tril_indices, torch.triu_indices}
-# factories that read a 0-d tensor argument as a number (ATen's Scalar)
-_SCALAR_READERS = {torch.arange, torch.linspace, torch.logspace, torch.full, torch.scalar_tensor}
+# factories that read a 0-d tensor argument as a number (a size, a bound, a fill value: ATen's int or
+# Scalar; linspace and logspace take tensors as they are)
+_SCALAR_READERS = {torch.arange, torch.zeros, torch.ones, torch.full, torch.eye, torch.scalar_tensor,
+                   torch.tril_indices, torch.triu_indices}
 # functions that read a tensor's values into a Python value (a fake tensor refuses them)
 _QUESTIONS = {_TB.item, _TB.tolist, _TB.__bool__, _TB.__int__, _TB.__float__, _TB.__index__, _TB.equal,
               _TB.allclose, _TB.is_nonzero, torch.equal, torch.allclose, torch.is_nonzero, torch.Tensor.__contains__}
