@@ -332,3 +332,20 @@ def test_a_family_deciding_on_a_value_made_from_its_sizes_fails_at_once(monkeypa
     assert compiled.compile_count == 3  # 5, 6 and 7 each traced on its own; 6 again traced nothing
     failed = [m for m in said if "no symbolic trace" in m]
     assert len(failed) == 1 and "SizeDependentDecision" in failed[0] and "(4)" in failed[0], said  # length 5: `last - 1`
+
+
+def test_a_familys_value_mixed_from_sizes_and_data_keeps_the_family():
+    """A value read exactly that mixes the sizes with the inputs' values (how many positions fall
+    within each row's length: the same number at every length past the longest row) keeps the
+    family: later lengths with that answer join it."""
+    def f(x, lengths):
+        within = int((torch.arange(x.shape[1])[None] < lengths[:, None]).sum())
+        return x * within
+
+    compiled = aotfuse.aot_function(f, dynamic=True)
+    lengths = torch.tensor([3, 4])
+    for n in (5, 6, 7, 8):
+        _agree(compiled, f, torch.randn(2, n, requires_grad=True), lengths)
+    (family,) = compiled._families.values()
+    assert not family.failed and family.record.decisions.count == 1
+    assert compiled.compile_count == 1  # 6, 7 and 8 answer 7 too: members, nothing traced

@@ -30,7 +30,10 @@ In a shape family's trace (shapes.py) the traced sizes are symbolic: a step's si
 symbolic sizes they are, run for real at the values they were traced at, and made numbers for each
 later call's sizes by `check` (once per shape: `Decisions.at`), so a family's programs are guarded as
 one traced for their shape would be. Sizes that are not the inputs' own (unbacked symbols) make no
-shadow.
+shadow. A 0-d shadowed tensor given to a factory as a size, bound or fill value (which ATen would read
+as a new unbacked symbol there) goes in as its value, exactly guarded; and an exact answer about a
+value worked out from the sizes alone (no input's values: Funnel's relative positions) would make
+the family's trace one shape's, so it raises SizeDependentDecision and the family fails at once.
 """
 from __future__ import annotations
 
@@ -281,7 +284,10 @@ class input_decisions(TorchFunctionMode):
         self.inputs: dict[int, int] = {}
         self.count = 0
         self.input_storages: set[int] = set()
-        self.sized: set[int] = set()  # a family's trace: the slots worked out from symbolic sizes
+        # a family's trace: the slots worked out from symbolic sizes alone (no input's values: Funnel's
+        # positions, `arange(length)`), and those that read an input's values
+        self.sized: set[int] = set()
+        self.data: set[int] = set()
         if not self.active:
             return
         for i, (t, r) in enumerate(zip(traced, real)):
@@ -292,7 +298,9 @@ class input_decisions(TorchFunctionMode):
                 continue
             self.input_storages.add(_storage(r))
             if not r.requires_grad and r.numel() <= _MAX_NUMEL:
-                self.inputs[self._new_slot(t, r)] = i
+                slot = self._new_slot(t, r)
+                self.inputs[slot] = i
+                self.data.add(slot)
 
     def _new_slot(self, traced: torch.Tensor, real: torch.Tensor) -> int:
         slot = len(self.values)
@@ -351,8 +359,8 @@ class input_decisions(TorchFunctionMode):
 
     def decide(self, step: _Step, op: str, operand: Any, expected: Any) -> None:
         if self.sizes and op == "eq" and operand is None and not isinstance(expected, bool) and \
-                any(r in self.sized for r in step.reads):
-            # a family's trace would be one shape's: every later size answers otherwise and is traced
+                any(r in self.sized for r in step.reads) and not any(r in self.data for r in step.reads):
+            # a family's trace would be one shape's: a later size would answer otherwise and be traced
             # on its own anyway, after a symbolic trace that costs several static ones
             raise SizeDependentDecision(
                 f"{_name(step.func)}() of a value worked out from the inputs' sizes ({expected!r}) decides the "
@@ -391,7 +399,7 @@ class input_decisions(TorchFunctionMode):
             answered = self._answer(func, leaves, spec)
             if answered is not None:
                 return answered[0]
-        if shadowed and self.sizes and func in _SCALAR_READERS:
+        if shadowed and self.sizes and func in _SCALAR_READERS and "out" not in kwargs:
             # a family's trace: a fake mode with symbolic sizes reads such a 0-d tensor as an unbacked
             # symbol instead of raising (a size no later shape can give), so its value goes in first
             numbers = self._as_numbers(leaves)
@@ -495,10 +503,13 @@ class input_decisions(TorchFunctionMode):
                 if isinstance(o, torch.Tensor):
                     self.shadow.pop(id(o), None)
         step = _Step(func, template, spec, slots, False, target)
-        if self.sizes and (_step_symbolic(step) or any(r in self.sized for r in step.reads)):
-            self.sized.update(s for s in slots if s is not None)
-            if target is not None:
-                self.sized.add(target)
+        if self.sizes:
+            made = [s for s in slots if s is not None] + ([target] if target is not None else [])
+            if any(r in self.data for r in step.reads):
+                self.data.update(made)  # (mixed with sizes: `arange(length) < lengths[:, None]`, its sum
+                self.sized.difference_update(made)  # can be one number at every length past the longest)
+            elif _step_symbolic(step) or any(r in self.sized for r in step.reads):
+                self.sized.update(made)
         self.steps.append(step)
 
 
