@@ -57,14 +57,15 @@ TINY = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_
             emb_dim=32, n_layers=2, n_heads=4, embedding_size=32, intra_bottleneck_size=32, rotary_dim=4,
             mamba_n_heads=4, mamba_d_ssm=64, mamba_d_state=8, state_size=8,
             entity_vocab_size=VOCAB, entity_emb_size=32,  # LUKE's 500k entities: 1 GB copies in compare_models
-            num_latents=16, d_latents=32)  # Perceiver's 256 x 1280 latents: 271M parameters, 15 GB in compare_models
+            num_latents=16, d_latents=32,  # Perceiver's 256 x 1280 latents: 271M parameters, 15 GB in compare_models
+            vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16)  # Gemma 3n/4's 262144 x 256 per layer
 LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers", "encoder_layers", "decoder_layers")
-# When the tiny build or eager fails, these are tried in turn (each adds to the one before): MoE experts
-# as plain loops (grouped_mm has no float64 kernel for the reference), no grouped-query attention,
-# 8 layers (layer patterns that need more than 2 to hold every layer type), the default layer counts.
-VARIANTS = [("", {}), ("experts eager", {}), ("experts eager, kv heads 4", dict(num_key_value_heads=4)),
-            ("experts eager, kv heads 4, 8 layers", dict(num_key_value_heads=4, **dict.fromkeys(LAYER_KEYS, 8))),
-            ("experts eager, kv heads 4, default layers", dict(num_key_value_heads=4, **dict.fromkeys(LAYER_KEYS)))]
+# When the tiny build or eager fails, these are tried in turn (each adds to the one before): no
+# grouped-query attention, 8 layers (layer patterns that need more than 2 to hold every layer type), the
+# default layer counts; each first with the model's own experts (MoE), then with them as plain loops.
+VARIANTS = [("", {}), ("kv heads 4", dict(num_key_value_heads=4)),
+            ("kv heads 4, 8 layers", dict(num_key_value_heads=4, **dict.fromkeys(LAYER_KEYS, 8))),
+            ("kv heads 4, default layers", dict(num_key_value_heads=4, **dict.fromkeys(LAYER_KEYS)))]
 LISTS = {"depths": lambda n: [1] * n, "depth": lambda n: [1] * n, "hidden_sizes": lambda n: [16 << i for i in range(n)],
          "embed_dim": lambda n: [16 << i for i in range(n)], "num_heads": lambda n: [2] * n,
          "num_attention_heads": lambda n: [2] * n}
@@ -119,8 +120,9 @@ def tiny_config(cfg_cls, tiny: dict = TINY):
     return cfg_cls(**kw)
 
 
-def build(task: str, name: str, attn: str | None, variant: int = 0):
-    """(make, inputs): make() seeds and returns the model in train mode; variant: of VARIANTS."""
+def build(task: str, name: str, attn: str | None, variant: int = 0, experts_eager: bool = False):
+    """(make, inputs): make() seeds and returns the model in train mode; variant: of VARIANTS;
+    experts_eager: a mixture of experts' experts as plain loops."""
     import torch
     import transformers
     from transformers.models.auto import configuration_auto, modeling_auto
@@ -136,7 +138,7 @@ def build(task: str, name: str, attn: str | None, variant: int = 0):
         if getattr(cfg, "decoder_start_token_id", None) is None:
             cfg.decoder_start_token_id = cfg.pad_token_id
     kw = {"attn_implementation": attn} if attn else {}
-    if variant:
+    if experts_eager:
         kw["experts_implementation"] = "eager"
 
     def make():
@@ -209,10 +211,12 @@ def run_one(task: str, name: str, dtype_name: str, attn: str | None) -> dict:
     torch.set_num_threads(1)
     dtype = getattr(torch, DTYPES[dtype_name])
     first = None
-    for variant, (label, _) in enumerate(VARIANTS):
+    tries = [(v, label, eager) for v, (label, _) in enumerate(VARIANTS) for eager in (False, True)]
+    for variant, label, experts_eager in tries:
         try:
-            make, inputs = build(task, name, attn, variant)
+            make, inputs = build(task, name, attn, variant, experts_eager)
             _eager_check(make, inputs, dtype)
+            label = ", ".join(filter(None, ["experts eager" if experts_eager else "", label]))
             break
         except Exception as e:  # noqa: BLE001
             first = first or _first_line(e)

@@ -49,10 +49,10 @@ def test_the_traceable_backward_is_the_grouped_matmuls_gradient_in_float64():
 @pytest.mark.parametrize("name", list(MODELS))
 def test_moe_models_are_captured_whole_and_train_like_eager(name, dtype):
     """One graph (compare_models's compiled copy has fallback='error'), eager's values at the seed's
-    tolerances. Their float64 copies cannot run (ATen's grouped matmul has no float64 kernel), so the
-    report has that one note. float32 runs the fallback op and aotfuse's weight-gradient op as extern
-    calls; bf16 runs ATen's grouped matmul, which traced before too. The op's Python kernels are as
-    they were afterwards."""
+    tolerances and within the float64 criterion: the float64 copy runs its experts as plain loops
+    (ATen's grouped matmul has no float64 kernel; before, the reference was dropped with a note).
+    float32 runs the fallback op and aotfuse's weight-gradient op as extern calls; bf16 runs ATen's
+    grouped matmul, which traced before too. The op's Python kernels are as they were afterwards."""
     op = moe.fallback_op()
 
     def make():
@@ -61,7 +61,7 @@ def test_moe_models_are_captured_whole_and_train_like_eager(name, dtype):
 
     report = compare_models(make, _inputs, dtype=dtype, steps=2, name=name)
     report.assert_ok()
-    assert report.checked > 50 and [n.what for n in report.notes] == ["float64 reference"], report
+    assert report.checked > 50 and not report.notes and 0 < report.worst_fp64 <= 1, report
     assert torch._C.DispatchKey.Autograd not in op.py_kernels
     if dtype == torch.float32:
         externs = aotfuse.explain(aotfuse.memory_efficient_fusion(make()), **_inputs()).extern_ops

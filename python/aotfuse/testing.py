@@ -39,7 +39,9 @@ bert.encoder.layer.0.attention.self.query.weight"); the check keeps going and `R
 all. A comparison whose eager value is not finite (bfloat16 overflow, say) is skipped and noted, not
 failed. Exceptions raised by the compiled model (a `CaptureError`, a C core error) propagate. A model
 that cannot run in float64 (XGLM's `torch.full((), finfo(float64).min)` is float32 and overflows) is
-compared against eager alone, at the seed's tolerances, with one note saying why.
+compared against eager alone, at the seed's tolerances, with one note saying why. A Hugging Face
+mixture-of-experts model's float64 copy runs its experts as plain loops (the grouped matmul has no
+float64 kernel), so it keeps its float64 reference.
 
 Example:
     >>> import torch, aotfuse.testing as T
@@ -402,6 +404,7 @@ def _train_and_compare(base: nn.Module, inputs: Any, compile_fn: Callable, lr: f
     before = set(LIVE)  # programs made before: not this model's
     eager = copy.deepcopy(base).to(dtype)
     ref = copy.deepcopy(eager).double()  # the same (rounded) weights, computed in float64
+    _plain_experts(ref)
     compiled_base = copy.deepcopy(eager)
     compiled = compile_fn(compiled_base)
     # (module whose parameters train, what is called)
@@ -498,6 +501,22 @@ def _train_and_compare(base: nn.Module, inputs: Any, compile_fn: Callable, lr: f
         check.context_scale = 0.0
     # while the compiled copy (and so its programs) is alive
     check.report.kernel_fallbacks = sum(low.program.kernel_fallbacks for low in set(LIVE) - before)
+
+
+def _plain_experts(ref: nn.Module) -> None:
+    """A Hugging Face mixture-of-experts model's float64 copy runs its experts as plain loops of matmuls
+    (`experts_implementation="eager"`): the grouped matmul the others run (ATen's `_grouped_mm`,
+    transformers' fallback op) has no float64 kernel, and the loops compute the same sums, so the copy
+    stays a float64 reference instead of being dropped (`_drop_reference`)."""
+    get = getattr(ref, "get_experts_implementation", None)
+    if get is None or not ref._can_set_experts_implementation():
+        return
+    if all(impl == "eager" for impl in get().values()):
+        return
+    try:
+        ref.set_experts_implementation("eager")
+    except (ValueError, RuntimeError):  # a load-time choice (MegaMoE): the copy runs as it is, and may drop
+        pass
 
 
 def _drop_reference(check: _Checker, step: int, where: str, e: BaseException) -> None:
