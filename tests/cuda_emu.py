@@ -155,6 +155,9 @@ def run_groups(gm: fx.GraphModule, args, sm_count: int = 1, vectorized: bool | N
             return env[x].reshape(shape), x.meta["val"].reshape(shape)
         return env[node_of(vid)], node_of(vid).meta.get("val")
 
+    # the sink's views of sources (as_strided over a source's storage, standing for the source)
+    source_views = {int(v) for v in re.findall(r"%v(\d+):[^\n=]*= aten::as_strided\.default\(", str(sunk))} if sunk else set()
+
     def value_of(vid):  # (eager value, graph meta) of a value of the graph planned
         if sunk is None:
             return built_value(vid)
@@ -163,9 +166,14 @@ def run_groups(gm: fx.GraphModule, args, sm_count: int = 1, vectorized: bool | N
         dtype, sizes, strides, offset = sunk.value_meta(vid)
         if (tuple(meta.shape), tuple(meta.stride()), meta.storage_offset()) == (sizes, strides, offset):
             return t, meta
-        # a source's as_strided view, or the copy over a finer shape: the same storage, the new layout
-        return (torch.as_strided(t, sizes, strides, offset),
-                torch.empty_strided(sizes, strides, dtype=meta.dtype, device="meta"))
+        layout = torch.empty_strided(sizes, strides, dtype=meta.dtype, device="meta")
+        if vid in source_views:  # a source's as_strided view: the same storage, read another way
+            return torch.as_strided(t, sizes, strides, offset), layout
+        # a value computed in another layout (a copy or a read over a finer shape, a split reader):
+        # the old value's elements in order, stored with the new strides
+        extent = offset + 1 + sum((n - 1) * st for n, st in zip(sizes, strides)) if all(sizes) else offset
+        buf = torch.full((extent,), float("nan")) if t.dtype.is_floating_point else torch.zeros(extent)
+        return torch.as_strided(buf.to(t.dtype), sizes, strides, offset).copy_(t.reshape(sizes)), layout
 
     for gi, l in enumerate(launches):
         if l["kind"] == "none":

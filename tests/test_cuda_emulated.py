@@ -352,6 +352,40 @@ def test_random_view_reads_match_eager(seed):
     assert cuda_emu.check(make_fx(f, tracing_mode="fake")(*args), args, what), what
 
 
+def _permuted_sum_of_pads(a, b, x, mean, rstd):
+    """Fuyu's bf16 q/k layer norm backward behind its partial rotary: the gradient is a sum of two
+    pads, permuted and upcast; a row kernel (the input's gradient) and a column kernel (the weight's)
+    both read it, so the plan computes the sum once, in the permuted shape's dense layout, for both."""
+    aten, prims = torch.ops.aten, torch.ops.prims
+    g = aten.add.Tensor(aten.constant_pad_nd.default(a, [0, 4]), aten.constant_pad_nd.default(b, [4, 0]))
+    gp = prims.convert_element_type.default(aten.permute.default(g, [0, 2, 1, 3]), torch.float32)
+    xn = aten.mul.Tensor(aten.sub.Tensor(prims.convert_element_type.default(x, torch.float32), mean), rstd)
+    rows = aten.sum.dim_IntList(aten.mul.Tensor(gp, xn), [3], True)
+    return (aten.sum.dim_IntList(aten.mul.Tensor(gp, xn), [0, 1, 2]), aten.sum.dim_IntList(gp, [0, 1, 2]),
+            aten.mul.Tensor(aten.sub.Tensor(gp, rows), rstd))
+
+
+def test_a_value_the_plan_stores_in_another_layout_reaches_the_next_kernel_as_eagers():
+    """A value the plan computes in a layout of its own (a read of a permuted view, over the view's
+    shape) is one kernel's output and another's input: the emulation gives that input eager's
+    elements in the plan's layout (it reinterpreted eager's storage before, and Fuyu's bf16 column
+    kernel seemed wrong in a 2026-12-07 sweep; the CUDA code was right)."""
+    gen = torch.Generator().manual_seed(3)
+    bf = torch.bfloat16
+    args = [torch.randn(2, 4, 16, 4, generator=gen).to(bf), torch.randn(2, 4, 16, 4, generator=gen).to(bf),
+            torch.randn(2, 16, 4, 8, generator=gen).to(bf), torch.randn(2, 16, 4, 1, generator=gen),
+            torch.rand(2, 16, 4, 1, generator=gen) + 0.5]
+    gm = make_fx(_permuted_sum_of_pads, tracing_mode="fake")(*args)
+    _b, sunk, _origin = cuda_emu._planned(gm)
+    _source, launches = _C.cuda_codegen(sunk, sm_count=1)
+    (rows,) = [l for l in launches if l["kind"] == "rows"]
+    (columns,) = [l for l in launches if l["kind"] == "columns"]
+    handed = set(rows["outputs"]) & set(columns["inputs"])
+    assert handed and all(sunk.value_meta(v)[2] == (512, 32, 8, 1) for v in handed), (rows, columns)
+    assert [l["kind"] for l in cuda_emu.check(gm, args, "a sum of pads, permuted")] == \
+        ["pointwise", "pointwise", "rows", "columns"]
+
+
 @pytest.mark.parametrize("seed", range(0, 40, 3))
 def test_overlapping_scatters_as_sums_of_windows_match_eager(seed):
     """index_add of a gradient at an overlapping as_strided index, rewritten into a sum of windows
