@@ -577,3 +577,24 @@ def test_sweep_runs_one_family_and_classifies_it(tmp_path):
         out.read_text()
     assert [r for r in rows2 if r[2] == "fp32"] == rows, "the resumed run redid a row it had"
     assert "2 of 2 rows done" in out.read_text() and "resumed:" in out.read_text()
+
+
+def test_cuda_emu_sweep_runs_one_family_through_the_emulation_and_nvrtc():
+    """benchmarks/cuda_emu_sweep.py: a family's training-step programs as CUDA, every group emulated
+    against eager and every kernel compiled by NVRTC, one row with its counts."""
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import cuda_emu
+    from aotfuse.nvrtc_check import nvrtc_available
+    why = cuda_emu.unavailable() or nvrtc_available()
+    if why:
+        pytest.skip(f"no CUDA emulation or NVRTC here: {why}")
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda_emu_sweep.py"), "--only", "llama",
+                          "--dtypes", "bf16"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "python")})
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [r for r in _table_rows(res.stdout) if len(r) == 9 and r[0] == "llama"]
+    assert len(rows) == 1 and rows[0][:3] == ["llama", "bf16", "ok"], res.stdout
+    assert int(rows[0][4]) > 20 and int(rows[0][5]) > 20, rows  # groups emulated, kernels compiled
