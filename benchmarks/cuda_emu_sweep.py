@@ -3,7 +3,10 @@ mappings (benchmarks/sweep.py's tiny configs and variants), one training step th
 memory_efficient_fusion(fallback="dynamo") is recorded (tests/cuda_emu.py's recording_programs), every
 program is planned and code-generated for cuda:0, every CUDA group runs in the host emulation against
 eager's values of the same nodes (cuda_emu.check), and every program's CUDA source is compiled by NVRTC
-for --arch (its ptxas registers and spills). One subprocess per row; a markdown table on stdout.
+for --arch (its ptxas registers and spills). One subprocess per row; a markdown table on stdout, whose
+rows also say which of sweep.VARIANTS ran ("-": the first), how many groups were skipped (inputs eager
+lays out otherwise: the runtime runs their nodes as ATen calls) and how many recomputes with no eager
+value no group that ran read (compared with nothing).
 
     python benchmarks/cuda_emu_sweep.py [--tasks causal] [--only llama,gpt2] [--dtypes fp32,bf16] [--jobs 2]
 
@@ -35,28 +38,24 @@ def run_one(task: str, name: str, dt: str, arch: int) -> dict:
     dtype = getattr(torch, sweep.DTYPES[dt])
     res = dict(family=name, dtype=dt)
     t0 = time.time()
-    tries = [(v, e) for v in range(len(sweep.VARIANTS)) for e in (False, True)]
-    for variant, experts_eager in tries:
-        try:
-            make, inputs = sweep.build(task, name, None, variant, experts_eager)
-            sweep._eager_check(make, inputs, dtype)
-            break
-        except Exception as e:  # noqa: BLE001 - the tiny config's own errors
-            first = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
-    else:
-        return dict(res, result=f"skipped: {first}")
+    try:
+        make, inputs, res["variant"] = sweep.first_runnable(task, name, None, dtype)
+    except sweep.NotRunnable as e:
+        return dict(res, result=f"skipped: {str(e)[:200]}", s=round(time.time() - t0, 1))
     try:
         model = make().to(dtype)
         kw = {k: x.to(dtype) if x.is_floating_point() else x for k, x in inputs.items()}
         with cuda_emu.recording_programs() as programs:
             out = aotfuse.memory_efficient_fusion(model, fallback="dynamo")(**kw)
             out.loss.backward()
-        groups = kernels = regs = spills = 0
+        groups = kernels = regs = spills = skipped = unchecked = 0
         for gm, args in programs:
-            groups += len(cuda_emu.check(gm, args, f"{name} {dt}"))
+            ran = cuda_emu.check(gm, args, f"{name} {dt}")
+            groups, skipped, unchecked = groups + len(ran), skipped + len(ran.skipped), unchecked + len(ran.unchecked)
             for k in nvrtc_check.compile_report(cuda_emu.source_of(gm, sm_count=132), arch):
                 kernels, regs, spills = kernels + 1, max(regs, k["registers"] or 0), spills + k["spill_stores"]
-        res.update(result="ok", programs=len(programs), groups=groups, kernels=kernels, registers=regs, spills=spills)
+        res.update(result="ok", programs=len(programs), groups=groups, skipped=skipped, unchecked=unchecked,
+                   kernels=kernels, registers=regs, spills=spills)
     except Exception as e:  # noqa: BLE001 - reported as the row's result
         res.update(result=f"FAILED {type(e).__name__}: {' '.join(str(e).split())[:300]}",
                    where=traceback.format_exc().splitlines()[-3][:200])
@@ -93,13 +92,14 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             return dict(family=n, dtype=d, result=f"timeout ({args.timeout} s)")
 
-    print("| family | dtype | result | programs | CUDA groups emulated | kernels | max registers | spill stores | s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| family | dtype | variant | result | programs | CUDA groups emulated | groups skipped | "
+          "recomputes unchecked | kernels | max registers | spill stores | s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    cols = ("programs", "groups", "skipped", "unchecked", "kernels", "registers", "spills", "s")
     with ThreadPoolExecutor(args.jobs) as pool:
         for r in pool.map(row, todo):
-            print(f"| {r['family']} | {r['dtype']} | {r['result'].replace('|', '/')} | {r.get('programs', '')} | "
-                  f"{r.get('groups', '')} | {r.get('kernels', '')} | {r.get('registers', '')} | {r.get('spills', '')} | "
-                  f"{r.get('s', '')} |", flush=True)
+            print(f"| {r['family']} | {r['dtype']} | {r.get('variant') or '-'} | {r['result'].replace('|', '/')} | "
+                  + " | ".join(str(r.get(c, "")) for c in cols) + " |", flush=True)
     return 0
 
 

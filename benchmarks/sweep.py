@@ -182,6 +182,37 @@ def _eager_check(make, inputs, dtype) -> None:
         loss.backward()
 
 
+class NotRunnable(Exception):
+    """No variant of a family's tiny build runs in eager; the message is the first variant's error."""
+
+
+def has_experts(task: str, name: str) -> bool:
+    """Whether the family's model can run its experts another way (transformers' heuristic: its
+    modeling file uses `use_experts_implementation`)."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+    cls_name = getattr(modeling_auto, MAPPINGS[task])[name]
+    model_cls = getattr(transformers, cls_name if isinstance(cls_name, str) else cls_name[0])
+    return bool(getattr(model_cls, "_can_set_experts_implementation", lambda: False)())
+
+
+def first_runnable(task: str, name: str, attn: str | None, dtype) -> tuple:
+    """(make, inputs, label) of the first of VARIANTS whose tiny build runs forward and backward in eager
+    in dtype, and the label saying which (a mixture of experts tries each variant with its own experts
+    first, then with them as plain loops); NotRunnable with the first variant's error where none does."""
+    first = None
+    loops = (False, True) if has_experts(task, name) else (False,)
+    for variant, (label, _) in enumerate(VARIANTS):
+        for experts_eager in loops:
+            try:
+                make, inputs = build(task, name, attn, variant, experts_eager)
+                _eager_check(make, inputs, dtype)
+                return make, inputs, ", ".join(filter(None, ["experts eager" if experts_eager else "", label]))
+            except Exception as e:  # noqa: BLE001 - the tiny config's own errors
+                first = first or _first_line(e)
+    raise NotRunnable(first)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
@@ -210,18 +241,10 @@ def run_one(task: str, name: str, dtype_name: str, attn: str | None) -> dict:
     from aotfuse.testing import compare_models
     torch.set_num_threads(1)
     dtype = getattr(torch, DTYPES[dtype_name])
-    first = None
-    tries = [(v, label, eager) for v, (label, _) in enumerate(VARIANTS) for eager in (False, True)]
-    for variant, label, experts_eager in tries:
-        try:
-            make, inputs = build(task, name, attn, variant, experts_eager)
-            _eager_check(make, inputs, dtype)
-            label = ", ".join(filter(None, ["experts eager" if experts_eager else "", label]))
-            break
-        except Exception as e:  # noqa: BLE001
-            first = first or _first_line(e)
-    else:
-        return dict(cls="skipped", detail=first)
+    try:
+        make, inputs, label = first_runnable(task, name, attn, dtype)
+    except NotRunnable as e:
+        return dict(cls="skipped", detail=str(e))
     print(EAGER_OK, flush=True)  # what runs from here on is aotfuse's
 
     def compare(compile_fn=None):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import math
 import os
 import re
 import shutil
@@ -109,6 +110,14 @@ def _grid(blocks: int, threads: int, sm_count: int) -> int:
     return max(1, min(blocks, sm_count * (2048 // threads)))  # runtime.c grid_for
 
 
+def _stored(t: torch.Tensor, sizes, strides, offset: int) -> torch.Tensor:
+    """t's elements in logical order (reshaped, or already of `sizes`) in a fresh storage with the given
+    strides and offset; the storage's other elements NaN (zero for integers)."""
+    extent = offset + 1 + sum((n - 1) * st for n, st in zip(sizes, strides)) if all(sizes) else offset
+    buf = torch.full((extent,), float("nan")) if t.dtype.is_floating_point else torch.zeros(extent)
+    return torch.as_strided(buf.to(t.dtype), sizes, strides, offset).copy_(t.reshape(sizes))
+
+
 def _planned(gm: fx.GraphModule):
     """gm's graph for cuda:0 as a program plans it: (the build, the rewritten graph or None, origins):
     copies and reads of views computed from their sources (`_C.sink_copies`, as the AOTFUSE_*
@@ -173,12 +182,15 @@ def run_groups(gm: fx.GraphModule, args, sm_count: int = 1, vectorized: bool | N
             return t, meta
         layout = torch.empty_strided(sizes, strides, dtype=meta.dtype, device="meta")
         if vid in source_views:  # a source's as_strided view: the same storage, read another way
-            return torch.as_strided(t, sizes, strides, offset), layout
-        # a value computed in another layout (a copy or a read over a finer shape, a split reader):
-        # the old value's elements in order, stored with the new strides
-        extent = offset + 1 + sum((n - 1) * st for n, st in zip(sizes, strides)) if all(sizes) else offset
-        buf = torch.full((extent,), float("nan")) if t.dtype.is_floating_point else torch.zeros(extent)
-        return torch.as_strided(buf.to(t.dtype), sizes, strides, offset).copy_(t.reshape(sizes)), layout
+            # (the graph's storage: eager's elements laid out as the graph's metadata says, where
+            # eager's own layout differs)
+            same = (t.stride(), t.storage_offset()) == (meta.stride(), meta.storage_offset())
+            src = t if same else _stored(t, tuple(meta.shape), meta.stride(), meta.storage_offset())
+            return torch.as_strided(src, sizes, strides, offset), layout
+        # a value computed in another layout (a copy or a read over a finer shape, a split reader,
+        # a broadcast read over the reader's larger shape): the old value's elements in order (or
+        # broadcast), stored with the new strides
+        return _stored(t if t.numel() == math.prod(sizes) else t.broadcast_to(sizes), sizes, strides, offset), layout
 
     for gi, l in enumerate(launches):
         if l["kind"] == "none":
@@ -213,25 +225,46 @@ def run_groups(gm: fx.GraphModule, args, sm_count: int = 1, vectorized: bool | N
             blocks = l["vec_blocks"] if use_v else l["blocks"]
             _launch(dll, name + ("_v" if use_v else ""), ops, _grid(blocks, l["threads"], sm_count), 1, l["threads"], l["streams"])
         built = [vid if sunk is None else origin[vid] for vid in l["outputs"]]
-        names = [b.value_nodes[vid] if vid not in b.derived else f"{b.derived[vid][0]} reshaped" for vid in built]
+        names = [f"v{vid} (no FX node)" if bv < 0 else b.value_nodes[bv] if bv not in b.derived
+                 else f"{b.derived[bv][0]} reshaped" for vid, bv in zip(l["outputs"], built)]
         for vid, o in zip(l["outputs"], outs):
             if sunk is not None and origin[vid] < 0:
                 made[vid] = o
-        yield gi, l, [(n, o, e) for n, o, (e, _) in zip(names, outs, expected) if e is not None]
+        # outputs with no eager value (want None): checked only through the groups that read them
+        yield gi, {**l, "made": [vid for vid, (e, _) in zip(l["outputs"], expected) if e is None]}, \
+            [(n, o, e) for n, o, (e, _) in zip(names, outs, expected)]
 
 
-def check(gm: fx.GraphModule, args, what: str = "", **kw) -> list:
+class Checked(list):
+    """The launches `check` ran, with what it did not compare: `skipped`, [(group, why)] for the groups
+    whose inputs eager lays out otherwise (the runtime runs their nodes as ATen calls); `unchecked`,
+    the values no FX node stands for (a recompute one kernel stores for another) that no group that
+    ran read, so that nothing compared them with eager, even indirectly."""
+
+    def __init__(self):
+        super().__init__()
+        self.skipped: list[tuple[int, str]] = []
+        self.unchecked: list[int] = []
+
+
+def check(gm: fx.GraphModule, args, what: str = "", **kw) -> Checked:
     """Asserts every emulated group output equals eager's within the dtype's tolerance (NaN where
-    eager has NaN); returns the launches that ran."""
-    ran = []
+    eager has NaN); returns the launches that ran (a `Checked`, which also says what was not compared)."""
+    ran, made, read = Checked(), [], set()
     for gi, l, results in run_groups(gm, args, **kw):
         if "skipped" in l:
+            ran.skipped.append((gi, l["skipped"]))
             continue
         ran.append(l)
+        made += l["made"]
+        read.update(l["inputs"])
         for node, got, want in results:
+            if want is None:
+                continue
             atol, rtol = TOLERANCES.get(want.dtype, (1e-5, 1e-4))
             torch.testing.assert_close(got, want, atol=atol, rtol=rtol, equal_nan=True,
                                        msg=lambda m, n=node, g=gi, k=l["kind"]: f"{what} group {g} ({k}) output {getattr(n, 'name', n)}: {m}")
+    ran.unchecked = [vid for vid in made if vid not in read]
     return ran
 
 

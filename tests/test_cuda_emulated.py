@@ -386,6 +386,41 @@ def test_a_value_the_plan_stores_in_another_layout_reaches_the_next_kernel_as_ea
         ["pointwise", "pointwise", "rows", "columns"]
 
 
+def test_check_says_which_groups_it_skipped():
+    """A group whose input eager lays out otherwise than the traced graph (here a transposed input
+    where the trace had a contiguous one) is not run (the runtime would run its nodes as ATen calls):
+    `check` returns no launch for it and names it with the reason in `skipped` (it dropped it silently
+    before)."""
+    def f(x):
+        return torch.sin(x) * 2.0 + 1.0
+
+    gm = make_fx(f)(torch.randn(8, 16))
+    x = torch.randn(16, 8).t()
+    ran = cuda_emu.check(gm, (x,), "a transposed input")
+    assert len(ran) == 0 and len(ran.skipped) == 1 and "eager strides (1, 8)" in ran.skipped[0][1], (ran, ran.skipped)
+    ran = cuda_emu.check(gm, (x.contiguous(),), "a contiguous input")
+    assert len(ran) == 1 and ran.skipped == [] and ran.unchecked == [], ran
+
+
+def test_check_names_recomputes_that_nothing_compared(monkeypatch):
+    """A value with no FX node (a recompute one kernel stores for another: the emulation has no eager
+    value for it) is compared only through the groups that read it; where no group that ran reads it,
+    `check` lists it in `unchecked`. The launches are stand-ins for run_groups' (the bookkeeping alone)."""
+    def groups(reads):  # group 0 makes values 7 and 8; group 1 (skipped) reads 8; group 2 reads `reads`
+        def run_groups(gm, args, **kw):
+            yield 0, dict(kind="rows", inputs=[1], made=[7, 8]), []
+            yield 1, dict(kind="pointwise", inputs=[8], skipped="input 3: eager strides (1, 8), graph (8, 1)"), []
+            yield 2, dict(kind="pointwise", inputs=reads, made=[]), [("add", torch.ones(2), torch.ones(2))]
+        return run_groups
+
+    monkeypatch.setattr(cuda_emu, "run_groups", groups([7]))
+    ran = cuda_emu.check(None, (), "stand-ins")
+    assert [l["kind"] for l in ran] == ["rows", "pointwise"] and len(ran.skipped) == 1, ran
+    assert ran.unchecked == [8], ran.unchecked  # its one reader was skipped: nothing compared it
+    monkeypatch.setattr(cuda_emu, "run_groups", groups([7, 8]))
+    assert cuda_emu.check(None, (), "stand-ins").unchecked == []
+
+
 @pytest.mark.parametrize("seed", range(0, 40, 3))
 def test_overlapping_scatters_as_sums_of_windows_match_eager(seed):
     """index_add of a gradient at an overlapping as_strided index, rewritten into a sum of windows

@@ -82,3 +82,23 @@ def test_torch_compile_takes_the_same_backward():
                             compile_fn=lambda m: torch.compile(m, backend="aotfuse", dynamic=False))
     report.assert_ok()
     torch._dynamo.reset()
+
+
+def test_a_float64_copy_whose_experts_setter_fails_is_run_as_it_is(monkeypatch):
+    """`_plain_experts` asks transformers to run the float64 copy's experts as loops; a setter that fails
+    with any error (here a TypeError) leaves the copy as it is: its grouped matmul has no float64 kernel,
+    so the reference is dropped with a note naming it and the run goes on against eager (before, only
+    ValueError and RuntimeError were caught, and this error stopped compare_models)."""
+    def refuse(self, impl):
+        raise TypeError("no such implementation here")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "set_experts_implementation", refuse)
+
+    def make():
+        torch.manual_seed(0)
+        return MODELS["mixtral"]().train()
+
+    report = compare_models(make, _inputs, steps=1, name="mixtral, setter failing")
+    report.assert_ok()
+    assert report.checked >= 40 and report.worst_fp64 == 0, report
+    assert [n.what for n in report.notes] == ["float64 reference"], report.notes

@@ -507,15 +507,18 @@ def _plain_experts(ref: nn.Module) -> None:
     """A Hugging Face mixture-of-experts model's float64 copy runs its experts as plain loops of matmuls
     (`experts_implementation="eager"`): the grouped matmul the others run (ATen's `_grouped_mm`,
     transformers' fallback op) has no float64 kernel, and the loops compute the same sums, so the copy
-    stays a float64 reference instead of being dropped (`_drop_reference`)."""
+    stays a float64 reference instead of being dropped (`_drop_reference`). transformers' setter passes
+    the choice on to sub-models (a wrapper's MoE text model), so any module that can take it is asked.
+    Where the setter refuses (a load-time choice, such as MegaMoE) or fails, the copy runs as it is:
+    if its forward then fails, the reference is dropped with a note."""
     get = getattr(ref, "get_experts_implementation", None)
-    if get is None or not ref._can_set_experts_implementation():
-        return
-    if all(impl == "eager" for impl in get().values()):
+    if get is None or not any(getattr(m, "_can_set_experts_implementation", lambda: False)() for m in ref.modules()):
         return
     try:
+        if all(impl == "eager" for impl in get().values()):
+            return
         ref.set_experts_implementation("eager")
-    except (ValueError, RuntimeError):  # a load-time choice (MegaMoE): the copy runs as it is, and may drop
+    except Exception:  # noqa: BLE001 - the copy runs as it is (see above)
         pass
 
 
