@@ -69,6 +69,20 @@ VARIANTS = [("", {}), ("kv heads 4", dict(num_key_value_heads=4)),
 LISTS = {"depths": lambda n: [1] * n, "depth": lambda n: [1] * n, "hidden_sizes": lambda n: [16 << i for i in range(n)],
          "embed_dim": lambda n: [16 << i for i in range(n)], "num_heads": lambda n: [2] * n,
          "num_attention_heads": lambda n: [2] * n}
+# Families whose tiny sizes do not fit together: fields of their own over TINY's, or (defaults) the
+# config's default sizes, dropout zeroed, with the fields given set
+FAMILIES = {"swin": dict(window_size=2, image_size=64), "donut-swin": dict(window_size=2, image_size=64),
+            "bit": dict(num_groups=4), "cvt": dict(defaults=True), "hgnet_v2": dict(defaults=True),
+            "mobilevitv2": dict(defaults=True, image_size=64), "textnet": dict(defaults=True, image_size=[64, 64]),
+            "levit": dict(defaults=True), "neomme": dict(head_dim=16),  # NeoMME: 4 rotated dims at least
+            "reformer": dict(axial_pos_embds_dim=(16, 16), axial_pos_shape=(4, 4)),  # seq 16, hidden 32
+            "dots1": dict(n_shared_experts=1), "mamba2": dict(head_dim=16, n_groups=1),  # heads x dim = 2 x hidden
+            "lfm2_moe": dict(layer_types=["full_attention", "conv"]), "zaya": dict(num_experts_per_tok=1)}
+# causal families whose model (Qwen3_5ForCausalLM, ...) is built from a text config, not their composite
+# config (which lacks its vocab_size or pad_token_id)
+TEXT_CONFIG = {"emu3", "llama4", "qwen3_5", "qwen3_5_moe", "qwen4_exp"}
+# seq2seq families whose forward makes no decoder inputs from the labels (FSMT shifts the input ids)
+GIVEN_DECODER_IDS = {"fsmt"}
 TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 0}
 
 
@@ -84,8 +98,8 @@ def families(tasks: list[str]) -> list[tuple[str, str]]:
     return [(t, name) for t in tasks for name in sorted(getattr(modeling_auto, MAPPINGS[t]))]
 
 
-def _tiny_value(key: str, default, tiny: dict):
-    if isinstance(default, (list, tuple)) and key in LISTS and all(isinstance(v, int) for v in default):
+def _tiny_value(key: str, default, tiny: dict, lists: bool = True):
+    if lists and isinstance(default, (list, tuple)) and key in LISTS and all(isinstance(v, int) for v in default):
         return LISTS[key](len(default))
     if tiny.get(key) is not None and (isinstance(default, int) and not isinstance(default, bool) or default is None):
         return tiny[key]
@@ -100,8 +114,9 @@ def _tiny_value(key: str, default, tiny: dict):
     return default
 
 
-def tiny_config(cfg_cls, tiny: dict = TINY):
-    """cfg_cls with tiny sizes where it has the fields, its sub-configs (text_config, ...) likewise."""
+def tiny_config(cfg_cls, tiny: dict = TINY, lists: bool = True):
+    """cfg_cls with tiny sizes where it has the fields, its sub-configs (text_config, ...) likewise;
+    lists=False keeps list fields (stage depths, widths) as they are."""
     default = cfg_cls()
     kw = {}
     for key in inspect.signature(cfg_cls.__init__).parameters:
@@ -109,14 +124,14 @@ def tiny_config(cfg_cls, tiny: dict = TINY):
             value = getattr(default, key)
         except Exception:  # noqa: BLE001  (absent, or a per-layer attribute that refuses a global read)
             continue
-        new = _tiny_value(key, value, tiny)
+        new = _tiny_value(key, value, tiny, lists)
         if new is not value and new != value:
             kw[key] = new
     params = inspect.signature(cfg_cls.__init__).parameters
     for key in getattr(cfg_cls, "sub_configs", None) or {}:  # by the default's class (AutoConfig ones too)
         sub = getattr(default, key, None)
         if key in params and hasattr(sub, "to_dict") and hasattr(type(sub), "model_type"):
-            kw[key] = tiny_config(type(sub), tiny)
+            kw[key] = tiny_config(type(sub), tiny, lists)
     return cfg_cls(**kw)
 
 
@@ -128,15 +143,27 @@ def build(task: str, name: str, attn: str | None, variant: int = 0, experts_eage
     from transformers.models.auto import configuration_auto, modeling_auto
     cls_name = getattr(modeling_auto, MAPPINGS[task])[name]
     model_cls = getattr(transformers, cls_name if isinstance(cls_name, str) else cls_name[0])
-    cfg = tiny_config(getattr(transformers, configuration_auto.CONFIG_MAPPING_NAMES[name]),
-                      {**TINY, **VARIANTS[variant][1]})
+    cfg_cls = getattr(transformers, configuration_auto.CONFIG_MAPPING_NAMES[name])
+    if name in TEXT_CONFIG:  # the mapping's model takes the composite's text config
+        cfg_cls = model_cls.config_class
+    own = dict(FAMILIES.get(name, {}))
+    if own.pop("defaults", False):  # the config's own sizes (dropout zeroed), then the family's fields
+        cfg = tiny_config(cfg_cls, {}, lists=False)
+        for key, value in own.items():
+            setattr(cfg, key, value)
+    else:  # (sizes through the constructor, TINY's way; other fields, such as tuples, set after it)
+        cfg = tiny_config(cfg_cls, {**TINY, **own, **VARIANTS[variant][1]})
+        for key, value in own.items():
+            if not isinstance(value, int):
+                setattr(cfg, key, value)
     if task == "image":
         cfg.num_labels = 3
     if task != "image" and getattr(cfg, "pad_token_id", 0) is None:  # a padding id some models need (ESM)
         cfg.pad_token_id = 0
     if task == "seq2seq":  # some configs leave these to the generation config; labels need them here
-        if getattr(cfg, "decoder_start_token_id", None) is None:
-            cfg.decoder_start_token_id = cfg.pad_token_id
+        if getattr(cfg, "decoder_start_token_id", None) is None:  # (composite configs: their text config's)
+            text = cfg.get_text_config()
+            cfg.decoder_start_token_id = getattr(cfg, "pad_token_id", None) or getattr(text, "pad_token_id", None) or 0
     kw = {"attn_implementation": attn} if attn else {}
     if experts_eager:
         kw["experts_implementation"] = "eager"
@@ -144,6 +171,8 @@ def build(task: str, name: str, attn: str | None, variant: int = 0, experts_eage
     def make():
         torch.manual_seed(0)
         model = model_cls._from_config(cfg, **kw).train()
+        if hasattr(model, "set_default_language"):  # X-MOD's adapters: one language's
+            model.set_default_language(cfg.languages[0])
         with torch.no_grad():  # zero-initialized matrices (routers, zero-init gates): see ZERO_MATRICES
             for p in model.parameters():
                 if p.dim() >= 2 and p.is_floating_point() and not p.any():
@@ -161,8 +190,12 @@ def build(task: str, name: str, attn: str | None, variant: int = 0, experts_eage
         ids = torch.randint(3, vocab, (BATCH, SEQ), generator=gen)
         mask = torch.ones(BATCH, SEQ, dtype=torch.long)
         mask[1, -4:] = 0
-        labels = torch.randint(3, vocab, (BATCH, TGT), generator=gen) if task == "seq2seq" else ids.clone()
+        # a seq2seq mapping's decoder-only models (audio LMs, text-only here) predict their own ids
+        decoder = task == "seq2seq" and getattr(cfg, "is_encoder_decoder", True)
+        labels = torch.randint(3, vocab, (BATCH, TGT), generator=gen) if decoder else ids.clone()
         inputs = dict(input_ids=ids, attention_mask=mask, labels=labels)
+        if decoder and name in GIVEN_DECODER_IDS:  # the labels shifted right, as the others do within
+            inputs["decoder_input_ids"] = torch.cat([torch.full((BATCH, 1), cfg.decoder_start_token_id), labels[:, :-1]], 1)
     accepted = inspect.signature(model_cls.forward).parameters
     if not any(p.kind == p.VAR_KEYWORD for p in accepted.values()):
         inputs = {k: v for k, v in inputs.items() if k in accepted}

@@ -579,6 +579,25 @@ def test_sweep_runs_one_family_and_classifies_it(tmp_path):
     assert "2 of 2 rows done" in out.read_text() and "resumed:" in out.read_text()
 
 
+@pytest.mark.parametrize("task,name", [("image", "swin"), ("image", "cvt"), ("masked", "reformer"), ("masked", "xmod"),
+                                       ("seq2seq", "qwen2_audio"), ("seq2seq", "fsmt"), ("causal", "llama4")])
+def test_sweep_builds_families_its_tiny_sizes_did_not_fit(task, name):
+    """benchmarks/sweep.py's per-family fields (FAMILIES: Swin's window, CvT's default sizes, Reformer's
+    axial shape), X-MOD's default language, a composite's text config for its causal model (Llama 4),
+    a decoder-only seq2seq model's labels (Qwen2-Audio) and FSMT's decoder ids: each of these was a
+    skipped row (the tiny build or eager failed); now eager trains the first variant in float32."""
+    import sys
+
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import sweep
+    make, inputs, label = sweep.first_runnable(task, name, None, torch.float32)
+    assert label == "", label
+    model = make()
+    loss = model(**inputs).loss
+    assert loss.isfinite() and loss.requires_grad
+
+
 def test_cuda_emu_sweep_runs_one_family_through_the_emulation_and_nvrtc():
     """benchmarks/cuda_emu_sweep.py: a family's training-step programs as CUDA, every group emulated
     against eager and every kernel compiled by NVRTC, one row with its counts."""
