@@ -410,7 +410,7 @@ def test_check_names_recomputes_that_nothing_compared(monkeypatch):
         def run_groups(gm, args, **kw):
             yield 0, dict(kind="rows", inputs=[1], made=[7, 8]), []
             yield 1, dict(kind="pointwise", inputs=[8], skipped="input 3: eager strides (1, 8), graph (8, 1)"), []
-            yield 2, dict(kind="pointwise", inputs=reads, made=[]), [("add", torch.ones(2), torch.ones(2))]
+            yield 2, dict(kind="pointwise", inputs=reads, made=[]), [("add", torch.ones(2), torch.ones(2), torch.float32)]
         return run_groups
 
     monkeypatch.setattr(cuda_emu, "run_groups", groups([7]))
@@ -419,6 +419,27 @@ def test_check_names_recomputes_that_nothing_compared(monkeypatch):
     assert ran.unchecked == [8], ran.unchecked  # its one reader was skipped: nothing compared it
     monkeypatch.setattr(cuda_emu, "run_groups", groups([7, 8]))
     assert cuda_emu.check(None, (), "stand-ins").unchecked == []
+
+
+def test_a_float32_copy_of_a_16_bit_value_is_compared_at_the_16_bit_tolerance():
+    """ProphetNet bf16 (2026-12-07 sweep): a layer norm computed in float32, rounded to bf16, then
+    converted back to float32 for a matmul. One element's float32 norm, a hair from eager's, rounded
+    to the neighbouring bf16 value; the bf16 output passed at bf16's tolerance, its float32 copy (the
+    same bf16 value, one bf16 unit from eager's) failed at float32's. The copy holds no more than the
+    bf16 value: it is compared at bf16's tolerance, and a plain float32 value at float32's."""
+    def f(x, w):
+        y = torch.nn.functional.layer_norm(x.float(), (32,), w).to(torch.bfloat16)
+        return y.float() * 1.0, (x.float() * 3.0).exp()
+
+    args = (torch.randn(6, 32).to(torch.bfloat16), torch.randn(32))
+    gm = make_fx(f)(*args)
+    conversions = {n.name: cuda_emu._precision(n, n.meta["val"]) for n in gm.graph.nodes
+                   if n.op == "call_function" and n.target == aten._to_copy.default}
+    # x.float() twice, .to(bf16), y.float(): each holds a bf16 value
+    assert list(conversions.values()) == [torch.bfloat16] * 4, conversions
+    computed = [n for n in gm.graph.nodes if n.target in (aten.mul.Tensor, aten.exp.default)]
+    assert len(computed) == 3 and all(cuda_emu._precision(n, n.meta["val"]) == torch.float32 for n in computed)
+    assert cuda_emu.check(gm, args, "float32 copies of bf16 values")
 
 
 @pytest.mark.parametrize("seed", range(0, 40, 3))
