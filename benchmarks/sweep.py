@@ -9,7 +9,12 @@ dtype. Each (family, dtype) runs in its own subprocess, single-threaded, so
 that a crash or a hang is isolated. A row is one of:
 
     ok             compare_models found no mismatch
-    mismatch       numeric (or structural) mismatches: the first 3 are listed
+    mismatch       numeric (or structural) mismatches: the first 3 are listed, then the same model
+                   compared in float64 (compare_models(dtype=float64): aotfuse's program against
+                   eager's with no lower precision's rounding): "float64 run: ... 0 mismatches"
+                   says the program computes the same function and the row's differences are
+                   rounding the model amplifies (a dtype-specific bug, of 16-bit conversions say,
+                   it cannot rule out)
     capture error  memory_efficient_fusion(fallback="error") raised CaptureError; the row then gives
                    the result of a rerun with fallback="dynamo"
     aotfuse error  any other exception from the compiled model (type, message, last aotfuse frame)
@@ -296,6 +301,11 @@ def run_one(task: str, name: str, dtype_name: str, attn: str | None) -> dict:
         res = dict(cls="aotfuse error", detail=f"{res['error']} [at {res['frame']}]")
     else:
         res["cls"] = "ok" if res["ok"] else "mismatch"
+    if res["cls"] == "mismatch" and dtype != torch.float64:  # the same program in float64: a bug or rounding?
+        try:
+            res["float64"] = _report(compare_models(make, inputs, dtype=torch.float64, steps=2, name=name))
+        except Exception as e:  # noqa: BLE001
+            res["float64"] = dict(error=_first_line(e))
     return dict(res, variant=label)
 
 
@@ -337,7 +347,11 @@ def _describe(r: dict) -> str:
     if r["cls"] == "ok":
         return r["summary"].split(": ", 1)[-1]
     if r["cls"] == "mismatch":
-        return f"{r['mismatches']} mismatches: " + "<br>".join(r["first"])
+        f64 = r.get("float64")
+        verdict = ("" if f64 is None else f"<br>float64 run: ERROR {f64['error']}" if "error" in f64
+                   else f"<br>float64 run: {f64['summary'].split(': ', 1)[-1]}" if f64["ok"]
+                   else f"<br>float64 run: {f64['mismatches']} MISMATCHES: " + "<br>".join(f64["first"]))
+        return f"{r['mismatches']} mismatches: " + "<br>".join(r["first"]) + verdict
     if r["cls"] == "capture error":
         d = r["dynamo"]
         dyn = (f"dynamo: {'ok' if d['ok'] else 'MISMATCH ' + '<br>'.join(d['first'])}" if "ok" in d

@@ -110,6 +110,19 @@ def test_large_gradient_error_fails_both_criteria_and_assert_ok_names_it():
         report.assert_ok()
 
 
+def test_float64_runs_tell_the_same_program_from_a_slightly_wrong_one():
+    """dtype=float64: aotfuse's program in float64 against eager's, to the criterion's 1e-10 of scale;
+    a gradient off by one part in a million, below float32's rounding noise (fp32 passes it), fails."""
+    report = compare_models(make_net, make_inputs, dtype=torch.float64, name="mlp64")
+    report.assert_ok()
+    assert report.checked > 20 and 0 < report.worst_fp64 < 0.5 and not report.notes, report
+    wrong = perturb_grad("fc1.weight", 1 + 1e-6)
+    assert compare_models(make_net, make_inputs, compile_fn=wrong).ok  # within float32's noise
+    report = compare_models(make_net, make_inputs, dtype=torch.float64, compile_fn=wrong)
+    assert failed_whats(report, step=0) == ["grad of fc1.weight", "fc1.weight after the update"], report
+    assert report.mismatches[0].failed == "tolerance, fp64" and report.mismatches[0].dtype == torch.float64
+
+
 def test_bf16_gradient_error_caught():
     report = compare_models(make_net, make_inputs, dtype=torch.bfloat16, compile_fn=perturb_grad("fc2.bias", 1.25))
     assert "grad of fc2.bias" in failed_whats(report, step=0)
@@ -301,12 +314,12 @@ def test_non_finite_eager_is_noted_not_failed():
 
 def test_tolerances_table():
     assert T.TOLERANCES == {torch.float32: (1e-4, 5e-3), torch.float16: (1e-2, 1e-1),
-                            torch.bfloat16: (1e-2, 1e-1)}
+                            torch.bfloat16: (1e-2, 1e-1), torch.float64: (1e-9, 1e-7)}
 
 
 def test_rejects_unknown_dtype_and_non_modules():
     with pytest.raises(ValueError, match="dtype"):
-        compare_models(make_net, make_inputs, dtype=torch.float64)
+        compare_models(make_net, make_inputs, dtype=torch.int64)
     with pytest.raises(TypeError, match="nn.Module"):
         compare_models(lambda: (lambda x: x), make_inputs)
 
