@@ -264,7 +264,8 @@ class Checked(list):
 
 def check(gm: fx.GraphModule, args, what: str = "", **kw) -> Checked:
     """Asserts every emulated group output equals eager's within its dtype's tolerance (a wider copy of
-    a 16-bit value: the 16-bit dtype's; NaN where eager has NaN); returns the launches that ran (a `Checked`, which also says what was not compared)."""
+    a 16-bit value: the 16-bit dtype's; NaN where eager has NaN); returns the launches that ran (a
+    `Checked`, which also says what was not compared)."""
     ran, made, read = Checked(), [], set()
     for gi, l, results in run_groups(gm, args, **kw):
         if "skipped" in l:
