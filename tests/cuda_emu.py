@@ -110,6 +110,13 @@ def _grid(blocks: int, threads: int, sm_count: int) -> int:
     return max(1, min(blocks, sm_count * (2048 // threads)))  # runtime.c grid_for
 
 
+def _same_strides(t: torch.Tensor, meta) -> bool:
+    """Whether a kernel addressing with meta's strides reads t's elements: the strides of the dims
+    longer than 1 agree (as the runtime's operand check, bridge.c check_one; a size-1 dim's stride
+    is never used, and an empty tensor is read nowhere)."""
+    return t.numel() <= 1 or all(n == 1 or a == b for n, a, b in zip(t.shape, t.stride(), meta.stride()))
+
+
 def _stored(t: torch.Tensor, sizes, strides, offset: int) -> torch.Tensor:
     """t's elements in logical order (reshaped, or already of `sizes`) in a fresh storage with the given
     strides and offset; the storage's other elements NaN (zero for integers)."""
@@ -214,7 +221,7 @@ def run_groups(gm: fx.GraphModule, args, sm_count: int = 1, vectorized: bool | N
             t, meta = value_of(vid)
             if t is None:  # a recompute an extern call or a skipped group made: no value to give
                 mismatch = f"input {vid}: made by no emulated kernel"
-            elif meta is not None and isinstance(t, torch.Tensor) and t.stride() != meta.stride() and t.numel() > 1:
+            elif meta is not None and isinstance(t, torch.Tensor) and not _same_strides(t, meta):
                 mismatch = f"input {vid}: eager strides {t.stride()}, graph {meta.stride()}"
             ins.append(t)
         if mismatch:  # AOTAutograd's meta can disagree with ATen's view; the runtime then runs this group's nodes as ATen calls

@@ -388,7 +388,7 @@ def test_a_value_the_plan_stores_in_another_layout_reaches_the_next_kernel_as_ea
 
 def test_check_says_which_groups_it_skipped():
     """A group whose input eager lays out otherwise than the traced graph (here a transposed input
-    where the trace had a contiguous one) is not run (the runtime would run its nodes as ATen calls):
+    where the trace had a contiguous one; not a size-1 dim's stride) is not run (the runtime would run its nodes as ATen calls):
     `check` returns no launch for it and names it with the reason in `skipped` (it dropped it silently
     before)."""
     def f(x):
@@ -400,6 +400,12 @@ def test_check_says_which_groups_it_skipped():
     assert len(ran) == 0 and len(ran.skipped) == 1 and "eager strides (1, 8)" in ran.skipped[0][1], (ran, ran.skipped)
     ran = cuda_emu.check(gm, (x.contiguous(),), "a contiguous input")
     assert len(ran) == 1 and ran.skipped == [] and ran.unchecked == [], ran
+    # a size-1 dim's stride is never used: such a group runs (the runtime's operand check ignores it;
+    # Longformer's attention had two groups skipped so before)
+    gm = make_fx(f)(torch.randn(8, 1, 16))
+    x = torch.randn(8, 16).as_strided((8, 1, 16), (16, 999, 1))
+    ran = cuda_emu.check(gm, (x,), "a size-1 dim's other stride")
+    assert len(ran) == 1 and ran.skipped == [], ran.skipped
 
 
 def test_check_names_recomputes_that_nothing_compared(monkeypatch):
