@@ -47,7 +47,7 @@ float64 kernel), so it keeps its float64 reference.
 whether the compiled program computes the same function, where rounding of a lower precision cannot
 hide anything nor be blamed. It tells a real error from rounding that an ill-conditioned model
 amplifies (batch norm over two samples on 1x1 maps: a float32 step's gradients 0.2 from float64
-where eager's are 0.001, and the same program in float64 within 1e-15 of eager). The tolerance is
+where eager's are 0.001, and the same program in float64 3e-15 from eager). The tolerance is
 ``1e-9 + 1e-7 * |e|`` elementwise and ``1e-10 * max|e|`` (or the step's largest gradient) as the
 criterion: orders of magnitude above float64's reordering noise, far below any wrong term.
 
