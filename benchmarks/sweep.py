@@ -140,14 +140,21 @@ def tiny_config(cfg_cls, tiny: dict = TINY, lists: bool = True):
     return cfg_cls(**kw)
 
 
+def _model_cls(task: str, name: str):
+    """The transformers class the task's auto mapping names for the family."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+    cls_name = getattr(modeling_auto, MAPPINGS[task])[name]
+    return getattr(transformers, cls_name if isinstance(cls_name, str) else cls_name[0])
+
+
 def build(task: str, name: str, attn: str | None, variant: int = 0, experts_eager: bool = False):
     """(make, inputs): make() seeds and returns the model in train mode; variant: of VARIANTS;
     experts_eager: a mixture of experts' experts as plain loops."""
     import torch
     import transformers
-    from transformers.models.auto import configuration_auto, modeling_auto
-    cls_name = getattr(modeling_auto, MAPPINGS[task])[name]
-    model_cls = getattr(transformers, cls_name if isinstance(cls_name, str) else cls_name[0])
+    from transformers.models.auto import configuration_auto
+    model_cls = _model_cls(task, name)
     cfg_cls = getattr(transformers, configuration_auto.CONFIG_MAPPING_NAMES[name])
     if name in TEXT_CONFIG:  # the mapping's model takes the composite's text config
         cfg_cls = model_cls.config_class
@@ -227,11 +234,7 @@ class NotRunnable(Exception):
 def has_experts(task: str, name: str) -> bool:
     """Whether the family's model can run its experts another way (transformers' heuristic: its
     modeling file uses `use_experts_implementation`)."""
-    import transformers
-    from transformers.models.auto import modeling_auto
-    cls_name = getattr(modeling_auto, MAPPINGS[task])[name]
-    model_cls = getattr(transformers, cls_name if isinstance(cls_name, str) else cls_name[0])
-    return bool(getattr(model_cls, "_can_set_experts_implementation", lambda: False)())
+    return bool(getattr(_model_cls(task, name), "_can_set_experts_implementation", lambda: False)())
 
 
 def first_runnable(task: str, name: str, attn: str | None, dtype) -> tuple:
@@ -240,7 +243,9 @@ def first_runnable(task: str, name: str, attn: str | None, dtype) -> tuple:
     first, then with them as plain loops); NotRunnable with the first variant's error where none does."""
     first = None
     loops = (False, True) if has_experts(task, name) else (False,)
-    for variant, (label, _) in enumerate(VARIANTS):
+    # a family built at its config's own sizes takes no variant: one build
+    variants = VARIANTS[:1] if FAMILIES.get(name, {}).get("defaults") else VARIANTS
+    for variant, (label, _) in enumerate(variants):
         for experts_eager in loops:
             try:
                 make, inputs = build(task, name, attn, variant, experts_eager)

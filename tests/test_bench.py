@@ -598,6 +598,32 @@ def test_sweep_builds_families_its_tiny_sizes_did_not_fit(task, name):
     assert loss.isfinite() and loss.requires_grad
 
 
+def test_first_runnable_builds_a_family_at_its_config_sizes_once(monkeypatch):
+    """A family built at its config's own sizes (FAMILIES' `defaults`) ignores VARIANTS' fields, so when
+    its eager run fails there is nothing else to try: first_runnable builds it once (it built the same
+    model four times and labelled the row with a variant that changed nothing) and says why; a tiny-size
+    family tries every variant."""
+    import sys
+
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import sweep
+    builds = []
+
+    def failing_check(make, inputs, dtype):
+        raise RuntimeError("eager failed")
+
+    monkeypatch.setattr(sweep, "build", lambda *a, **k: builds.append(a) or (None, None))
+    monkeypatch.setattr(sweep, "_eager_check", failing_check)
+    with pytest.raises(sweep.NotRunnable, match="eager failed"):
+        sweep.first_runnable("image", "cvt", None, torch.float32)
+    assert len(builds) == 1, builds
+    builds.clear()
+    with pytest.raises(sweep.NotRunnable):
+        sweep.first_runnable("causal", "llama", None, torch.float32)
+    assert [b[3] for b in builds] == list(range(len(sweep.VARIANTS))), builds
+
+
 def test_cuda_emu_sweep_runs_one_family_through_the_emulation_and_nvrtc():
     """benchmarks/cuda_emu_sweep.py: a family's training-step programs as CUDA, every group emulated
     against eager and every kernel compiled by NVRTC, one row with its counts."""
