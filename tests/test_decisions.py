@@ -349,3 +349,111 @@ def test_a_familys_value_mixed_from_sizes_and_data_keeps_the_family():
     (family,) = compiled._families.values()
     assert not family.failed and family.record.decisions.count == 1
     assert compiled.compile_count == 1  # 6, 7 and 8 answer 7 too: members, nothing traced
+
+
+def _masked(x, ids):
+    """Data-dependent shapes of masks made from the ids: a mask indexing and assigning (X-MOD's
+    adapters), the audio LMs' `logits[..., :-1, :][mask]`, nonzero, where(cond), masked_select."""
+    m = ids != 0
+    picked = x[m] * 2  # [count, 4]
+    z = torch.zeros_like(x)
+    z[m] = picked.sin()
+    shifted = x[..., :-1, :][m[:, 1:]]
+    both = x[:, m[0]]  # a mask of dim 1's size after a slice
+    sel = torch.masked_select(x, (ids > 2)[..., None])
+    rows, cols = torch.where(ids > 1)
+    return (z.sum() + picked.pow(2).sum() + shifted.tanh().sum() + both.exp().sum() + sel.cos().sum()
+            + x[rows, cols].sum() + torch.nonzero(ids > 1).sum() + torch.argwhere(m).float().mean())
+
+
+def test_masks_of_the_inputs_index_in_one_graph_guarded_by_their_counts():
+    """Boolean masks of non-grad inputs (ids, masks) give shapes that depend on their values: each
+    nonzero count is answered and guarded, the trace takes nonzero_static at that count; gradients
+    through the indexed tensor are eager's and float64's; a call whose counts differ runs another
+    program, one with the same counts and other positions the same program."""
+    compiled = aotfuse.aot_function(_masked)  # fallback="error": a capture error would raise
+    x = torch.randn(3, 5, 4, requires_grad=True)
+    ids = torch.tensor([[0, 1, 2, 3, 0], [3, 3, 0, 1, 2], [1, 0, 0, 2, 3]])
+    _agree(compiled, _masked, x, ids)
+    x64 = x.detach().double().requires_grad_()
+    g, = torch.autograd.grad(compiled(x, ids), x)
+    g64, = torch.autograd.grad(_masked(x64, ids), x64)
+    torch.testing.assert_close(g.double(), g64, rtol=1e-5, atol=1e-5)
+    (rec,) = compiled.records
+    assert rec.decisions is not None and len(rec.decisions.counts) >= 5
+    ran = rec.programs["forward"].extern_counts()
+    assert ran.get("aten::nonzero_static.default", 0) >= 5 and "aten::nonzero.default" not in ran, ran
+    same_counts = ids[:, [1, 0, 2, 4, 3]]  # each row's values moved: the counts are the same
+    _agree(compiled, _masked, x, same_counts)
+    assert compiled.compile_count == 1
+    other = ids.clone()
+    other[0, 0] = 2  # one more nonzero
+    _agree(compiled, _masked, x, other)
+    assert compiled.compile_count == 2
+    _agree(compiled, _masked, x, ids)
+    assert compiled.compile_count == 2
+
+
+def test_a_mask_count_that_keeps_changing_runs_the_fallback_past_two_others():
+    """Padding masks change their counts at every batch: past two programs traced for other counts,
+    a function with fallback="dynamo" runs the rest under Dynamo (its graph break at the shape);
+    with the default fallback ("error") each count is traced up to the cache limit."""
+    def f(x, mask):
+        return (x[mask != 0] * 3).sin().sum()
+
+    x = torch.randn(2, 8, requires_grad=True)
+    masks = [(torch.arange(8) < n).long().expand(2, 8) for n in (8, 7, 6, 5, 4, 7)]
+    compiled = aotfuse.aot_function(f, fallback="dynamo")
+    for n, mask in enumerate(masks):
+        _agree(compiled, f, x, mask)
+        assert (compiled.last_entry is None) == (n in (3, 4)), n  # counts 10 and 8: the fallback ran
+    assert compiled.compile_count == 3
+    plain = aotfuse.aot_function(f)
+    for mask in masks:
+        _agree(plain, f, x, mask)
+    assert plain.compile_count == 5
+
+
+def test_masks_not_answered_stay_capture_errors_and_a_mismatched_mask_raises():
+    """A mask of values that require grad (`x[x > 0]`) has no shadow: a capture error as before; a
+    mask whose sizes are not the indexed dimensions' raises as eager does, never indexes silently."""
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(aotfuse.CaptureError, match="nonzero"):
+        aotfuse.aot_function(lambda x: x[x > 0].sum())(x)
+
+    def wrong(x, ids):
+        return x[ids != 0].sum()
+
+    ids = torch.ones(3, 3, dtype=torch.long)
+    with pytest.raises(IndexError):
+        wrong(x, ids)
+    with pytest.raises((aotfuse.CaptureError, IndexError)):
+        aotfuse.aot_function(wrong)(x, ids)
+
+
+def test_an_assignment_through_a_mask_that_needs_no_positions_is_not_guarded():
+    """`x[mask] = 0.0` (and a 0-d or one-element value that needs no gradient) is ATen's masked fill:
+    its shape does not depend on the mask, so it is traced as it is, with no count to guard; a value
+    that requires grad is read back at the mask's positions by the backward, and is counted."""
+    def fill(x, ids):
+        z = x * 2
+        z[ids != 0] = 0.5
+        z[ids == 2] = torch.tensor(3.0)
+        return z.pow(2).sum()
+
+    def from_grad(x, ids):
+        z = x * 2
+        z[ids != 0] = x.sum()
+        return z.pow(2).sum()
+
+    x, ids = torch.randn(3, 5, requires_grad=True), torch.tensor([[0, 1, 2, 0, 1]] * 3)
+    for f, guarded in ((fill, False), (from_grad, True)):
+        compiled = aotfuse.aot_function(f)
+        _agree(compiled, f, x, ids)
+        assert (compiled.records[0].decisions is not None) == guarded, f.__name__
+
+
+def test_switched_off_a_mask_index_is_a_capture_error(monkeypatch):
+    monkeypatch.setenv("AOTFUSE_DECISIONS", "0")
+    with pytest.raises(aotfuse.CaptureError, match="nonzero"):
+        aotfuse.aot_function(lambda x, ids: x[ids != 0].sum())(torch.randn(3, requires_grad=True), torch.ones(3))

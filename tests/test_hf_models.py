@@ -8,7 +8,9 @@ Paths:
 - Longformer: memory_efficient_fusion(model) whole since 2026-12-07: its encoder's
   `is_index_global_attn.flatten().any().item()` is answered from the call's attention mask while
   tracing and guarded at each call (aotfuse/decisions.py); a call with global attention is traced
-  for that answer, whose nonzero() one graph cannot hold (CaptureError, or the fallback). Also
+  for that answer, one graph too since 2026-12-07's fifty-third session: its nonzero() of the global
+  mask is nonzero_static at the mask's guarded count, its `new_zeros(batch, max_num_global, ...)`
+  the max's guarded value. Also
   torch.compile(model, backend="aotfuse", dynamic=False): Dynamo splits the model at the .item()
   (4 graphs, 3 breaks; more with global attention) and aotfuse compiles each graph; and
   memory_efficient_fusion on each LongformerLayer (the branch arrives there as a Python bool, part
@@ -175,41 +177,39 @@ def test_longformer_memory_efficient_fusion_one_graph(dtype):
 
 def test_longformer_global_attention_call_takes_its_own_trace():
     """A call whose mask asks for global attention answers the guarded `.item()` otherwise: it is
-    traced for that answer (its nonzero() then refuses one graph: CaptureError under the default
-    fallback, Dynamo's pieces under fallback="dynamo"), and calls without global attention go on
-    running the first program."""
+    traced for that answer, as one graph (its nonzero() of the global mask at the mask's guarded
+    count), and calls without global attention go on running the first program; another global
+    mask with as many global tokens, elsewhere, runs the global program."""
     model = model_factory("longformer")()
     plain, glob = make_inputs(), make_inputs(global_attention=True)
-    compiled = aotfuse.memory_efficient_fusion(model)
-    torch.testing.assert_close(compiled(**plain).loss, model(**plain).loss)
-    with pytest.raises(aotfuse.CaptureError, match="DynamicOutputShapeException.*nonzero"):
-        compiled(**glob)
-    torch.testing.assert_close(compiled(**plain).loss, model(**plain).loss)
-    assert compiled._aotfuse_compiled.compile_count == 1 + 1  # the first program, and the refused answer's try
-
-    compiled = aotfuse.memory_efficient_fusion(model, fallback="dynamo")
-    compiled(**plain)
+    moved = make_inputs(global_attention=True)
+    moved["global_attention_mask"] = moved["global_attention_mask"].roll(3, dims=1)
+    compiled = aotfuse.memory_efficient_fusion(model)  # fallback="error": a capture error would raise
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        torch.testing.assert_close(compiled(**glob).loss, model(**glob).loss)
-        torch.testing.assert_close(compiled(**plain).loss, model(**plain).loss)
-        torch.testing.assert_close(compiled(**glob).loss, model(**glob).loss)
-    assert sum("could not capture" in str(w.message) for w in caught) == 1, [str(w.message) for w in caught]
-    cf = compiled._aotfuse_compiled
-    assert len(cf.records) == 1 and cf.last_entry is not None, cf.records  # the plain program, and not a fallback
-    torch._dynamo.reset()
+        for inputs in (plain, glob, plain, moved, glob):
+            torch.testing.assert_close(compiled(**inputs).loss, model(**inputs).loss)
+            assert compiled._aotfuse_compiled.last_entry is not None  # a program ran, not a fallback
+    assert not [str(w.message) for w in caught if "aotfuse" in str(w.message)]
+    assert compiled._aotfuse_compiled.compile_count == 2  # the first program, and global attention's
 
 
-def test_longformer_memory_efficient_fusion_fallback_dynamo():
-    """PATH: memory_efficient_fusion(model, fallback="dynamo") with global attention from the first
-    call: the whole-graph capture fails at its nonzero(), so (with one warning) the model runs under
-    torch.compile with aotfuse's backend."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        check("longformer", global_attention=True,
-              compile_fn=lambda m: aotfuse.memory_efficient_fusion(m, fallback="dynamo"))
-    assert any("could not capture" in str(w.message) for w in caught)
-    torch._dynamo.reset()
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
+def test_longformer_global_attention_is_one_graph(dtype):
+    """PATH: memory_efficient_fusion(model) with global attention and padding from the first call:
+    one graph since 2026-12-07's fifty-third session (it was a capture error at the nonzero() of the
+    global mask, and ran as Dynamo's pieces under fallback="dynamo"); eager's and float64's values,
+    the global mask's counts among the guarded answers."""
+    compiled = []
+
+    def compile_fn(m):
+        compiled.append(aotfuse.memory_efficient_fusion(m))
+        return compiled[-1]
+
+    check("longformer", dtype=dtype, mask=True, global_attention=True, compile_fn=compile_fn)
+    cf = compiled[0]._aotfuse_compiled
+    assert cf.compile_count == 1 and len(cf.records) == 1, cf.records
+    assert cf.records[0].decisions is not None and cf.records[0].decisions.counts, cf.records[0].decisions
 
 
 def test_longformer_torch_compile_bf16_eval():
@@ -231,8 +231,8 @@ def test_longformer_torch_compile_fp32_train_attention_mask_global_attention():
 def test_longformer_per_layer_memory_efficient_fusion():
     """PATH: memory_efficient_fusion on each LongformerLayer (regional); embeddings and LM head run
     eagerly. The data-dependent is_global_attn reaches each layer as a Python bool, which is part
-    of aotfuse's signature key, so a batch with global attention gets its own signature (which
-    needs nonzero() inside the layer: CaptureError, or eager with fallback="eager")."""
+    of aotfuse's signature key, so a batch with global attention gets its own signature (the
+    layer's nonzero() of the global mask answered at its count, as for the whole model)."""
     compiled_layers = []
 
     def per_layer(model):

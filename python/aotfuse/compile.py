@@ -938,6 +938,7 @@ class CompiledFunction:
         if decided is not None and decided is not entry:
             if decided.fallback is not None:
                 args, kwargs = tree  # (no entry: AOTModule's shortcut would send every call of the signature there)
+                self.last_entry = None
                 return decided.fallback(*args, **kwargs), None
             entry = self.last_entry = decided
         if entry.fallback is not None:
@@ -962,6 +963,13 @@ class CompiledFunction:
             if outcome is None:
                 return entry
             alt = entry.alternatives.get(outcome) if entry.alternatives else None
+            if alt is None and self.fallback in ("eager", "dynamo") and \
+                    decisions.is_count(entry.record.decisions, outcome) and \
+                    sum(k[0] == outcome[0] for k in entry.alternatives or ()) >= decisions.COUNT_TRACES:
+                # a mask whose count keeps changing (padding): every other count runs the fallback,
+                # where Dynamo breaks the graph at the data-dependent shape
+                outcome = ("count", outcome[0])
+                alt = entry.alternatives.get(outcome)
             if alt is None or not alt.ready:
                 with config.compile_lock():
                     alt = entry.alternatives.get(outcome) if entry.alternatives else None
@@ -972,7 +980,18 @@ class CompiledFunction:
 
     def _first_alternative(self, entry: _Entry, outcome: tuple, leaves: list, spec: tuple, tree: Any,
                            extra: tuple) -> tuple:
-        """_decide's new alternative (under the compile lock): traced and run for this call."""
+        """_decide's new alternative (under the compile lock): traced and run for this call; a count
+        past those traced runs the fallback (_decide)."""
+        if outcome[0] == "count":
+            alt = _Entry(None, entry.tensor_idx, entry.record)
+            self._fall_back(alt)
+            alt.ready = True
+            entry.alternatives[outcome] = alt
+            config.emit("cache", f"{self.name}: {decisions.describe(entry.record.decisions, outcome)}: other "
+                                 f"counts run {'eagerly' if self.fallback == 'eager' else 'under Dynamo'}")
+            args, kwargs = tree
+            self.last_entry = None
+            return alt.fallback(*args, **kwargs), None
         limit = self.max_cache_size or config.cache_size()
         if self._decided >= limit:
             if not self._warned_decided:

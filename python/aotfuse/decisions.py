@@ -19,11 +19,22 @@ whose answer differs takes another program, traced for it (compile.py, `_Entry.a
 guards only the comparison's truth (`lengths.max().item() <= slen` holds for every batch that
 fits), any other use (arithmetic, a size, `int()`, `range()`) specializes on the exact value.
 Tensors that require grad (parameters, activations) get no shadow: a question about them stays a
-capture error, as do data-dependent shapes (`nonzero`, boolean indexing). Random ops get no
+capture error. Random ops get no
 shadow (running them twice would move the generator), nor matmuls, convolutions, attention and
 embeddings (a guard's steps should be cheap: masks and ids, not a frozen model's activations); a write into a tensor that shares the
 caller's storage, or into a shadowed tensor from values without shadows, ends the shadows for the
 pass. The fallbacks remain for the rest.
+
+A shape that depends on a shadowed tensor's values is answered the same way: `nonzero`, `argwhere`,
+one-argument `where`, `masked_select`, and indexing or assigning through a boolean mask
+(`hidden[lang_mask]`, X-MOD's adapters; `logits[attention_mask != 0]`, the audio LMs' loss) ask how
+many elements are nonzero (`nonzero_count`, guarded exactly: a count decision), and the trace takes
+`nonzero_static(mask, size=count)` where it had `nonzero(mask)`: a mask in an index becomes the
+columns of its positions (ATen's own reading of a mask), after a check that its sizes are those of
+the dimensions it indexes. The tensor indexed may require grad (its gradient is the positions'
+index_put). A call whose count differs runs another program; past COUNT_TRACES (2) other counts of one decision
+a function with a fallback (`fallback="dynamo"` or `"eager"`) runs that for every other count
+(compile.py, `_decide`): masks that change at every batch (padding) are Dynamo's graph break.
 
 In a shape family's trace (shapes.py) the traced sizes are symbolic: a step's size arguments
 (`view(batch, length)`, `arange(length)`) and a comparison's operand (`<= slen`) are kept as the
@@ -69,6 +80,14 @@ _SCALAR_READERS = {torch.arange, torch.zeros, torch.ones, torch.full, torch.eye,
 # functions that read a tensor's values into a Python value (a fake tensor refuses them)
 _QUESTIONS = {_TB.item, _TB.tolist, _TB.__bool__, _TB.__int__, _TB.__float__, _TB.__index__, _TB.equal,
               _TB.allclose, _TB.is_nonzero, torch.equal, torch.allclose, torch.is_nonzero, torch.Tensor.__contains__}
+# functions whose output's shape is a mask's count of nonzero elements
+_NONZERO = {torch.nonzero, _TB.nonzero, torch.argwhere, _TB.argwhere}
+_MASKED_SELECT = {torch.masked_select, _TB.masked_select}
+_INDEXING = {_TB.__getitem__, _TB.__setitem__}
+_COUNTED = _NONZERO | _MASKED_SELECT | _INDEXING | {torch.where, _TB.where}
+_MASK_DTYPES = (torch.bool, torch.uint8)
+_NOT_ANSWERED = object()
+COUNT_TRACES = 2  # programs traced for other counts of one count decision, before the fallback runs the rest
 _OPS = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge, "eq": operator.eq,
         "ne": operator.ne}
 _SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -96,6 +115,11 @@ def _plain() -> Iterator[None]:
     function modes, no autograd."""
     with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.no_grad():
         yield
+
+
+def nonzero_count(t: torch.Tensor) -> int:
+    """The question a data-dependent shape asks of a shadowed tensor: how many elements are nonzero."""
+    return int(torch.count_nonzero(t))
 
 
 class SizeDependentDecision(RuntimeError):
@@ -134,6 +158,7 @@ class Decisions:
         self.inputs = inputs  # slot -> index among the compiled function's tensors
         self.steps = steps
         self.count = count
+        self.counts: frozenset[int] = frozenset()  # the answers that are nonzero counts (shapes)
         # a family's trace: each symbol its steps read -> (tensor index, dimension) it is the size of
         self.sizes = sizes if sizes and any(_step_symbolic(s) for s in steps) else None
         self._at: dict[tuple, list[_Step]] = {}  # the steps made numbers, by the call's sizes
@@ -283,6 +308,7 @@ class input_decisions(TorchFunctionMode):
         self.steps: list[_Step] = []
         self.inputs: dict[int, int] = {}
         self.count = 0
+        self.counts: set[int] = set()  # the decisions that are nonzero counts
         self.input_storages: set[int] = set()
         # a family's trace: the slots worked out from symbolic sizes alone (no input's values: Funnel's
         # positions, `arange(length)`), and those that read an input's values
@@ -373,18 +399,39 @@ class input_decisions(TorchFunctionMode):
     def finish(self) -> Decisions | None:
         if not self.count:
             return None
-        return Decisions(self.inputs, _needed(self.steps, self.storages), self.count, self.sizes)
+        out = Decisions(self.inputs, _needed(self.steps, self.storages), self.count, self.sizes)
+        out.counts = frozenset(self.counts)
+        return out
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not self.active:
             return func(*args, **kwargs)
+        if func in _COUNTED:
+            out = self._counted(func, args, kwargs)
+            if out is not _NOT_ANSWERED:
+                return out
+        return self._call(func, args, kwargs)
+
+    def _call(self, func, args: tuple, kwargs: dict) -> Any:
         shadow = self.shadow
         top = (*args, *kwargs.values())
         if any(isinstance(a, torch.Tensor) and id(a) not in shadow for a in top) and \
                 not any(type(a) is DecidedNumber for a in top):
             # (the common case, an activation: no pytree walk) a call with a tensor without shadow
-            out = func(*args, **kwargs)
+            try:
+                out = func(*args, **kwargs)
+            except Exception as e:
+                # a shadowed 0-d tensor where a number goes, beside an activation (Longformer's
+                # `key_vectors.new_zeros(batch, max_num_global_attn_indices, ...)`): its value
+                if "DataDependent" not in type(e).__name__:
+                    raise
+                leaves, spec = tree_flatten((args, kwargs))
+                numbers = self._as_numbers(leaves)
+                if numbers is None:
+                    raise
+                args, kwargs = tree_unflatten(numbers, spec)
+                out = func(*args, **kwargs)
             if (args and isinstance(args[0], torch.Tensor) and id(args[0]) in shadow or "out" in kwargs) and \
                     any(id(t) in shadow for t in _written(func, args, kwargs)):
                 self.active = False  # a shadowed tensor written from values without shadows: its shadow is stale
@@ -423,6 +470,113 @@ class input_decisions(TorchFunctionMode):
         elif tensors and any(id(t) in self.shadow for t in _written(func, args, kwargs)):
             self.active = False  # a shadowed tensor written from values without shadows: its shadow is stale
         return out
+
+    def _is_mask(self, x: Any) -> bool:
+        return isinstance(x, torch.Tensor) and x.dtype in _MASK_DTYPES and x.dim() > 0 and id(x) in self.shadow
+
+    def _counted(self, func, args: tuple, kwargs: dict) -> Any:
+        """A data-dependent shape of a shadowed tensor (module docstring): the call with the mask's
+        positions as `nonzero_static` of its guarded count; _NOT_ANSWERED where it is not such a call
+        or cannot be answered (the trace then raises as before)."""
+        if func in _INDEXING:
+            if len(args) < 2 or kwargs or not any(self._is_mask(i) for i in (
+                    args[1] if isinstance(args[1], tuple) else (args[1],))):
+                return _NOT_ANSWERED
+            # an assignment of values that require grad: its backward reads them at the mask's positions
+            # (`hidden[mask] = adapted`); others may need no positions at all (`x[mask] = 0.0` is a
+            # masked_fill) and are tried as they are first: no shape to answer, nothing to guard
+            if not (len(args) == 3 and isinstance(args[2], torch.Tensor) and args[2].requires_grad):
+                try:
+                    return self._call(func, args, kwargs)
+                except Exception as e:
+                    if "DynamicOutputShape" not in type(e).__name__ and "DataDependent" not in type(e).__name__:
+                        raise
+            index = self._mask_index(args[0], args[1])
+            if index is None:
+                return _NOT_ANSWERED
+            return self._call(func, (args[0], index, *args[2:]), {})
+        if func in _MASKED_SELECT:
+            x = args[0] if args else kwargs.get("input")
+            mask = args[1] if len(args) > 1 else kwargs.get("mask")
+            if len(args) > 2 or set(kwargs) - {"input", "mask"} or not isinstance(x, torch.Tensor) or \
+                    not self._is_mask(mask) or mask.dtype != torch.bool:
+                return _NOT_ANSWERED
+            shape = torch.broadcast_shapes(x.shape, mask.shape)
+            mask = self._traced(_TB.expand, mask, shape)
+            if id(mask) not in self.shadow:
+                return _NOT_ANSWERED
+            return self._counted(_TB.__getitem__, (self._traced(_TB.expand, x, shape), mask), {})
+        if func in (torch.where, _TB.where):  # where(condition): nonzero(condition, as_tuple=True)
+            if len(args) != 1 or kwargs:
+                return _NOT_ANSWERED
+            as_tuple = True
+        else:
+            if len(args) != 1 or set(kwargs) - {"as_tuple"}:
+                return _NOT_ANSWERED
+            as_tuple = bool(kwargs.get("as_tuple", False))
+        positions = self._positions(args[0])
+        if positions is None:
+            return _NOT_ANSWERED
+        return tuple(self._traced(_TB.unbind, positions, 1)) if as_tuple else positions
+
+    def _positions(self, mask: Any) -> torch.Tensor | None:
+        """`nonzero(mask)` in the trace as `nonzero_static(mask, size=count)`, the count answered and
+        guarded exactly; None where the mask has no shadow or the count cannot be answered."""
+        if not isinstance(mask, torch.Tensor) or mask.dim() == 0 or id(mask) not in self.shadow or mask.is_complex():
+            return None
+        answered = self._answer(nonzero_count, [mask], tree_flatten(((mask,), {}))[1])
+        if answered is None:
+            return None
+        self.counts.add(self.steps[-1].decisions[-1][0])
+        return self._traced(torch.nonzero_static, mask, size=answered[0])
+
+    def _traced(self, func, *args: Any, **kwargs: Any) -> Any:
+        """func(*args, **kwargs) in the trace (this mode is off within its own handler), shadowed
+        where its tensors are."""
+        out = func(*args, **kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
+        if self.active and all(id(t) in self.shadow for t in leaves if isinstance(t, torch.Tensor)):
+            self._shadow(func, leaves, spec, out)
+        return out
+
+    def _mask_index(self, x: Any, index: Any) -> tuple | None:
+        """index with each shadowed boolean mask replaced by the columns of its positions (a k-d mask
+        by k index tensors, as ATen reads it), or None where it holds no such mask, holds an item of
+        a kind not read here, or a mask's sizes are not those of the dimensions it indexes (eager
+        raises there; the trace then does too)."""
+        items = index if isinstance(index, tuple) else (index,)
+        if not isinstance(x, torch.Tensor):
+            return None
+        used = 0  # the dimensions of x the items index
+        for it in items:
+            if isinstance(it, torch.Tensor):
+                used += it.dim() if it.dtype in _MASK_DTYPES else 1
+            elif isinstance(it, (int, slice, torch.SymInt)) and not isinstance(it, bool):
+                used += 1
+            elif it is not None and it is not Ellipsis:
+                return None  # lists, Python bools, arrays: ATen's own reading
+        if used > x.dim() or sum(it is Ellipsis for it in items) > 1:
+            return None
+        out, dim = [], 0
+        for it in items:
+            if it is Ellipsis:
+                dim += x.dim() - used
+            elif self._is_mask(it):
+                sizes = x.shape[dim:dim + it.dim()]
+                if len(sizes) != it.dim() or not all(a == b for a, b in zip(it.shape, sizes)):
+                    return None
+                positions = self._positions(it)
+                if positions is None:
+                    return None
+                out.extend(self._traced(_TB.unbind, positions, 1))
+                dim += it.dim()
+                continue
+            elif isinstance(it, torch.Tensor):
+                dim += it.dim() if it.dtype in _MASK_DTYPES else 1
+            elif it is not None:
+                dim += 1
+            out.append(it)
+        return tuple(out)
 
     def _real(self, leaves: list, spec) -> tuple:
         real = [self.values[self.shadow[id(x)]] if isinstance(x, torch.Tensor) else
@@ -592,10 +746,17 @@ def check(decisions: Decisions, tensors: list) -> tuple | None:
     return None
 
 
+def is_count(decisions: Decisions, outcome: tuple) -> bool:
+    """Whether check's outcome is a nonzero count (a data-dependent shape) that differs."""
+    return outcome[0] in decisions.counts
+
+
 def describe(decisions: Decisions, outcome: tuple) -> str:
     """One line for AOTFUSE_LOG=cache: which answer differed and how."""
     if outcome[0] == "error":
         return f"replaying the steps failed ({outcome[1]})"
+    if outcome[0] == "count":
+        return f"a nonzero count (a data-dependent shape) differs from the {COUNT_TRACES} traced"
     for step in decisions.steps:
         for index, op, operand, expected in step.decisions:
             if index == outcome[0]:
