@@ -457,3 +457,38 @@ def test_switched_off_a_mask_index_is_a_capture_error(monkeypatch):
     monkeypatch.setenv("AOTFUSE_DECISIONS", "0")
     with pytest.raises(aotfuse.CaptureError, match="nonzero"):
         aotfuse.aot_function(lambda x, ids: x[ids != 0].sum())(torch.randn(3, requires_grad=True), torch.ones(3))
+
+
+def test_the_same_steps_asked_again_are_recorded_once_and_writes_stay_exact():
+    """Each layer asking the same questions of the same mask (Longformer's layers) records the steps
+    once: the guard replays them once a call. A tensor written in place after an equal one was made
+    (two `zeros`, two `ids == 0`) keeps its own values: factories are never shared, and a write into
+    a result two traced tensors share ends the answers (a capture error, never a stale answer)."""
+    def layers(x, ids):
+        for _ in range(6):
+            m = ids != 0
+            if m.sum().item() > 3:
+                x = x * m.sum(1, keepdim=True)
+            x = x + x[m].sum()
+        return x
+
+    compiled = aotfuse.aot_function(layers)
+    x, ids = torch.randn(2, 5, requires_grad=True), torch.tensor([[0, 1, 2, 0, 1], [3, 0, 0, 1, 2]])
+    _agree(compiled, layers, x, ids)
+    d = compiled.records[0].decisions
+    assert d.count == 2 and len(d.counts) == 1 and len(d.steps) <= 5, (d, [decisions._name(s.func) for s in d.steps])
+
+    def fresh(x, ids):
+        a, b = torch.zeros(3), torch.zeros(3)
+        a[0] = 1.0
+        return x * 2 if b.sum().item() == 0 else x
+
+    _agree(aotfuse.aot_function(fresh), fresh, x, ids)
+
+    def shared(x, ids):
+        a, b = ids == 0, ids == 0
+        a[0, 0] = True
+        return x * 2 if b[0, 0].item() else x
+
+    with pytest.raises(aotfuse.CaptureError, match="DataDependentOutputException"):
+        aotfuse.aot_function(shared)(x, ids.clone() + 1)

@@ -309,6 +309,12 @@ class input_decisions(TorchFunctionMode):
         self.inputs: dict[int, int] = {}
         self.count = 0
         self.counts: set[int] = set()  # the decisions that are nonzero counts
+        # steps already recorded, by (func, arguments): the same call again (each layer asking the
+        # same questions of the same mask: Longformer's 12 layers) reuses their slots and answers;
+        # emptied at each write, and a write into a storage two traced tensors share ends the pass
+        self.memo: dict[tuple, tuple] = {}
+        self.shared_storages: set[int] = set()
+        self.last_question: _Step | None = None
         self.input_storages: set[int] = set()
         # a family's trace: the slots worked out from symbolic sizes alone (no input's values: Funnel's
         # positions, `arange(length)`), and those that read an input's values
@@ -527,7 +533,7 @@ class input_decisions(TorchFunctionMode):
         answered = self._answer(nonzero_count, [mask], tree_flatten(((mask,), {}))[1])
         if answered is None:
             return None
-        self.counts.add(self.steps[-1].decisions[-1][0])
+        self.counts.update(d[0] for d in self.last_question.decisions)
         return self._traced(torch.nonzero_static, mask, size=answered[0])
 
     def _traced(self, func, *args: Any, **kwargs: Any) -> Any:
@@ -590,18 +596,36 @@ class input_decisions(TorchFunctionMode):
     def _template(self, leaves: list) -> list:
         return [_Slot(self.shadow[id(x)]) if isinstance(x, torch.Tensor) else x for x in leaves]
 
+    def _memo_key(self, func, template: list, spec, question: bool) -> tuple | None:
+        try:
+            key = (func, question, spec, tuple(("slot", x.i) if isinstance(x, _Slot) else (type(x), x)
+                                               for x in template))
+            hash(key)
+            return key
+        except Exception:  # noqa: BLE001 - unhashable arguments (SymInts, slices): recorded anew
+            return None
+
     def _answer(self, func, leaves: list, spec) -> tuple | None:
         """(the answer,) of a question about shadowed tensors, or None (the trace asks it: an error)."""
-        if self._unbound(leaves):
+        if self._unbound(leaves) or any(isinstance(x, torch.Tensor) and id(x) not in self.shadow for x in leaves):
             return None
-        try:
-            with _plain():
-                a, k = self._real(leaves, spec)
-                value = func(*a, **k)
-        except Exception:  # noqa: BLE001 - the traced call raises what it raises
-            return None
-        step = _Step(func, self._template(leaves), spec, [], True, None)
-        self.steps.append(step)
+        template = self._template(leaves)
+        key = self._memo_key(func, template, spec, True)
+        seen = self.memo.get(key) if key is not None else None
+        if seen is not None:
+            step, value = seen
+        else:
+            try:
+                with _plain():
+                    a, k = self._real(leaves, spec)
+                    value = func(*a, **k)
+            except Exception:  # noqa: BLE001 - the traced call raises what it raises
+                return None
+            step = _Step(func, template, spec, [], True, None)
+            self.steps.append(step)
+            if key is not None:
+                self.memo[key] = (step, value)
+        self.last_question = step
         if func is _TB.item and not isinstance(value, bool):
             return (DecidedNumber(self, step, value),)
         self.decide(step, "eq", None, value)
@@ -632,9 +656,27 @@ class input_decisions(TorchFunctionMode):
         if not written and not any(isinstance(o, torch.Tensor) for o in outs):
             return  # metadata (sizes, dtypes): the signature fixes it
         target = self.shadow.get(id(written[0])) if written else None
-        if written and (target is None or self.storages[target] in self.input_storages):
-            self.active = False  # a replay would write the caller's tensor
+        if written and (target is None or self.storages[target] in self.input_storages
+                        or self.storages[target] in self.shared_storages):
+            self.active = False  # a replay would write the caller's tensor, or one another traced tensor shares
             return
+        template = self._template(leaves)
+        if written:
+            self.memo.clear()
+        elif template and any(isinstance(x, _Slot) for x in template):  # (factories: each call a tensor of its own)
+            key = self._memo_key(func, template, spec, False)
+            seen = self.memo.get(key) if key is not None else None
+            if seen is not None and len(seen) == len(outs):
+                read = {self.storages[x.i] for x in template if isinstance(x, _Slot)}
+                for o, slot in zip(outs, seen):  # the same call again: its results' slots
+                    if isinstance(o, torch.Tensor) and slot is not None:
+                        self.shadow[id(o)] = slot
+                        self.keep.append(o)
+                        if self.storages[slot] not in read:  # (a view of what it reads shares it in the trace too)
+                            self.shared_storages.add(self.storages[slot])
+                    elif isinstance(o, torch.Tensor):
+                        self.shadow.pop(id(o), None)
+                return
         try:
             with _plain():
                 a, k = self._real(leaves, spec)
@@ -647,8 +689,7 @@ class input_decisions(TorchFunctionMode):
         if len(reals) != len(outs) or any(isinstance(o, torch.Tensor) != isinstance(r, torch.Tensor)
                                           for o, r in zip(outs, reals)):
             return
-        template = self._template(leaves)  # before the outputs' slots: an in-place op returns its argument
-        slots = []
+        slots = []  # (template: made before the outputs' slots, as an in-place op returns its argument)
         for o, r in zip(outs, reals):
             if isinstance(o, torch.Tensor) and r.numel() <= _MAX_NUMEL and _traced_shape(o.shape) == tuple(r.shape):
                 slots.append(self._new_slot(o, r))
@@ -657,6 +698,10 @@ class input_decisions(TorchFunctionMode):
                 if isinstance(o, torch.Tensor):
                     self.shadow.pop(id(o), None)
         step = _Step(func, template, spec, slots, False, target)
+        if not written and any(isinstance(x, _Slot) for x in template):
+            key = self._memo_key(func, template, spec, False)
+            if key is not None:
+                self.memo[key] = tuple(slots)
         if self.sizes:
             made = [s for s in slots if s is not None] + ([target] if target is not None else [])
             if any(r in self.data for r in step.reads):
