@@ -58,6 +58,10 @@ static const char *const prelude =
 #define AF_THREADS 256
 #define AF_COLUMN_TILE 32 /* columns per block (one warp wide) */
 #define AF_COLUMN_LANES 8 /* rows walked side by side per block */
+/* a column kernel's shared tiles (LANES x (TILE + 1) floats, 1056 bytes each) at most: 33.8 KB of the
+ * 48 KB of static shared memory a kernel may declare (ConvNeXt's 7x7 depthwise weight gradient is 49
+ * column sums in one kernel: 51.7 KB, which ptxas refuses); more reductions take turns over them */
+#define AF_COLUMN_SHARED_TILES 32
 
 /* "int" when every index the kernel forms fits in 31 bits with room for a grid stride. */
 static const char *index_type(const af_cg_space *sp) { return af_cg_narrow_index(sp) ? "int" : "int64_t"; }
@@ -473,6 +477,45 @@ static void emit_split_rows(af_strbuf *sb, const af_graph *g, const af_fusion_gr
     launch->workspace = (int64_t)grp->n_reductions * split * rows * (int64_t)sizeof(double);
 }
 
+/* A column kernel's block totals where its reductions outnumber the shared tiles: rounds of
+ * AF_COLUMN_SHARED_TILES reductions, each storing its lanes' sums in sh[j], combining them in lane 0
+ * into its chunk partial ws[r][chunk][c], and waiting for the block before the next round's stores. */
+static void emit_column_rounds(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, int32_t nred, int64_t split,
+                               int64_t columns) {
+    for (int32_t lo = 0; lo < nred; lo += AF_COLUMN_SHARED_TILES) {
+        int32_t hi = lo + AF_COLUMN_SHARED_TILES < nred ? lo + AF_COLUMN_SHARED_TILES : nred;
+        for (int pass = 0; pass < 3; pass++) { /* stores, then lane 0's combine, then its partials */
+            if (pass == 1) {
+                af_strbuf_printf(sb, "    __syncthreads();\n    if (ty == 0 && c < %" PRId64 ") {\n", columns);
+                af_strbuf_printf(sb, "      for (int l = 1; l < %d; l++) {\n", AF_COLUMN_LANES);
+            } else if (pass == 2) {
+                af_strbuf_printf(sb, "      }\n");
+            }
+            int32_t r = 0;
+            for (int32_t m = 0; m < grp->n_nodes; m++) {
+                const af_node *n = af_graph_node(g, grp->nodes[m]);
+                if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION) continue;
+                int v = (int)n->first_output, j = r - lo;
+                if (r >= lo && r < hi) {
+                    if (pass == 0)
+                        af_strbuf_printf(sb, "    sh[%d][ty][tx] = acc%d;\n", j, v);
+                    else if (pass == 1 && n->op_id == AF_OP_AMAX)
+                        af_strbuf_printf(sb, "        acc%d = af_max(acc%d, sh[%d][l][tx]);\n", v, v, j);
+                    else if (pass == 1 && n->op_id == AF_OP_AMIN)
+                        af_strbuf_printf(sb, "        acc%d = af_min(acc%d, sh[%d][l][tx]);\n", v, v, j);
+                    else if (pass == 1)
+                        af_strbuf_printf(sb, "        acc%d += sh[%d][l][tx];\n", v, j);
+                    else if (pass == 2)
+                        af_strbuf_printf(sb, "      ws[(%" PRId64 " + (int64_t)blockIdx.y) * %" PRId64 " + c] = acc%d;\n",
+                                         (int64_t)r * split, columns, v);
+                }
+                r++;
+            }
+        }
+        af_strbuf_printf(sb, "    }\n    __syncthreads();\n");
+    }
+}
+
 /* Column reductions (dim 0 kept, innermost in memory; dims 1.. reduced, "rows"): pass one gives
  * each block 32 columns by a chunk of rows, 8 rows side by side, and writes each column's chunk
  * total to ws[reduction][chunk][column]; pass two sums the chunks of a column in order. */
@@ -492,7 +535,13 @@ static void emit_columns(af_strbuf *sb, const af_graph *g, const af_fusion_group
                      " rows, %" PRId64 " chunks */\n", (int)index, (int)grp->n_nodes, (int)grp->n_reductions, (int)grp->n_inputs,
                      (int)grp->n_outputs, columns, rows, split);
     emit_signature(sb, g, grp, sp->ops, "af_kernel", index, "", AF_COLUMN_TILE * AF_COLUMN_LANES, 1);
-    for (int32_t m = 0; m < grp->n_nodes; m++) {
+    int32_t nred = 0;
+    for (int32_t m = 0; m < grp->n_nodes; m++)
+        nred += af_op_get(af_graph_node(g, grp->nodes[m])->op_id)->kind == AF_KIND_REDUCTION;
+    const int pooled = nred > AF_COLUMN_SHARED_TILES;
+    if (pooled)
+        af_strbuf_printf(sb, "  __shared__ float sh[%d][%d][%d];\n", AF_COLUMN_SHARED_TILES, AF_COLUMN_LANES, AF_COLUMN_TILE + 1);
+    for (int32_t m = 0; m < grp->n_nodes && !pooled; m++) {
         const af_node *n = af_graph_node(g, grp->nodes[m]);
         if (af_op_get(n->op_id)->kind == AF_KIND_REDUCTION)
             af_strbuf_printf(sb, "  __shared__ float sh%d[%d][%d];\n", (int)n->first_output, AF_COLUMN_LANES, AF_COLUMN_TILE + 1);
@@ -514,17 +563,22 @@ static void emit_columns(af_strbuf *sb, const af_graph *g, const af_fusion_group
     af_strbuf_printf(sb, "        (void)s;\n");
     af_cg_emit_body(sb, g, grp, sp->ops, "", AF_CG_FLOAT_ACC);
     af_strbuf_printf(sb, "      }\n    }\n");
-    for (int32_t m = 0; m < grp->n_nodes; m++) {
-        const af_node *n = af_graph_node(g, grp->nodes[m]);
-        if (af_op_get(n->op_id)->kind == AF_KIND_REDUCTION)
-            af_strbuf_printf(sb, "    sh%d[ty][tx] = acc%d;\n", (int)n->first_output, (int)n->first_output);
+    if (pooled) {
+        emit_column_rounds(sb, g, grp, nred, split, columns);
+    } else {
+        for (int32_t m = 0; m < grp->n_nodes; m++) {
+            const af_node *n = af_graph_node(g, grp->nodes[m]);
+            if (af_op_get(n->op_id)->kind == AF_KIND_REDUCTION)
+                af_strbuf_printf(sb, "    sh%d[ty][tx] = acc%d;\n", (int)n->first_output, (int)n->first_output);
+        }
+        af_strbuf_printf(sb, "    __syncthreads();\n    if (ty == 0 && c < %" PRId64 ") {\n", columns);
+        af_strbuf_printf(sb, "      for (int l = 1; l < %d; l++) {\n", AF_COLUMN_LANES);
+        emit_combine(sb, g, grp, "        ", "sh%d[l][tx]");
+        af_strbuf_printf(sb, "      }\n");
+        emit_ws_partials(sb, g, grp, split, columns, "      ");
+        af_strbuf_printf(sb, "    }\n    __syncthreads();\n");
     }
-    af_strbuf_printf(sb, "    __syncthreads();\n    if (ty == 0 && c < %" PRId64 ") {\n", columns);
-    af_strbuf_printf(sb, "      for (int l = 1; l < %d; l++) {\n", AF_COLUMN_LANES);
-    emit_combine(sb, g, grp, "        ", "sh%d[l][tx]");
-    af_strbuf_printf(sb, "      }\n");
-    emit_ws_partials(sb, g, grp, split, columns, "      ");
-    af_strbuf_printf(sb, "    }\n    __syncthreads();\n  }\n}\n");
+    af_strbuf_printf(sb, "  }\n}\n");
 
     /* pass two: one thread per column */
     emit_finish_begin(sb, g, grp, sp, index, split, columns);

@@ -218,6 +218,13 @@ int af_nvrtc_compile(const char *source, int arch, int ptx, int verbose, char **
         if (nv.GetProgramLog(prog, text)) text[0] = '\0';
         text[log_size] = '\0';
     }
+    if (cr && nopts == 5) {
+        /* with ptxas's report (-v) the log holds every kernel's figures but not ptxas's error
+         * (`uses too much shared data`): the error is the quiet compile's */
+        free(text);
+        nv.DestroyProgram(&prog);
+        return af_nvrtc_compile(source, arch, ptx, 0, image, size, log);
+    }
     if (cr) {
         st = af_error_set(AF_ERR_UNSUPPORTED, "NVRTC could not compile the generated CUDA for %s_%d: %s\n%.1500s",
                           ptx ? "compute" : "sm", arch, nv.GetErrorString(cr), text ? text : "(no log)");

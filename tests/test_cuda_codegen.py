@@ -324,3 +324,16 @@ def test_keeping_random_numbers_can_be_turned_off_and_leaves_other_kernels_alone
     assert src["dropout", "0"].count("= af_rand(sv") == 3 and "kept from its phase" not in src["dropout", "0"]
     assert "#pragma unroll 4" not in src["dropout", "0"] and "#pragma unroll 1" not in src["dropout", "0"]
     assert src["plain", "1"] == src["plain", "0"] and "#pragma unroll 4" not in src["plain", "1"]
+
+
+@needs_nvrtc
+def test_a_compile_error_names_ptxas_error_past_every_kernels_report():
+    """With ptxas's verbose report (`compile_report`) the log of a failed compile holds every kernel's
+    figures but not ptxas's error (ConvNeXt's 51.7 KB of shared memory read only "ptxas info ..."):
+    the failed compile is run again without the report, and its error is in the message."""
+    fine = "".join(f'extern "C" __global__ void ok{i}(float *x) {{ x[threadIdx.x] *= {i}.0f; }}\n' for i in range(40))
+    source = fine + ('extern "C" __global__ void big(float *x) { __shared__ float a[13000]; a[threadIdx.x] = x[0];'
+                     ' __syncthreads(); x[threadIdx.x] = a[threadIdx.x ^ 1]; }\n')
+    with pytest.raises(_C.Error, match="uses too much shared data") as e:
+        compile_report(source, 90)
+    assert "ptxas info" not in str(e.value)

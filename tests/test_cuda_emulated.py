@@ -55,6 +55,33 @@ def test_reductions_of_each_kind_match_eager(dtype):
     assert any(l["kind"] == "rows" and l["threads"] == 512 for l in ran), "no block-per-row kernel ran"
 
 
+def test_a_column_kernel_with_more_sums_than_shared_tiles_takes_turns_over_them():
+    """50 column reductions in one kernel (ConvNeXt's 7x7 depthwise weight gradient is 49): a shared
+    tile each was 52.8 KB of static shared memory, past the 48 KB ptxas allows (NVRTC refused the
+    program); now 32 tiles serve them in rounds. Sums, maxima and minima match eager in the
+    emulation, and NVRTC compiles the source for sm_90."""
+    from aotfuse.nvrtc_check import compile_report, nvrtc_available
+
+    def f(x, w):
+        outs = []
+        for i in range(50):
+            h = x * w[i]
+            outs.append(h.amax(0) if i % 7 == 3 else h.amin(0) if i % 11 == 5 else h.sum(0))
+        return tuple(outs)
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(300, 96, generator=g), torch.randn(50, 1, 96, generator=g)
+    gm = make_fx(f)(x, w)
+    ran = cuda_emu.check(gm, (x, w), "50 column reductions")
+    assert [l["kind"] for l in ran] == ["columns"], ran
+    source = cuda_emu.source_of(gm, sm_count=132)
+    assert "__shared__ float sh[32][8][33];" in source and "sh[17][l][tx]" in source
+    why = nvrtc_available()
+    if why:
+        pytest.skip(f"no NVRTC to compile the source: {why}")
+    assert len(compile_report(source, 90)) == 2  # the partials' kernel and the finishing one
+
+
 def test_reductions_propagate_nan_and_inf():
     x = torch.randn(40, 300)
     x[3, 7] = float("nan")

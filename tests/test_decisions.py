@@ -461,9 +461,10 @@ def test_switched_off_a_mask_index_is_a_capture_error(monkeypatch):
 
 def test_the_same_steps_asked_again_are_recorded_once_and_writes_stay_exact():
     """Each layer asking the same questions of the same mask (Longformer's layers) records the steps
-    once: the guard replays them once a call. A tensor written in place after an equal one was made
-    (two `zeros`, two `ids == 0`) keeps its own values: factories are never shared, and a write into
-    a result two traced tensors share ends the answers (a capture error, never a stale answer)."""
+    once: the guard replays them once a call. Writes keep every answer exact: a tensor written after
+    an equal one was made (two `zeros_like(ids)`, two `ids.clone()`) gets a copy of its own first;
+    an in-place op whose name does not say so (`F.relu(h, inplace=True)`) makes later questions about
+    h be asked again; constants are told apart by their bits (0.0 and -0.0)."""
     def layers(x, ids):
         for _ in range(6):
             m = ids != 0
@@ -483,12 +484,48 @@ def test_the_same_steps_asked_again_are_recorded_once_and_writes_stay_exact():
         a[0] = 1.0
         return x * 2 if b.sum().item() == 0 else x
 
-    _agree(aotfuse.aot_function(fresh), fresh, x, ids)
+    def copies(x, ids):
+        pos, types = torch.zeros_like(ids), torch.zeros_like(ids)
+        pos[:, 1:] = 1
+        labels, keep = ids.clone(), ids.clone()
+        labels[labels == 0] = -100
+        types[0] = 2
+        n = int((labels == -100).sum()) + int(keep.sum()) * 10
+        return x * (pos.sum() + types.sum() * 100).item() + n
 
-    def shared(x, ids):
-        a, b = ids == 0, ids == 0
-        a[0, 0] = True
-        return x * 2 if b[0, 0].item() else x
+    def relu_in_place(x, ids):
+        h = ids.float() - 1.5
+        n1 = (h < 0).sum().item()
+        torch.nn.functional.relu(h.view(-1), inplace=True)
+        return x * (n1 + 10 * (h < 0).sum().item())
 
-    with pytest.raises(aotfuse.CaptureError, match="DataDependentOutputException"):
-        aotfuse.aot_function(shared)(x, ids.clone() + 1)
+    def signed_zero(x, ids):
+        a, b = ids.float().mul(0.0), ids.float().mul(-0.0)
+        return x * 2 if (1 / b).min().item() < 0 and (1 / a).min().item() > 0 else x * 3
+
+    for f in (fresh, copies, relu_in_place, signed_zero):
+        compiled = aotfuse.aot_function(f)
+        _agree(compiled, f, x, ids)
+        _agree(compiled, f, x, ids.flip(1))
+        assert compiled.compile_count == 1, f.__name__
+
+
+def test_a_0d_mask_in_an_index_is_never_read_as_a_number():
+    """A 0-d uint8 or bool tensor in an index is a mask (eager adds a dimension); a 0-d integer tensor
+    is that integer, guarded exactly."""
+    x, ids = torch.randn(3, 4, requires_grad=True), torch.tensor([1, 0, 0])
+
+    def by_byte(x, ids):
+        return x[(ids[0] != 0).to(torch.uint8)] * 2
+
+    assert by_byte(x, ids).shape == (1, 3, 4)
+    with pytest.raises(aotfuse.CaptureError):
+        aotfuse.aot_function(by_byte)(x, ids)
+
+    def by_int(x, ids):
+        return x[ids != 0, ids[0] + 1] * 2
+
+    compiled = aotfuse.aot_function(by_int)
+    _agree(compiled, by_int, x, ids)
+    _agree(compiled, by_int, x, torch.tensor([2, 1, 0]))
+    assert compiled.compile_count == 2

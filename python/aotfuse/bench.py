@@ -125,9 +125,11 @@ def _quiet_dropout(cfg: Any, p: float) -> None:
 
 def build_model(name: str, size: str, dtype: torch.dtype, device: str, attn: str = "eager",
                 dropout: float = 1e-8, attention_mask: bool = False,
-                gradient_checkpointing: bool = False) -> tuple[torch.nn.Module, dict, str]:
+                gradient_checkpointing: bool = False, global_attention: int = 0) -> tuple[torch.nn.Module, dict, str]:
     """A freshly initialised model (seed 0), one batch of inputs (seed 1) and a one-line description.
     Inputs are the seed's, input_ids and labels; attention_mask=True adds a mask of ones;
+    global_attention=N gives Longformer a global_attention_mask whose first N tokens attend globally
+    (as its <s> does in question answering and classification);
     gradient_checkpointing=True checkpoints every layer (transformers' gradient_checkpointing_enable,
     non-reentrant)."""
     import transformers as tf
@@ -150,6 +152,10 @@ def build_model(name: str, size: str, dtype: torch.dtype, device: str, attn: str
     inputs = {"input_ids": ids.to(device), "labels": labels.to(device)}
     if attention_mask:
         inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    if global_attention and name == "LongformerForMaskedLM":
+        glob = torch.zeros_like(inputs["input_ids"])
+        glob[:, :global_attention] = 1
+        inputs["global_attention_mask"] = glob
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd")
     layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer")
     nparams = sum(p.numel() for p in model.parameters())
@@ -441,6 +447,7 @@ class Settings:
     dropout: float = 1e-8
     attention_mask: bool = False
     gradient_checkpointing: bool = False  # every contender's model checkpoints each layer
+    global_attention: int = 0  # Longformer: its first N tokens attend globally
     aotfuse_fallback: str = "eager"  # memory_efficient_fusion(fallback=...) where capture fails
     tf32: bool = False  # CUDA float32 matmuls and convolutions on TF32 tensor cores, for every contender
     load: tuple[float, float] | None = None  # 1-minute load average at start and end (CPU noise)
@@ -476,7 +483,7 @@ def run(models: list[str], dtypes: list[str], backends: list[str], settings: Set
             try:
                 base, inputs, desc = build_model(model_name, settings.size, dtype, device, settings.attn,
                                                  settings.dropout, settings.attention_mask,
-                                                 settings.gradient_checkpointing)
+                                                 settings.gradient_checkpointing, settings.global_attention)
             except NotImplementedError as e:  # a model without gradient checkpointing
                 print(f"aotfuse.bench: skipped {model_name}: {e}", file=sys.stderr)
                 if f"{model_name}: skipped: {e}" not in descriptions:
@@ -719,6 +726,8 @@ def write_results(results: list[Result], descriptions: list[str], out_dir: str, 
         f"defaults except: dropout probabilities {settings.dropout:g}, attention implementation "
         f"'{settings.attn}' (Longformer: its own); inputs: random input_ids and labels"
         + (", attention_mask of ones" if settings.attention_mask else " (as the seed; no attention_mask)")
+        + (f"; Longformer's first {settings.global_attention} tokens attend globally (global_attention_mask)"
+           if settings.global_attention else "")
         + ("; every contender's model with gradient checkpointing (gradient_checkpointing_enable, "
            "use_reentrant=False): the eager reference recomputes each layer too" if settings.gradient_checkpointing
            else "") + "):",
@@ -828,6 +837,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dropout", type=float, default=1e-8, help="every dropout probability (the seed: ~0)")
     ap.add_argument("--attention-mask", action="store_true",
                     help="also pass an attention_mask of ones (the seed passed input_ids and labels only)")
+    ap.add_argument("--global-attention", type=int, default=0, metavar="N",
+                    help="Longformer: a global_attention_mask whose first N tokens attend globally")
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="every contender checkpoints each layer (model.gradient_checkpointing_enable())")
     ap.add_argument("--aotfuse-fallback", default="dynamo",
@@ -876,7 +887,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     settings = Settings(device=args.device, size=args.size, repeats=args.repeats, warmup=args.warmup,
                         attn=args.attn, dropout=args.dropout, attention_mask=args.attention_mask,
                         gradient_checkpointing=args.gradient_checkpointing, aotfuse_fallback=args.aotfuse_fallback,
-                        tf32=args.tf32)
+                        tf32=args.tf32, global_attention=args.global_attention)
     load_start = _load()
     def partial(rows: list, descs: list) -> None:
         write_results(rows, descs, args.out_dir, settings, stem=args.name)

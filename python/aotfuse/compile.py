@@ -866,6 +866,7 @@ class CompiledFunction:
         self._dynamo_fn: Callable | None = None
         self._decided = 0  # alternatives traced for other answers of decisions (_decide), against the limit
         self._warned_decided = False
+        self._warned_counts = False
         self._last: _LastCall | None = None
         self.compile_count = 0
         # bumped as a first run (a trace) starts and ends, under the compile lock: functional_call swaps
@@ -987,8 +988,13 @@ class CompiledFunction:
             self._fall_back(alt)
             alt.ready = True
             entry.alternatives[outcome] = alt
-            config.emit("cache", f"{self.name}: {decisions.describe(entry.record.decisions, outcome)}: other "
-                                 f"counts run {'eagerly' if self.fallback == 'eager' else 'under Dynamo'}")
+            how = "eagerly" if self.fallback == "eager" else "through torch.compile(backend='aotfuse')"
+            config.emit("cache", f"{self.name}: {decisions.describe(entry.record.decisions, outcome)}: other counts run {how}")
+            if not self._warned_counts:
+                warnings.warn(f"aotfuse: {self.name} indexes with a mask of its inputs whose count of nonzero elements "
+                              f"has changed {decisions.COUNT_TRACES + 1} times (padding?); calls with other counts run "
+                              f"{how} (decisions.py)", stacklevel=5)
+                self._warned_counts = True
             args, kwargs = tree
             self.last_entry = None
             return alt.fallback(*args, **kwargs), None

@@ -310,9 +310,12 @@ class input_decisions(TorchFunctionMode):
         self.count = 0
         self.counts: set[int] = set()  # the decisions that are nonzero counts
         # steps already recorded, by (func, arguments): the same call again (each layer asking the
-        # same questions of the same mask: Longformer's 12 layers) reuses their slots and answers;
-        # emptied at each write, and a write into a storage two traced tensors share ends the pass
+        # same questions of the same mask: Longformer's 12 layers) reuses their slots and answers
+        # while the tensors they read are unchanged (their version counters); a write into a slot two
+        # traced tensors share gives the written one a copy first (shared: slot -> how many share it),
+        # and any other write into a storage they share ends the pass
         self.memo: dict[tuple, tuple] = {}
+        self.shared: dict[int, int] = {}
         self.shared_storages: set[int] = set()
         self.last_question: _Step | None = None
         self.input_storages: set[int] = set()
@@ -433,7 +436,7 @@ class input_decisions(TorchFunctionMode):
                 if "DataDependent" not in type(e).__name__:
                     raise
                 leaves, spec = tree_flatten((args, kwargs))
-                numbers = self._as_numbers(leaves)
+                numbers = self._as_numbers(leaves, func in _INDEXING)
                 if numbers is None:
                     raise
                 args, kwargs = tree_unflatten(numbers, spec)
@@ -466,7 +469,7 @@ class input_decisions(TorchFunctionMode):
                 raise
             # a 0-d tensor where a number goes (Funnel's `torch.arange(max_dist, min_dist - 1, ...)`):
             # its value, guarded exactly
-            leaves = self._as_numbers(leaves)
+            leaves = self._as_numbers(leaves, func in _INDEXING)
             if leaves is None:
                 raise
             args, kwargs = tree_unflatten(leaves, spec)
@@ -598,7 +601,8 @@ class input_decisions(TorchFunctionMode):
 
     def _memo_key(self, func, template: list, spec, question: bool) -> tuple | None:
         try:
-            key = (func, question, spec, tuple(("slot", x.i) if isinstance(x, _Slot) else (type(x), x)
+            key = (func, question, spec, tuple(("slot", x.i) if isinstance(x, _Slot) else
+                                               (float, x.hex()) if type(x) is float else (type(x), x)
                                                for x in template))
             hash(key)
             return key
@@ -612,8 +616,8 @@ class input_decisions(TorchFunctionMode):
         template = self._template(leaves)
         key = self._memo_key(func, template, spec, True)
         seen = self.memo.get(key) if key is not None else None
-        if seen is not None:
-            step, value = seen
+        if seen is not None and seen[2] == self._versions(template):
+            step, value = seen[0], seen[1]
         else:
             try:
                 with _plain():
@@ -624,19 +628,50 @@ class input_decisions(TorchFunctionMode):
             step = _Step(func, template, spec, [], True, None)
             self.steps.append(step)
             if key is not None:
-                self.memo[key] = (step, value)
+                self.memo[key] = (step, value, self._versions(template))
         self.last_question = step
         if func is _TB.item and not isinstance(value, bool):
             return (DecidedNumber(self, step, value),)
         self.decide(step, "eq", None, value)
         return (value,)
 
-    def _as_numbers(self, leaves: list) -> list | None:
+    def _versions(self, template: list) -> tuple:
+        return tuple(_version(self.values[x.i]) for x in template if isinstance(x, _Slot))
+
+    def _copy_on_write(self, written: torch.Tensor, target: int) -> int | None:
+        """A write into `written`, whose slot other traced tensors share through the memo: `written`
+        gets a copy of its own (a recorded clone step) and the write goes there; views of that
+        storage lose their shadows (which tensor they view is not known). None where `written` is a
+        view of a shared storage, not one of the sharers."""
+        if self.shared.get(target, 0) < 1:
+            return None
+        storage = self.storages[target]
+        for tid, slot in list(self.shadow.items()):
+            if slot != target and self.storages[slot] == storage:
+                del self.shadow[tid]
+        with _plain():
+            real = self.values[target].clone()
+        self.shared[target] -= 1
+        if not self.shared[target]:  # the last sharer: the slot is its own again
+            del self.shared[target]
+            if not any(self.storages[s] == storage for s in self.shared):
+                self.shared_storages.discard(storage)
+        slot = self._new_slot(written, real)
+        self.steps.append(_Step(torch.clone, [_Slot(target)], tree_flatten(((written,), {}))[1], [slot], False, None))
+        if self.sizes:
+            (self.data if target in self.data else self.sized if target in self.sized else set()).add(slot)
+        return slot
+
+    def _as_numbers(self, leaves: list, index: bool = False) -> list | None:
         """leaves with each shadowed 0-d tensor replaced by its value (an exact decision), or None
         where there is none or one cannot be answered. Only where the traced call needs a value:
-        ATen converts such a tensor to that Scalar itself."""
+        ATen converts such a tensor to that Scalar itself. In an index (`index`), a 0-d integer
+        tensor is read as that integer, but a 0-d bool or uint8 one is a mask (it adds a dimension):
+        None."""
         out, swapped = [], False
         for x in leaves:
+            if index and isinstance(x, torch.Tensor) and x.dim() == 0 and x.dtype in _MASK_DTYPES:
+                return None
             if isinstance(x, torch.Tensor) and x.dim() == 0 and not x.is_complex():
                 answered = self._answer(_TB.item, [x], tree_flatten(((x,), {}))[1])
                 if answered is None:
@@ -656,24 +691,27 @@ class input_decisions(TorchFunctionMode):
         if not written and not any(isinstance(o, torch.Tensor) for o in outs):
             return  # metadata (sizes, dtypes): the signature fixes it
         target = self.shadow.get(id(written[0])) if written else None
-        if written and (target is None or self.storages[target] in self.input_storages
-                        or self.storages[target] in self.shared_storages):
+        if written and target is not None and self.storages[target] in self.shared_storages:
+            target = self._copy_on_write(written[0], target)
+        if written and (target is None or self.storages[target] in self.input_storages):
             self.active = False  # a replay would write the caller's tensor, or one another traced tensor shares
             return
         template = self._template(leaves)
+        versions = self._versions(template)
         if written:
             self.memo.clear()
         elif template and any(isinstance(x, _Slot) for x in template):  # (factories: each call a tensor of its own)
             key = self._memo_key(func, template, spec, False)
             seen = self.memo.get(key) if key is not None else None
-            if seen is not None and len(seen) == len(outs):
+            if seen is not None and len(seen[0]) == len(outs) and seen[1] == versions:
                 read = {self.storages[x.i] for x in template if isinstance(x, _Slot)}
-                for o, slot in zip(outs, seen):  # the same call again: its results' slots
+                for o, slot in zip(outs, seen[0]):  # the same call again: its results' slots
                     if isinstance(o, torch.Tensor) and slot is not None:
                         self.shadow[id(o)] = slot
                         self.keep.append(o)
                         if self.storages[slot] not in read:  # (a view of what it reads shares it in the trace too)
                             self.shared_storages.add(self.storages[slot])
+                            self.shared[slot] = self.shared.get(slot, 0) + 1
                     elif isinstance(o, torch.Tensor):
                         self.shadow.pop(id(o), None)
                 return
@@ -685,6 +723,16 @@ class input_decisions(TorchFunctionMode):
             if written:
                 self.active = False  # a failed write: the shadow's state is unknown
             return
+        if not written and self._versions(template) != versions:
+            # an in-place op its name does not tell: the memo's answers about what it wrote are stale,
+            # a storage the memo shares cannot be copied now, and the step is kept as the write it is
+            self.memo.clear()
+            changed = [x.i for x, v in zip((x for x in template if isinstance(x, _Slot)), versions)
+                       if _version(self.values[x.i]) != v]
+            if any(self.storages[i] in self.shared_storages or self.storages[i] in self.input_storages for i in changed):
+                self.active = False
+                return
+            target = changed[0]
         reals = tree_flatten(real)[0]
         if len(reals) != len(outs) or any(isinstance(o, torch.Tensor) != isinstance(r, torch.Tensor)
                                           for o, r in zip(outs, reals)):
@@ -701,7 +749,7 @@ class input_decisions(TorchFunctionMode):
         if not written and any(isinstance(x, _Slot) for x in template):
             key = self._memo_key(func, template, spec, False)
             if key is not None:
-                self.memo[key] = tuple(slots)
+                self.memo[key] = (tuple(slots), self._versions(template))
         if self.sizes:
             made = [s for s in slots if s is not None] + ([target] if target is not None else [])
             if any(r in self.data for r in step.reads):
@@ -718,6 +766,15 @@ def _traced_shape(shape: Any) -> tuple | None:
         return tuple(shapes.hint(n) for n in shape)
     except (TypeError, KeyError, ValueError):
         return None
+
+
+def _version(t: torch.Tensor) -> Any:
+    """t's version counter (bumped by every in-place op on its storage); an object equal to nothing
+    where it has none (inference tensors)."""
+    try:
+        return t._version
+    except Exception:  # noqa: BLE001
+        return object()
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -737,7 +794,7 @@ def _written(func, args: tuple, kwargs: dict) -> list:
         return [o for o in out if isinstance(o, torch.Tensor)]
     name = _name(func)
     inplace = name == "__setitem__" or (name.startswith("__i") and name.endswith("__")) or (
-        name.endswith("_") and not name.endswith("__"))
+        name.endswith("_") and not name.endswith("__")) or kwargs.get("inplace") is True  # F.relu(x, inplace=True)
     return [args[0]] if inplace and args and isinstance(args[0], torch.Tensor) else []
 
 
