@@ -499,11 +499,17 @@ def test_the_same_steps_asked_again_are_recorded_once_and_writes_stay_exact():
         torch.nn.functional.relu(h.view(-1), inplace=True)
         return x * (n1 + 10 * (h < 0).sum().item())
 
+    def add_in_place_twice(x, ids):  # an in-place op whose name does not say so, twice
+        h = ids.float() - 1.5
+        for _ in range(2):
+            torch.ops.aten.add_.Tensor(h.view(-1), 1.0)
+        return x * (h < 1).sum().item()
+
     def signed_zero(x, ids):
         a, b = ids.float().mul(0.0), ids.float().mul(-0.0)
         return x * 2 if (1 / b).min().item() < 0 and (1 / a).min().item() > 0 else x * 3
 
-    for f in (fresh, copies, relu_in_place, signed_zero):
+    for f in (fresh, copies, relu_in_place, add_in_place_twice, signed_zero):
         compiled = aotfuse.aot_function(f)
         _agree(compiled, f, x, ids)
         _agree(compiled, f, x, ids.flip(1))

@@ -746,7 +746,7 @@ class input_decisions(TorchFunctionMode):
                 if isinstance(o, torch.Tensor):
                     self.shadow.pop(id(o), None)
         step = _Step(func, template, spec, slots, False, target)
-        if not written and any(isinstance(x, _Slot) for x in template):
+        if target is None and any(isinstance(x, _Slot) for x in template):  # (a write is never the same call again)
             key = self._memo_key(func, template, spec, False)
             if key is not None:
                 self.memo[key] = (tuple(slots), self._versions(template))
