@@ -516,6 +516,21 @@ def test_the_same_steps_asked_again_are_recorded_once_and_writes_stay_exact():
         assert compiled.compile_count == 1, f.__name__
 
 
+def test_a_write_through_a_view_made_beside_an_activation_ends_the_answers():
+    """`h.view_as(x)` (x requires grad) is a view of h with no shadow; a write through it changes h,
+    so a later question about h cannot be answered from h's shadow: a capture error, not the stale
+    answer it was (the review's finding, at 485f844 too)."""
+    def f(x, ids):
+        h = ids.float()
+        v = h.view_as(x)
+        v.zero_()
+        return x * h.sum().item()
+
+    x, ids = torch.randn(4, requires_grad=True), torch.tensor([0, 1, 2, 3])
+    with pytest.raises(aotfuse.CaptureError, match="DataDependentOutputException"):
+        aotfuse.aot_function(f)(x, ids)
+
+
 def test_a_0d_mask_in_an_index_is_never_read_as_a_number():
     """A 0-d uint8 or bool tensor in an index is a mask (eager adds a dimension); a 0-d integer tensor
     is that integer, guarded exactly."""

@@ -87,6 +87,13 @@ _INDEXING = {_TB.__getitem__, _TB.__setitem__}
 _COUNTED = _NONZERO | _MASKED_SELECT | _INDEXING | {torch.where, _TB.where}
 _MASK_DTYPES = (torch.bool, torch.uint8)
 _NOT_ANSWERED = object()
+# ops whose result may be a view of their first argument: a view of a shadowed tensor made beside an
+# activation (`h.view_as(x)`) has no shadow, and a write through it must end the pass's shadows
+_VIEWS = {"view", "view_as", "reshape", "reshape_as", "expand", "expand_as", "as_strided", "transpose", "t",
+          "permute", "squeeze", "unsqueeze", "narrow", "select", "__getitem__", "flatten", "unflatten", "unbind",
+          "split", "split_with_sizes", "chunk", "tensor_split", "hsplit", "vsplit", "dsplit", "diagonal", "movedim",
+          "moveaxis", "swapaxes", "swapdims", "unfold", "detach", "alias", "view_as_real", "view_as_complex",
+          "real", "imag", "__get__", "contiguous"}
 COUNT_TRACES = 2  # programs traced for other counts of one count decision, before the fallback runs the rest
 _OPS = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge, "eq": operator.eq,
         "ne": operator.ne}
@@ -315,6 +322,7 @@ class input_decisions(TorchFunctionMode):
         # traced tensors share gives the written one a copy first (shared: slot -> how many share it),
         # and any other write into a storage they share ends the pass
         self.memo: dict[tuple, tuple] = {}
+        self.escaped: set[int] = set()  # ids of views of shadowed tensors that have no shadow (_VIEWS)
         self.shared: dict[int, int] = {}
         self.shared_storages: set[int] = set()
         self.last_question: _Step | None = None
@@ -441,9 +449,13 @@ class input_decisions(TorchFunctionMode):
                     raise
                 args, kwargs = tree_unflatten(numbers, spec)
                 out = func(*args, **kwargs)
-            if (args and isinstance(args[0], torch.Tensor) and id(args[0]) in shadow or "out" in kwargs) and \
-                    any(id(t) in shadow for t in _written(func, args, kwargs)):
+            if (args and isinstance(args[0], torch.Tensor) and (id(args[0]) in shadow or id(args[0]) in self.escaped)
+                    or "out" in kwargs) and \
+                    any(id(t) in shadow or id(t) in self.escaped for t in _written(func, args, kwargs)):
                 self.active = False  # a shadowed tensor written from values without shadows: its shadow is stale
+            elif args and isinstance(args[0], torch.Tensor) and (id(args[0]) in shadow or id(args[0]) in self.escaped) \
+                    and _name(func) in _VIEWS:
+                self._escape(out)
             return out
         leaves, spec = tree_flatten((args, kwargs))
         if any(isinstance(x, DecidedNumber) for x in leaves):  # a decided number used as an argument
@@ -479,6 +491,12 @@ class input_decisions(TorchFunctionMode):
         elif tensors and any(id(t) in self.shadow for t in _written(func, args, kwargs)):
             self.active = False  # a shadowed tensor written from values without shadows: its shadow is stale
         return out
+
+    def _escape(self, out: Any) -> None:
+        for o in tree_flatten(out)[0]:
+            if isinstance(o, torch.Tensor) and id(o) not in self.shadow:
+                self.escaped.add(id(o))
+                self.keep.append(o)
 
     def _is_mask(self, x: Any) -> bool:
         return isinstance(x, torch.Tensor) and x.dtype in _MASK_DTYPES and x.dim() > 0 and id(x) in self.shadow
@@ -745,6 +763,8 @@ class input_decisions(TorchFunctionMode):
                 slots.append(None)
                 if isinstance(o, torch.Tensor):
                     self.shadow.pop(id(o), None)
+                    if _name(func) in _VIEWS:
+                        self._escape(o)
         step = _Step(func, template, spec, slots, False, target)
         if target is None and any(isinstance(x, _Slot) for x in template):  # (a write is never the same call again)
             key = self._memo_key(func, template, spec, False)
