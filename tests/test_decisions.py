@@ -516,19 +516,37 @@ def test_the_same_steps_asked_again_are_recorded_once_and_writes_stay_exact():
         assert compiled.compile_count == 1, f.__name__
 
 
-def test_a_write_through_a_view_made_beside_an_activation_ends_the_answers():
-    """`h.view_as(x)` (x requires grad) is a view of h with no shadow; a write through it changes h,
-    so a later question about h cannot be answered from h's shadow: a capture error, not the stale
-    answer it was (the review's finding, at 485f844 too)."""
+@pytest.mark.parametrize("view", [lambda h, x: h.view_as(x), lambda h, x: h.view_as(x).mT[0],
+                                  lambda h, x: h.expand_as(x)[..., None]], ids=["view_as", "mT_select", "expand_index"])
+def test_a_write_through_a_view_made_beside_an_activation_ends_the_answers(view):
+    """`h.view_as(x)` (x requires grad) is a view of h with no shadow; a write through it, or through a
+    view of it, changes h, so a later question about h cannot be answered from h's shadow: a capture
+    error, not the stale answer it was (the review's finding, at 485f844 too)."""
     def f(x, ids):
         h = ids.float()
-        v = h.view_as(x)
+        v = view(h, x)
         v.zero_()
         return x * h.sum().item()
 
-    x, ids = torch.randn(4, requires_grad=True), torch.tensor([0, 1, 2, 3])
+    x, ids = torch.randn(2, 2, requires_grad=True), torch.tensor([[0, 1], [2, 3]])
     with pytest.raises(aotfuse.CaptureError, match="DataDependentOutputException"):
         aotfuse.aot_function(f)(x, ids)
+
+
+def test_a_write_into_a_copy_made_beside_an_activation_keeps_the_answers():
+    """Only views are remembered: a new tensor made from h and an activation can be written freely,
+    and h's question is still answered and guarded (one program, equal to eager)."""
+    def f(x, ids):
+        h = ids.float()
+        c = torch.where(x.detach() > 0, h, x.detach())
+        c.zero_()
+        return x * h.sum().item() + c
+
+    x, ids = torch.randn(2, 2, requires_grad=True), torch.tensor([[0, 1], [2, 3]])
+    compiled = aotfuse.aot_function(f)
+    torch.testing.assert_close(compiled(x, ids), f(x, ids))
+    torch.testing.assert_close(compiled(x, ids + 1), f(x, ids + 1))
+    assert compiled.compile_count == 2
 
 
 def test_a_0d_mask_in_an_index_is_never_read_as_a_number():

@@ -87,13 +87,6 @@ _INDEXING = {_TB.__getitem__, _TB.__setitem__}
 _COUNTED = _NONZERO | _MASKED_SELECT | _INDEXING | {torch.where, _TB.where}
 _MASK_DTYPES = (torch.bool, torch.uint8)
 _NOT_ANSWERED = object()
-# ops whose result may be a view of their first argument: a view of a shadowed tensor made beside an
-# activation (`h.view_as(x)`) has no shadow, and a write through it must end the pass's shadows
-_VIEWS = {"view", "view_as", "reshape", "reshape_as", "expand", "expand_as", "as_strided", "transpose", "t",
-          "permute", "squeeze", "unsqueeze", "narrow", "select", "__getitem__", "flatten", "unflatten", "unbind",
-          "split", "split_with_sizes", "chunk", "tensor_split", "hsplit", "vsplit", "dsplit", "diagonal", "movedim",
-          "moveaxis", "swapaxes", "swapdims", "unfold", "detach", "alias", "view_as_real", "view_as_complex",
-          "real", "imag", "__get__", "contiguous"}
 COUNT_TRACES = 2  # programs traced for other counts of one count decision, before the fallback runs the rest
 _OPS = {"lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge, "eq": operator.eq,
         "ne": operator.ne}
@@ -322,7 +315,9 @@ class input_decisions(TorchFunctionMode):
         # traced tensors share gives the written one a copy first (shared: slot -> how many share it),
         # and any other write into a storage they share ends the pass
         self.memo: dict[tuple, tuple] = {}
-        self.escaped: set[int] = set()  # ids of views of shadowed tensors that have no shadow (_VIEWS)
+        # ids of views of shadowed tensors that have no shadow (`h.view_as(x)`, x an activation): a write
+        # through one is a write into the shadowed base, and ends the pass's shadows
+        self.escaped: set[int] = set()
         self.shared: dict[int, int] = {}
         self.shared_storages: set[int] = set()
         self.last_question: _Step | None = None
@@ -453,9 +448,9 @@ class input_decisions(TorchFunctionMode):
                     or "out" in kwargs) and \
                     any(id(t) in shadow or id(t) in self.escaped for t in _written(func, args, kwargs)):
                 self.active = False  # a shadowed tensor written from values without shadows: its shadow is stale
-            elif args and isinstance(args[0], torch.Tensor) and (id(args[0]) in shadow or id(args[0]) in self.escaped) \
-                    and _name(func) in _VIEWS:
-                self._escape(out)
+            else:
+                self._escape(out, [a for a in top if isinstance(a, torch.Tensor) and
+                                   (id(a) in shadow or id(a) in self.escaped)])
             return out
         leaves, spec = tree_flatten((args, kwargs))
         if any(isinstance(x, DecidedNumber) for x in leaves):  # a decided number used as an argument
@@ -488,13 +483,17 @@ class input_decisions(TorchFunctionMode):
             out = func(*args, **kwargs)
         if shadowed or (not tensors and func in _FACTORIES):
             self._shadow(func, leaves, spec, out)
-        elif tensors and any(id(t) in self.shadow for t in _written(func, args, kwargs)):
+        elif tensors and any(id(t) in self.shadow or id(t) in self.escaped for t in _written(func, args, kwargs)):
             self.active = False  # a shadowed tensor written from values without shadows: its shadow is stale
         return out
 
-    def _escape(self, out: Any) -> None:
+    def _escape(self, out: Any, bases: list) -> None:
+        """Remember the results of `out` without a shadow that alias a shadowed (or escaped) tensor of `bases`."""
+        if not bases:
+            return
         for o in tree_flatten(out)[0]:
-            if isinstance(o, torch.Tensor) and id(o) not in self.shadow:
+            if isinstance(o, torch.Tensor) and id(o) not in self.shadow and \
+                    any(torch._C._is_alias_of(o, b) for b in bases):
                 self.escaped.add(id(o))
                 self.keep.append(o)
 
@@ -732,6 +731,7 @@ class input_decisions(TorchFunctionMode):
                             self.shared[slot] = self.shared.get(slot, 0) + 1
                     elif isinstance(o, torch.Tensor):
                         self.shadow.pop(id(o), None)
+                        self._escape(o, [x for x in leaves if isinstance(x, torch.Tensor)])
                 return
         try:
             with _plain():
@@ -763,8 +763,7 @@ class input_decisions(TorchFunctionMode):
                 slots.append(None)
                 if isinstance(o, torch.Tensor):
                     self.shadow.pop(id(o), None)
-                    if _name(func) in _VIEWS:
-                        self._escape(o)
+                    self._escape(o, [x for x in leaves if isinstance(x, torch.Tensor)])
         step = _Step(func, template, spec, slots, False, target)
         if target is None and any(isinstance(x, _Slot) for x in template):  # (a write is never the same call again)
             key = self._memo_key(func, template, spec, False)
