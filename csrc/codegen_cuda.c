@@ -191,6 +191,14 @@ static void emit_pointwise(af_strbuf *sb, const af_graph *g, const af_fusion_gro
 
 /* ---- reductions ---- */
 
+/* acc<v> = combine(acc<v>, other) for one reduction node n: max, min or sum. */
+static void emit_combine_one(af_strbuf *sb, const af_node *n, const char *indent, const char *other) {
+    int v = (int)n->first_output;
+    if (n->op_id == AF_OP_AMAX) af_strbuf_printf(sb, "%sacc%d = af_max(acc%d, %s);\n", indent, v, v, other);
+    else if (n->op_id == AF_OP_AMIN) af_strbuf_printf(sb, "%sacc%d = af_min(acc%d, %s);\n", indent, v, v, other);
+    else af_strbuf_printf(sb, "%sacc%d += %s;\n", indent, v, other);
+}
+
 /* acc<v> = combine(acc<v>, <other>) for every reduction of the group (of phase ph, with phases):
  * the threads' float accumulators. */
 static void emit_combine_phase(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const int32_t *phases, int32_t ph,
@@ -201,9 +209,7 @@ static void emit_combine_phase(af_strbuf *sb, const af_graph *g, const af_fusion
         int v = (int)n->first_output;
         char other[128];
         snprintf(other, sizeof other, other_fmt, v, v);
-        if (n->op_id == AF_OP_AMAX) af_strbuf_printf(sb, "%sacc%d = af_max(acc%d, %s);\n", indent, v, v, other);
-        else if (n->op_id == AF_OP_AMIN) af_strbuf_printf(sb, "%sacc%d = af_min(acc%d, %s);\n", indent, v, v, other);
-        else af_strbuf_printf(sb, "%sacc%d += %s;\n", indent, v, other);
+        emit_combine_one(sb, n, indent, other);
     }
 }
 
@@ -497,14 +503,12 @@ static void emit_column_rounds(af_strbuf *sb, const af_graph *g, const af_fusion
                 if (af_op_get(n->op_id)->kind != AF_KIND_REDUCTION) continue;
                 int v = (int)n->first_output, j = r - lo;
                 if (r >= lo && r < hi) {
+                    char other[32];
+                    snprintf(other, sizeof other, "sh[%d][l][tx]", j);
                     if (pass == 0)
                         af_strbuf_printf(sb, "    sh[%d][ty][tx] = acc%d;\n", j, v);
-                    else if (pass == 1 && n->op_id == AF_OP_AMAX)
-                        af_strbuf_printf(sb, "        acc%d = af_max(acc%d, sh[%d][l][tx]);\n", v, v, j);
-                    else if (pass == 1 && n->op_id == AF_OP_AMIN)
-                        af_strbuf_printf(sb, "        acc%d = af_min(acc%d, sh[%d][l][tx]);\n", v, v, j);
                     else if (pass == 1)
-                        af_strbuf_printf(sb, "        acc%d += sh[%d][l][tx];\n", v, j);
+                        emit_combine_one(sb, n, "        ", other);
                     else if (pass == 2)
                         af_strbuf_printf(sb, "      ws[(%" PRId64 " + (int64_t)blockIdx.y) * %" PRId64 " + c] = acc%d;\n",
                                          (int64_t)r * split, columns, v);

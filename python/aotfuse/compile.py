@@ -861,12 +861,9 @@ class CompiledFunction:
         self._families: dict[tuple, shapes.Family] = {}
         self._first_shapes: dict[tuple, list[tuple]] = {}
         self._uncaptured: set[tuple] = set()  # family keys of signatures that fell back: no family tried
-        self._warned_full = False
-        self._warned_lazy = False
+        self._warned: set[str] = set()  # which of _warn_once's warnings were given (cache_clear() clears them)
         self._dynamo_fn: Callable | None = None
         self._decided = 0  # alternatives traced for other answers of decisions (_decide), against the limit
-        self._warned_decided = False
-        self._warned_counts = False
         self._last: _LastCall | None = None
         self.compile_count = 0
         # bumped as a first run (a trace) starts and ends, under the compile lock: functional_call swaps
@@ -990,21 +987,17 @@ class CompiledFunction:
             entry.alternatives[outcome] = alt
             how = "eagerly" if self.fallback == "eager" else "through torch.compile(backend='aotfuse')"
             config.emit("cache", f"{self.name}: {decisions.describe(entry.record.decisions, outcome)}: other counts run {how}")
-            if not self._warned_counts:
-                warnings.warn(f"aotfuse: {self.name} indexes with a mask of its inputs whose count of nonzero elements "
-                              f"has changed {decisions.COUNT_TRACES + 1} times (padding?); calls with other counts run "
-                              f"{how} (decisions.py)", stacklevel=5)
-                self._warned_counts = True
+            self._warn_once("counts", f"{self.name} indexes with a mask of its inputs whose count of nonzero elements "
+                                      f"has changed {decisions.COUNT_TRACES + 1} times (padding?); calls with other "
+                                      f"counts run {how} (decisions.py)", 5)
             args, kwargs = tree
             self.last_entry = None
             return alt.fallback(*args, **kwargs), None
         limit = self.max_cache_size or config.cache_size()
         if self._decided >= limit:
-            if not self._warned_decided:
-                warnings.warn(f"aotfuse: {self.name} has been traced for {limit} other answers of what it reads "
-                              f"of its inputs' values (decisions.py; the limit, AOTFUSE_CACHE_SIZE or "
-                              f"max_cache_size); calls answering otherwise again run eagerly", stacklevel=5)
-                self._warned_decided = True
+            self._warn_once("decided", f"{self.name} has been traced for {limit} other answers of what it reads of "
+                                       f"its inputs' values (decisions.py; the limit, AOTFUSE_CACHE_SIZE or "
+                                       f"max_cache_size); calls answering otherwise again run eagerly", 5)
             args, kwargs = tree
             self.last_entry = None
             return self.fn(*args, **kwargs), None
@@ -1026,14 +1019,19 @@ class CompiledFunction:
             raise
         return outs, (None if ran is not None and ran.fallback is not None else ran)
 
+    def _warn_once(self, what: str, message: str, stacklevel: int) -> None:
+        """warnings.warn("aotfuse: " + message) the first time `what` happens to this function (stacklevel:
+        as the caller's own warnings.warn would give it)."""
+        if what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(f"aotfuse: {message}", stacklevel=stacklevel + 1)
+
     def _initialize_lazy(self, tree: Any) -> Any:
         """A call over a lazy module's uninitialized parameters (LazyLinear sizes them at its first call;
         the signature keys them without sizes): runs eagerly, which initializes them, with one warning.
         Only on a cache miss: the next call's signature has their sizes."""
-        if not self._warned_lazy:
-            warnings.warn(f"aotfuse: {self.name} holds lazy modules whose parameters are not initialized yet: "
-                          f"this call runs eagerly and initializes them; later calls are compiled", stacklevel=5)
-            self._warned_lazy = True
+        self._warn_once("lazy", f"{self.name} holds lazy modules whose parameters are not initialized yet: this "
+                                f"call runs eagerly and initializes them; later calls are compiled", 5)
         args, kwargs = tree
         self.last_entry = None
         return self.fn(*args, **kwargs)
@@ -1130,11 +1128,10 @@ class CompiledFunction:
             dims = self._family_dims(fkey, family, tensors)
         limit = self.max_cache_size or config.cache_size()
         if sum(1 for e in self._cache.values() if not e.member) >= limit:
-            if not self._warned_full:
-                warnings.warn(f"aotfuse: {self.name} has been compiled for {limit} input signatures (the "
-                              f"limit, AOTFUSE_CACHE_SIZE or max_cache_size); new signatures run eagerly."
-                              f"{self._varying_shapes(key, tree)}", stacklevel=4)
-                self._warned_full = True
+            if "full" not in self._warned:
+                self._warn_once("full", f"{self.name} has been compiled for {limit} input signatures (the limit, "
+                                        f"AOTFUSE_CACHE_SIZE or max_cache_size); new signatures run eagerly."
+                                        f"{self._varying_shapes(key, tree)}", 4)
             return None
         config.memory_budget()  # a bad AOTFUSE_MEMORY_BUDGET is said before tracing, as what it is
         entry = self._build_entry(key[-1] if key and isinstance(key[-1], ddp.Sync) else None, leaves, spec,
@@ -1433,8 +1430,8 @@ class CompiledFunction:
         self._uncaptured.clear()
         self._last = None
         self.module_fallback = None
-        self._warned_full = False
-        self._decided, self._warned_decided = 0, False
+        self._warned.clear()
+        self._decided = 0
 
     @property
     def records(self) -> list[_Record]:

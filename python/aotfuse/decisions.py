@@ -675,8 +675,10 @@ class input_decisions(TorchFunctionMode):
                 self.shared_storages.discard(storage)
         slot = self._new_slot(written, real)
         self.steps.append(_Step(torch.clone, [_Slot(target)], tree_flatten(((written,), {}))[1], [slot], False, None))
-        if self.sizes:
-            (self.data if target in self.data else self.sized if target in self.sized else set()).add(slot)
+        if self.sizes and target in self.data:  # (the copy depends on what its original depends on)
+            self.data.add(slot)
+        elif self.sizes and target in self.sized:
+            self.sized.add(slot)
         return slot
 
     def _as_numbers(self, leaves: list, index: bool = False) -> list | None:
