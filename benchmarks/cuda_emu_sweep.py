@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -47,14 +48,18 @@ def run_one(task: str, name: str, dt: str, arch: int) -> dict:
         kw = {k: x.to(dtype) if x.is_floating_point() else x for k, x in inputs.items()}
         with cuda_emu.recording_programs() as programs:
             out = aotfuse.memory_efficient_fusion(model, fallback="dynamo")(**kw)
-            out.loss.backward()
+            sweep.loss_of(out).backward()
         groups = kernels = regs = spills = skipped = unchecked = 0
+        why: dict[str, int] = {}  # each reason a group was skipped (its value ids left out), how often
         for gm, args in programs:
             ran = cuda_emu.check(gm, args, f"{name} {dt}")
             groups, skipped, unchecked = groups + len(ran), skipped + len(ran.skipped), unchecked + len(ran.unchecked)
+            for _, reason in ran.skipped:
+                reason = re.sub(r"^input \d+: ", "", reason)
+                why[reason] = why.get(reason, 0) + 1
             for k in nvrtc_check.compile_report(cuda_emu.source_of(gm, sm_count=132), arch):
                 kernels, regs, spills = kernels + 1, max(regs, k["registers"] or 0), spills + k["spill_stores"]
-        res.update(result="ok", programs=len(programs), groups=groups, skipped=skipped, unchecked=unchecked,
+        res.update(result="ok" + "".join(f"; skipped {k}x: {r}" for r, k in why.items()), programs=len(programs), groups=groups, skipped=skipped, unchecked=unchecked,
                    kernels=kernels, registers=regs, spills=spills)
     except Exception as e:  # noqa: BLE001 - reported as the row's result
         res.update(result=f"FAILED {type(e).__name__}: {' '.join(str(e).split())[:300]}",

@@ -34,6 +34,7 @@ import concurrent.futures as cf
 import datetime
 import inspect
 import json
+import math
 import os
 import platform
 import re
@@ -192,7 +193,19 @@ def build(task: str, name: str, attn: str | None, variant: int = 0, experts_eage
         return model
 
     gen = torch.Generator().manual_seed(1)
-    if task == "image":
+    takes = inspect.signature(model_cls.forward).parameters
+    if task == "image" and "spatial_shapes" in takes:  # NaFlex (Siglip2): patches of each image, as rows
+        vision = getattr(cfg, "vision_config", cfg)
+        side, patch = math.isqrt(vision.num_patches), vision.patch_size
+        mask = torch.ones(BATCH, side * side, dtype=torch.long)
+        mask[1, -side:] = 0  # the second image a row of patches shorter: padding
+        inputs = dict(pixel_values=torch.randn(BATCH, side * side, 3 * patch * patch, generator=gen),
+                      pixel_attention_mask=mask, spatial_shapes=torch.tensor([[side, side], [side - 1, side]]),
+                      labels=torch.randint(0, 3, (BATCH,), generator=gen))
+    elif task == "image" and "pixel_values" not in takes:  # ImageGPT: an image as ids of its colour clusters
+        inputs = dict(input_ids=torch.randint(0, cfg.vocab_size - 1, (BATCH, SEQ), generator=gen),
+                      labels=torch.randint(0, 3, (BATCH,), generator=gen))
+    elif task == "image":
         size = getattr(cfg, "image_size", 32)
         size = size if isinstance(size, int) else size[0]
         inputs = dict(pixel_values=torch.randn(BATCH, 3, size, size, generator=gen),
@@ -208,23 +221,27 @@ def build(task: str, name: str, attn: str | None, variant: int = 0, experts_eage
         inputs = dict(input_ids=ids, attention_mask=mask, labels=labels)
         if decoder and name in GIVEN_DECODER_IDS:  # the labels shifted right, as the others do within
             inputs["decoder_input_ids"] = torch.cat([torch.full((BATCH, 1), cfg.decoder_start_token_id), labels[:, :-1]], 1)
-    accepted = inspect.signature(model_cls.forward).parameters
-    if not any(p.kind == p.VAR_KEYWORD for p in accepted.values()):
-        inputs = {k: v for k, v in inputs.items() if k in accepted}
+    if not any(p.kind == p.VAR_KEYWORD for p in takes.values()):
+        inputs = {k: v for k, v in inputs.items() if k in takes}
     return make, inputs
 
 
 def _eager_check(make, inputs, dtype) -> None:
     """Forward and backward in eager, in dtype (a model that cannot run in float64 is compared against
     eager alone by compare_models, with a note)."""
-    from aotfuse.testing import _named_tensors
     for dt in (dtype,):
         model = make().to(dt)
-        out = model(**{k: v.to(dt) if v.is_floating_point() else v for k, v in inputs.items()})
-        loss = getattr(out, "loss", None)
-        if loss is None:
-            loss = sum(t.float().sum() for t in _named_tensors(out).values() if t.requires_grad)
-        loss.backward()
+        loss_of(model(**{k: v.to(dt) if v.is_floating_point() else v for k, v in inputs.items()})).backward()
+
+
+def loss_of(out):
+    """The output's loss; where it has none (PP-LCNet's model ignores labels), the sum of its outputs
+    that require grad, in float32."""
+    from aotfuse.testing import _named_tensors
+    loss = getattr(out, "loss", None)
+    if loss is None:
+        loss = sum(t.float().sum() for t in _named_tensors(out).values() if t.requires_grad)
+    return loss
 
 
 class NotRunnable(Exception):

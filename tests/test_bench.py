@@ -580,12 +580,15 @@ def test_sweep_runs_one_family_and_classifies_it(tmp_path):
 
 
 @pytest.mark.parametrize("task,name", [("image", "swin"), ("image", "cvt"), ("masked", "reformer"), ("masked", "xmod"),
-                                       ("seq2seq", "qwen2_audio"), ("seq2seq", "fsmt"), ("causal", "llama4")])
+                                       ("seq2seq", "qwen2_audio"), ("seq2seq", "fsmt"), ("causal", "llama4"),
+                                       ("image", "siglip2"), ("image", "imagegpt"), ("image", "pp_lcnet")])
 def test_sweep_builds_families_its_tiny_sizes_did_not_fit(task, name):
     """benchmarks/sweep.py's per-family fields (FAMILIES: Swin's window, CvT's default sizes, Reformer's
     axial shape), X-MOD's default language, a composite's text config for its causal model (Llama 4),
-    a decoder-only seq2seq model's labels (Qwen2-Audio) and FSMT's decoder ids: each of these was a
-    skipped row (the tiny build or eager failed); now eager trains the first variant in float32."""
+    a decoder-only seq2seq model's labels (Qwen2-Audio), FSMT's decoder ids, Siglip2's patch rows with
+    their spatial shapes and ImageGPT's colour ids: each of these was a skipped row (the tiny build or
+    eager failed); now eager trains the first variant in float32. PP-LCNet's model ignores its labels:
+    `loss_of` sums its outputs (the CUDA emulation sweep had failed on its missing loss)."""
     import sys
 
     pytest.importorskip("transformers")
@@ -594,7 +597,7 @@ def test_sweep_builds_families_its_tiny_sizes_did_not_fit(task, name):
     make, inputs, label = sweep.first_runnable(task, name, None, torch.float32)
     assert label == "", label
     model = make()
-    loss = model(**inputs).loss
+    loss = sweep.loss_of(model(**inputs))
     assert loss.isfinite() and loss.requires_grad
 
 
