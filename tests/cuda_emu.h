@@ -115,6 +115,23 @@ static void *emu_thread_start(void *arg) {
     return emu_thread(a->s);
 }
 
+/* Runs fn on a (gx, gy) grid of `threads`-thread blocks, one CUDA thread after another on the
+ * calling thread: for kernels whose threads never meet (no __syncthreads, shuffle or shared memory),
+ * the same results as emu_launch without a thread and barriers per CUDA thread. */
+extern "C" int emu_launch_serial(emu_trampoline fn, void **args, unsigned gx, unsigned gy, unsigned threads) {
+    if (threads == 0 || threads > 1024 || threads % 32 || gx == 0 || gy == 0) return 1;
+    gridDim = af_dim3{gx, gy, 1};
+    blockDim = af_dim3{threads, 1, 1};
+    for (unsigned by = 0; by < gy; by++)
+        for (unsigned bx = 0; bx < gx; bx++)
+            for (unsigned t = 0; t < threads; t++) {
+                blockIdx = af_dim3{bx, by, 0};
+                threadIdx = af_dim3{t, 0, 0};
+                fn(args);
+            }
+    return 0;
+}
+
 /* Runs fn on a (gx, gy) grid of `threads`-thread blocks; 0 on success. */
 extern "C" int emu_launch(emu_trampoline fn, void **args, unsigned gx, unsigned gy, unsigned threads) {
     if (threads == 0 || threads > 1024 || threads % 32 || gx == 0 || gy == 0) return 1;

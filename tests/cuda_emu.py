@@ -84,10 +84,17 @@ def _library(source: str) -> ctypes.CDLL:
     if r.returncode:
         raise RuntimeError(f"the CUDA emulation does not compile ({' '.join(cmd)}):\n{r.stderr[:4000]}")
     dll = ctypes.CDLL(lib)
-    dll.declared = {name: (int(bound), len([p for p in params.split(",") if p.strip()]))
-                    for bound, name, params in _BOUND.findall(body)}
-    dll.emu_launch.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint, ctypes.c_uint, ctypes.c_uint]
-    dll.emu_launch.restype = ctypes.c_int
+    # each kernel: (its __launch_bounds__, its parameter count, whether its threads never meet: no
+    # barrier, shuffle or shared memory in its text, so emu_launch_serial runs it on this thread)
+    kernels = list(_BOUND.finditer(body))
+    dll.declared = {}
+    for m, after in zip(kernels, kernels[1:] + [None]):
+        text = body[m.end():after.start() if after else len(body)]
+        alone = not any(w in text for w in ("__syncthreads", "__shfl", "__shared__"))
+        dll.declared[m.group(2)] = (int(m.group(1)), len([p for p in m.group(3).split(",") if p.strip()]), alone)
+    for launch in (dll.emu_launch, dll.emu_launch_serial):
+        launch.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint, ctypes.c_uint, ctypes.c_uint]
+        launch.restype = ctypes.c_int
     _built[key] = dll
     return dll
 
@@ -97,12 +104,12 @@ def _launch(dll, name: str, tensors: list, grid_x: int, grid_y: int, threads: in
     # trampoline casts each slot to its parameter's type)
     # what the code generator reports for the launch must fit what the kernel declares: a block no
     # bigger than its __launch_bounds__ (a GPU refuses the launch), one argument per parameter
-    bound, n_params = dll.declared[name]
+    bound, n_params, alone = dll.declared[name]
     assert threads <= bound, f"{name}: launched with {threads} threads, declared __launch_bounds__({bound})"
     assert len(tensors) + len(streams) == n_params, f"{name}: {len(tensors) + len(streams)} arguments, {n_params} parameters"
     args = (ctypes.c_void_p * (len(tensors) + len(streams)))(*[t.data_ptr() for t in tensors], *streams)
     fn = ctypes.cast(getattr(dll, f"emu_{name}"), ctypes.c_void_p)
-    rc = dll.emu_launch(fn, args, grid_x, grid_y, threads)
+    rc = (dll.emu_launch_serial if alone else dll.emu_launch)(fn, args, grid_x, grid_y, threads)
     assert rc == 0, f"emu_launch({name}) returned {rc}"
 
 
