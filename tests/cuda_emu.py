@@ -6,6 +6,9 @@ C++ by the host compiler, and each group's kernels are launched the way the runt
 (runtime.c, launch_cuda): the vectorized variant when there is one and every pointer is 16-byte
 aligned, column and split-row reductions as two passes through a float64 workspace. The grid is capped as on a
 device with `sm_count` multiprocessors (small by default, so grid-stride loops take several turns).
+A kernel with barriers, warp shuffles or shared memory runs each CUDA thread of a block as a host
+thread (cuda_emu.h's emu_launch); one without them, whose threads never meet, runs its CUDA threads
+one after another on the calling thread (emu_launch_serial), which gives the same results far faster.
 Each group reads eager's values of its inputs and its outputs are compared with eager's. A group
 whose input layout in eager differs from the graph's metadata is skipped, as the runtime would
 run its nodes as ATen calls (its first-run layout checks).

@@ -55,6 +55,29 @@ def test_reductions_of_each_kind_match_eager(dtype):
     assert any(l["kind"] == "rows" and l["threads"] == 512 for l in ran), "no block-per-row kernel ran"
 
 
+def test_kernels_whose_threads_never_meet_run_serially_and_the_others_as_threads():
+    """cuda_emu.h's emu_launch_serial runs a kernel one CUDA thread after another on the calling thread
+    (no thread and barrier per CUDA thread: EfficientNet's emulation spent minutes there); only kernels
+    with no barrier, shuffle or shared memory take it, and they still equal eager (every output poisoned
+    with NaN first, so a thread left out cannot pass)."""
+    def f(x, y, z):
+        return (z * 3.0 + 1.0).sigmoid(), (x * 2.0).sum(-1), (y - 1.0).sum(0)
+
+    g = torch.Generator().manual_seed(5)
+    x, y, z = torch.randn(40, 300, generator=g), torch.randn(40, 300, generator=g), torch.randn(7, 13, generator=g)
+    gm = make_fx(f)(x, y, z)
+    ran = cuda_emu.check(gm, (x, y, z), "serial")
+    declared = cuda_emu._library(cuda_emu.source_of(gm)).declared
+    alone = {k: v[2] for k, v in declared.items()}
+    by_kind = {l["kind"]: [alone[n] for s in ("", "_v", "_f") if (n := f"af_kernel_{l['body']}{s}") in alone]
+               for l in ran}
+    assert set(by_kind) == {"pointwise", "rows", "columns"}, by_kind
+    assert all(by_kind["pointwise"]) and by_kind["pointwise"], by_kind
+    assert not any(by_kind["rows"]), by_kind
+    # the column kernel's first pass shares tiles; its finishing pass (one thread per column) does not
+    assert by_kind["columns"].count(False) == 1 and by_kind["columns"].count(True) == 1, by_kind
+
+
 def test_a_column_kernel_with_more_sums_than_shared_tiles_takes_turns_over_them():
     """50 column reductions in one kernel (ConvNeXt's 7x7 depthwise weight gradient is 49): a shared
     tile each was 52.8 KB of static shared memory, past the 48 KB ptxas allows (NVRTC refused the
