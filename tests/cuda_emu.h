@@ -2,10 +2,13 @@
  * (tests/cuda_emu.py). It replaces the generated source's prelude (everything before its
  * "#define AF_FN" line); the kernels and the shared helpers after it compile unchanged as C++.
  *
- * A launch runs one block at a time; the block's threads are real threads, so __syncthreads is a
- * barrier over the block and __shfl_xor_sync an exchange through memory between two barriers over
- * the warp. __shared__ arrays become function statics, which is right because only one block
- * lives at a time. 16-bit floats convert with round-to-nearest-even in software (bf16) and
+ * A launch runs one block at a time. Each CUDA thread of a block is a fiber (a ucontext with its own
+ * stack) on the calling thread, and a scheduler resumes them in turn, alternately in increasing
+ * and decreasing thread order, so that a read of another thread's write with no barrier between
+ * them sees the stale value one way or the other. __syncthreads is a barrier over the block and
+ * __shfl_xor_sync an exchange through memory between two barriers over the warp; a barrier some
+ * thread never reaches is reported (emu_launch returns 4), not waited on forever. __shared__
+ * arrays become function statics, which is right because only one block lives at a time. 16-bit floats convert with round-to-nearest-even in software (bf16) and
  * through _Float16 (fp16), as the GPU's cvt.rn instructions do. Nothing here is on the path a
  * model runs through. */
 #include <cmath>
@@ -13,13 +16,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <pthread.h>
+#include <ucontext.h>
 
 struct af_dim3 {
     unsigned x, y, z;
 };
-static thread_local af_dim3 threadIdx, blockIdx;
-static af_dim3 gridDim, blockDim;
+/* one host thread runs every CUDA thread: the scheduler sets threadIdx before it resumes one */
+static af_dim3 threadIdx, blockIdx, gridDim, blockDim;
 
 #define __global__
 #define __device__
@@ -28,27 +31,57 @@ static af_dim3 gridDim, blockDim;
 #define __shared__ static
 #define __restrict__ __restrict
 
-static pthread_barrier_t emu_block_barrier;
-static pthread_barrier_t emu_warp_barrier[32];
+/* ---- CUDA threads as fibers ---- */
+
+struct emu_fiber {
+    ucontext_t ctx;
+    char *stack;
+    int done;
+};
+enum { EMU_STACK = 1 << 18 };
+static emu_fiber emu_fibers[1024];
+static ucontext_t emu_scheduler;
+static unsigned emu_current;
+static unsigned long emu_progress; /* arrivals at barriers and finished threads: a turn without any is a deadlock */
+
+static void emu_yield() { swapcontext(&emu_fibers[emu_current].ctx, &emu_scheduler); }
+
+/* `need` threads arrive; the last lets them all go on (a new generation) */
+struct emu_barrier {
+    unsigned need, count, gen;
+};
+static emu_barrier emu_block_barrier, emu_warp_barrier[32];
+
+static void emu_barrier_wait(emu_barrier *b) {
+    unsigned gen = b->gen;
+    emu_progress++;
+    if (++b->count == b->need) {
+        b->count = 0;
+        b->gen++;
+        return;
+    }
+    while (b->gen == gen) emu_yield();
+}
+
 static double emu_slots[1024];
 
-static inline void __syncthreads() { pthread_barrier_wait(&emu_block_barrier); }
+static inline void __syncthreads() { emu_barrier_wait(&emu_block_barrier); }
 
 template <typename T> static inline T __shfl_xor_sync(unsigned, T v, int m) {
     unsigned t = threadIdx.x, w = t / 32;
     emu_slots[t] = (double)v; /* every value our kernels exchange fits a double exactly */
-    pthread_barrier_wait(&emu_warp_barrier[w]);
+    emu_barrier_wait(&emu_warp_barrier[w]);
     T r = (T)emu_slots[(t & ~31u) | ((t & 31u) ^ (unsigned)m)];
-    pthread_barrier_wait(&emu_warp_barrier[w]);
+    emu_barrier_wait(&emu_warp_barrier[w]);
     return r;
 }
 
 template <typename T> static inline T __shfl_sync(unsigned, T v, int src) {
     unsigned t = threadIdx.x, w = t / 32;
     emu_slots[t] = (double)v;
-    pthread_barrier_wait(&emu_warp_barrier[w]);
+    emu_barrier_wait(&emu_warp_barrier[w]);
     T r = (T)emu_slots[(t & ~31u) | ((unsigned)src & 31u)];
-    pthread_barrier_wait(&emu_warp_barrier[w]);
+    emu_barrier_wait(&emu_warp_barrier[w]);
     return r;
 }
 
@@ -88,31 +121,20 @@ static inline float af_cos(float x) { return cosf(x); }
 
 typedef void (*emu_trampoline)(void **args);
 
-struct emu_launch_state {
-    emu_trampoline fn;
-    void **args;
-};
+static emu_trampoline emu_fn;
+static void **emu_args;
 
-static void *emu_thread(void *arg) {
-    emu_launch_state *s = (emu_launch_state *)arg;
+/* one CUDA thread: every block of the grid in turn, a barrier after each (the block is done before
+ * the next starts); threadIdx is set by the scheduler, blockIdx is the same for all live threads */
+static void emu_fiber_main(int t) {
     for (unsigned by = 0; by < gridDim.y; by++)
         for (unsigned bx = 0; bx < gridDim.x; bx++) {
             blockIdx = af_dim3{bx, by, 0};
-            s->fn(s->args);
-            pthread_barrier_wait(&emu_block_barrier); /* the block is done before the next starts */
+            emu_fn(emu_args);
+            emu_barrier_wait(&emu_block_barrier);
         }
-    return nullptr;
-}
-
-struct emu_thread_arg {
-    emu_launch_state *s;
-    unsigned tid;
-};
-
-static void *emu_thread_start(void *arg) {
-    emu_thread_arg *a = (emu_thread_arg *)arg;
-    threadIdx = af_dim3{a->tid, 0, 0};
-    return emu_thread(a->s);
+    emu_fibers[t].done = 1;
+    emu_progress++;
 }
 
 /* Runs fn on a (gx, gy) grid of `threads`-thread blocks, one CUDA thread after another on the
@@ -132,36 +154,42 @@ extern "C" int emu_launch_serial(emu_trampoline fn, void **args, unsigned gx, un
     return 0;
 }
 
-/* Runs fn on a (gx, gy) grid of `threads`-thread blocks; 0 on success. */
+/* Runs fn on a (gx, gy) grid of `threads`-thread blocks, each CUDA thread a fiber; 0 on success,
+ * 3 where a fiber's stack cannot be allocated, 4 where the threads deadlock (a barrier that not
+ * every thread of the block, or of the warp, reaches). */
 extern "C" int emu_launch(emu_trampoline fn, void **args, unsigned gx, unsigned gy, unsigned threads) {
     if (threads == 0 || threads > 1024 || threads % 32 || gx == 0 || gy == 0) return 1;
     gridDim = af_dim3{gx, gy, 1};
     blockDim = af_dim3{threads, 1, 1};
-    if (pthread_barrier_init(&emu_block_barrier, nullptr, threads)) return 2;
-    unsigned warps = threads / 32;
-    for (unsigned w = 0; w < warps; w++) pthread_barrier_init(&emu_warp_barrier[w], nullptr, 32);
-    emu_launch_state s = {fn, args};
-    pthread_t tids[1024];
-    emu_thread_arg targs[1024];
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setstacksize(&attr, 1 << 18);
-    unsigned started = 0;
-    int rc = 0;
-    for (; started < threads; started++) {
-        targs[started] = emu_thread_arg{&s, started};
-        if (pthread_create(&tids[started], &attr, emu_thread_start, &targs[started])) {
-            rc = 3;
-            break;
+    emu_fn = fn;
+    emu_args = args;
+    emu_block_barrier = emu_barrier{threads, 0, 0};
+    for (unsigned w = 0; w < threads / 32; w++) emu_warp_barrier[w] = emu_barrier{32, 0, 0};
+    for (unsigned t = 0; t < threads; t++) {
+        emu_fiber *f = &emu_fibers[t];
+        if (!f->stack && !(f->stack = (char *)malloc(EMU_STACK))) return 3; /* kept for later launches */
+        if (getcontext(&f->ctx)) return 3;
+        f->ctx.uc_stack.ss_sp = f->stack;
+        f->ctx.uc_stack.ss_size = EMU_STACK;
+        f->ctx.uc_link = &emu_scheduler;
+        makecontext(&f->ctx, (void (*)())emu_fiber_main, 1, (int)t);
+        f->done = 0;
+    }
+    unsigned live = threads;
+    for (unsigned turn = 0; live; turn++) {
+        unsigned long before = emu_progress;
+        for (unsigned i = 0; i < threads; i++) {
+            unsigned t = turn % 2 ? threads - 1 - i : i;
+            if (emu_fibers[t].done) continue;
+            emu_current = t;
+            threadIdx = af_dim3{t, 0, 0};
+            swapcontext(&emu_scheduler, &emu_fibers[t].ctx);
+            live -= emu_fibers[t].done;
+        }
+        if (live && emu_progress == before) {
+            fprintf(stderr, "cuda_emu: %u of %u threads wait at barriers no other thread reaches\n", live, threads);
+            return 4;
         }
     }
-    pthread_attr_destroy(&attr);
-    if (rc) { /* a partial block would wait forever at its first barrier */
-        fprintf(stderr, "cuda_emu: cannot start %u threads\n", threads);
-        abort();
-    }
-    for (unsigned t = 0; t < started; t++) pthread_join(tids[t], nullptr);
-    pthread_barrier_destroy(&emu_block_barrier);
-    for (unsigned w = 0; w < warps; w++) pthread_barrier_destroy(&emu_warp_barrier[w]);
-    return rc;
+    return 0;
 }

@@ -6,9 +6,11 @@ C++ by the host compiler, and each group's kernels are launched the way the runt
 (runtime.c, launch_cuda): the vectorized variant when there is one and every pointer is 16-byte
 aligned, column and split-row reductions as two passes through a float64 workspace. The grid is capped as on a
 device with `sm_count` multiprocessors (small by default, so grid-stride loops take several turns).
-A kernel with barriers, warp shuffles or shared memory runs each CUDA thread of a block as a host
-thread (cuda_emu.h's emu_launch); one without them, whose threads never meet, runs its CUDA threads
-one after another on the calling thread (emu_launch_serial), which gives the same results far faster.
+A kernel with barriers, warp shuffles or shared memory runs each CUDA thread of a block as a fiber
+on the calling thread (cuda_emu.h's emu_launch: resumed in increasing, then decreasing, thread order
+between barriers, so a missing barrier shows; a barrier some threads never reach returns 4 instead of
+hanging); one without them, whose threads never meet, runs its CUDA threads one after another
+(emu_launch_serial), which gives the same results without the switches.
 Each group reads eager's values of its inputs and its outputs are compared with eager's. A group
 whose input layout in eager differs from the graph's metadata is skipped, as the runtime would
 run its nodes as ATen calls (its first-run layout checks).
@@ -81,7 +83,7 @@ def _library(source: str) -> ctypes.CDLL:
     src, lib = os.path.join(_dir, f"{key}.cpp"), os.path.join(_dir, f"{key}.so")
     with open(src, "w") as f:
         f.write(text)
-    cmd = [os.environ.get("CXX", "g++"), "-std=c++17", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-w",
+    cmd = [os.environ.get("CXX", "g++"), "-std=c++17", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-w",
            src, "-o", lib]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:

@@ -78,6 +78,50 @@ def test_kernels_whose_threads_never_meet_run_serially_and_the_others_as_threads
     assert by_kind["columns"].count(False) == 1 and by_kind["columns"].count(True) == 1, by_kind
 
 
+def _emu_run(body: str, threads: int, n: int) -> tuple[int, torch.Tensor]:
+    """emu_launch of a hand-written kernel over one float32 output of n elements, 1 block."""
+    import ctypes
+    src = f'extern "C" __global__ void __launch_bounds__({threads}, 1) af_kernel_0(float *__restrict__ q0) {{ {body} }}\n'
+    dll = cuda_emu._library(src)
+    out = torch.full((n,), float("nan"))
+    args = (ctypes.c_void_p * 1)(out.data_ptr())
+    rc = dll.emu_launch(ctypes.cast(dll.emu_af_kernel_0, ctypes.c_void_p), args, 1, 1, threads)
+    return rc, out
+
+
+def test_the_emulation_reports_a_barrier_some_threads_never_reach():
+    """A __syncthreads that only the first warp reaches, or a shuffle only half a warp makes, hangs a GPU;
+    cuda_emu.h's fibers return 4 from emu_launch instead of waiting forever, and the next launch
+    runs normally."""
+    rc, _ = _emu_run("if (threadIdx.x < 32) __syncthreads(); q0[threadIdx.x] = 1.0f;", 64, 64)
+    assert rc == 4
+    rc, _ = _emu_run("float v = 1.0f; if (threadIdx.x % 32 < 16) v = __shfl_xor_sync(0xffffffffu, v, 1); "
+                     "q0[threadIdx.x] = v;", 64, 64)
+    assert rc == 4
+    rc, out = _emu_run("__shared__ float s[128]; s[threadIdx.x] = (float)threadIdx.x; __syncthreads(); "
+                       "q0[threadIdx.x] = s[127 - threadIdx.x];", 128, 128)
+    assert rc == 0 and torch.equal(out, torch.arange(127, -1, -1, dtype=torch.float32))
+
+
+def test_the_emulation_lets_a_missing_barrier_show():
+    """The fibers run between barriers in increasing thread order, then decreasing, so a read of another
+    thread's shared-memory write with no barrier between them reads the stale value whichever way the
+    two threads face: after an odd number of barriers the even threads read stale values (thread 2k
+    runs before 2k+1), after an even number the odd ones. With the barrier, none does."""
+    init = "__shared__ float s[64]; s[threadIdx.x] = -1.0f; __syncthreads(); "
+    write, read = "s[threadIdx.x] = (float)threadIdx.x; ", "q0[threadIdx.x] = s[threadIdx.x ^ 1];"
+    partner = (torch.arange(64) ^ 1).float()
+    rc, out = _emu_run(init + write + "__syncthreads(); " + read, 64, 64)
+    assert rc == 0 and torch.equal(out, partner), out
+    stale = {}
+    for barriers in (1, 2):
+        rc, out = _emu_run(init + "__syncthreads(); " * (barriers - 1) + write + read, 64, 64)
+        assert rc == 0
+        stale[barriers] = set((out == -1.0).nonzero().flatten().tolist())
+        assert torch.equal(out[out != -1.0], partner[out != -1.0])
+    assert stale[1] == set(range(1, 64, 2)) and stale[2] == set(range(0, 64, 2)), stale
+
+
 def test_a_column_kernel_with_more_sums_than_shared_tiles_takes_turns_over_them():
     """50 column reductions in one kernel (ConvNeXt's 7x7 depthwise weight gradient is 49): a shared
     tile each was 52.8 KB of static shared memory, past the 48 KB ptxas allows (NVRTC refused the
