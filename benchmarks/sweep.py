@@ -24,6 +24,7 @@ that a crash or a hang is isolated. A row is one of:
 Usage:
     python benchmarks/sweep.py [--tasks causal,masked,seq2seq,image] [--only llama,bert] [--skip x,y]
                                [--dtypes fp32,bf16] [--attn eager] [--jobs 2] [--timeout 300] [--out FILE.md]
+                               [--entry mef|torch.compile]
     python benchmarks/sweep.py --one llama fp32 --task causal     # one row, in this process (JSON result)
 Results: --out, default benchmarks/results/sweep-cpu-<date>.md (rewritten as rows finish).
 """
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import datetime
+import functools
 import inspect
 import json
 import math
@@ -84,13 +86,32 @@ FAMILIES = {"swin": dict(window_size=2, image_size=64), "donut-swin": dict(windo
             "reformer": dict(axial_pos_embds_dim=(16, 16), axial_pos_shape=(4, 4)),  # seq 16, hidden 32
             "dots1": dict(n_shared_experts=1), "mamba2": dict(head_dim=16, n_groups=1),  # heads x dim = 2 x hidden
             "lfm2_moe": dict(layer_types=["full_attention", "conv"]), "zaya": dict(num_experts_per_tok=1),
+            # DBRX's attention reads a rope_theta its attention config no longer has (transformers 5.17);
+            # xLSTM: training mode in chunks of 8 tokens, no cache (its cache's state is sized for
+            # queries as wide as values, which qk_dim_factor 0.5 makes them not)
+            "dbrx": {"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0},
+            "xlstm": dict(mode="train", chunk_size=8, embedding_dim=32, use_cache=False),
             # smaller images than the configs' 600 or 224 (the CUDA emulation of a 600-pixel step took over
             # 25 minutes); LeViT at 128, as at 64 its last batch norms see 2 tokens, ill-conditioned enough
             # that Inductor's float64 step leaves eager's as far as aotfuse's (loss 4e-3 apart)
-            "efficientnet": dict(image_size=64), "pvt_v2": dict(image_size=64)}
+            "efficientnet": dict(image_size=64), "pvt_v2": dict(image_size=64),
+            # Qwen4-Exp: its default config leaves the sparse attention's indexer unsized, and its n-gram
+            # embeddings are 20M rows
+            **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"), dict(
+                layer_types=["linear_attention", "qwen_sparse_attention"], ngram_vocab_size_base=512,
+                indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=8,
+                indexer_compress_ratio=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=8, linear_value_head_dim=8, hc_lowrank=8, ple_embed_dim=32,
+                split_ngram_parts=8)),
+            # ShieldGemma2: 16 image tokens (4 x 4 pooled from 8 x 8 patches); its special tokens and the
+            # yes/no answer tokens it reads (config fields it does not declare) inside the tiny vocabulary
+            "shieldgemma2": dict(mm_tokens_per_image=16, boi_token_index=3, eoi_token_index=4, image_token_index=5,
+                                 yes_token_index=6, no_token_index=7),
+            # "task:family": fields for one task's model only (Reformer's LM head must be a decoder)
+            "causal:reformer": dict(is_decoder=True)}
 # causal families whose model (Qwen3_5ForCausalLM, ...) is built from a text config, not their composite
 # config (which lacks its vocab_size or pad_token_id)
-TEXT_CONFIG = {"emu3", "llama4", "qwen3_5", "qwen3_5_moe", "qwen4_exp"}
+TEXT_CONFIG = {"emu3", "llama4", "musicgen", "musicgen_melody", "qwen3_5", "qwen3_5_moe", "qwen4_exp"}
 # seq2seq families whose forward makes no decoder inputs from the labels (FSMT shifts the input ids)
 GIVEN_DECODER_IDS = {"fsmt"}
 TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 0}
@@ -163,7 +184,7 @@ def build(task: str, name: str, attn: str | None, variant: int = 0, experts_eage
     cfg_cls = getattr(transformers, configuration_auto.CONFIG_MAPPING_NAMES[name])
     if name in TEXT_CONFIG:  # the mapping's model takes the composite's text config
         cfg_cls = model_cls.config_class
-    own = dict(FAMILIES.get(name, {}))
+    own = {**FAMILIES.get(name, {}), **FAMILIES.get(f"{task}:{name}", {})}
     if own.pop("defaults", False):  # the config's own sizes (dropout zeroed), then the family's fields
         cfg = tiny_config(cfg_cls, {}, lists=False)
         for key, value in own.items():
@@ -171,8 +192,11 @@ def build(task: str, name: str, attn: str | None, variant: int = 0, experts_eage
     else:  # (sizes through the constructor, TINY's way; other fields, such as tuples, set after it)
         cfg = tiny_config(cfg_cls, {**TINY, **own, **VARIANTS[variant][1]})
         for key, value in own.items():
-            if not isinstance(value, int):
-                setattr(cfg, key, value)
+            # (a bool is an int the constructor skips, as is a field the config does not declare;
+            # "attn_config.rope_theta": a sub-config's field)
+            if not isinstance(value, int) or isinstance(value, bool) or "." in key or not hasattr(cfg, key):
+                *path, last = key.split(".")
+                setattr(functools.reduce(getattr, path, cfg), last, value)
     if task == "image":
         cfg.num_labels = 3
     if task != "image" and getattr(cfg, "pad_token_id", 0) is None:  # a padding id some models need (ESM)
@@ -206,6 +230,14 @@ def build(task: str, name: str, attn: str | None, variant: int = 0, experts_eage
         inputs = dict(pixel_values=torch.randn(BATCH, side * side, 3 * patch * patch, generator=gen),
                       pixel_attention_mask=mask, spatial_shapes=torch.tensor([[side, side], [side - 1, side]]),
                       labels=torch.randint(0, 3, (BATCH,), generator=gen))
+    elif task == "image" and "input_ids" in takes and "pixel_values" in takes:  # ShieldGemma2: a prompt and an image
+        size, n_image = cfg.vision_config.image_size, cfg.mm_tokens_per_image
+        ids = torch.randint(8, cfg.text_config.vocab_size, (BATCH, SEQ + n_image + 2), generator=gen)
+        ids[:, 1] = cfg.boi_token_index  # a text token, the image's tokens between its begin and end tokens
+        ids[:, 2:2 + n_image] = cfg.image_token_index
+        ids[:, 2 + n_image] = cfg.eoi_token_index
+        inputs = dict(input_ids=ids, pixel_values=torch.randn(BATCH, 3, size, size, generator=gen),
+                      attention_mask=torch.ones_like(ids), token_type_ids=(ids == cfg.image_token_index).long())
     elif task == "image" and "pixel_values" not in takes:  # ImageGPT: an image as ids of its colour clusters
         inputs = dict(input_ids=torch.randint(0, cfg.vocab_size - 1, (BATCH, SEQ), generator=gen),
                       labels=torch.randint(0, 3, (BATCH,), generator=gen))
@@ -223,6 +255,14 @@ def build(task: str, name: str, attn: str | None, variant: int = 0, experts_eage
         decoder = task == "seq2seq" and getattr(cfg, "is_encoder_decoder", True)
         labels = torch.randint(3, vocab, (BATCH, TGT), generator=gen) if decoder else ids.clone()
         inputs = dict(input_ids=ids, attention_mask=mask, labels=labels)
+        if "input_features" in takes and hasattr(cfg, "default_num_delay_tokens"):  # Voxtral Realtime: audio frames
+            # added to the tokens' embeddings one to one (the encoder's stride 2, downsample_factor frames a token)
+            frames = SEQ * 2 * cfg.downsample_factor
+            inputs["input_features"] = torch.randn(BATCH, cfg.audio_config.num_mel_bins, frames, generator=gen)
+        codebooks = getattr(cfg, "num_codebooks", None)
+        if task == "causal" and codebooks:  # MusicGen: a sample's ids are a row of audio codes per codebook
+            ids = torch.randint(3, vocab, (BATCH * codebooks, SEQ), generator=gen)
+            inputs.update(input_ids=ids, labels=ids.view(BATCH, codebooks, SEQ).transpose(1, 2).contiguous())
         if decoder and name in GIVEN_DECODER_IDS:  # the labels shifted right, as the others do within
             inputs["decoder_input_ids"] = torch.cat([torch.full((BATCH, 1), cfg.decoder_start_token_id), labels[:, :-1]], 1)
     if not any(p.kind == p.VAR_KEYWORD for p in takes.values()):
@@ -322,8 +362,10 @@ def _report(report) -> dict:
                 summary=str(report).splitlines()[0], notes=len(report.notes))
 
 
-def run_one(task: str, name: str, dtype_name: str, attn: str | None) -> dict:
-    """One row, in this process."""
+def run_one(task: str, name: str, dtype_name: str, attn: str | None, entry: str = "mef") -> dict:
+    """One row, in this process; entry: how the model is compiled ("mef": memory_efficient_fusion with
+    fallback="error", and Dynamo's fallback where it cannot capture; "torch.compile":
+    torch.compile(model, backend="aotfuse"), Dynamo's graphs each compiled by aotfuse)."""
     import torch
     import aotfuse
     from aotfuse.testing import compare_models
@@ -343,7 +385,7 @@ def run_one(task: str, name: str, dtype_name: str, attn: str | None) -> dict:
             return dict(error=_first_line(e) + (f" {cause[0][:200]}" if cause else ""), frame=_aotfuse_frame(e),
                         capture=isinstance(e, aotfuse.CaptureError))
 
-    res = compare()
+    res = compare(None if entry == "mef" else lambda m: torch.compile(m, backend="aotfuse"))
     if res.get("capture"):
         res = dict(cls="capture error", detail=res["error"],
                    dynamo=compare(lambda m: aotfuse.memory_efficient_fusion(m, fallback="dynamo")))
@@ -361,7 +403,7 @@ def run_one(task: str, name: str, dtype_name: str, attn: str | None) -> dict:
 
 
 def run_sub(task: str, name: str, dtype: str, args) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--one", name, dtype, "--task", task]
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", name, dtype, "--task", task, "--entry", args.entry]
     cmd += ["--attn", args.attn] if args.attn else []
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     def limit_memory():  # a MemoryError in the child, not the OOM killer's pick of either job
@@ -470,11 +512,13 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=os.path.join(HERE, "results", f"sweep-cpu-{datetime.date.today()}.md"))
     ap.add_argument("--one", nargs=2, metavar=("NAME", "DTYPE"))
     ap.add_argument("--task", default="causal", help="with --one")
+    ap.add_argument("--entry", choices=("mef", "torch.compile"), default="mef",
+                    help="memory_efficient_fusion (fallback 'error', then 'dynamo') or torch.compile(backend='aotfuse')")
     args = ap.parse_args(argv)
     if args.one:
         import warnings
         warnings.filterwarnings("ignore")
-        print(MARK + json.dumps(run_one(args.task, args.one[0], args.one[1], args.attn)), flush=True)
+        print(MARK + json.dumps(run_one(args.task, args.one[0], args.one[1], args.attn, args.entry)), flush=True)
         return
 
     from tqdm import tqdm

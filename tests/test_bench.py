@@ -581,14 +581,21 @@ def test_sweep_runs_one_family_and_classifies_it(tmp_path):
 
 @pytest.mark.parametrize("task,name", [("image", "swin"), ("image", "cvt"), ("masked", "reformer"), ("masked", "xmod"),
                                        ("seq2seq", "qwen2_audio"), ("seq2seq", "fsmt"), ("causal", "llama4"),
-                                       ("image", "siglip2"), ("image", "imagegpt"), ("image", "pp_lcnet")])
+                                       ("image", "siglip2"), ("image", "imagegpt"), ("image", "pp_lcnet"),
+                                       ("causal", "dbrx"), ("causal", "xlstm"), ("causal", "reformer"),
+                                       ("causal", "qwen4_exp_text"), ("causal", "musicgen"), ("image", "shieldgemma2"),
+                                       ("seq2seq", "voxtral_realtime")])
 def test_sweep_builds_families_its_tiny_sizes_did_not_fit(task, name):
     """benchmarks/sweep.py's per-family fields (FAMILIES: Swin's window, CvT's default sizes, Reformer's
     axial shape), X-MOD's default language, a composite's text config for its causal model (Llama 4),
     a decoder-only seq2seq model's labels (Qwen2-Audio), FSMT's decoder ids, Siglip2's patch rows with
     their spatial shapes and ImageGPT's colour ids: each of these was a skipped row (the tiny build or
     eager failed); now eager trains the first variant in float32. PP-LCNet's model ignores its labels:
-    `loss_of` sums its outputs (the CUDA emulation sweep had failed on its missing loss)."""
+    `loss_of` sums its outputs (the CUDA emulation sweep had failed on its missing loss). Since the
+    fifty-fifth session: a sub-config's field (DBRX's attention), a bool and an undeclared field
+    (xLSTM's cache, ShieldGemma2's answer tokens), one task's fields (Reformer's causal LM is a decoder),
+    Qwen4-Exp's indexer sizes, MusicGen's codebook rows, ShieldGemma2's image tokens and Voxtral
+    Realtime's audio frames."""
     import sys
 
     pytest.importorskip("transformers")
