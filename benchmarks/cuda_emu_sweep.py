@@ -5,8 +5,9 @@ program is planned and code-generated for cuda:0, every CUDA group runs in the h
 eager's values of the same nodes (cuda_emu.check), and every program's CUDA source is compiled by NVRTC
 for --arch (its ptxas registers and spills). One subprocess per row; a markdown table on stdout, whose
 rows also say which of sweep.VARIANTS ran ("-": the first), how many groups were skipped (inputs eager
-lays out otherwise: the runtime runs their nodes as ATen calls) and how many recomputes with no eager
-value no group that ran read (compared with nothing).
+lays out otherwise: the runtime runs their nodes as ATen calls), how many recomputes with no eager
+value no group that ran read (compared with nothing), and which outputs past the tolerance passed
+as rounding (cuda_emu.check's float64 criterion: within 4x eager's distance to the graph run in float64).
 
     python benchmarks/cuda_emu_sweep.py [--tasks causal] [--only llama,gpt2] [--dtypes fp32,bf16] [--jobs 2]
 
@@ -50,16 +51,22 @@ def run_one(task: str, name: str, dt: str, arch: int) -> dict:
             out = aotfuse.memory_efficient_fusion(model, fallback="dynamo")(**kw)
             sweep.loss_of(out).backward()
         groups = kernels = regs = spills = skipped = unchecked = 0
+        rounding = []  # outputs past the tolerance that the float64 criterion passed
         why: dict[str, int] = {}  # each reason a group was skipped (its value ids left out), how often
         for gm, args in programs:
             ran = cuda_emu.check(gm, args, f"{name} {dt}")
             groups, skipped, unchecked = groups + len(ran), skipped + len(ran.skipped), unchecked + len(ran.unchecked)
+            rounding += ran.rounding
             for _, reason in ran.skipped:
                 reason = re.sub(r"^input \d+: ", "", reason)
                 why[reason] = why.get(reason, 0) + 1
             for k in nvrtc_check.compile_report(cuda_emu.source_of(gm, sm_count=132), arch):
                 kernels, regs, spills = kernels + 1, max(regs, k["registers"] or 0), spills + k["spill_stores"]
-        res.update(result="ok" + "".join(f"; skipped {k}x: {r}" for r, k in why.items()), programs=len(programs), groups=groups, skipped=skipped, unchecked=unchecked,
+        worst = max(rounding, key=lambda r: r[2] / max(r[3], 1e-30), default=None)
+        res.update(result="ok" + "".join(f"; skipped {k}x: {r}" for r, k in why.items())
+                   + (f"; {len(rounding)} outputs past the tolerance passed the float64 criterion (worst: {worst[1]}, "
+                      f"{worst[2]:.3g} from float64, eager {worst[3]:.3g})" if rounding else ""),
+                   programs=len(programs), groups=groups, skipped=skipped, unchecked=unchecked,
                    kernels=kernels, registers=regs, spills=spills)
     except Exception as e:  # noqa: BLE001 - reported as the row's result
         res.update(result=f"FAILED {type(e).__name__}: {' '.join(str(e).split())[:300]}",

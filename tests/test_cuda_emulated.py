@@ -122,6 +122,31 @@ def test_the_emulation_lets_a_missing_barrier_show():
     assert stale[1] == set(range(1, 64, 2)) and stale[2] == set(range(0, 64, 2)), stale
 
 
+def test_a_cancelling_column_sum_past_the_tolerance_passes_as_rounding_and_a_wrong_one_does_not():
+    """Column sums of 20000 values near 1000 that cancel to about 0: the kernel's sums and eager's are
+    0.035 and 0.033 from the float64 sums, past the 1e-5 absolute tolerance (LeViT's, HGNetV2's and
+    MobileNetV2's batch norm gradient sums stopped the emulation sweep so). `check` now runs the graph
+    in float64 for such an output and passes it as rounding (testing.py's criterion: within 4x eager's
+    distance); an output a real error away fails, with both distances in the message."""
+    def f(x):
+        return (x * 1.0).sum(0), (x * x).sum(0)
+
+    g = torch.Generator().manual_seed(0)
+    x64 = torch.randn(20000, 8, generator=g, dtype=torch.float64) * 1000
+    x = (x64 - x64.mean(0)).float()
+    gm = make_fx(f)(x)
+    ran = cuda_emu.check(gm, (x,), "cancelling sums", sm_count=8)
+    assert [l["kind"] for l in ran] == ["columns"] and [r[1] for r in ran.rounding] == ["sum_1"], ran.rounding
+    _, _, err_c, err_e = ran.rounding[0]
+    assert 1e-5 < err_c <= 4 * err_e, ran.rounding
+    ref = cuda_emu.float64_values(gm, (x,))
+    node = next(n for n in gm.graph.nodes if n.name == "sum_1")
+    assert ref[node].dtype == torch.float64 and torch.allclose(ref[node], x.double().sum(0))
+    want = x.sum(0)
+    assert cuda_emu._rounding_only(want + 0.5, want, ref[node], torch.float32) is None
+    assert cuda_emu._rounding_only(want, want, ref[node], torch.float32) is not None
+
+
 def test_a_column_kernel_with_more_sums_than_shared_tiles_takes_turns_over_them():
     """50 column reductions in one kernel (ConvNeXt's 7x7 depthwise weight gradient is 49): a shared
     tile each was 52.8 KB of static shared memory, past the 48 KB ptxas allows (NVRTC refused the
