@@ -107,8 +107,16 @@ FAMILIES = {"swin": dict(window_size=2, image_size=64), "donut-swin": dict(windo
             # yes/no answer tokens it reads (config fields it does not declare) inside the tiny vocabulary
             "shieldgemma2": dict(mm_tokens_per_image=16, boi_token_index=3, eoi_token_index=4, image_token_index=5,
                                  yes_token_index=6, no_token_index=7),
+            # Bamba: an attention layer beside its Mamba one (its default has none, and its cache then
+            # cannot tell a sequence length)
+            "bamba": dict(attn_layer_indices=[1]),
+            # Cohere Compass: its default config has no rotary parameters for its layers' type
+            "cohere_compass_text": dict(rope_parameters={"full_attention": dict(
+                rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1])}),
             # "task:family": fields for one task's model only (Reformer's LM head must be a decoder)
-            "causal:reformer": dict(is_decoder=True)}
+            "causal:reformer": dict(is_decoder=True),
+            # Perceiver's masked LM decodes one query per position of max_position_embeddings: the sequence's
+            "masked:perceiver": dict(max_position_embeddings=SEQ)}
 # causal families whose model (Qwen3_5ForCausalLM, ...) is built from a text config, not their composite
 # config (which lacks its vocab_size or pad_token_id)
 TEXT_CONFIG = {"emu3", "llama4", "musicgen", "musicgen_melody", "qwen3_5", "qwen3_5_moe", "qwen4_exp"}

@@ -175,6 +175,16 @@ def eager_values(gm: fx.GraphModule, args) -> dict:
     return interp.env
 
 
+class _Reshaped(str):
+    """The name of a value build_graph made by reshaping an FX node's (swapping a reshape and a
+    conversion), with the node and the shape, so that `check` can reshape the node's float64 value."""
+
+    def __new__(cls, node, shape):
+        self = super().__new__(cls, f"{node} reshaped")
+        self.node, self.shape = node, tuple(shape)
+        return self
+
+
 def run_groups(gm: fx.GraphModule, args, sm_count: int = 1, vectorized: bool | None = None):
     """Plans gm for cuda:0 as a program would (copies of views computed from their sources:
     `_C.sink_copies`), runs every CUDA group in the emulation on eager's input values and yields
@@ -259,7 +269,7 @@ def run_groups(gm: fx.GraphModule, args, sm_count: int = 1, vectorized: bool | N
             _launch(dll, name + ("_v" if use_v else ""), ops, _grid(blocks, l["threads"], sm_count), 1, l["threads"], l["streams"])
         built = [vid if sunk is None else origin[vid] for vid in l["outputs"]]
         names = [f"v{vid} (no FX node)" if bv < 0 else b.value_nodes[bv] if bv not in b.derived
-                 else f"{b.derived[bv][0]} reshaped" for vid, bv in zip(l["outputs"], built)]
+                 else _Reshaped(*b.derived[bv]) for vid, bv in zip(l["outputs"], built)]
         nodes = [None if bv < 0 else b.value_nodes[bv] if bv not in b.derived else b.derived[bv][0] for bv in built]
         for vid, o in zip(l["outputs"], outs):
             if sunk is not None and origin[vid] < 0:
@@ -358,7 +368,11 @@ def check(gm: fx.GraphModule, args, what: str = "", **kw) -> Checked:
             except AssertionError as e:
                 if not wide:
                     wide.append(float64_values(gm, args))
-                ref = wide[0].get(node) if wide[0] is not None and isinstance(node, fx.Node) else None
+                ref = None
+                if wide[0] is not None and isinstance(node, fx.Node):
+                    ref = wide[0].get(node)
+                elif wide[0] is not None and isinstance(node, _Reshaped) and isinstance(wide[0].get(node.node), torch.Tensor):
+                    ref = wide[0][node.node].reshape(node.shape)
                 errs = None if ref is None else _rounding_only(got, want, ref, precision)
                 if errs is None:
                     raise AssertionError(f"{e}\n(float64 criterion: " + ("no float64 value)" if ref is None else
