@@ -107,9 +107,10 @@ FAMILIES = {"swin": dict(window_size=2, image_size=64), "donut-swin": dict(windo
             # yes/no answer tokens it reads (config fields it does not declare) inside the tiny vocabulary
             "shieldgemma2": dict(mm_tokens_per_image=16, boi_token_index=3, eoi_token_index=4, image_token_index=5,
                                  yes_token_index=6, no_token_index=7),
-            # Bamba: an attention layer beside its Mamba one (its default has none, and its cache then
-            # cannot tell a sequence length)
+            # Bamba, Granite MoE hybrid: an attention layer beside the Mamba one (their defaults have none
+            # at 2 layers, and their cache then cannot tell a sequence length)
             "bamba": dict(attn_layer_indices=[1]),
+            "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
             # Cohere Compass: its default config has no rotary parameters for its layers' type
             "cohere_compass_text": dict(rope_parameters={"full_attention": dict(
                 rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1])}),

@@ -584,7 +584,7 @@ def test_sweep_runs_one_family_and_classifies_it(tmp_path):
                                        ("image", "siglip2"), ("image", "imagegpt"), ("image", "pp_lcnet"),
                                        ("causal", "dbrx"), ("causal", "xlstm"), ("causal", "reformer"),
                                        ("causal", "qwen4_exp_text"), ("causal", "musicgen"), ("image", "shieldgemma2"),
-                                       ("seq2seq", "voxtral_realtime"), ("causal", "bamba"),
+                                       ("seq2seq", "voxtral_realtime"), ("causal", "bamba"), ("causal", "granitemoehybrid"),
                                        ("causal", "cohere_compass_text"), ("masked", "perceiver")])
 def test_sweep_builds_families_its_tiny_sizes_did_not_fit(task, name):
     """benchmarks/sweep.py's per-family fields (FAMILIES: Swin's window, CvT's default sizes, Reformer's
@@ -596,7 +596,7 @@ def test_sweep_builds_families_its_tiny_sizes_did_not_fit(task, name):
     fifty-fifth session: a sub-config's field (DBRX's attention), a bool and an undeclared field
     (xLSTM's cache, ShieldGemma2's answer tokens), one task's fields (Reformer's causal LM is a decoder),
     Qwen4-Exp's indexer sizes, MusicGen's codebook rows, ShieldGemma2's image tokens, Voxtral
-    Realtime's audio frames, Bamba's attention layer, Cohere Compass's rotary parameters and Perceiver's
+    Realtime's audio frames, Bamba's and Granite MoE hybrid's attention layer, Cohere Compass's rotary parameters and Perceiver's
     masked-LM queries (one a position)."""
     import sys
 
