@@ -102,6 +102,13 @@ static void emit_row_element_offsets(af_strbuf *sb, const char *it, const af_cg_
 
 /* The vector width for the _v variant, or 0 when there is none: every operand's innermost stride
  * is 0 or 1 (outputs 1), every other stride and the innermost size divide by the width. */
+/* The vectorized variant loads every contiguous input as one 16-byte vector (4 registers) before its
+ * unrolled loop and keeps every output's vector until the stores after it, so all of them are live at
+ * once. Under __launch_bounds__(256, 4) a thread has 64 registers: ptxas spills a few stores at 28-32
+ * such operands (LeViT's, HGNetV2's fp32 kernels: 8-32 stores) and 1,652 at 114 (Perceiver's fp32
+ * backward, whose scalar variant spills 4). Above this many, only the scalar variant is generated. */
+#define AF_CUDA_MAX_VECTOR_OPERANDS 48
+
 static int vector_width(const af_fusion_group *grp, const af_cg_space *sp) {
     int widest = 1;
     for (int32_t k = 0; k < sp->nops; k++) {
@@ -114,14 +121,16 @@ static int vector_width(const af_fusion_group *grp, const af_cg_space *sp) {
     if (vec < 2) return 0;
     int32_t in = sp->nd - 1;
     if (sp->numel % vec || sp->sizes[in] % vec) return 0;
+    int32_t vectors = 0;
     for (int32_t k = 0; k < sp->nops; k++) {
         int64_t s = sp->strides[k][in];
         if (s != 0 && s != 1) return 0;
         if (k >= grp->n_inputs && s != 1) return 0;
         for (int32_t d = 0; s == 1 && d < in; d++)
             if (sp->strides[k][d] % vec) return 0;
+        vectors += s == 1;
     }
-    return vec;
+    return vectors > AF_CUDA_MAX_VECTOR_OPERANDS ? 0 : vec;
 }
 
 static void emit_pointwise(af_strbuf *sb, const af_graph *g, const af_fusion_group *grp, const af_cg_space *sp, int32_t index,
