@@ -610,6 +610,39 @@ def test_sweep_builds_families_its_tiny_sizes_did_not_fit(task, name):
     assert loss.isfinite() and loss.requires_grad
 
 
+def test_sweep_entry_torch_compile_runs_the_row_through_the_aotfuse_backend(monkeypatch):
+    """`sweep.py --entry torch.compile` compiles each row's model with torch.compile(backend="aotfuse"),
+    not memory_efficient_fusion (a stand-in that raises shows it is not called), and the row compares
+    as the default entry's does."""
+    import sys
+
+    import aotfuse.compile
+
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import sweep
+    backends = []
+    real = torch.compile
+
+    def recording(model, **kw):
+        backends.append(kw.get("backend"))
+        return real(model, **kw)
+
+    def refuse(*a, **k):
+        raise AssertionError("memory_efficient_fusion was called")
+
+    monkeypatch.setattr(torch, "compile", recording)
+    monkeypatch.setattr(aotfuse.compile, "memory_efficient_fusion", refuse)
+    torch._dynamo.reset()
+    threads = torch.get_num_threads()
+    try:
+        res = sweep.run_one("causal", "llama", "fp32", None, "torch.compile")
+    finally:  # run_one makes this process single-threaded, as a sweep's row process is
+        torch.set_num_threads(threads)
+    assert res["cls"] == "ok" and res["mismatches"] == 0, res
+    assert backends == ["aotfuse"], backends
+
+
 def test_first_runnable_builds_a_family_at_its_config_sizes_once(monkeypatch):
     """A family built at its config's own sizes (FAMILIES' `defaults`) ignores VARIANTS' fields, so when
     its eager run fails there is nothing else to try: first_runnable builds it once (it built the same
