@@ -304,7 +304,7 @@ def float64_values(gm: fx.GraphModule, args) -> dict | None:
     def wide(x):
         if isinstance(x, torch.Tensor) and x.dtype in _LOW:
             return x.double()
-        return torch.float64 if x in _LOW else x
+        return torch.float64 if isinstance(x, torch.dtype) and x in _LOW else x
 
     class Wide(fx.Interpreter):
         def run_node(self, n):
