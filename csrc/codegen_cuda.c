@@ -101,12 +101,13 @@ static void emit_row_element_offsets(af_strbuf *sb, const char *it, const af_cg_
 /* ---- pointwise ---- */
 
 /* The vector width for the _v variant, or 0 when there is none: every operand's innermost stride
- * is 0 or 1 (outputs 1), every other stride and the innermost size divide by the width. */
-/* The vectorized variant loads every contiguous input as one 16-byte vector (4 registers) before its
- * unrolled loop and keeps every output's vector until the stores after it, so all of them are live at
- * once. Under __launch_bounds__(256, 4) a thread has 64 registers: ptxas spills a few stores at 28-32
- * such operands (LeViT's, HGNetV2's fp32 kernels: 8-32 stores) and 1,652 at 114 (Perceiver's fp32
- * backward, whose scalar variant spills 4). Above this many, only the scalar variant is generated. */
+ * is 0 or 1 (outputs 1), every other stride and the innermost size divide by the width, and at most
+ * AF_CUDA_MAX_VECTOR_OPERANDS operands are contiguous. The vectorized variant loads every contiguous
+ * input as one 16-byte vector (4 registers) before its unrolled loop and keeps every output's vector
+ * until the stores after it, so all of them are live at once. Under __launch_bounds__(256, 4) a thread
+ * has 64 registers: ptxas spills a few stores at 28-32 such operands (LeViT's, HGNetV2's fp32 kernels:
+ * 8-32 stores) and 1,652 at 114 (Perceiver's fp32 backward, whose scalar variant spills 4). Above the
+ * cap only the scalar variant is generated. */
 #define AF_CUDA_MAX_VECTOR_OPERANDS 48
 
 static int vector_width(const af_fusion_group *grp, const af_cg_space *sp) {

@@ -16,8 +16,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <poll.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 extern char **environ;
@@ -113,20 +116,47 @@ static int interrupted; /* this load was stopped: no compiler is started or wait
 
 void af_jit_set_interrupt_check(int (*check)(void)) { interrupt_check = check; }
 
+/* A descriptor that polls readable when the child exits (Linux 5.3+), or -1. */
+static int child_fd(pid_t pid) {
+#ifdef SYS_pidfd_open
+    return (int)syscall(SYS_pidfd_open, pid, 0);
+#else
+    (void)pid;
+    return -1;
+#endif
+}
+
 /* Waits for a compiler spawn_compiler started; on failure the message holds the start of its output.
- * A signal whose handler says stop (interrupt_check) kills it. */
+ * A signal whose handler says stop (interrupt_check) kills it. The handler is asked before each wait
+ * of at most 100 ms, not only when a wait fails with EINTR: a signal delivered to another thread, or
+ * before the wait began, interrupts no wait, and the build hung until the compiler ended. */
 static int wait_compiler(pid_t pid, const char *argv0, const char *log_path) {
-    int status = 0;
-    while (waitpid(pid, &status, 0) < 0) {
-        if (errno != EINTR) return af_error_set(AF_ERR_RUNTIME, "waiting for the C compiler: %s", strerror(errno));
+    int status = 0, fd = child_fd(pid);
+    for (;;) {
+        pid_t r = waitpid(pid, &status, WNOHANG);
+        if (r == pid) break;
+        if (r < 0 && errno != EINTR) {
+            int e = errno;
+            if (fd >= 0) close(fd);
+            return af_error_set(AF_ERR_RUNTIME, "waiting for the C compiler: %s", strerror(e));
+        }
         if (interrupted || (interrupt_check && interrupt_check())) {
             interrupted = 1;
             kill(pid, SIGKILL);
             while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
             }
+            if (fd >= 0) close(fd);
             return af_error_set(AF_ERR_RUNTIME, "interrupted while the C compiler '%s' ran", argv0);
         }
+        if (fd >= 0) {
+            struct pollfd p = {.fd = fd, .events = POLLIN};
+            (void)poll(&p, 1, 100); /* the exit, a signal (EINTR) or 100 ms */
+        } else {
+            struct timespec ts = {.tv_sec = 0, .tv_nsec = 2000000};
+            (void)nanosleep(&ts, NULL);
+        }
     }
+    if (fd >= 0) close(fd);
     if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return AF_OK;
     char log[700] = "";
     FILE *f = fopen(log_path, "r");

@@ -90,7 +90,7 @@ def _tagging_context_fn(user_context_fn: Any, region: int) -> Any:
 
 
 def _generator(original: Any, signature: Any, *args: Any, **kwargs: Any) -> Iterator[None]:
-    """torch.utils.checkpoint._checkpoint_without_reentrant_generator, tagging the region while a
+    """torch.utils.checkpoint's non-reentrant generator (`_generator_name`), tagging the region while a
     trace is active on this thread. Its arguments are bound by name (fn, preserve_rng_state,
     context_fn, determinism_check, debug, and early_stop where this torch has it, then the
     function's own), so another torch's order of them is read right."""
@@ -142,14 +142,24 @@ class _ReentrantFunction:
         return ckpt.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
 
 
+def _generator_name(ckpt: Any) -> str:
+    """The generator torch.utils.checkpoint.checkpoint(use_reentrant=False) runs: from torch 2.14
+    `_checkpoint_without_reentrant_generator_impl(fn, args, kwargs, *, preserve_rng_state, ...)`, which
+    checkpoint calls directly and the older name (kept for other callers) calls too; before 2.14
+    `_checkpoint_without_reentrant_generator(fn, preserve_rng_state, ..., *args, **kwargs)`."""
+    impl = "_checkpoint_without_reentrant_generator_impl"
+    return impl if hasattr(ckpt, impl) else "_checkpoint_without_reentrant_generator"
+
+
 def _install() -> None:
     import torch.utils.checkpoint as ckpt
 
     with _patch_lock:
         if _patched["count"] == 0:
-            gen, func = ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction
-            _patched["originals"] = (gen, func)
-            ckpt._checkpoint_without_reentrant_generator = functools.partial(_generator, gen, inspect.signature(gen))
+            name = _generator_name(ckpt)
+            gen, func = getattr(ckpt, name), ckpt.CheckpointFunction
+            _patched["originals"] = (name, gen, func)
+            setattr(ckpt, name, functools.partial(_generator, gen, inspect.signature(gen)))
             ckpt.CheckpointFunction = _ReentrantFunction(func)
         _patched["count"] += 1
 
@@ -160,14 +170,15 @@ def _uninstall() -> None:
     with _patch_lock:
         _patched["count"] -= 1
         if _patched["count"] == 0:
-            ckpt._checkpoint_without_reentrant_generator, ckpt.CheckpointFunction = _patched["originals"]
+            name, gen, ckpt.CheckpointFunction = _patched["originals"]
+            setattr(ckpt, name, gen)
             _patched["originals"] = None
 
 
 def _supported() -> bool:
     import torch.utils.checkpoint as ckpt
 
-    return all(hasattr(ckpt, name) for name in ("_checkpoint_without_reentrant_generator", "CheckpointFunction",
+    return all(hasattr(ckpt, name) for name in (_generator_name(ckpt), "CheckpointFunction",
                                                  "create_selective_checkpoint_contexts", "_CachingTorchDispatchMode",
                                                  "CheckpointPolicy", "noop_context_fn"))
 

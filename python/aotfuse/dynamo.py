@@ -55,6 +55,31 @@ def _scalar_inputs(gm: torch.fx.GraphModule) -> list[int]:
     return [i for i, p in enumerate(placeholders) if p in read]
 
 
+def _scalars_in_full_precision(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list:
+    """example_inputs with Dynamo's Python scalars passed as tensors in the dtype the call passes them.
+    Dynamo traces such an input (a `random.random()` it draws before the graph, an unspecialized
+    float) as `torch.tensor(value)`, float32, but calls the graph with `torch._as_tensor_fullprec(value)`:
+    float64 (int64 for an int). A program compiled for the traced dtype would refuse every call (torch
+    2.14 passes `random.random()` so), and one fed a float32 copy would compare `r < 0.5` rounded, so
+    the graph is traced with the dtype it will get, as eager computes it."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        return list(example_inputs)
+    out = list(example_inputs)
+    for i, (node, x) in enumerate(zip(placeholders, example_inputs)):
+        arg = node.meta.get("grapharg")
+        if (arg is None or not getattr(arg, "pass_arg_as_tensor", False) or getattr(arg, "is_tensor", True)
+                or not isinstance(x, torch.Tensor) or x.dim() != 0 or x.dtype == torch.bool):
+            continue
+        dtype = torch.float64 if x.dtype.is_floating_point else torch.int64
+        if x.dtype != dtype:
+            out[i] = x.to(dtype)
+            for key in ("example_value", "val"):
+                if isinstance(node.meta.get(key), torch.Tensor):
+                    node.meta[key] = out[i]
+    return out
+
+
 def _with_scalars(gm: torch.fx.GraphModule, values: dict[int, Any]) -> torch.fx.GraphModule:
     """gm with each `.item()` of input i replaced by values[i] (a number in the graph)."""
     graph = torch.fx.Graph()
@@ -288,6 +313,7 @@ def aotfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], col
     partition_kw = _backend_options(mode, options)
     if config.disabled():
         return gm.forward
+    example_inputs = _scalars_in_full_precision(gm, example_inputs)
     bases = _own_overlapping_outputs(gm)
     views = _input_views_made_by_the_call(gm, example_inputs)
     symbolic = _symbolic(example_inputs)
