@@ -557,3 +557,56 @@ def test_sdpas_math_path_softmax_is_a_kernel_and_masked_rows_are_zero(dtype):
         compare_models(SdpaAttention, lambda: (x, m), dtype=dtype, steps=2, name="math path").assert_ok()
         ops = _ops(SdpaAttention().to(dtype), x, m)
     assert "_safe_softmax" not in ops and "flash_attention" not in ops, ops
+
+
+class _ReverseGradient(torch.autograd.Function):
+    """A gradient reversal layer (domain-adversarial training): the identity forward, -0.5 x the gradient
+    backward, which no autograd of the forward gives."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -0.5 * grad
+
+
+class _AttentionThenFunction(nn.Module):
+    """Attention (SDPA, or the eager chain), then a custom autograd.Function on one of two paths."""
+
+    def __init__(self, sdpa: bool):
+        super().__init__()
+        self.sdpa = sdpa
+        self.attention = SdpaAttention(mask=False) if sdpa else Attention(mask=False)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        y = self.attention(x, None)  # no mask
+        return self.head(_ReverseGradient.apply(y)) + y.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("entry", ["memory_efficient_fusion", "torch.compile"])
+@pytest.mark.parametrize("case", ["bf16-sdpa-auto", "fp32-eager-chain-forced"])
+def test_a_custom_autograd_function_beside_rewritten_attention_keeps_its_backward(case, entry, monkeypatch):
+    """A pre-dispatch trace (attention.fused_graph) records a custom autograd.Function's forward ops in
+    its place, under no_grad, and nothing of its backward. Where the attention was rewritten, AOTAutograd
+    then traced that graph: memory_efficient_fusion gave the attention's weights the gradient of the
+    second path only, and torch.compile (whose graph holds the Function as `autograd_function_apply`)
+    failed ("element 0 of tensors does not require grad"); PhiMoE's router weights had no gradient under
+    torch.compile in bf16 (the sweep of 2026-12-08). A function that applies one is now traced as it is."""
+    import aotfuse.attention
+
+    sdpa = case.startswith("bf16")
+    dtype = torch.bfloat16 if sdpa else torch.float32
+    monkeypatch.setenv("AOTFUSE_FUSE_ATTENTION", "auto" if sdpa else "1")
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))
+    compile_fn = None if entry == "memory_efficient_fusion" else _dynamo(False)
+    torch._dynamo.reset()
+    compare_models(lambda: _AttentionThenFunction(sdpa), lambda: (x,), dtype=dtype, steps=2, compile_fn=compile_fn,
+                   name=f"{case} {entry}").assert_ok()
+    original = vars(torch.autograd.Function)["apply"]
+    with aotfuse.attention._custom_functions_applied() as applied:
+        _ReverseGradient.apply(torch.ones(1))
+    assert applied == [_ReverseGradient] and vars(torch.autograd.Function)["apply"] is original  # put back
+    torch._dynamo.reset()

@@ -36,9 +36,11 @@ they are; `0` neither. Dropout inside SDPA draws from ATen's generator, not aotf
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
-from typing import Any, Callable
+import threading
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -343,6 +345,46 @@ def _strided_like(graph: fx.Graph, out: fx.Node, want: torch.Tensor | None) -> f
     return graph.call_function(aten.permute.default, (packed, inverse))
 
 
+_apply_lock = threading.Lock()
+_apply_patch: dict = {"count": 0, "original": None}
+_applying = threading.local()
+
+
+@contextlib.contextmanager
+def _custom_functions_applied() -> Iterator[list]:
+    """The custom autograd.Functions this thread applies while active (aotfuse's own left out). A
+    pre-dispatch trace records a Function's forward ops in its place, run under no_grad, and nothing of
+    its backward: AOTAutograd, tracing that graph, would give no gradient through it (a straight-through
+    estimator's input, PhiMoE's router weights under torch.compile: their .grad None) or fail ("element 0
+    of tensors does not require grad"). Dynamo's graphs hold such a Function as an
+    `autograd_function_apply` node, which applies one too."""
+    seen: list = []
+    with _apply_lock:
+        if _apply_patch["count"] == 0:
+            original = torch.autograd.Function.__dict__["apply"]
+
+            def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+                record = getattr(_applying, "seen", None)
+                if record is not None and not str(getattr(cls, "__module__", "")).startswith("aotfuse."):
+                    record.append(cls)
+                return original.__func__(cls, *args, **kwargs)
+
+            _apply_patch["original"] = original
+            torch.autograd.Function.apply = classmethod(apply)
+        _apply_patch["count"] += 1
+    before = getattr(_applying, "seen", None)
+    _applying.seen = seen
+    try:
+        yield seen
+    finally:
+        _applying.seen = before
+        with _apply_lock:
+            _apply_patch["count"] -= 1
+            if _apply_patch["count"] == 0:
+                torch.autograd.Function.apply = _apply_patch["original"]
+                _apply_patch["original"] = None
+
+
 def fused_graph(fn: Callable, tensors: list, mode: str) -> fx.GraphModule | None:
     """fn traced at the pre-dispatch level with its attention chains as SDPA, or None where none matched
     or the graph cannot be replayed as ATen ops (then fn is traced as it is; AOTFUSE_LOG=cache says
@@ -352,10 +394,15 @@ def fused_graph(fn: Callable, tensors: list, mode: str) -> fx.GraphModule | None
     try:
         # a fake mode of its own, static shapes: not the one of a Dynamo compile under way (whose shape
         # environment would take the trace's sizes for symbols without a source)
-        with torch._guards.tracing(None), checkpoint.pre_dispatch():
+        with torch._guards.tracing(None), checkpoint.pre_dispatch(), _custom_functions_applied() as functions:
             gm = make_fx(fn, pre_dispatch=True, tracing_mode="fake")(*tensors)
     except Exception as e:  # noqa: BLE001 - the usual capture decides, and explains
         config.emit("cache", f"attention: no pre-dispatch graph ({type(e).__name__}); traced as it is")
+        return None
+    if functions:  # their backwards are not in the pre-dispatch graph (_custom_functions_applied)
+        names = sorted({getattr(f, "__qualname__", str(f)) for f in functions})
+        config.emit("cache", f"attention: the function applies custom autograd.Functions ({', '.join(names)}), "
+                             f"which a pre-dispatch graph would run without their backwards; traced as it is")
         return None
     # grad-mode switches (a rotary embedding's @torch.no_grad()) replay as they are when AOTAutograd
     # traces the graph; anything else but ATen ops (higher-order ops, autocast) leaves fn as it is
