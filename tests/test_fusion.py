@@ -400,11 +400,18 @@ def test_torch_compile_backend_without_a_compiler_runs_forward_and_backward_unco
 
 
 HANGING_CC_SCRIPT = """
-import threading, torch, aotfuse
+import signal, threading, torch, aotfuse
+# Python's KeyboardInterrupt handler, even where the test runs in the background (a shell's
+# background job inherits SIGINT ignored, and Python then installs no handler)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 f = aotfuse.aot_function(lambda x: (x.sin() * 2).exp(), fallback="eager")
 # a thread that only waits: a signal the kernel hands to it runs Python's C handler there
-threading.Thread(target=lambda: (print("thread", threading.get_native_id(), flush=True),
-                                 threading.Event().wait()), daemon=True).start()
+ids = []
+started = threading.Event()
+threading.Thread(target=lambda: (ids.append(threading.get_native_id()), started.set(), threading.Event().wait()),
+                 daemon=True).start()
+started.wait()
+print("thread", ids[0], flush=True)
 print("start", flush=True)
 try:
     f(torch.randn(8))
@@ -424,8 +431,7 @@ def test_ctrl_c_stops_a_compiler_that_never_finishes(tmp_path, receiver):
     handler runs, KeyboardInterrupt stops the build, the compilers are killed, and no temporary file
     is left in the cache. "other thread": the kernel may hand a process's SIGINT to any of its threads;
     handed to another one (or before the wait began) it interrupted no wait, and the build hung until
-    the compiler ended (a full suite run under load, torch 2.14). The wait now asks Python's handler
-    every 100 ms."""
+    the compiler ended. The wait now asks Python's handler every 100 ms."""
     import ctypes
     import platform
     import signal

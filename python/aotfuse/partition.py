@@ -68,7 +68,7 @@ def _extract(joint_module: fx.GraphModule, saved: list[fx.Node], num_fwd_outputs
         from torch._functorch.partitioners import _extract_fwd_bwd_modules
     except ImportError as e:  # torch moved its extractor
         raise RuntimeError("aotfuse: this torch has no torch._functorch.partitioners._extract_fwd_bwd_modules; "
-                           "use a torch in aotfuse's supported range (2.11 - 2.14)") from e
+                           "use a torch in aotfuse's supported range (2.11 - 2.15)") from e
     kwargs: dict[str, Any] = {"num_fwd_outputs": num_fwd_outputs}
     if static_lifetime_input_nodes is not None and \
             "static_lifetime_input_nodes" in inspect.signature(_extract_fwd_bwd_modules).parameters:
