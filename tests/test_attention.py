@@ -610,3 +610,32 @@ def test_a_custom_autograd_function_beside_rewritten_attention_keeps_its_backwar
         _ReverseGradient.apply(torch.ones(1))
     assert applied == [_ReverseGradient] and vars(torch.autograd.Function)["apply"] is original  # put back
     torch._dynamo.reset()
+
+
+class _ClampsItsWeightData(nn.Module):
+    """SDPA, then a linear layer whose weight the forward clamps through `.data` (Gemma 3n's AltUp
+    clips its coefficients so in training)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = SdpaAttention(mask=False)
+        self.coefs = nn.Linear(16, 4)
+
+    def forward(self, x):
+        if self.training:
+            self.coefs.weight.data.clamp_(-0.1, 0.1)
+        return self.coefs(self.attention(x, None))
+
+
+@pytest.mark.parametrize("entry", ["memory_efficient_fusion", "torch.compile"])
+def test_a_forward_that_clamps_a_weights_data_beside_rewritten_attention_trains_like_eager(entry):
+    """Under torch.compile a parameter's `.data` is a constant of the pre-dispatch trace, a fake tensor of
+    its own fake mode, and the rewritten graph clamped that constant: AOTAutograd passed it to every call
+    ("torch's shim could not read a kernel operand": Gemma 3n text, bf16, the sweep of 2026-12-08). A
+    pre-dispatch graph holding fake tensors is dropped: the function is traced as it is."""
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))
+    compile_fn = None if entry == "memory_efficient_fusion" else _dynamo(False)
+    torch._dynamo.reset()
+    compare_models(_ClampsItsWeightData, lambda: (x,), dtype=torch.bfloat16, steps=2, compile_fn=compile_fn,
+                   name=f"clamped .data {entry}").assert_ok()
+    torch._dynamo.reset()

@@ -399,6 +399,13 @@ def fused_graph(fn: Callable, tensors: list, mode: str) -> fx.GraphModule | None
     except Exception as e:  # noqa: BLE001 - the usual capture decides, and explains
         config.emit("cache", f"attention: no pre-dispatch graph ({type(e).__name__}); traced as it is")
         return None
+    fake = [name for name, t in (*gm.named_parameters(), *gm.named_buffers(), *vars(gm).items())
+            if isinstance(t, torch._subclasses.fake_tensor.FakeTensor)]
+    if fake:  # a value the trace made and keeps as a constant of its own fake mode (Gemma 3n's, bf16 under
+        # torch.compile): AOTAutograd would pass it to each call as an input with no data
+        config.emit("cache", f"attention: the pre-dispatch graph holds fake tensors ({', '.join(fake[:3])}); "
+                             f"traced as it is")
+        return None
     if functions:  # their backwards are not in the pre-dispatch graph (_custom_functions_applied)
         names = sorted({getattr(f, "__qualname__", str(f)) for f in functions})
         config.emit("cache", f"attention: the function applies custom autograd.Functions ({', '.join(names)}), "
