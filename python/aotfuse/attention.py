@@ -367,7 +367,8 @@ def _custom_functions_applied() -> Iterator[list]:
                 record = getattr(_applying, "seen", None)
                 if record is not None and not str(getattr(cls, "__module__", "")).startswith("aotfuse."):
                     record.append(cls)
-                return original.__func__(cls, *args, **kwargs)
+                # a classmethod (torch 2.13) or a C classmethod_descriptor (torch 2.14): bound to cls
+                return original.__get__(None, cls)(*args, **kwargs)
 
             _apply_patch["original"] = original
             torch.autograd.Function.apply = classmethod(apply)
